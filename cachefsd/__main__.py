@@ -1,0 +1,3 @@
+from cachefsd.cli import main
+
+raise SystemExit(main())

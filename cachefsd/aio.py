@@ -1,0 +1,53 @@
+"""The event loop thread that owns all network I/O, and the bounded bridge
+that FUSE threads use to wait on it.
+
+FUSE calls arrive on libfuse's worker threads; they submit a coroutine and
+block on its result. Every wait has a timeout: a FUSE thread that waited
+forever would wedge the mount, and with it every process touching it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import uvloop
+
+from cachefsd.errors import DeadlineExceeded
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """A uvloop event loop running in a daemon thread until ``stop``."""
+
+    def __init__(self, name: str = "cachefsd-io") -> None:
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run ``coroutine`` on the loop and wait at most ``timeout`` seconds.
+
+        On timeout the coroutine is cancelled and ``DeadlineExceeded`` raised."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise DeadlineExceeded(f"no answer within {timeout:g}s") from None
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)

@@ -1,0 +1,85 @@
+"""The on-disk format of one block: a fixed header, then the payload.
+
+    offset size field
+    0      4    magic b"CFSB"
+    4      1    format version (FORMAT_VERSION)
+    5      1    codec: 0 raw, 1 lz4 frame
+    6      2    reserved, zero
+    8      8    raw length (bytes of the block's content)
+    16     8    payload length (bytes that follow the header)
+    24     16   xxh3_128 of the raw content, big-endian
+
+All integers are big-endian. The hash is the block's name too, so a frame
+proves its own identity: a torn write, a bit flip or a file renamed to the
+wrong name fails ``decode``. Any change to this layout must bump
+FORMAT_VERSION (a golden-bytes test enforces it); frames of another version
+are treated as corrupt and re-fetched, never misread.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+import lz4.frame
+import xxhash
+
+MAGIC = b"CFSB"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct(">4sBBHQQ16s")
+HEADER_SIZE = _HEADER.size
+
+
+class Codec(enum.IntEnum):
+    RAW = 0
+    LZ4 = 1
+
+
+class CorruptBlock(Exception):
+    """A frame that does not decode to the content its header (or name) claims."""
+
+
+def content_hash(data: bytes | memoryview) -> str:
+    """The name of a block: xxh3_128 of its content, as 32 hex digits."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def encode(data: bytes, codec: Codec = Codec.RAW) -> bytes:
+    """A complete frame for ``data``. LZ4 is skipped when it does not shrink
+    the block (already-compressed images, tensors): decoding it would be pure cost."""
+    payload = data
+    if codec is Codec.LZ4:
+        compressed = lz4.frame.compress(data)
+        if len(compressed) < len(data):
+            payload = compressed
+        else:
+            codec = Codec.RAW
+    digest = xxhash.xxh3_128_digest(data)
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, codec, 0, len(data), len(payload), digest)
+    return header + payload
+
+
+def decode(frame: bytes, expected_hash: str) -> bytes:
+    """The content of ``frame``, verified against its header and ``expected_hash``."""
+    if len(frame) < HEADER_SIZE:
+        raise CorruptBlock("short header")
+    magic, version, codec, _, raw_length, payload_length, digest = _HEADER.unpack_from(frame)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise CorruptBlock(f"unknown frame format {magic!r} v{version}")
+    if digest.hex() != expected_hash:
+        raise CorruptBlock("header hash does not match the block's name")
+    payload = memoryview(frame)[HEADER_SIZE:]
+    if len(payload) != payload_length:
+        raise CorruptBlock(f"payload is {len(payload)} bytes, header says {payload_length}")
+    if codec == Codec.RAW:
+        data = bytes(payload)
+    elif codec == Codec.LZ4:
+        try:
+            data = lz4.frame.decompress(payload)
+        except RuntimeError as exc:
+            raise CorruptBlock(f"lz4: {exc}") from exc
+    else:
+        raise CorruptBlock(f"unknown codec {codec}")
+    if len(data) != raw_length or content_hash(data) != expected_hash:
+        raise CorruptBlock("content does not match its hash")
+    return data

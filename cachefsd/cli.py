@@ -1,0 +1,226 @@
+"""The ``cachefsd`` command. Thin: parse, call, report one line on failure."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cachefsd import __version__
+from cachefsd.config import Settings, load_settings
+from cachefsd.errors import CachefsdError
+from cachefsd.runtime import pid_alive, read_state
+
+log = logging.getLogger("cachefsd")
+
+# A mount must be ready (source checked, cache reconciled, kernel INIT done)
+# within this time or the command fails; reconciling a large cache on a slow
+# disk is the slowest part and takes seconds, not minutes.
+MOUNT_READY_SECONDS = 60.0
+UNMOUNT_SECONDS = 30.0
+_POLL_SECONDS = 0.05
+# Libraries that log request details at debug level; keep them quiet so no
+# header or URL can reach the log.
+_QUIET_LOGGERS = ("botocore", "aiobotocore", "boto3", "urllib3", "google", "aiohttp", "mfusepy")
+
+
+def _mount_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings tree given on the command line (flags left out are absent)."""
+    flags: dict[str, Any] = {"source": args.source, "mountpoint": args.mountpoint}
+
+    def put(section: str, key: str, value: Any) -> None:
+        if value is not None:
+            flags.setdefault(section, {})[key] = value
+
+    put("cache", "dir", args.cache_dir)
+    put("cache", "size", args.cache_size)
+    put("cache", "block_size", args.block_size)
+    put("store", "endpoint_url", args.endpoint_url)
+    put("store", "region", args.region)
+    put("namespace", "metadata_ttl", args.metadata_ttl)
+    put("fetch", "deadline", args.fetch_deadline)
+    put("metrics", "addr", args.metrics_addr)
+    if args.no_metrics:
+        put("metrics", "enabled", False)
+    for option in args.options:
+        for name in option.split(","):
+            if name == "allow_other":
+                put("fuse", "allow_other", True)
+            elif name not in ("ro", ""):
+                raise CachefsdError(f"-o {name}: unsupported mount option (supported: allow_other)")
+    if args.log_level is not None:
+        flags["log_level"] = args.log_level
+    return flags
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _mount_foreground(settings: Settings, ready_fd: int | None) -> int:
+    from cachefsd import daemon  # noqa: PLC0415 - keep `cachefsd --help` free of FUSE and SDK imports
+
+    _configure_logging(settings.log_level)
+
+    def ready() -> None:
+        log.info("mount ready")
+        if ready_fd is not None:
+            os.write(ready_fd, b"ready\n")
+
+    try:
+        daemon.run(settings, ready)
+    except CachefsdError as exc:
+        if ready_fd is not None:
+            os.write(ready_fd, f"{exc}\n".encode())
+        log.error("%s", exc)
+        return 1
+    except Exception as exc:
+        if ready_fd is not None:
+            os.write(ready_fd, f"unexpected error: {exc}\n".encode())
+        log.exception("unexpected error")
+        return 1
+    return 0
+
+
+def _mount_background(argv: list[str], settings: Settings) -> int:
+    """Start the daemon detached and return once its mount is ready."""
+    settings.cache.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log_path = settings.cache.dir / "cachefsd.log"
+    read_end, write_end = os.pipe()
+    with open(log_path, "ab") as log_file:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "cachefsd", *argv, "--foreground", "--ready-fd", str(write_end)],
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            pass_fds=(write_end,),
+            start_new_session=True,
+        )
+    os.close(write_end)
+    message = b""
+    deadline = time.monotonic() + MOUNT_READY_SECONDS
+    with os.fdopen(read_end, "rb") as ready_pipe:
+        while b"\n" not in message and time.monotonic() < deadline:
+            readable, _, _ = select.select([ready_pipe], [], [], deadline - time.monotonic())
+            if not readable:
+                break
+            chunk = os.read(ready_pipe.fileno(), 4096)
+            if not chunk:
+                break
+            message += chunk
+    line = message.decode(errors="replace").strip()
+    if line == "ready":
+        print(f"cachefsd: mounted {settings.source} on {settings.mountpoint} (pid {child.pid})")
+        return 0
+    if not line:
+        if child.poll() is None:
+            child.kill()
+            line = f"the mount was not ready within {MOUNT_READY_SECONDS:g}s"
+        else:
+            line = f"the daemon exited with status {child.returncode}"
+        line += f"; see {log_path}"
+    print(f"cachefsd: error: {line}", file=sys.stderr)
+    return 1
+
+
+def _cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
+    settings = load_settings(args.config, _mount_flags(args))
+    if args.foreground:
+        return _mount_foreground(settings, args.ready_fd)
+    return _mount_background(argv, settings)
+
+
+def unmount(mountpoint: Path, timeout: float = UNMOUNT_SECONDS) -> None:
+    """Unmount and wait for the daemon to exit (so its cache is released)."""
+    mountpoint = mountpoint.resolve()
+    state = read_state(mountpoint)
+    if not os.path.ismount(mountpoint):
+        raise CachefsdError(f"{mountpoint} is not mounted")
+    result = subprocess.run(
+        ["fusermount3", "-u", str(mountpoint)], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if result.returncode != 0:
+        raise CachefsdError(result.stderr.strip() or f"fusermount3 -u {mountpoint} failed")
+    if state is None:
+        return
+    deadline = time.monotonic() + timeout
+    while pid_alive(state.pid):
+        if time.monotonic() > deadline:
+            raise CachefsdError(f"unmounted, but daemon pid {state.pid} did not exit within {timeout:g}s")
+        time.sleep(_POLL_SECONDS)
+
+
+def _cmd_unmount(args: argparse.Namespace, argv: list[str]) -> int:
+    unmount(args.mountpoint)
+    print(f"cachefsd: unmounted {args.mountpoint.resolve()}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace, argv: list[str]) -> int:
+    from cachefsd import demo  # noqa: PLC0415 - the demo pulls in multiprocessing and rich
+
+    return demo.run(workers=args.workers, keep=args.keep)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cachefsd", description="Mount a bucket read-only and cache it on local disk for training."
+    )
+    parser.add_argument("--version", action="version", version=f"cachefsd {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    mount = commands.add_parser("mount", help="mount SOURCE on MOUNTPOINT")
+    mount.add_argument("source", help="s3://bucket[/prefix], gs://bucket[/prefix], /a/dir or file:///a/dir")
+    mount.add_argument("mountpoint", type=Path)
+    mount.add_argument("--config", type=Path, help="TOML settings file")
+    mount.add_argument("--cache-dir", help="where cached blocks and the index live")
+    mount.add_argument("--cache-size", help="byte capacity of the cache, e.g. 20G")
+    mount.add_argument("--block-size", help="block size, e.g. 4M (64K to 64M)")
+    mount.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
+    mount.add_argument("--region", help="S3 region")
+    mount.add_argument("--metadata-ttl", help="how long listings and attributes are trusted, e.g. 60s, 1h")
+    mount.add_argument("--fetch-deadline", help="how long a read may wait on the store before EIO, e.g. 30s")
+    mount.add_argument("--metrics-addr", help="HOST:PORT of the Prometheus endpoint (default 127.0.0.1:9468)")
+    mount.add_argument("--no-metrics", action="store_true", help="serve no metrics endpoint")
+    mount.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    mount.add_argument("--foreground", action="store_true", help="stay in the foreground (systemd)")
+    mount.add_argument("-o", dest="options", action="append", default=[], help="mount options: allow_other")
+    mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    mount.set_defaults(handler=_cmd_mount)
+
+    unmount_cmd = commands.add_parser("unmount", help="unmount MOUNTPOINT and stop its daemon")
+    unmount_cmd.add_argument("mountpoint", type=Path)
+    unmount_cmd.set_defaults(handler=_cmd_unmount)
+
+    demo = commands.add_parser("demo", help="mount a generated local dataset and read two shuffled epochs")
+    demo.add_argument("--workers", type=int, default=4, help="reader processes")
+    demo.add_argument("--keep", action="store_true", help="keep the demo directory")
+    demo.set_defaults(handler=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.handler(args, argv))
+    except CachefsdError as exc:
+        print(f"cachefsd: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        with contextlib.suppress(Exception):
+            sys.stderr.write("cachefsd: interrupted\n")
+        return 130

@@ -1,0 +1,214 @@
+"""One settings tree for the whole daemon, from TOML, environment and flags.
+
+Precedence, lowest first: defaults, the TOML file, ``CACHEFSD_*`` environment
+variables (``CACHEFSD_CACHE__SIZE=20G`` sets ``cache.size``), command-line
+flags. Unknown keys are rejected, and every error names the field it is
+about. Each component receives only its own slice (``settings.fetch``, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+from cachefsd.errors import ConfigError
+
+ENV_PREFIX = "CACHEFSD_"
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_NUMBER_WITH_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """``20G``, ``512MiB``, ``4096`` -> bytes. Units are binary (G = 2**30), as in
+    rclone and JuiceFS, because users size caches against disks in GiB."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size like 20G")
+    if isinstance(value, int):
+        return value
+    match = _NUMBER_WITH_UNIT.match(str(value))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {value!r}: use a number with an optional unit, like 20G or 512MiB")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def parse_duration(value: Any) -> float:
+    """``30``, ``30s``, ``5m``, ``1h``, ``1d`` -> seconds."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration like 30s or 1h")
+    if isinstance(value, int | float):
+        return float(value)
+    match = _NUMBER_WITH_UNIT.match(str(value))
+    if not match or match.group(2).lower() not in _DURATION_UNITS:
+        raise ValueError(f"invalid duration {value!r}: use seconds or a unit, like 30s, 5m or 1h")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(ge=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _default_cache_dir() -> Path:
+    """Root daemons cache under /var/cache like other system services; users
+    under their XDG cache directory."""
+    if os.geteuid() == 0:
+        return Path("/var/cache/cachefsd")
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "cachefsd"
+
+
+class CacheSettings(_Section):
+    dir: Path = Field(default_factory=_default_cache_dir)
+    # 10 GiB fits a real dataset shard set on any GPU node's local disk.
+    size: ByteSize = Field(default=10 << 30, gt=0)
+    # 4 MiB blocks: large enough that a GET's latency is amortised (S3
+    # first-byte latency ~20 ms vs ~40 ms to move 4 MiB at 100 MB/s), small
+    # enough that a random read into a large file does not fetch much waste.
+    block_size: ByteSize = Field(default=4 << 20, ge=64 << 10, le=64 << 20)
+
+
+class StoreSettings(_Section):
+    endpoint_url: str | None = None
+    region: str | None = None
+    # A TCP connect to a reachable endpoint takes milliseconds; 5 s lets a
+    # wrong endpoint fail the mount quickly without tripping on a busy network.
+    connect_timeout: Duration = 5.0
+    max_connections: int = Field(default=64, ge=1, le=1024)
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"invalid URL {value!r}: expected http://host[:port] or https://host[:port]")
+        return value
+
+
+class FetchSettings(_Section):
+    # Total time a read may wait for one block, retries included, before EIO.
+    deadline: Duration = Field(default=30.0, gt=0)
+    # One attempt; a stalled connection is abandoned and retried after this.
+    attempt_timeout: Duration = Field(default=10.0, gt=0)
+    # Parallel GETs: enough to fill a 10 Gb/s link with 4 MiB blocks at
+    # ~50 ms each, few enough not to trip S3 request-rate limits per prefix.
+    concurrency: int = Field(default=32, ge=1, le=1024)
+    backoff_initial: Duration = 0.05
+    backoff_max: Duration = 2.0
+
+
+class NamespaceSettings(_Section):
+    # Datasets are immutable in practice; an hour keeps `ls` and `stat` off
+    # the network for a whole training run while still noticing re-uploads.
+    metadata_ttl: Duration = 3600.0
+
+
+class MetricsSettings(_Section):
+    enabled: bool = True
+    # Loopback only: metrics reveal dataset sizes and access patterns.
+    addr: str = "127.0.0.1:9468"
+
+    @field_validator("addr")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"invalid address {value!r}: expected HOST:PORT, like 127.0.0.1:9468")
+        return value
+
+
+class FuseSettings(_Section):
+    allow_other: bool = False
+
+
+class Settings(_Section):
+    source: str
+    mountpoint: Path
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    store: StoreSettings = Field(default_factory=StoreSettings)
+    fetch: FetchSettings = Field(default_factory=FetchSettings)
+    namespace: NamespaceSettings = Field(default_factory=NamespaceSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    fuse: FuseSettings = Field(default_factory=FuseSettings)
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``CACHEFSD_CACHE__SIZE=20G`` -> ``{"cache": {"size": "20G"}}``."""
+    tree: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = name[len(ENV_PREFIX) :].lower().split("__")
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "config"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown setting"
+        lines.append(f"{field}: {message}")
+    return "; ".join(lines)
+
+
+def load_settings(
+    config_file: Path | None,
+    flags: Mapping[str, Any],
+    environ: Mapping[str, str] = os.environ,
+) -> Settings:
+    """The validated settings, or ``ConfigError`` naming every bad field."""
+    tree: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            tree = tomllib.loads(config_file.read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {config_file}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {config_file} is not valid TOML: {exc}") from exc
+    tree = _deep_merge(tree, env_overrides(environ))
+    tree = _deep_merge(tree, flags)
+    try:
+        return Settings.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from exc

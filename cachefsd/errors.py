@@ -1,0 +1,86 @@
+"""The error tree, and the one table that maps it to errno.
+
+Errors are translated twice and only twice: backend codes into this tree at
+the store edge (keeping the cause as ``__cause__``), and this tree into an
+errno at the FUSE edge (``errno_for``). Everything in between raises and
+catches these types only.
+"""
+
+from __future__ import annotations
+
+import errno
+
+
+class CachefsdError(Exception):
+    """Base of every error cachefsd raises on purpose."""
+
+
+class ConfigError(CachefsdError):
+    """The configuration is invalid; the message names the field."""
+
+
+class StoreError(CachefsdError):
+    """The cold store failed. Retryable unless a subclass says otherwise."""
+
+    retryable = True
+
+
+class ObjectNotFound(StoreError):
+    """The key (or the bucket) does not exist."""
+
+    retryable = False
+
+
+class AccessDenied(StoreError):
+    """The credentials were refused or lack permission."""
+
+    retryable = False
+
+
+class ObjectChanged(StoreError):
+    """The object no longer has the version (etag) the read was pinned to."""
+
+    retryable = False
+
+
+class DeadlineExceeded(StoreError):
+    """A request did not succeed within its total deadline."""
+
+    retryable = False
+
+
+class NotADirectory(CachefsdError):
+    pass
+
+
+class IsADirectory(CachefsdError):
+    pass
+
+
+class ReadOnly(CachefsdError):
+    """Any attempt to change the mount."""
+
+
+class BadFileHandle(CachefsdError):
+    pass
+
+
+_ERRNO_BY_TYPE: tuple[tuple[type[CachefsdError], int], ...] = (
+    (ObjectNotFound, errno.ENOENT),
+    (AccessDenied, errno.EACCES),
+    (ObjectChanged, errno.EIO),
+    (DeadlineExceeded, errno.EIO),
+    (StoreError, errno.EIO),
+    (NotADirectory, errno.ENOTDIR),
+    (IsADirectory, errno.EISDIR),
+    (ReadOnly, errno.EROFS),
+    (BadFileHandle, errno.EBADF),
+)
+
+
+def errno_for(error: CachefsdError) -> int:
+    """The errno a FUSE operation returns for ``error``; EIO for anything unlisted."""
+    for error_type, code in _ERRNO_BY_TYPE:
+        if isinstance(error, error_type):
+            return code
+    return errno.EIO

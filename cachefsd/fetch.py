@@ -1,0 +1,107 @@
+"""Ranged GETs against the cold store: bounded concurrency, retries with
+backoff and full jitter, and a total deadline after which the read fails.
+
+Runs on the event loop thread (aio.py). A request never waits forever: each
+attempt has its own timeout and all attempts share one deadline, so a dead
+bucket turns into ``DeadlineExceeded`` (EIO at the FUSE edge) in bounded time
+while the daemon keeps serving what it has cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Literal, Protocol, TypeVar
+
+from cachefsd.config import FetchSettings
+from cachefsd.errors import DeadlineExceeded, StoreError
+from cachefsd.store.base import ObjectStore
+
+T = TypeVar("T")
+
+# demand: a reader waits; prefetch: nobody waits yet; metadata: list/head.
+FetchKind = Literal["demand", "prefetch", "metadata"]
+
+
+class FetchEvents(Protocol):
+    def fetch_done(self, kind: FetchKind, seconds: float, nbytes: int) -> None: ...
+    def fetch_retry(self, kind: FetchKind) -> None: ...
+    def fetch_failed(self, kind: FetchKind) -> None: ...
+
+
+class Fetcher:
+    def __init__(
+        self,
+        store: ObjectStore,
+        settings: FetchSettings,
+        events: FetchEvents,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._store = store
+        self._settings = settings
+        self._events = events
+        self._rng = rng or random.Random()
+        self._slots: asyncio.Semaphore | None = None
+
+    @property
+    def deadline(self) -> float:
+        return self._settings.deadline
+
+    async def get_range(self, key: str, start: int, end: int, etag: str, kind: FetchKind = "demand") -> bytes:
+        """Bytes ``[start, end)`` of version ``etag`` of ``key``, exactly
+        ``end - start`` of them, or a ``StoreError``."""
+
+        async def attempt() -> bytes:
+            data = await self._store.get_range(key, start, end, etag)
+            if len(data) != end - start:
+                raise StoreError(f"short read of {key}: {len(data)} of {end - start} bytes")
+            return data
+
+        return await self.call(key, attempt, kind)
+
+    async def call(self, what: str, attempt: Callable[[], Awaitable[T]], kind: FetchKind) -> T:
+        """``attempt()``'s result, retried on retryable errors and timeouts
+        until the deadline. ``what`` names the request in errors."""
+        if self._slots is None:  # created lazily: it must belong to the running loop
+            self._slots = asyncio.Semaphore(self._settings.concurrency)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._settings.deadline
+        attempts = 0
+        while True:
+            remaining = deadline - loop.time()
+            started = time.monotonic()
+            try:
+                result = await asyncio.wait_for(
+                    self._limited(attempt), min(self._settings.attempt_timeout, remaining)
+                )
+                nbytes = len(result) if isinstance(result, bytes) else 0
+                self._events.fetch_done(kind, time.monotonic() - started, nbytes)
+                return result
+            except StoreError as exc:
+                if not exc.retryable:
+                    self._events.fetch_failed(kind)
+                    raise
+                cause: Exception = exc
+            except TimeoutError as exc:
+                cause = exc
+            attempts += 1
+            # Full jitter (AWS architecture blog): spreads retries of many
+            # readers that failed together, so they do not retry in lockstep.
+            backoff = self._rng.uniform(
+                0, min(self._settings.backoff_max, self._settings.backoff_initial * 2**attempts)
+            )
+            if loop.time() + backoff >= deadline:
+                self._events.fetch_failed(kind)
+                reason = str(cause) or type(cause).__name__
+                raise DeadlineExceeded(
+                    f"{what}: gave up after {attempts} attempts in {self._settings.deadline:g}s: {reason}"
+                ) from cause
+            self._events.fetch_retry(kind)
+            await asyncio.sleep(backoff)
+
+    async def _limited(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        assert self._slots is not None
+        async with self._slots:
+            return await attempt()

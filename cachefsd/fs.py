@@ -1,0 +1,105 @@
+"""Filesystem semantics in plain Python types: what a path is, what its
+attributes are, what an open handle reads. No FUSE here, so unit tests drive
+it directly; fuse_ops.py only translates.
+
+An open file is pinned to the object version (etag) its path had at open:
+every read through that handle returns bytes of that version or fails, so a
+reader never sees a mix of old and new bytes. If the object changes upstream
+while the handle is open and a block of the old version is not cached, the
+read fails with EIO and the listing is dropped so the next open sees the new
+version (SEMANTICS.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from typing import NoReturn
+
+from cachefsd.blocks import BlockReader
+from cachefsd.errors import BadFileHandle, IsADirectory, ObjectChanged, ReadOnly
+from cachefsd.namespace.tree import Namespace
+from cachefsd.store.base import ObjectInfo
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+DIR_MODE = stat.S_IFDIR | 0o555
+FILE_MODE = stat.S_IFREG | 0o444
+# st_blocks is counted in 512-byte units, whatever the filesystem.
+STAT_BLOCK_UNIT = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Attributes:
+    mode: int
+    size: int
+    mtime: float
+    uid: int
+    gid: int
+    nlink: int
+
+
+class FileSystem:
+    def __init__(self, namespace: Namespace, reader: BlockReader, uid: int, gid: int) -> None:
+        self._namespace = namespace
+        self._reader = reader
+        self._uid = uid
+        self._gid = gid
+        self._mounted_at = time.time()
+        self._lock = threading.Lock()
+        self._handles: dict[int, ObjectInfo] = {}
+        self._next_handle = itertools.count(1)
+
+    def getattr(self, path: str) -> Attributes:
+        node = self._namespace.lookup(path)
+        if node.info is None:
+            return Attributes(DIR_MODE, 0, self._mounted_at, self._uid, self._gid, nlink=2)
+        return Attributes(FILE_MODE, node.info.size, node.info.mtime, self._uid, self._gid, nlink=1)
+
+    def readdir(self, path: str) -> list[tuple[str, int]]:
+        """``(name, mode)`` of every entry, ``.`` and ``..`` included."""
+        entries = self._namespace.listdir(path)
+        listing = [(".", DIR_MODE), ("..", DIR_MODE)]
+        listing.extend((name, DIR_MODE if info is None else FILE_MODE) for name, info in entries.items())
+        return listing
+
+    def open(self, path: str, flags: int) -> int:
+        if flags & _WRITE_FLAGS:
+            raise ReadOnly(path)
+        node = self._namespace.lookup(path)
+        if node.info is None:
+            raise IsADirectory(path)
+        with self._lock:
+            handle = next(self._next_handle)
+            self._handles[handle] = node.info
+        return handle
+
+    def read(self, handle: int, size: int, offset: int) -> bytes:
+        with self._lock:
+            info = self._handles.get(handle)
+        if info is None:
+            raise BadFileHandle(str(handle))
+        try:
+            return self._reader.read(info, offset, size)
+        except ObjectChanged:
+            self._namespace.invalidate(info.key)
+            raise
+
+    def release(self, handle: int) -> None:
+        with self._lock:
+            self._handles.pop(handle, None)
+
+    def statfs(self) -> dict[str, int]:
+        """Sizes for ``df``: the block size, and a read-only filesystem with no free space."""
+        return {
+            "f_bsize": self._reader.block_size,
+            "f_frsize": STAT_BLOCK_UNIT,
+            "f_namemax": 255,
+        }
+
+    def refuse_write(self, path: str) -> NoReturn:
+        """Every write path ends here: the mount is read-only."""
+        raise ReadOnly(path)

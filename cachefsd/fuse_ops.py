@@ -1,0 +1,179 @@
+"""The FUSE edge: the only module that imports mfusepy.
+
+One line per operation into ``fs.FileSystem``, plus errno translation: our
+errors become their errno through ``errors.errno_for``; anything else is a
+bug, logged with its traceback and answered with EIO (never mfusepy's
+catch-all EINVAL).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+import mfusepy
+
+from cachefsd.errors import CachefsdError, errno_for
+from cachefsd.fs import Attributes, FileSystem
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _translated(operation: Callable[P, R]) -> Callable[P, R]:
+    @functools.wraps(operation)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return operation(*args, **kwargs)
+        except CachefsdError as exc:
+            raise mfusepy.FuseOSError(errno_for(exc)) from exc
+        except mfusepy.FuseOSError:
+            raise
+        except Exception as exc:
+            log.exception("unexpected error in %s", operation.__name__)
+            raise mfusepy.FuseOSError(errno.EIO) from exc
+
+    return wrapper
+
+
+def _stat(attributes: Attributes) -> dict[str, Any]:
+    return {
+        "st_mode": attributes.mode,
+        "st_size": attributes.size,
+        "st_nlink": attributes.nlink,
+        "st_uid": attributes.uid,
+        "st_gid": attributes.gid,
+        "st_mtime": attributes.mtime,
+        "st_ctime": attributes.mtime,
+        "st_atime": attributes.mtime,
+        "st_blocks": -(-attributes.size // 512),
+    }
+
+
+class FuseOperations(mfusepy.Operations):
+    """Kernel-facing options are set in ``init_with_config``: attribute and
+    entry timeouts equal the metadata TTL (the kernel asks again exactly when
+    our listing may have changed), and ``auto_cache`` keeps file pages in the
+    kernel page cache across opens until the file's mtime or size changes."""
+
+    use_ns = False
+
+    def __init__(self, fs: FileSystem, metadata_ttl: float, on_ready: Callable[[], None]) -> None:
+        self._fs = fs
+        self._metadata_ttl = metadata_ttl
+        self._on_ready = on_ready
+
+    def init_with_config(self, conn_info: Any, config_3: Any) -> None:
+        if config_3 is not None:
+            config_3.attr_timeout = self._metadata_ttl
+            config_3.entry_timeout = self._metadata_ttl
+            config_3.negative_timeout = self._metadata_ttl
+            config_3.auto_cache = 1
+            config_3.kernel_cache = 0
+        self._on_ready()
+
+    @_translated
+    def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
+        return _stat(self._fs.getattr(path))
+
+    @_translated
+    def readdir(self, path: str, fh: int) -> list[tuple[str, int, int]]:
+        return [(name, mode, 0) for name, mode in self._fs.readdir(path)]
+
+    @_translated
+    def open(self, path: str, flags: int) -> int:
+        return self._fs.open(path, flags)
+
+    @_translated
+    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        return self._fs.read(fh, size, offset)
+
+    @_translated
+    def release(self, path: str, fh: int) -> int:
+        self._fs.release(fh)
+        return 0
+
+    @_translated
+    def statfs(self, path: str) -> dict[str, int]:
+        return self._fs.statfs()
+
+    # Every write path: EROFS, and nothing reaches the bucket.
+    @_translated
+    def create(self, path: str, mode: int, fi: Any = None) -> int:
+        self._fs.refuse_write(path)
+
+    @_translated
+    def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
+        self._fs.refuse_write(path)
+
+    @_translated
+    def truncate(self, path: str, length: int, fh: int | None = None) -> int:
+        self._fs.refuse_write(path)
+
+    @_translated
+    def mkdir(self, path: str, mode: int) -> int:
+        self._fs.refuse_write(path)
+
+    @_translated
+    def mknod(self, path: str, mode: int, dev: int) -> int:
+        self._fs.refuse_write(path)
+
+    @_translated
+    def rmdir(self, path: str) -> int:
+        self._fs.refuse_write(path)
+
+    @_translated
+    def unlink(self, path: str) -> int:
+        self._fs.refuse_write(path)
+
+    @_translated
+    def rename(self, old: str, new: str) -> int:
+        self._fs.refuse_write(old)
+
+    @_translated
+    def link(self, target: str, source: str) -> int:
+        self._fs.refuse_write(target)
+
+    @_translated
+    def symlink(self, target: str, source: str) -> int:
+        self._fs.refuse_write(target)
+
+    @_translated
+    def chmod(self, path: str, mode: int) -> int:
+        self._fs.refuse_write(path)
+
+    @_translated
+    def chown(self, path: str, uid: int, gid: int) -> int:
+        self._fs.refuse_write(path)
+
+    @_translated
+    def utimens(self, path: str, times: tuple[int, int] | None = None) -> int:
+        self._fs.refuse_write(path)
+
+    @_translated
+    def setxattr(self, path: str, name: str, value: bytes, options: int, position: int = 0) -> int:
+        self._fs.refuse_write(path)
+
+    @_translated
+    def removexattr(self, path: str, name: str) -> int:
+        self._fs.refuse_write(path)
+
+
+def serve(operations: FuseOperations, mountpoint: str, fsname: str, allow_other: bool) -> None:
+    """Mount and serve until unmounted (or SIGTERM/SIGINT, which libfuse
+    turns into a clean unmount). Blocks the calling thread."""
+    options: dict[str, Any] = {
+        "foreground": True,
+        "ro": True,
+        "default_permissions": True,
+        "fsname": fsname.replace(",", "_"),
+        "subtype": "cachefsd",
+    }
+    if allow_other:
+        options["allow_other"] = True
+    mfusepy.FUSE(operations, mountpoint, **options)

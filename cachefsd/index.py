@@ -1,0 +1,205 @@
+"""The persistent index: which content hash holds block i of (source, key,
+etag), how big each stored block is, and the persisted directory listings.
+
+sqlite in WAL mode under the cache directory, so readers never wait on the
+writer and a ``kill -9`` at any moment leaves the last committed state. The
+refcount of a block is not stored: it is the number of ``block_refs`` rows
+naming it, so it can never drift or go negative.
+
+Ordering with the files (see chunks/cache.py): a block file is renamed into
+place before its row is committed, and its row is deleted before the file is
+unlinked. So after a crash the index only names files that exist or are
+about to be reconciled away, and start-up removes files it does not name.
+
+Concurrency: one connection, guarded by ``_lock``; every method takes it.
+The in-memory ``_refs`` map mirrors ``block_refs`` for the read path and is
+guarded by the same lock.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS blocks (
+    hash TEXT PRIMARY KEY,
+    disk_bytes INTEGER NOT NULL,
+    raw_bytes INTEGER NOT NULL,
+    last_used REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS block_refs (
+    source TEXT NOT NULL,
+    key TEXT NOT NULL,
+    etag TEXT NOT NULL,
+    block INTEGER NOT NULL,
+    hash TEXT NOT NULL REFERENCES blocks(hash),
+    PRIMARY KEY (source, key, etag, block)
+);
+CREATE INDEX IF NOT EXISTS block_refs_by_hash ON block_refs(hash);
+CREATE TABLE IF NOT EXISTS listings (
+    source TEXT NOT NULL,
+    prefix TEXT NOT NULL,
+    fetched_at REAL NOT NULL,
+    payload BLOB NOT NULL,
+    PRIMARY KEY (source, prefix)
+);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRef:
+    """Block ``block`` of one version of one object of one source."""
+
+    source: str
+    key: str
+    etag: str
+    block: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    hash: str
+    disk_bytes: int
+    raw_bytes: int
+    last_used: float
+
+
+class IndexSchemaMismatch(Exception):
+    """The index was written by another schema version."""
+
+
+class Index:
+    def __init__(self, path: Path) -> None:
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL is durable against process crashes (the kill -9 case) and
+        # cheap; a power loss can lose the last commits, which only costs
+        # re-fetches because start-up reconciles files against rows.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        row = self._db.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone()
+        if row is None:
+            self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        elif int(row[0]) != SCHEMA_VERSION:
+            self._db.close()
+            raise IndexSchemaMismatch(f"{path} has schema {row[0]}, expected {SCHEMA_VERSION}")
+        self._refs: dict[BlockRef, str] = {}
+        self._refs_by_hash: dict[str, set[BlockRef]] = {}
+        for source, key, etag, block, digest in self._db.execute(
+            "SELECT source, key, etag, block, hash FROM block_refs"
+        ):
+            self._add_ref_locked(BlockRef(source, key, etag, block), digest)
+
+    def _add_ref_locked(self, ref: BlockRef, digest: str) -> None:
+        previous = self._refs.get(ref)
+        if previous is not None:
+            self._drop_ref_locked(ref)
+        self._refs[ref] = digest
+        self._refs_by_hash.setdefault(digest, set()).add(ref)
+
+    def _drop_ref_locked(self, ref: BlockRef) -> str:
+        digest = self._refs.pop(ref)
+        holders = self._refs_by_hash[digest]
+        holders.discard(ref)
+        if not holders:
+            del self._refs_by_hash[digest]
+        return digest
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- blocks ---------------------------------------------------------
+
+    def lookup(self, ref: BlockRef) -> str | None:
+        with self._lock:
+            return self._refs.get(ref)
+
+    def blocks(self) -> list[StoredBlock]:
+        """Every stored block, least recently used first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT hash, disk_bytes, raw_bytes, last_used FROM blocks ORDER BY last_used"
+            ).fetchall()
+        return [StoredBlock(*row) for row in rows]
+
+    def has_block(self, digest: str) -> bool:
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM blocks WHERE hash=?", (digest,)).fetchone() is not None
+
+    def record(self, ref: BlockRef, digest: str, disk_bytes: int, raw_bytes: int) -> None:
+        """Name ``digest`` as the content of ``ref``, adding the block if new."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT OR IGNORE INTO blocks VALUES (?, ?, ?, ?)",
+                (digest, disk_bytes, raw_bytes, time.time()),
+            )
+            self._db.execute(
+                "INSERT OR REPLACE INTO block_refs VALUES (?, ?, ?, ?, ?)",
+                (ref.source, ref.key, ref.etag, ref.block, digest),
+            )
+            self._add_ref_locked(ref, digest)
+
+    def remove_block(self, digest: str) -> None:
+        """Forget a block and every reference to it (eviction, corruption)."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM block_refs WHERE hash=?", (digest,))
+            self._db.execute("DELETE FROM blocks WHERE hash=?", (digest,))
+            for ref in self._refs_by_hash.pop(digest, set()):
+                del self._refs[ref]
+
+    def release_version(self, source: str, key: str, etag: str, block_count: int) -> list[str]:
+        """Drop the references of one version of ``key`` (it changed or was
+        deleted); return the hashes nothing references any more, for the
+        caller to delete."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            candidates = (BlockRef(source, key, etag, block) for block in range(block_count))
+            stale = [ref for ref in candidates if ref in self._refs]
+            if not stale:
+                return []
+            hashes = {self._drop_ref_locked(ref) for ref in stale}
+            self._db.execute(
+                "DELETE FROM block_refs WHERE source=? AND key=? AND etag=?", (source, key, etag)
+            )
+            return [digest for digest in hashes if digest not in self._refs_by_hash]
+
+    def unreferenced(self) -> list[str]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT hash FROM blocks WHERE hash NOT IN (SELECT hash FROM block_refs)"
+            ).fetchall()
+        return [row[0] for row in rows]
+
+    def save_last_used(self, last_used: dict[str, float]) -> None:
+        """Persist recency so eviction order survives a restart."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                "UPDATE blocks SET last_used=? WHERE hash=?", [(t, h) for h, t in last_used.items()]
+            )
+
+    # -- listings ---------------------------------------------------------
+
+    def save_listing(self, source: str, prefix: str, fetched_at: float, payload: bytes) -> None:
+        with self._lock, self._db:
+            self._db.execute(
+                "INSERT OR REPLACE INTO listings VALUES (?, ?, ?, ?)", (source, prefix, fetched_at, payload)
+            )
+
+    def load_listing(self, source: str, prefix: str) -> tuple[float, bytes] | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT fetched_at, payload FROM listings WHERE source=? AND prefix=?", (source, prefix)
+            ).fetchone()
+        return None if row is None else (row[0], row[1])

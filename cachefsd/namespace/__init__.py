@@ -1,0 +1,1 @@
+"""Paths, directories and the metadata cache (see tree.py)."""

@@ -1,0 +1,68 @@
+"""Which object keys may become paths, and how a listing becomes a directory.
+
+A bucket key is an arbitrary string; a path component is not. A key is
+exposed only if every segment between slashes is a valid file name: not
+empty (``a//b``, ``/abs``), not ``.`` or ``..``, no NUL, at most 255 bytes
+in UTF-8 (NAME_MAX). Other keys are hidden, never rewritten, so a path can
+never point outside the bucket prefix or collide with another key.
+
+When a key is both an object and a prefix (``x`` and ``x/y``), the directory
+wins and the object ``x`` is hidden, as in Mountpoint for S3: a directory
+hides a whole subtree, and losing it would lose more than losing one file.
+A directory-marker object (``dir/``) only makes ``dir`` exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cachefsd.store.base import Listing, ObjectInfo
+
+NAME_MAX = 255
+
+
+def is_valid_name(name: str) -> bool:
+    return (
+        name not in ("", ".", "..")
+        and "\0" not in name
+        and "/" not in name
+        and len(name.encode("utf-8", "surrogateescape")) <= NAME_MAX
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Directory:
+    """The entries of one directory: name -> object, or None for a subdirectory."""
+
+    entries: dict[str, ObjectInfo | None]
+    hidden: int  # keys under this prefix that cannot be paths
+
+
+def directory_from_listing(prefix: str, listing: Listing) -> Directory:
+    entries: dict[str, ObjectInfo | None] = {}
+    hidden = 0
+    for common in listing.prefixes:
+        name = common[len(prefix) : -1]
+        if is_valid_name(name):
+            entries[name] = None
+        else:
+            hidden += 1
+    for info in listing.objects:
+        name = info.key[len(prefix) :]
+        if name == "":
+            continue  # the directory's own marker object
+        if not is_valid_name(name):
+            hidden += 1
+        elif name not in entries:
+            entries[name] = info
+    return Directory(entries=entries, hidden=hidden)
+
+
+def split_path(path: str) -> list[str]:
+    """``/a/b`` -> ``["a", "b"]``; the FUSE layer hands us normalised absolute paths."""
+    return [part for part in path.split("/") if part]
+
+
+def dir_prefix(parts: list[str]) -> str:
+    """The key prefix of the directory at ``parts``: ``""`` for the root, else ``a/b/``."""
+    return "".join(part + "/" for part in parts)

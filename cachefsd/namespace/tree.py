@@ -1,0 +1,182 @@
+"""The metadata cache: directory listings with a TTL, persisted in the index.
+
+Every path is resolved through the listing of its parent directory, so one
+listing answers ``ls``, every ``stat`` in it and every negative lookup for
+``metadata_ttl`` seconds (the negative cache is the listing itself). Listings
+are saved in the index, so a remount of a known source lists from disk, not
+the network, while they are fresh.
+
+An expired listing is refreshed on its next use. When a refresh shows that
+an object changed (new etag) or disappeared, ``on_version_gone`` is called so
+the blocks of the old version can be released.
+
+Concurrency: ``_lock`` guards ``_dirs``; listing the same prefix from many
+threads at once issues one request (single-flight).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cachefsd.aio import LoopThread
+from cachefsd.errors import NotADirectory, ObjectNotFound
+from cachefsd.fetch import Fetcher
+from cachefsd.index import Index
+from cachefsd.namespace.names import Directory, dir_prefix, directory_from_listing, split_path
+from cachefsd.singleflight import SingleFlight
+from cachefsd.store.base import Listing, ObjectInfo, ObjectStore
+
+log = logging.getLogger(__name__)
+
+BRIDGE_MARGIN_SECONDS = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """What a path is: a directory (``info`` None) or one version of an object."""
+
+    info: ObjectInfo | None
+
+    @property
+    def is_dir(self) -> bool:
+        return self.info is None
+
+
+ROOT = Node(info=None)
+
+
+@dataclass(slots=True)
+class _Cached:
+    directory: Directory
+    fetched_at: float
+
+
+def _encode(listing: Listing) -> bytes:
+    return json.dumps(
+        {
+            "objects": [[o.key, o.size, o.etag, o.mtime] for o in listing.objects],
+            "prefixes": list(listing.prefixes),
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def _decode(payload: bytes) -> Listing:
+    raw = json.loads(payload)
+    return Listing(
+        objects=tuple(ObjectInfo(key, size, etag, mtime) for key, size, etag, mtime in raw["objects"]),
+        prefixes=tuple(raw["prefixes"]),
+    )
+
+
+class Namespace:
+    def __init__(
+        self,
+        store: ObjectStore,
+        fetcher: Fetcher,
+        io: LoopThread,
+        index: Index,
+        ttl: float,
+        on_version_gone: Callable[[ObjectInfo], None],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._fetcher = fetcher
+        self._io = io
+        self._index = index
+        self._ttl = ttl
+        self._on_version_gone = on_version_gone
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._dirs: dict[str, _Cached] = {}
+        self._listing: SingleFlight[str, _Cached] = SingleFlight()
+
+    def lookup(self, path: str) -> Node:
+        """The node at ``path``; ``ObjectNotFound`` or ``NotADirectory`` otherwise."""
+        parts = split_path(path)
+        if not parts:
+            return ROOT
+        parent = self.directory(parts[:-1])
+        if parts[-1] not in parent.entries:
+            raise ObjectNotFound(path)
+        return Node(info=parent.entries[parts[-1]])
+
+    def listdir(self, path: str) -> dict[str, ObjectInfo | None]:
+        return self.directory(split_path(path)).entries
+
+    def directory(self, parts: list[str]) -> Directory:
+        """The directory at ``parts``, resolving every ancestor on the way."""
+        for depth in range(len(parts)):
+            entries = self._cached(dir_prefix(parts[:depth])).directory.entries
+            name = parts[depth]
+            if name not in entries:
+                raise ObjectNotFound("/" + "/".join(parts[: depth + 1]))
+            if entries[name] is not None:
+                raise NotADirectory("/" + "/".join(parts[: depth + 1]))
+        return self._cached(dir_prefix(parts)).directory
+
+    def invalidate(self, key: str) -> None:
+        """Forget the listing that holds ``key`` (its object changed under us),
+        so the next lookup sees the bucket's current state."""
+        prefix = key[: key.rfind("/") + 1]
+        with self._lock:
+            self._dirs.pop(prefix, None)
+        self._index.save_listing(self._store.uri, prefix, 0.0, _encode(Listing((), ())))
+
+    def _cached(self, prefix: str) -> _Cached:
+        now = self._clock()
+        with self._lock:
+            cached = self._dirs.get(prefix)
+        if cached is not None and now - cached.fetched_at < self._ttl:
+            return cached
+        if cached is None:
+            cached = self._from_index(prefix, now)
+            if cached is not None:
+                return cached
+        return self._listing.do(
+            prefix, lambda: self._refresh(prefix), self._fetcher.deadline + 2 * BRIDGE_MARGIN_SECONDS
+        )
+
+    def _from_index(self, prefix: str, now: float) -> _Cached | None:
+        saved = self._index.load_listing(self._store.uri, prefix)
+        if saved is None or now - saved[0] >= self._ttl:
+            return None
+        cached = _Cached(directory_from_listing(prefix, _decode(saved[1])), saved[0])
+        with self._lock:
+            self._dirs[prefix] = cached
+        return cached
+
+    def _refresh(self, prefix: str) -> _Cached:
+        listing = self._io.run(
+            self._fetcher.call(f"list {prefix or '/'}", lambda: self._store.list(prefix), "metadata"),
+            self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
+        )
+        fetched_at = self._clock()
+        cached = _Cached(directory_from_listing(prefix, listing), fetched_at)
+        if cached.directory.hidden:
+            log.warning(
+                "%d keys under %r are not valid file names (empty, '.', '..', NUL or over 255 bytes) "
+                "and are hidden",
+                cached.directory.hidden,
+                prefix,
+            )
+        with self._lock:
+            previous = self._dirs.get(prefix)
+            self._dirs[prefix] = cached
+        self._index.save_listing(self._store.uri, prefix, fetched_at, _encode(listing))
+        if previous is not None:
+            self._report_gone_versions(previous.directory, cached.directory)
+        return cached
+
+    def _report_gone_versions(self, old: Directory, new: Directory) -> None:
+        for name, info in old.entries.items():
+            if info is None:
+                continue
+            current = new.entries.get(name)
+            if current is None or current.etag != info.etag:
+                self._on_version_gone(info)

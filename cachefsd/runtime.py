@@ -1,0 +1,102 @@
+"""How CLI commands find the daemon of a mount path, and how two daemons are
+kept off one cache directory.
+
+Each running daemon writes ``<runtime dir>/<id>.json`` (pid, mountpoint,
+source, cache dir, metrics address), where the id is derived from the
+mountpoint. The runtime dir is owner-only. A cache directory is held with an
+exclusive ``flock`` for the daemon's lifetime: two daemons sharing one would
+each evict the other's blocks and break the capacity bound.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cachefsd.errors import CachefsdError
+
+# A daemon that was just unmounted needs a moment to flush its index; a new
+# mount of the same cache waits this long for it before giving up.
+LOCK_WAIT_SECONDS = 15.0
+_POLL_SECONDS = 0.05
+
+
+def runtime_dir() -> Path:
+    if os.geteuid() == 0:
+        base = Path("/run/cachefsd")
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        base = Path(os.environ["XDG_RUNTIME_DIR"]) / "cachefsd"
+    else:
+        base = Path(f"/tmp/cachefsd-{os.geteuid()}")
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return base
+
+
+@dataclass(frozen=True)
+class MountState:
+    pid: int
+    mountpoint: str
+    source: str
+    cache_dir: str
+    metrics_addr: str | None
+
+
+def state_path(mountpoint: Path) -> Path:
+    digest = hashlib.sha256(str(mountpoint.resolve()).encode()).hexdigest()[:16]
+    return runtime_dir() / f"{digest}.json"
+
+
+def write_state(state: MountState) -> Path:
+    path = state_path(Path(state.mountpoint))
+    temp = path.with_suffix(".tmp")
+    temp.write_text(json.dumps(asdict(state)))
+    temp.replace(path)
+    return path
+
+
+def read_state(mountpoint: Path) -> MountState | None:
+    try:
+        return MountState(**json.loads(state_path(mountpoint).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class CacheDirLock:
+    """An exclusive lock on a cache directory, held until ``release``."""
+
+    def __init__(self, cache_dir: Path, wait_seconds: float = LOCK_WAIT_SECONDS) -> None:
+        self._fd = os.open(cache_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "another process"
+                    os.close(self._fd)
+                    raise CachefsdError(
+                        f"cache directory {cache_dir} is in use by pid {holder}; "
+                        "give each mount its own --cache-dir"
+                    ) from None
+                time.sleep(_POLL_SECONDS)
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        os.close(self._fd)

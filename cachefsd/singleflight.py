@@ -1,0 +1,48 @@
+"""Share one execution of a slow call among every thread that asks for the
+same key at once (the second reader of a block waits for the first's GET
+instead of issuing its own)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Generic, TypeVar
+
+from cachefsd.errors import DeadlineExceeded
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class SingleFlight(Generic[K, V]):
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: dict[K, Future[V]] = {}
+
+    def do(self, key: K, call: Callable[[], V], timeout: float) -> V:
+        """``call()``'s result, computed once for all concurrent callers of
+        ``key``; a follower waits at most ``timeout`` seconds for the leader."""
+        with self._lock:
+            future = self._calls.get(key)
+            leader = future is None
+            if future is None:
+                future = Future()
+                self._calls[key] = future
+        if not leader:
+            try:
+                return future.result(timeout)
+            except FutureTimeout:
+                raise DeadlineExceeded(f"waited {timeout:g}s for a shared fetch") from None
+        try:
+            value = call()
+        except BaseException as exc:
+            future.set_exception(exc)
+            raise
+        else:
+            future.set_result(value)
+            return value
+        finally:
+            with self._lock:
+                del self._calls[key]

@@ -1,0 +1,38 @@
+"""Cold stores behind one small async Protocol (``base.ObjectStore``), and
+the one place a SOURCE string becomes a store."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from cachefsd.config import StoreSettings
+from cachefsd.errors import ConfigError
+from cachefsd.store.base import ObjectStore
+from cachefsd.store.local import LocalStore
+
+# S3 and GCS bucket names: 3-63 lowercase letters, digits, dots, dashes, underscores (GCS).
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
+
+
+def open_store(source: str, settings: StoreSettings, attempt_timeout: float) -> ObjectStore:
+    """The store for ``s3://bucket[/prefix]``, ``gs://bucket[/prefix]``,
+    ``file:///dir`` or ``/dir``; ``ConfigError`` naming ``source`` otherwise."""
+    scheme, sep, rest = source.partition("://")
+    if sep and scheme in ("s3", "gs"):
+        bucket, _, prefix = rest.partition("/")
+        if not _BUCKET.match(bucket):
+            raise ConfigError(f"source: invalid bucket name {bucket!r} in {source!r}")
+        if scheme == "s3":
+            from cachefsd.store.s3 import S3Store  # noqa: PLC0415 - load an SDK only when used
+
+            return S3Store(bucket, prefix.strip("/"), settings, attempt_timeout)
+        from cachefsd.store.gcs import GcsStore  # noqa: PLC0415 - load an SDK only when used
+
+        return GcsStore(bucket, prefix.strip("/"), attempt_timeout)
+    if sep and scheme != "file":
+        raise ConfigError(f"source: unsupported scheme {scheme!r}: use s3://, gs://, file:// or a directory")
+    path = Path(rest if sep else source).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"source: {path} is not a directory")
+    return LocalStore(path)

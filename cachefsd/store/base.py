@@ -1,0 +1,75 @@
+"""The seam between cachefsd and a bucket.
+
+Every cold store (S3, GCS, a local directory, the in-memory and fault
+injecting fakes) implements ``ObjectStore``. Keys are relative to the
+store's root (the bucket prefix or the directory), use ``/`` as separator and
+are passed through unvalidated: deciding which keys may become paths is the
+namespace's job, not the store's.
+
+Errors leave a store only as ``cachefsd.errors.StoreError`` subclasses, with
+the backend's own exception as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One version of one object. ``etag`` identifies the bytes: a changed
+    object has a new etag, and cached blocks are only ever found through it."""
+
+    key: str
+    size: int
+    etag: str
+    mtime: float
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """One level of a delimiter listing under a prefix ending in ``/`` (or ``""``).
+
+    ``objects`` holds the objects directly under the prefix (the marker object
+    equal to the prefix itself included, if any); ``prefixes`` the full common
+    prefixes one level down, each ending in ``/``.
+    """
+
+    objects: tuple[ObjectInfo, ...]
+    prefixes: tuple[str, ...]
+
+
+class ObjectStore(Protocol):
+    """What cachefsd needs from a bucket. All methods are coroutines run on
+    the daemon's event loop thread."""
+
+    @property
+    def uri(self) -> str:
+        """Stable identity of the source (``s3://bucket/prefix``), used to key the cache."""
+        ...
+
+    async def check(self) -> None:
+        """Prove the source exists and the credentials work, or raise
+        ``ObjectNotFound`` / ``AccessDenied`` / ``StoreError`` quickly."""
+        ...
+
+    async def list(self, prefix: str) -> Listing:
+        """All entries one level under ``prefix`` (every page)."""
+        ...
+
+    async def head(self, key: str) -> ObjectInfo:
+        """The current version of ``key``; ``ObjectNotFound`` if absent."""
+        ...
+
+    async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
+        """Bytes ``[start, end)`` of the version ``etag`` of ``key``.
+
+        Raises ``ObjectChanged`` when the object's current version is not
+        ``etag``: a store never returns bytes of another version. May return
+        fewer bytes only when ``end`` is past the end of the object."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections. The store is not used afterwards."""
+        ...

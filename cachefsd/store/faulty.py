@@ -1,0 +1,60 @@
+"""A store wrapper that injects latency, errors and hangs, for tests and
+benchmarks of everything that must survive a misbehaving bucket."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from cachefsd.errors import StoreError
+from cachefsd.store.base import Listing, ObjectInfo, ObjectStore
+
+
+@dataclass
+class Faults:
+    """What to inject; mutable so a test can change it while the daemon runs."""
+
+    latency_seconds: float = 0.0
+    failures_left: int = 0  # the next N calls raise ``error``
+    error: type[StoreError] = StoreError
+    hang: bool = False  # every call waits forever (until cancelled)
+
+
+class FaultyStore:
+    def __init__(self, inner: ObjectStore, faults: Faults | None = None) -> None:
+        self._inner = inner
+        self.faults = faults or Faults()
+        self.calls = 0
+
+    @property
+    def uri(self) -> str:
+        return self._inner.uri
+
+    async def _inject(self) -> None:
+        self.calls += 1
+        if self.faults.latency_seconds:
+            await asyncio.sleep(self.faults.latency_seconds)
+        if self.faults.hang:
+            await asyncio.Event().wait()
+        if self.faults.failures_left > 0:
+            self.faults.failures_left -= 1
+            raise self.faults.error("injected fault")
+
+    async def check(self) -> None:
+        await self._inject()
+        await self._inner.check()
+
+    async def list(self, prefix: str) -> Listing:
+        await self._inject()
+        return await self._inner.list(prefix)
+
+    async def head(self, key: str) -> ObjectInfo:
+        await self._inject()
+        return await self._inner.head(key)
+
+    async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
+        await self._inject()
+        return await self._inner.get_range(key, start, end, etag)
+
+    async def close(self) -> None:
+        await self._inner.close()

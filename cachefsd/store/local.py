@@ -1,0 +1,111 @@
+"""A local directory as the cold store: the demo's source, and a way to cache
+a slow network filesystem (NFS, Lustre) on fast local disk."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from pathlib import Path
+
+from cachefsd.errors import ObjectChanged, ObjectNotFound, StoreError
+from cachefsd.store.base import Listing, ObjectInfo
+
+
+def _etag(st: os.stat_result) -> str:
+    """A version id for a file: any rewrite changes mtime, size or inode."""
+    return f"{st.st_mtime_ns:x}-{st.st_size:x}-{st.st_ino:x}"
+
+
+def _info(key: str, st: os.stat_result) -> ObjectInfo:
+    return ObjectInfo(key=key, size=st.st_size, etag=_etag(st), mtime=st.st_mtime)
+
+
+class LocalStore:
+    """Serves the files under ``root``. Symlinks are followed only when their
+    target stays inside ``root``; anything else is invisible."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root.resolve()
+
+    @property
+    def uri(self) -> str:
+        return f"file://{self._root}"
+
+    def _path(self, key: str) -> Path:
+        """The file for ``key``, refusing any key that would leave the root."""
+        if "\0" in key or key.startswith("/"):
+            raise ObjectNotFound(key)
+        path = (self._root / key).resolve()
+        if path != self._root and self._root not in path.parents:
+            raise ObjectNotFound(key)
+        return path
+
+    async def check(self) -> None:
+        if not self._root.is_dir():
+            raise ObjectNotFound(f"{self._root} is not a directory")
+        if not os.access(self._root, os.R_OK | os.X_OK):
+            raise StoreError(f"{self._root} is not readable")
+
+    async def list(self, prefix: str) -> Listing:
+        return await asyncio.to_thread(self._list, prefix)
+
+    def _list(self, prefix: str) -> Listing:
+        directory = self._path(prefix.rstrip("/")) if prefix else self._root
+        objects: list[ObjectInfo] = []
+        prefixes: list[str] = []
+        try:
+            entries = sorted(os.scandir(directory), key=lambda entry: entry.name)
+        except FileNotFoundError:
+            return Listing(objects=(), prefixes=())
+        except NotADirectoryError:
+            return Listing(objects=(), prefixes=())
+        except OSError as exc:
+            raise StoreError(f"cannot list {directory}: {exc.strerror}") from exc
+        for entry in entries:
+            key = prefix + entry.name
+            try:
+                if entry.is_symlink():
+                    self._path(key)  # refuses links that leave the root
+                st = os.stat(entry.path)
+            except (OSError, ObjectNotFound):
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                prefixes.append(key + "/")
+            elif stat.S_ISREG(st.st_mode):
+                objects.append(_info(key, st))
+        return Listing(objects=tuple(objects), prefixes=tuple(prefixes))
+
+    async def head(self, key: str) -> ObjectInfo:
+        return await asyncio.to_thread(self._head, key)
+
+    def _head(self, key: str) -> ObjectInfo:
+        try:
+            st = os.stat(self._path(key))
+        except OSError as exc:
+            raise ObjectNotFound(key) from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise ObjectNotFound(key)
+        return _info(key, st)
+
+    async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
+        return await asyncio.to_thread(self._get_range, key, start, end, etag)
+
+    def _get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise ObjectNotFound(key) from exc
+        except OSError as exc:
+            raise StoreError(f"cannot open {key}: {exc.strerror}") from exc
+        try:
+            if _etag(os.fstat(fd)) != etag:
+                raise ObjectChanged(key)
+            return os.pread(fd, end - start, start)
+        except OSError as exc:
+            raise StoreError(f"cannot read {key}: {exc.strerror}") from exc
+        finally:
+            os.close(fd)
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,70 @@
+"""An in-memory bucket for unit tests and benchmarks of the layers above the store."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+from cachefsd.errors import ObjectChanged, ObjectNotFound
+from cachefsd.store.base import Listing, ObjectInfo
+from cachefsd.store.listing import one_level
+
+
+class MemoryStore:
+    """A dict of key -> bytes. Safe to mutate from a test thread while the
+    daemon reads it; the etag is the content's MD5, as for S3 single-part uploads.
+    """
+
+    def __init__(self, objects: dict[str, bytes] | None = None, uri: str = "memory://test") -> None:
+        self._uri = uri
+        self._lock = threading.Lock()
+        self._objects: dict[str, tuple[ObjectInfo, bytes]] = {}
+        self.get_count = 0
+        self.list_count = 0
+        for key, data in (objects or {}).items():
+            self.put(key, data)
+
+    @property
+    def uri(self) -> str:
+        return self._uri
+
+    def put(self, key: str, data: bytes) -> ObjectInfo:
+        info = ObjectInfo(key=key, size=len(data), etag=hashlib.md5(data).hexdigest(), mtime=time.time())
+        with self._lock:
+            self._objects[key] = (info, bytes(data))
+        return info
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            del self._objects[key]
+
+    async def check(self) -> None:
+        return None
+
+    async def list(self, prefix: str) -> Listing:
+        with self._lock:
+            self.list_count += 1
+            infos = [info for info, _ in self._objects.values()]
+        return one_level(prefix, infos)
+
+    async def head(self, key: str) -> ObjectInfo:
+        with self._lock:
+            entry = self._objects.get(key)
+        if entry is None:
+            raise ObjectNotFound(key)
+        return entry[0]
+
+    async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
+        with self._lock:
+            self.get_count += 1
+            entry = self._objects.get(key)
+        if entry is None:
+            raise ObjectNotFound(key)
+        info, data = entry
+        if info.etag != etag:
+            raise ObjectChanged(key)
+        return data[start:end]
+
+    async def close(self) -> None:
+        return None
