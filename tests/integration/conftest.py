@@ -1,0 +1,133 @@
+"""Real mounts: the ``cachefsd`` CLI in a subprocess, mounted through /dev/fuse.
+
+Every wait is bounded and every mount is unmounted in ``finally`` (lazily if
+it is wedged), so a broken daemon fails its test instead of hanging the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cachefsd.runtime import pid_alive, read_state
+
+MOUNT_TIMEOUT_SECONDS = 90.0
+UNMOUNT_TIMEOUT_SECONDS = 30.0
+
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test here mounts; it may skip only when the machine has no /dev/fuse."""
+    has_fuse = os.path.exists("/dev/fuse")
+    for item in items:
+        if Path(__file__).parent in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.fuse)
+            if not has_fuse:
+                item.add_marker(pytest.mark.skip(reason="/dev/fuse is absent"))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def run_cli(*args: str, timeout: float = MOUNT_TIMEOUT_SECONDS) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cachefsd", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def force_unmount(mountpoint: Path) -> None:
+    """Last resort for a test's ``finally``: lazy unmount never blocks."""
+    for flags in ("-u", "-uz"):
+        if not os.path.ismount(mountpoint):
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run(["fusermount3", flags, str(mountpoint)], capture_output=True, timeout=10, check=False)
+
+
+@dataclass
+class Mount:
+    mountpoint: Path
+    cache_dir: Path
+    metrics_url: str
+    pid: int
+
+    def path(self, relative: str) -> Path:
+        return self.mountpoint / relative
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample as ``name{label=value,...}`` -> value."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
+
+    def unmount(self) -> None:
+        result = run_cli("unmount", str(self.mountpoint), timeout=UNMOUNT_TIMEOUT_SECONDS)
+        assert result.returncode == 0, result.stderr
+
+    @property
+    def alive(self) -> bool:
+        return pid_alive(self.pid)
+
+
+MountFactory = Callable[..., Mount]
+
+
+@pytest.fixture(name="mounter")
+def fixture_mounter(tmp_path: Path) -> Iterator[MountFactory]:
+    """``mounter(source, *flags, name="mnt", cache_dir=None)`` mounts ``source``
+    in the background and returns once the mount is ready; everything mounted
+    is unmounted when the test ends."""
+    mounted: list[Path] = []
+
+    def mount(source: str, *flags: str, name: str = "mnt", cache_dir: Path | None = None) -> Mount:
+        mountpoint = tmp_path / name
+        mountpoint.mkdir(exist_ok=True)
+        cache_dir = cache_dir or tmp_path / f"{name}-cache"
+        port = free_port()
+        mounted.append(mountpoint)
+        result = run_cli(
+            "mount",
+            source,
+            str(mountpoint),
+            "--cache-dir",
+            str(cache_dir),
+            "--metrics-addr",
+            f"127.0.0.1:{port}",
+            *flags,
+        )
+        assert result.returncode == 0, f"mount failed: {result.stderr}"
+        assert os.path.ismount(mountpoint)
+        state = read_state(mountpoint)
+        assert state is not None
+        return Mount(mountpoint, cache_dir, f"http://127.0.0.1:{port}/metrics", state.pid)
+
+    try:
+        yield mount
+    finally:
+        for mountpoint in mounted:
+            if os.path.ismount(mountpoint):
+                state = read_state(mountpoint)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    run_cli("unmount", str(mountpoint), timeout=UNMOUNT_TIMEOUT_SECONDS)
+                force_unmount(mountpoint)
+                if state is not None and pid_alive(state.pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(state.pid, 9)
