@@ -1,0 +1,93 @@
+"""Block maths and the read path over an in-memory bucket."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cachefsd.blocks import block_bounds, block_range
+from tests.unit.conftest import BLOCK_SIZE, EngineFactory
+
+
+@given(
+    offset=st.integers(min_value=0, max_value=10_000),
+    size=st.integers(min_value=0, max_value=10_000),
+    object_size=st.integers(min_value=0, max_value=10_000),
+    block_size=st.integers(min_value=1, max_value=4096),
+)
+def test_block_range_covers_exactly_the_requested_bytes(
+    offset: int, size: int, object_size: int, block_size: int
+) -> None:
+    wanted = set(range(offset, min(offset + size, object_size)))
+    covered: set[int] = set()
+    for index in block_range(offset, size, object_size, block_size):
+        start, end = block_bounds(index, object_size, block_size)
+        assert start < end
+        block_bytes = set(range(start, end))
+        assert block_bytes & wanted, "a block that holds none of the wanted bytes"
+        covered |= block_bytes
+    assert wanted <= covered
+
+
+def test_reads_return_exact_bytes_at_any_offset(make_engine: EngineFactory) -> None:
+    data = os.urandom(5 * BLOCK_SIZE + 123)
+    engine = make_engine({"big": data})
+    info = engine.namespace.lookup("/big").info
+    assert info is not None
+    rng = random.Random(1)
+    for _ in range(300):
+        offset = rng.randrange(0, len(data) + 10)
+        size = rng.randrange(0, 3 * BLOCK_SIZE)
+        assert engine.reader.read(info, offset, size) == data[offset : offset + size]
+
+
+def test_second_read_is_served_from_disk_with_no_get(make_engine: EngineFactory) -> None:
+    data = os.urandom(3 * BLOCK_SIZE)
+    engine = make_engine({"f": data})
+    info = engine.namespace.lookup("/f").info
+    assert info is not None
+    assert engine.reader.read(info, 0, len(data)) == data
+    gets = engine.store.get_count
+    assert gets == 3
+    fresh = make_engine(store=engine.store, cache_dir=engine.cache_dir)
+    assert fresh.reader.read(info, 0, len(data)) == data
+    assert engine.store.get_count == gets
+
+
+def test_concurrent_readers_of_one_block_share_one_get(make_engine: EngineFactory) -> None:
+    data = os.urandom(BLOCK_SIZE)
+    engine = make_engine({"f": data})
+    info = engine.namespace.lookup("/f").info
+    assert info is not None
+    engine.faulty.faults.latency_seconds = 0.2  # keep the first GET in flight while the others arrive
+    results: list[bytes] = []
+    barrier = threading.Barrier(8)
+
+    def read() -> None:
+        barrier.wait()
+        results.append(engine.reader.read(info, 0, BLOCK_SIZE))
+
+    threads = [threading.Thread(target=read) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert results == [data] * 8
+    assert engine.store.get_count == 1
+
+
+def test_metrics_split_cold_and_cached_bytes(make_engine: EngineFactory) -> None:
+    data = os.urandom(2 * BLOCK_SIZE)
+    engine = make_engine({"f": data})
+    info = engine.namespace.lookup("/f").info
+    assert info is not None
+    engine.reader.read(info, 0, len(data))
+    engine.reader.read(info, 0, len(data))
+    read_bytes = engine.metrics.read_bytes
+    assert read_bytes.labels("cold")._value.get() == len(data)
+    assert read_bytes.labels("cache")._value.get() == len(data)
+    assert engine.metrics.hit_ratio._value.get() == 0.5

@@ -1,0 +1,80 @@
+"""The block frame: golden bytes pin the format; every kind of damage is caught."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cachefsd.chunks.codec import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    Codec,
+    CorruptBlock,
+    content_hash,
+    decode,
+    encode,
+)
+
+HELLO_HASH = content_hash(b"hello")
+# The exact frame of b"hello". If this test fails, the on-disk format changed:
+# bump FORMAT_VERSION (old caches are then re-fetched, never misread) and
+# update the golden bytes.
+GOLDEN_HELLO = (
+    bytes.fromhex(
+        "43465342"  # magic CFSB
+        "01"  # format version
+        "00"  # codec raw
+        "0000"  # reserved
+        "0000000000000005"  # raw length
+        "0000000000000005"  # payload length
+    )
+    + bytes.fromhex(HELLO_HASH)
+    + b"hello"
+)
+
+
+def test_golden_bytes_pin_the_format() -> None:
+    assert FORMAT_VERSION == 1
+    assert HEADER_SIZE == 40
+    assert HELLO_HASH == "b5e9c1ad071b3e7fc779cfaa5e523818"
+    assert encode(b"hello") == GOLDEN_HELLO
+
+
+@given(st.binary(max_size=4096), st.sampled_from(list(Codec)))
+def test_round_trip(data: bytes, codec: Codec) -> None:
+    assert decode(encode(data, codec), content_hash(data)) == data
+
+
+def test_lz4_is_used_when_it_shrinks_and_skipped_when_it_does_not() -> None:
+    compressible = b"a" * 100_000
+    assert len(encode(compressible, Codec.LZ4)) < 1000
+    incompressible = random.Random(0).randbytes(1024)
+    frame = encode(incompressible, Codec.LZ4)
+    assert frame[5] == Codec.RAW
+    assert decode(frame, content_hash(incompressible)) == incompressible
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda f: f[:-1], id="truncated payload"),
+        pytest.param(lambda f: f[:10], id="truncated header"),
+        pytest.param(lambda f: f[:-1] + bytes([f[-1] ^ 1]), id="flipped payload bit"),
+        pytest.param(lambda f: b"XXXX" + f[4:], id="bad magic"),
+        pytest.param(lambda f: f[:4] + bytes([FORMAT_VERSION + 1]) + f[5:], id="other version"),
+        pytest.param(lambda f: f[:5] + b"\x07" + f[6:], id="unknown codec"),
+        pytest.param(lambda f: f + b"x", id="trailing bytes"),
+    ],
+)
+def test_damage_is_detected(damage: object) -> None:
+    frame = encode(b"some block content" * 100, Codec.LZ4)
+    with pytest.raises(CorruptBlock):
+        decode(damage(frame), content_hash(b"some block content" * 100))  # type: ignore[operator]
+
+
+def test_a_frame_under_the_wrong_name_is_rejected() -> None:
+    with pytest.raises(CorruptBlock):
+        decode(encode(b"hello"), content_hash(b"world"))

@@ -1,0 +1,72 @@
+"""Settings: units, precedence, and errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cachefsd.config import load_settings, parse_duration, parse_size
+from cachefsd.errors import ConfigError
+
+REQUIRED = {"source": "/data", "mountpoint": "/mnt"}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("4096", 4096), ("4K", 4096), ("4KiB", 4096), ("20G", 20 << 30), ("1.5M", 3 << 19), (7, 7)],
+)
+def test_sizes(text: object, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("30", 30.0), ("30s", 30.0), ("5m", 300.0), ("1h", 3600.0), (2, 2.0)]
+)
+def test_durations(text: object, expected: float) -> None:
+    assert parse_duration(text) == expected
+
+
+def test_precedence_is_defaults_then_file_then_env_then_flags(tmp_path: Path) -> None:
+    config = tmp_path / "cachefsd.toml"
+    config.write_text('[cache]\nsize = "1G"\nblock_size = "1M"\n[namespace]\nmetadata_ttl = "5m"\n')
+    settings = load_settings(
+        config,
+        {**REQUIRED, "cache": {"size": "3G"}},
+        environ={"CACHEFSD_CACHE__SIZE": "2G", "CACHEFSD_CACHE__BLOCK_SIZE": "2M", "HOME": "/root"},
+    )
+    assert settings.cache.size == 3 << 30  # flag beats env and file
+    assert settings.cache.block_size == 2 << 20  # env beats file
+    assert settings.namespace.metadata_ttl == 300.0  # file beats default
+    assert settings.fetch.deadline == 30.0  # default
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ", "field"),
+    [
+        ({"cache": {"size": "abc"}}, {}, "cache.size"),
+        ({}, {"CACHEFSD_CACHE__SIZE": "-5"}, "cache.size"),
+        ({"cache": {"block_size": "1K"}}, {}, "cache.block_size"),
+        ({"metrics": {"addr": "nowhere"}}, {}, "metrics.addr"),
+        ({"store": {"endpoint_url": "ftp://x"}}, {}, "store.endpoint_url"),
+        ({}, {"CACHEFSD_CACHE__SZIE": "1G"}, "cache.szie"),
+        ({"namespace": {"metadata_ttl": "soon"}}, {}, "namespace.metadata_ttl"),
+    ],
+)
+def test_bad_values_name_their_field(flags: dict[str, object], environ: dict[str, str], field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_settings(None, {**REQUIRED, **flags}, environ=environ)
+
+
+def test_unknown_key_in_file_is_named(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("[cache]\ncolour = 'blue'\n")
+    with pytest.raises(ConfigError, match=r"cache\.colour: unknown setting"):
+        load_settings(config, REQUIRED, environ={})
+
+
+def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "broken.toml"
+    config.write_text("[cache\n")
+    with pytest.raises(ConfigError, match=r"broken\.toml"):
+        load_settings(config, REQUIRED, environ={})

@@ -1,0 +1,77 @@
+"""Retries, deadlines and errors of the fetcher, against a fault-injecting store."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cachefsd.aio import LoopThread
+from cachefsd.config import FetchSettings
+from cachefsd.errors import AccessDenied, DeadlineExceeded, ObjectChanged
+from cachefsd.fetch import Fetcher
+from cachefsd.store.faulty import Faults, FaultyStore
+from cachefsd.store.memory import MemoryStore
+from tests.unit.conftest import FAST_FETCH
+
+
+class Events:
+    def __init__(self) -> None:
+        self.done = self.retries = self.failed = 0
+
+    def fetch_done(self, kind: str, seconds: float, nbytes: int) -> None:
+        self.done += 1
+
+    def fetch_retry(self, kind: str) -> None:
+        self.retries += 1
+
+    def fetch_failed(self, kind: str) -> None:
+        self.failed += 1
+
+
+def setup(faults: Faults, settings: FetchSettings = FAST_FETCH) -> tuple[Fetcher, MemoryStore, Events]:
+    store = MemoryStore({"k": b"0123456789"})
+    events = Events()
+    return Fetcher(FaultyStore(store, faults), settings, events), store, events
+
+
+def etag(store: MemoryStore, io: LoopThread) -> str:
+    return io.run(store.head("k"), 5).etag
+
+
+def test_transient_errors_are_retried(io: LoopThread) -> None:
+    fetcher, store, events = setup(Faults(failures_left=3))
+    assert io.run(fetcher.get_range("k", 2, 5, etag(store, io)), 5) == b"234"
+    assert events.retries == 3
+    assert events.done == 1
+
+
+def test_a_hanging_store_fails_within_the_deadline(io: LoopThread) -> None:
+    fetcher, store, events = setup(Faults(hang=True))
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        io.run(fetcher.get_range("k", 0, 5, etag(store, io)), 10)
+    assert time.monotonic() - started < FAST_FETCH.deadline + 1
+    assert events.failed == 1
+
+
+@pytest.mark.parametrize("error", [AccessDenied, ObjectChanged])
+def test_permanent_errors_are_not_retried(io: LoopThread, error: type[Exception]) -> None:
+    fetcher, store, events = setup(Faults(failures_left=1, error=error))  # type: ignore[arg-type]
+    with pytest.raises(error):
+        io.run(fetcher.get_range("k", 0, 5, etag(store, io)), 5)
+    assert events.retries == 0
+
+
+def test_a_changed_object_is_never_read(io: LoopThread) -> None:
+    fetcher, store, _ = setup(Faults())
+    old = etag(store, io)
+    store.put("k", b"new content")
+    with pytest.raises(ObjectChanged):
+        io.run(fetcher.get_range("k", 0, 5, old), 5)
+
+
+def test_a_short_read_is_retried_then_fails(io: LoopThread) -> None:
+    fetcher, store, _ = setup(Faults())
+    with pytest.raises(DeadlineExceeded, match="short read"):
+        io.run(fetcher.get_range("k", 5, 20, etag(store, io)), 10)

@@ -1,0 +1,61 @@
+"""Filesystem semantics without a mount: read-only, pinned versions, handles."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from cachefsd.errors import BadFileHandle, IsADirectory, ObjectChanged, ObjectNotFound, ReadOnly
+from tests.unit.conftest import BLOCK_SIZE, EngineFactory
+
+
+@pytest.mark.parametrize(
+    "flags", [os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_CREAT, os.O_RDONLY | os.O_TRUNC]
+)
+def test_opening_for_write_is_refused(make_engine: EngineFactory, flags: int) -> None:
+    engine = make_engine({"f": b"x"})
+    with pytest.raises(ReadOnly):
+        engine.fs.open("/f", flags)
+
+
+def test_attributes(make_engine: EngineFactory) -> None:
+    engine = make_engine({"d/f": b"12345"})
+    directory = engine.fs.getattr("/d")
+    assert stat.S_ISDIR(directory.mode)
+    file = engine.fs.getattr("/d/f")
+    assert stat.S_ISREG(file.mode)
+    assert file.size == 5
+    assert file.mode & 0o222 == 0
+    assert ("f", file.mode) in engine.fs.readdir("/d")
+    with pytest.raises(IsADirectory):
+        engine.fs.open("/d", os.O_RDONLY)
+    with pytest.raises(ObjectNotFound):
+        engine.fs.getattr("/d/nope")
+
+
+def test_a_handle_stays_on_the_version_it_opened(make_engine: EngineFactory) -> None:
+    old = os.urandom(3 * BLOCK_SIZE)
+    engine = make_engine({"f": old})
+    handle = engine.fs.open("/f", os.O_RDONLY)
+    assert engine.fs.read(handle, BLOCK_SIZE, 0) == old[:BLOCK_SIZE]
+    new = os.urandom(3 * BLOCK_SIZE)
+    engine.store.put("f", new)
+    # The cached block is still the opened version's; an uncached one cannot
+    # be fetched for that version any more, so the read fails, never mixes.
+    assert engine.fs.read(handle, BLOCK_SIZE, 0) == old[:BLOCK_SIZE]
+    with pytest.raises(ObjectChanged):
+        engine.fs.read(handle, BLOCK_SIZE, BLOCK_SIZE)
+    engine.fs.release(handle)
+    # The failure dropped the stale listing: a new open sees the new version.
+    fresh = engine.fs.open("/f", os.O_RDONLY)
+    assert engine.fs.read(fresh, 3 * BLOCK_SIZE, 0) == new
+
+
+def test_reading_a_released_handle_fails(make_engine: EngineFactory) -> None:
+    engine = make_engine({"f": b"x"})
+    handle = engine.fs.open("/f", os.O_RDONLY)
+    engine.fs.release(handle)
+    with pytest.raises(BadFileHandle):
+        engine.fs.read(handle, 1, 0)

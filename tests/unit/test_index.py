@@ -1,0 +1,57 @@
+"""The sqlite index: persistence, derived refcounts, and schema versioning."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from cachefsd.index import BlockRef, Index, IndexSchemaMismatch
+
+
+def test_records_survive_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "index.sqlite"
+    index = Index(path)
+    ref = BlockRef("s3://b", "k", "e1", 0)
+    index.record(ref, "h1", 4096, 100)
+    index.save_listing("s3://b", "", 123.0, b"payload")
+    index.close()
+    reopened = Index(path)
+    assert reopened.lookup(ref) == "h1"
+    assert [block.hash for block in reopened.blocks()] == ["h1"]
+    assert reopened.load_listing("s3://b", "") == (123.0, b"payload")
+    reopened.close()
+
+
+def test_a_block_shared_by_two_versions_is_freed_only_with_the_last(tmp_path: Path) -> None:
+    index = Index(tmp_path / "index.sqlite")
+    old, new = BlockRef("src", "k", "old", 0), BlockRef("src", "k", "new", 0)
+    index.record(old, "shared", 4096, 10)
+    index.record(new, "shared", 4096, 10)
+    index.record(BlockRef("src", "k", "old", 1), "only-old", 4096, 10)
+    assert sorted(index.release_version("src", "k", "old", block_count=2)) == ["only-old"]
+    assert index.lookup(old) is None
+    assert index.lookup(new) == "shared"
+    assert index.unreferenced() == ["only-old"]
+    index.close()
+
+
+def test_remove_block_drops_every_reference(tmp_path: Path) -> None:
+    index = Index(tmp_path / "index.sqlite")
+    refs = [BlockRef("src", f"k{i}", "e", 0) for i in range(3)]
+    for ref in refs:
+        index.record(ref, "same", 4096, 10)
+    index.remove_block("same")
+    assert all(index.lookup(ref) is None for ref in refs)
+    assert not index.has_block("same")
+    index.close()
+
+
+def test_an_index_of_another_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "index.sqlite"
+    Index(path).close()
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE meta SET value='999' WHERE name='schema_version'")
+    with pytest.raises(IndexSchemaMismatch):
+        Index(path)

@@ -1,0 +1,38 @@
+"""Which keys become paths, and what a listing looks like as a directory."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachefsd.namespace.names import directory_from_listing, is_valid_name
+from cachefsd.store.base import Listing, ObjectInfo
+
+
+def info(key: str) -> ObjectInfo:
+    return ObjectInfo(key=key, size=1, etag="e", mtime=0.0)
+
+
+@pytest.mark.parametrize("name", ["a", "with space", "ünïcødé", "x" * 255, "é" * 127, ".hidden", "..."])
+def test_valid_names(name: str) -> None:
+    assert is_valid_name(name)
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a\0b", "a/b", "x" * 256, "é" * 128])
+def test_invalid_names(name: str) -> None:
+    assert not is_valid_name(name)
+
+
+def test_directory_wins_over_an_object_of_the_same_name() -> None:
+    listing = Listing(objects=(info("p/x"), info("p/y")), prefixes=("p/x/",))
+    directory = directory_from_listing("p/", listing)
+    assert directory.entries == {"x": None, "y": info("p/y")}
+
+
+def test_marker_and_escaping_keys_are_not_entries() -> None:
+    listing = Listing(
+        objects=(info("p/"), info("p/.."), info("p/."), info("p/ok")),
+        prefixes=("p//", "p/../", "p/sub/"),
+    )
+    directory = directory_from_listing("p/", listing)
+    assert directory.entries == {"ok": info("p/ok"), "sub": None}
+    assert directory.hidden == 4

@@ -1,0 +1,61 @@
+"""Listings: resolution, TTL, persistence across restarts, version changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachefsd.errors import NotADirectory, ObjectNotFound
+from tests.unit.conftest import EngineFactory
+
+
+def test_lookup_resolves_through_parent_listings(make_engine: EngineFactory) -> None:
+    engine = make_engine({"a/b/c.txt": b"c", "a/d.txt": b"d", "top": b"t"})
+    assert engine.namespace.lookup("/").is_dir
+    assert engine.namespace.lookup("/a/b").is_dir
+    node = engine.namespace.lookup("/a/b/c.txt")
+    assert node.info is not None
+    assert node.info.size == 1
+    assert sorted(engine.namespace.listdir("/a")) == ["b", "d.txt"]
+    with pytest.raises(ObjectNotFound):
+        engine.namespace.lookup("/a/missing")
+    with pytest.raises(ObjectNotFound):
+        engine.namespace.lookup("/nope/deeper/still")
+    with pytest.raises(NotADirectory):
+        engine.namespace.lookup("/top/child")
+
+
+def test_listings_are_cached_for_the_ttl_then_refreshed(make_engine: EngineFactory) -> None:
+    engine = make_engine({"f": b"1"}, ttl=10)
+    engine.namespace.listdir("/")
+    lists = engine.store.list_count
+    engine.store.put("g", b"2")
+    engine.clock.now += 9
+    assert "g" not in engine.namespace.listdir("/")
+    assert engine.store.list_count == lists
+    engine.clock.now += 2
+    assert "g" in engine.namespace.listdir("/")
+    assert engine.store.list_count == lists + 1
+
+
+def test_a_restart_lists_from_the_index_while_fresh(make_engine: EngineFactory) -> None:
+    engine = make_engine({"d/f": b"1"})
+    engine.namespace.lookup("/d/f")
+    lists = engine.store.list_count
+    again = make_engine(store=engine.store, cache_dir=engine.cache_dir)
+    again.clock.now = engine.clock.now + 1
+    assert again.namespace.lookup("/d/f").info is not None
+    assert engine.store.list_count == lists
+
+
+def test_a_changed_object_releases_its_old_blocks(make_engine: EngineFactory) -> None:
+    engine = make_engine({"f": b"old content"}, ttl=5)
+    old = engine.namespace.lookup("/f").info
+    assert old is not None
+    engine.reader.read(old, 0, 100)
+    assert engine.cache.used_bytes > 0
+    engine.store.put("f", b"new content!")
+    engine.clock.now += 6
+    new = engine.namespace.lookup("/f").info
+    assert new is not None
+    assert new.etag != old.etag
+    assert engine.cache.used_bytes == 0
