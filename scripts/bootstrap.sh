@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Everything a fresh Debian/Ubuntu machine needs to run cachefsd from this
+# checkout: fuse3 (fusermount3 and libfuse3) and a virtual environment in
+# .venv with the package installed. Sourced by demo.sh and test.sh.
+# Usage: bootstrap.sh [extra]   (extra: "test" adds the test dependencies)
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+extra="${1:-}"
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+if ! command -v fusermount3 >/dev/null 2>&1 || ! ldconfig -p | grep -q 'libfuse3\.so'; then
+    echo "bootstrap: installing fuse3 from Debian" >&2
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq fuse3 >/dev/null
+fi
+
+if [ ! -x "$repo/.venv/bin/python" ]; then
+    echo "bootstrap: creating $repo/.venv" >&2
+    python3 -m venv "$repo/.venv"
+fi
+target="$repo"
+if [ -n "$extra" ]; then target="$repo[$extra]"; fi
+echo "bootstrap: installing cachefsd${extra:+ with [$extra]} into .venv" >&2
+"$repo/.venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$target"

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up (fuse3, .venv with test dependencies) and run the whole test suite:
+# lint, unit, contract (moto S3 over HTTP, GCS emulator) and integration
+# tests on real FUSE mounts. Extra arguments go to pytest.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$repo/scripts/bootstrap.sh" test
+cd "$repo"
+# No cloud SDK may probe an instance-metadata address from a test run.
+export AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing AWS_EC2_METADATA_DISABLED=true
+export NO_GCE_CHECK=true GCE_METADATA_HOST=127.0.0.1:1
+.venv/bin/ruff check cachefsd tests benchmarks
+.venv/bin/ruff format --check cachefsd tests benchmarks
+exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
