@@ -1,0 +1,85 @@
+"""Shared fixtures: real servers (moto S3 over HTTP, the GCS emulator) and
+clients to seed them. Session-scoped: starting them is the slow part, and
+tests isolate themselves by bucket or key instead.
+
+The environment is pinned at import time, before any boto or google client
+exists: dummy AWS credentials (moto accepts any), and no instance-metadata
+probes, which would otherwise wait on the network whenever a credential
+chain comes up empty.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+os.environ.setdefault("NO_GCE_CHECK", "true")
+os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:1")
+
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+
+from cachefsd.config import StoreSettings
+from cachefsd.store.gcs import EMULATOR_ENV
+from cachefsd.testing.gcs_emulator import GcsEmulator
+from cachefsd.testing.s3_server import S3TestServer
+
+# The region moto buckets are created in and clients are configured for.
+TEST_REGION = "us-east-1"
+# Short enough that a test of an unreachable endpoint finishes in seconds.
+TEST_CONNECT_TIMEOUT = 2.0
+
+
+@pytest.fixture(name="s3_server", scope="session")
+def fixture_s3_server() -> Iterator[S3TestServer]:
+    """moto S3 on 127.0.0.1 (random port), shared by the session. Create a
+    bucket per test module or test; call ``reset_counts()`` before counting."""
+    server = S3TestServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(name="s3_settings", scope="session")
+def fixture_s3_settings(s3_server: S3TestServer) -> StoreSettings:
+    """Store settings pointing at ``s3_server``."""
+    return StoreSettings(
+        endpoint_url=s3_server.endpoint_url,
+        region=TEST_REGION,
+        connect_timeout=TEST_CONNECT_TIMEOUT,
+    )
+
+
+@pytest.fixture(name="s3_client", scope="session")
+def fixture_s3_client(s3_server: S3TestServer) -> Any:
+    """A plain boto3 client on ``s3_server``, for seeding and mutating buckets."""
+    return boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name=TEST_REGION)
+
+
+@pytest.fixture(name="gcs_emulator", scope="session")
+def fixture_gcs_emulator() -> Iterator[GcsEmulator]:
+    """fake-gcs-server on 127.0.0.1, with ``STORAGE_EMULATOR_HOST`` set for the
+    session so every google-cloud-storage client (``GcsStore`` included) uses it."""
+    emulator = GcsEmulator()
+    emulator.start()
+    previous = os.environ.get(EMULATOR_ENV)
+    os.environ[EMULATOR_ENV] = emulator.host
+    yield emulator
+    if previous is None:
+        os.environ.pop(EMULATOR_ENV, None)
+    else:
+        os.environ[EMULATOR_ENV] = previous
+    emulator.stop()
+
+
+@pytest.fixture(name="gcs_client", scope="session")
+def fixture_gcs_client(gcs_emulator: GcsEmulator) -> storage.Client:
+    """A google-cloud-storage client on ``gcs_emulator``, for seeding buckets."""
+    return storage.Client(project="test", credentials=AnonymousCredentials())

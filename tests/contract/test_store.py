@@ -1,0 +1,626 @@
+"""The ObjectStore contract, run over every implementation.
+
+Each backend is seeded with the same objects (the awkward ones included: a
+directory marker, an empty object, spaces, unicode, a 255-byte name, a key
+that is also a prefix, and 1,100 keys in one directory so listings must
+page) and must answer list/head/get_range exactly as the reference
+(``listing.one_level`` over the seed) does. Since every backend is compared
+with the same reference, their listings are identical to each other.
+
+The exception is the local directory, which cannot hold an object named
+``dir/`` or both a file ``x`` and a directory ``x/``: it is seeded without
+those two keys and compared with the reference over its own seed.
+
+S3 runs against the real moto server over HTTP and GCS against the
+fake-gcs-server emulator; nothing under test is mocked. Each test runs its
+coroutines in one ``asyncio.run``, opening and closing the store inside it,
+because S3Store's aiohttp session belongs to the loop that created it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import socket
+import time
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import requests
+from botocore.exceptions import ClientError
+from google.api_core import exceptions as api_exceptions
+from google.auth import exceptions as auth_exceptions
+from google.cloud import storage
+
+from cachefsd.config import StoreSettings
+from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
+from cachefsd.store import gcs as gcs_module
+from cachefsd.store import s3 as s3_module
+from cachefsd.store.base import ObjectInfo, ObjectStore
+from cachefsd.store.gcs import GcsStore
+from cachefsd.store.listing import one_level
+from cachefsd.store.local import LocalStore
+from cachefsd.store.memory import MemoryStore
+from cachefsd.store.s3 import S3Store
+from cachefsd.testing.s3_server import S3TestServer
+
+T = TypeVar("T")
+
+# No single store call in these tests should come near this; it turns a hang
+# into a failure that names the test.
+CALL_TIMEOUT_SECONDS = 60.0
+# "Quickly", for a missing bucket or an unreachable endpoint.
+FAST_FAILURE_SECONDS = 5.0
+# Per-attempt timeout given to the network stores.
+ATTEMPT_TIMEOUT_SECONDS = 5.0
+# Listing pages hold 1000 keys; one directory must need two.
+MANY_KEYS = 1100
+# The longest name a Linux filesystem allows in one path component.
+MAX_NAME_BYTES = 255
+DEEP_SIZE = 200_000
+
+# The network stores are rooted under a prefix, with look-alike neighbours
+# outside it, so keys must come back relative and nothing may leak in.
+REMOTE_PREFIX = "datasets/v1"
+OUTSIDE_KEYS = ("datasets/v1-other/zzz.bin", "datasets/outside.bin", "top-level-outside.bin")
+
+LONG_NAME = "long/" + "n" * MAX_NAME_BYTES
+UNICODE_KEY = "unicode/naïve-数据-ü.txt"
+SPACES_KEY = "spaces/a file with spaces.txt"
+DEEP_KEY = "a/b/c/deep.bin"
+
+
+def _seed() -> dict[str, bytes]:
+    rng = random.Random(20240601)
+    objects = {
+        "top.txt": b"top level\n",
+        "empty.bin": b"",
+        DEEP_KEY: rng.randbytes(DEEP_SIZE),
+        "a/b/sibling.txt": b"sibling\n",
+        "a/first.txt": b"first\n",
+        "dir/": b"",  # a directory marker, as consoles and s3fs create them
+        "dir/inside.txt": b"inside\n",
+        SPACES_KEY: b"spaces\n",
+        UNICODE_KEY: "unicode ✓\n".encode(),
+        LONG_NAME: b"long name\n",
+        "x": b"object x\n",
+        "x/y": b"object x/y\n",
+        "scratch/.keep": b"",  # tests write their own keys under scratch/
+    }
+    for i in range(MANY_KEYS):
+        objects[f"many/{i:05d}"] = f"{i}\n".encode()
+    return objects
+
+
+SEED: Mapping[str, bytes] = _seed()
+# Keys a directory tree cannot represent.
+NOT_ON_A_FILESYSTEM = frozenset({"dir/", "x"})
+
+LISTED_PREFIXES = ("", "a/", "a/b/", "a/b/c/", "dir/", "spaces/", "unicode/", "long/", "x/", "many/", "nope/")
+
+# Seeding over HTTP is I/O bound; a few threads make 1,100 PUTs take ~1 s.
+SEED_THREADS = 16
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation under test: how to open a store, how to write an
+    object behind its back, and what it was seeded with."""
+
+    name: str
+    open: Callable[[], ObjectStore]
+    put: Callable[[str, bytes], None]
+    seed: Mapping[str, bytes]
+
+
+def run(backend: Backend, body: Callable[[ObjectStore], Awaitable[T]]) -> T:
+    """Open a store, run ``body`` with it and close it, all on one fresh loop."""
+
+    async def main() -> T:
+        store = backend.open()
+        try:
+            return await asyncio.wait_for(body(store), CALL_TIMEOUT_SECONDS)
+        finally:
+            await store.close()
+
+    return asyncio.run(main())
+
+
+def _seed_concurrently(put: Callable[[str, bytes], None], objects: Mapping[str, bytes]) -> None:
+    with ThreadPoolExecutor(SEED_THREADS) as pool:
+        for future in [pool.submit(put, key, data) for key, data in objects.items()]:
+            future.result()
+
+
+def _memory_backend() -> Backend:
+    store = MemoryStore(dict(SEED))
+
+    def put(key: str, data: bytes) -> None:
+        store.put(key, data)
+
+    return Backend("memory", lambda: store, put, SEED)
+
+
+def _local_backend(root: Path) -> Backend:
+    def put(key: str, data: bytes) -> None:
+        path = root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # A new file renamed over the old one, as a sync tool would: the
+        # version changes even when size and mtime happen to match.
+        temp = path.with_name(f".{path.name[:200]}.{uuid.uuid4().hex}")
+        temp.write_bytes(data)
+        os.replace(temp, path)
+
+    seed = {key: data for key, data in SEED.items() if key not in NOT_ON_A_FILESYSTEM}
+    for key, data in seed.items():
+        path = root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return Backend("local", lambda: LocalStore(root), put, seed)
+
+
+def _s3_backend(client: Any, settings: StoreSettings) -> Backend:
+    bucket = f"contract-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+
+    def put(key: str, data: bytes) -> None:
+        client.put_object(Bucket=bucket, Key=f"{REMOTE_PREFIX}/{key}", Body=data)
+
+    _seed_concurrently(put, SEED)
+    for key in OUTSIDE_KEYS:
+        client.put_object(Bucket=bucket, Key=key, Body=b"outside")
+    return Backend(
+        "s3",
+        lambda: S3Store(bucket, f"/{REMOTE_PREFIX}/", settings, ATTEMPT_TIMEOUT_SECONDS),
+        put,
+        SEED,
+    )
+
+
+def _gcs_backend(client: storage.Client) -> Backend:
+    bucket_name = f"contract-{uuid.uuid4().hex[:12]}"
+    bucket = client.create_bucket(bucket_name)
+
+    def put(key: str, data: bytes) -> None:
+        bucket.blob(f"{REMOTE_PREFIX}/{key}").upload_from_string(data)
+
+    _seed_concurrently(put, SEED)
+    for key in OUTSIDE_KEYS:
+        bucket.blob(key).upload_from_string(b"outside")
+    return Backend(
+        "gcs",
+        lambda: GcsStore(bucket_name, f"/{REMOTE_PREFIX}/", ATTEMPT_TIMEOUT_SECONDS),
+        put,
+        SEED,
+    )
+
+
+@pytest.fixture(name="backend", scope="session", params=["memory", "local", "s3", "gcs"])
+def fixture_backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Backend:
+    """Every ObjectStore implementation, seeded once per session. The servers
+    are only started when their backend is selected (``-k memory`` needs none)."""
+    if request.param == "memory":
+        return _memory_backend()
+    if request.param == "local":
+        return _local_backend(tmp_path_factory.mktemp("local-store"))
+    if request.param == "s3":
+        return _s3_backend(request.getfixturevalue("s3_client"), request.getfixturevalue("s3_settings"))
+    return _gcs_backend(request.getfixturevalue("gcs_client"))
+
+
+def _reference(backend: Backend, prefix: str) -> tuple[list[tuple[str, int]], list[str]]:
+    infos = [ObjectInfo(key=key, size=len(data), etag="", mtime=0.0) for key, data in backend.seed.items()]
+    expected = one_level(prefix, infos)
+    return [(info.key, info.size) for info in expected.objects], list(expected.prefixes)
+
+
+# -- the contract ---------------------------------------------------------------
+
+
+def test_check_passes(backend: Backend) -> None:
+    async def body(store: ObjectStore) -> None:
+        await store.check()
+
+    run(backend, body)
+
+
+@pytest.mark.parametrize("prefix", LISTED_PREFIXES)
+def test_list_matches_reference(backend: Backend, prefix: str) -> None:
+    listing = run(backend, lambda store: store.list(prefix))
+
+    objects, prefixes = _reference(backend, prefix)
+    assert [(info.key, info.size) for info in listing.objects] == objects
+    assert list(listing.prefixes) == prefixes
+    assert all(info.etag for info in listing.objects)
+
+
+def test_list_pages_through_a_large_directory(backend: Backend) -> None:
+    listing = run(backend, lambda store: store.list("many/"))
+
+    assert len(listing.objects) == MANY_KEYS
+    assert listing.objects[-1].key == f"many/{MANY_KEYS - 1:05d}"
+
+
+def test_key_that_is_also_a_prefix(backend: Backend) -> None:
+    listing = run(backend, lambda store: store.list(""))
+
+    assert "x/" in listing.prefixes
+    assert ("x" in {info.key for info in listing.objects}) == ("x" in backend.seed)
+
+
+@pytest.mark.parametrize("key", [DEEP_KEY, "empty.bin", SPACES_KEY, UNICODE_KEY, LONG_NAME, "x/y", "dir/"])
+def test_head_agrees_with_list(backend: Backend, key: str) -> None:
+    if key not in backend.seed:
+        return  # the local directory cannot hold this key (see the module docstring)
+    # A directory marker is listed in its own directory, not its parent's.
+    parent = key if key.endswith("/") else key[: key.rfind("/") + 1]
+
+    async def body(store: ObjectStore) -> tuple[ObjectInfo, list[ObjectInfo]]:
+        return await store.head(key), list((await store.list(parent)).objects)
+
+    info, listed = run(backend, body)
+
+    assert info.key == key
+    assert info.size == len(backend.seed[key])
+    assert info.etag
+    assert info.mtime > 0
+    assert [entry.etag for entry in listed if entry.key == key] == [info.etag]
+    if backend.name in ("memory", "s3"):
+        # Both use the content MD5 (S3 single-part uploads), unquoted.
+        assert info.etag == hashlib.md5(backend.seed[key]).hexdigest()
+
+
+def _ranges(size: int) -> list[tuple[int, int]]:
+    rng = random.Random(size)
+    ranges = [(0, size), (0, 1), (5, 5), (size - 1, size + 10), (size, size + 10), (size + 100, size + 200)]
+    for _ in range(20):
+        start = rng.randrange(0, size)
+        ranges.append((start, rng.randrange(start, size + 5000)))
+    return ranges
+
+
+def test_get_range_returns_exact_bytes(backend: Backend) -> None:
+    data = backend.seed[DEEP_KEY]
+
+    async def body(store: ObjectStore) -> list[bytes]:
+        info = await store.head(DEEP_KEY)
+        return [await store.get_range(DEEP_KEY, start, end, info.etag) for start, end in _ranges(len(data))]
+
+    results = run(backend, body)
+
+    for (start, end), got in zip(_ranges(len(data)), results, strict=True):
+        assert got == data[start:end], f"range [{start}, {end})"
+
+
+@pytest.mark.parametrize("key", ["empty.bin", SPACES_KEY, UNICODE_KEY, LONG_NAME, "x/y"])
+def test_get_range_of_awkward_keys(backend: Backend, key: str) -> None:
+    data = backend.seed[key]
+
+    async def body(store: ObjectStore) -> bytes:
+        info = await store.head(key)
+        return await store.get_range(key, 0, len(data) + 10, info.etag)
+
+    assert run(backend, body) == data
+
+
+def test_missing_key_raises_object_not_found(backend: Backend) -> None:
+    async def body(store: ObjectStore) -> None:
+        with pytest.raises(ObjectNotFound):
+            await store.head("missing/nothing.bin")
+        with pytest.raises(ObjectNotFound):
+            await store.get_range("missing/nothing.bin", 0, 10, "1234")
+        etag = (await store.head("top.txt")).etag
+        with pytest.raises(ObjectNotFound):
+            await store.get_range("missing/nothing.bin", 0, 10, etag)
+
+    run(backend, body)
+
+
+def test_overwritten_object_raises_object_changed(backend: Backend) -> None:
+    key = f"scratch/{uuid.uuid4().hex}.bin"
+    backend.put(key, b"version one")
+
+    async def read_v1(store: ObjectStore) -> tuple[str, bytes]:
+        info = await store.head(key)
+        return info.etag, await store.get_range(key, 0, 100, info.etag)
+
+    etag, data = run(backend, read_v1)
+    assert data == b"version one"
+
+    backend.put(key, b"version two")  # same length: only the version tells them apart
+
+    async def read_pinned(store: ObjectStore) -> str:
+        for start, end in [(0, 100), (3, 5), (500, 600), (4, 4)]:
+            with pytest.raises(ObjectChanged):
+                await store.get_range(key, start, end, etag)
+        info = await store.head(key)
+        assert await store.get_range(key, 0, 100, info.etag) == b"version two"
+        return info.etag
+
+    assert run(backend, read_pinned) != etag
+
+
+# -- S3 --------------------------------------------------------------------------
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _full_text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))
+
+
+def _run_alone(coro_fn: Callable[[], Awaitable[T]]) -> T:
+    async def main() -> T:
+        return await asyncio.wait_for(coro_fn(), CALL_TIMEOUT_SECONDS)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("prefix", "uri"),
+    [("", "s3://bkt"), ("/", "s3://bkt"), ("data", "s3://bkt/data"), ("/data/v1/", "s3://bkt/data/v1")],
+)
+def test_s3_uri_is_normalised(prefix: str, uri: str) -> None:
+    assert S3Store("bkt", prefix, StoreSettings(), ATTEMPT_TIMEOUT_SECONDS).uri == uri
+
+
+def test_s3_missing_bucket_fails_fast(s3_settings: StoreSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = f"secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    store = S3Store("no-such-bucket-here", "x", s3_settings, ATTEMPT_TIMEOUT_SECONDS)
+
+    async def body() -> None:
+        try:
+            await store.check()
+        finally:
+            await store.close()
+
+    began = time.monotonic()
+    with pytest.raises(ObjectNotFound, match="bucket 'no-such-bucket-here' does not exist") as caught:
+        _run_alone(body)
+
+    assert time.monotonic() - began < FAST_FAILURE_SECONDS
+    assert secret not in _full_text(caught.value)
+
+
+def test_s3_unreachable_endpoint_is_a_retryable_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # moto accepts any credentials, so a wrong secret cannot be refused here;
+    # what can be tested is that a real failure's message never carries it.
+    secret = f"secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    port = _closed_port()
+    settings = StoreSettings(endpoint_url=f"http://127.0.0.1:{port}", region="us-east-1", connect_timeout=2.0)
+    store = S3Store("bkt", "", settings, ATTEMPT_TIMEOUT_SECONDS)
+
+    async def body() -> None:
+        try:
+            await store.check()
+        finally:
+            await store.close()
+
+    began = time.monotonic()
+    with pytest.raises(StoreError) as caught:
+        _run_alone(body)
+
+    assert time.monotonic() - began < FAST_FAILURE_SECONDS
+    assert type(caught.value) is StoreError
+    assert caught.value.retryable
+    assert f"127.0.0.1:{port}" in str(caught.value)
+    assert "\n" not in str(caught.value)
+    assert secret not in _full_text(caught.value)
+    assert caught.value.__cause__ is not None
+
+
+def test_s3_without_credentials_is_access_denied(
+    s3_settings: StoreSettings, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    store = S3Store("bkt", "", s3_settings, ATTEMPT_TIMEOUT_SECONDS)
+
+    async def body() -> None:
+        try:
+            await store.check()
+        finally:
+            await store.close()
+
+    with pytest.raises(AccessDenied, match="standard chain"):
+        _run_alone(body)
+
+
+def test_s3_store_survives_an_endpoint_outage(s3_client: Any) -> None:
+    """The server goes away and comes back on the same port: reads fail with
+    a retryable error meanwhile and work again after, on the same store."""
+    bucket = f"outage-{uuid.uuid4().hex[:12]}"
+    s3_client.create_bucket(Bucket=bucket)
+    s3_client.put_object(Bucket=bucket, Key="k", Body=b"0123456789")
+    server = S3TestServer()
+    server.start()
+    settings = StoreSettings(endpoint_url=server.endpoint_url, region="us-east-1", connect_timeout=2.0)
+    store = S3Store(bucket, "", settings, ATTEMPT_TIMEOUT_SECONDS)
+
+    async def body() -> None:
+        info = await store.head("k")
+        server.reset_counts()
+        assert await store.get_range("k", 2, 5, info.etag) == b"234"
+        assert server.get_object_count == 1
+        assert server.request_count == 1
+
+        server.stop()
+        with pytest.raises(StoreError) as caught:
+            await store.get_range("k", 2, 5, info.etag)
+        assert caught.value.retryable
+
+        server.start()
+        assert await store.get_range("k", 2, 5, info.etag) == b"234"
+
+    async def main() -> None:
+        try:
+            await body()
+        finally:
+            await store.close()
+
+    try:
+        _run_alone(main)
+    finally:
+        server.stop()
+
+
+def test_s3_test_server_injects_latency(s3_server: S3TestServer, s3_settings: StoreSettings) -> None:
+    store = S3Store("no-such-bucket-here", "", s3_settings, ATTEMPT_TIMEOUT_SECONDS)
+    latency = 0.3
+
+    async def timed() -> float:
+        began = time.monotonic()
+        try:
+            with pytest.raises(ObjectNotFound):
+                await store.check()
+        finally:
+            await store.close()
+        return time.monotonic() - began
+
+    s3_server.latency_seconds = latency
+    try:
+        assert _run_alone(timed) >= latency
+    finally:
+        s3_server.latency_seconds = 0.0
+
+
+def _client_error(code: str, status: int) -> ClientError:
+    return ClientError(
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "Op"
+    )
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "expected"),
+    [
+        ("NoSuchKey", 404, ObjectNotFound),
+        ("404", 404, ObjectNotFound),
+        ("NoSuchBucket", 404, ObjectNotFound),
+        ("AccessDenied", 403, AccessDenied),
+        ("403", 403, AccessDenied),
+        ("InvalidAccessKeyId", 403, AccessDenied),
+        ("SignatureDoesNotMatch", 403, AccessDenied),
+        ("PreconditionFailed", 412, ObjectChanged),
+        ("412", 412, ObjectChanged),
+        ("SlowDown", 503, StoreError),
+        ("InternalError", 500, StoreError),
+        ("ThrottlingException", 400, StoreError),
+        ("RequestTimeout", 400, StoreError),
+    ],
+)
+def test_s3_error_table(code: str, status: int, expected: type[StoreError]) -> None:
+    """Status codes moto cannot be made to return (403, 5xx, throttling)."""
+    error = s3_module._translate(_client_error(code, status), target="s3://bkt/k", endpoint="http://h:1")
+    assert type(error) is expected
+
+
+# -- GCS -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("prefix", "uri"), [("", "gs://bkt"), ("/data/v1/", "gs://bkt/data/v1")])
+def test_gcs_uri_is_normalised(prefix: str, uri: str) -> None:
+    assert GcsStore("bkt", prefix, ATTEMPT_TIMEOUT_SECONDS).uri == uri
+
+
+def test_gcs_missing_bucket_fails_fast(gcs_emulator: object) -> None:
+    store = GcsStore("no-such-bucket-here", "x", ATTEMPT_TIMEOUT_SECONDS)
+
+    async def body() -> None:
+        try:
+            await store.check()
+        finally:
+            await store.close()
+
+    began = time.monotonic()
+    with pytest.raises(ObjectNotFound, match="bucket 'no-such-bucket-here' does not exist"):
+        _run_alone(body)
+    assert time.monotonic() - began < FAST_FAILURE_SECONDS
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [(404, ObjectNotFound), (403, AccessDenied), (401, AccessDenied), (412, ObjectChanged)]
+    + [(status, StoreError) for status in (400, 429, 500, 503)],
+)
+def test_gcs_error_table(status: int, expected: type[StoreError]) -> None:
+    error = gcs_module._translate(api_exceptions.from_http_status(status, "m"), target="gs://bkt/k")
+    assert type(error) is expected
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (auth_exceptions.DefaultCredentialsError("none"), AccessDenied),
+        (auth_exceptions.RefreshError("revoked"), AccessDenied),
+        (auth_exceptions.TransportError("unreachable"), StoreError),
+        (requests.exceptions.ConnectTimeout("slow"), StoreError),
+        (requests.exceptions.ConnectionError("reset"), StoreError),
+    ],
+)
+def test_gcs_error_table_for_transport_and_auth(exc: Exception, expected: type[StoreError]) -> None:
+    assert type(gcs_module._translate(exc, target="gs://bkt/k")) is expected
+
+
+# -- local directory ----------------------------------------------------------------
+
+
+@pytest.fixture(name="local_root")
+def fixture_local_root(tmp_path: Path) -> Path:
+    """A root holding one file and two symlinks that point out of it."""
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "inside.txt").write_bytes(b"inside")
+    (tmp_path / "secret.txt").write_bytes(b"outside the root")
+    (root / "escape").symlink_to(tmp_path / "secret.txt")
+    (root / "escape-dir").symlink_to(tmp_path)
+    return root
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["../secret.txt", "a/../../secret.txt", "/etc/passwd", "inside.txt\0", "escape", "escape-dir/secret.txt"],
+)
+def test_local_refuses_keys_outside_the_root(local_root: Path, key: str) -> None:
+    store = LocalStore(local_root)
+
+    async def body() -> None:
+        with pytest.raises(ObjectNotFound):
+            await store.head(key)
+        with pytest.raises(ObjectNotFound):
+            await store.get_range(key, 0, 10, "etag")
+
+    _run_alone(body)
+
+
+def test_local_does_not_list_symlinks_leaving_the_root(local_root: Path) -> None:
+    listing = _run_alone(lambda: LocalStore(local_root).list(""))
+
+    assert [info.key for info in listing.objects] == ["inside.txt"]
+    assert listing.prefixes == ()
