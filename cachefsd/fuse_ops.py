@@ -8,16 +8,26 @@ catch-all EINVAL).
 
 from __future__ import annotations
 
+import ctypes.util
 import errno
 import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-import mfusepy
-
 from cachefsd.errors import CachefsdError, errno_for
 from cachefsd.fs import Attributes, FileSystem
+
+# mfusepy binds libfuse 2 when both are installed (rclone and s3fs pull in
+# libfuse2), and libfuse 2 ignores the kernel cache settings and the larger
+# requests we rely on. Point it at libfuse 3 before it loads.
+_LIBFUSE3 = ctypes.util.find_library("fuse3")
+if _LIBFUSE3 is None:
+    raise CachefsdError("libfuse3 is not installed: install the fuse3 package (apt-get install fuse3)")
+os.environ.setdefault("FUSE_LIBRARY_PATH", _LIBFUSE3)
+
+import mfusepy  # noqa: E402 - must follow the library choice above
 
 log = logging.getLogger(__name__)
 
