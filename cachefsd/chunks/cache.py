@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import sqlite3
 import threading
 import time
 from collections import OrderedDict
@@ -47,6 +48,11 @@ log = logging.getLogger(__name__)
 # Files occupy whole filesystem blocks; 4 KiB is the allocation unit of
 # ext4 and xfs as formatted by default.
 ALLOCATION_UNIT = 4096
+
+# What a failing cache disk raises: the filesystem's errors, and sqlite's when
+# the index, which lives on the same disk, cannot be written (SQLITE_FULL,
+# SQLITE_IOERR). Both are turned into a miss, never into a failed read.
+_DISK_ERRORS = (OSError, sqlite3.Error)
 
 
 def disk_bytes(length: int) -> int:
@@ -169,7 +175,12 @@ class BlockCache:
                 if stored_size is not None:
                     self._lru.move_to_end(digest)
             if stored_size is not None:
-                self._index.record(ref, digest, stored_size, len(data))
+                # Same content under another name: one more row, no new file.
+                try:
+                    self._index.record(ref, digest, stored_size, len(data))
+                except sqlite3.Error as exc:
+                    log.warning("cannot record block %s: %s", digest, exc)
+                    self._events.cache_error()
                 return
             frame = encode(data, Codec.RAW)
             size = disk_bytes(len(frame))
@@ -183,7 +194,7 @@ class BlockCache:
             try:
                 self._write(digest, frame)
                 self._index.record(ref, digest, size, len(data))
-            except OSError as exc:
+            except _DISK_ERRORS as exc:
                 log.warning("cannot cache block %s: %s", digest, exc)
                 self._events.cache_error()
                 self._forget(digest)
@@ -218,23 +229,42 @@ class BlockCache:
 
     def _delete_files(self, digests: list[str]) -> None:
         for digest in digests:
-            self._index.remove_block(digest)
-            self.path_of(digest).unlink(missing_ok=True)
+            self._remove_block(digest)
             self._events.block_evicted()
+
+    def _remove_block(self, digest: str) -> None:
+        """Delete a block's row, then its file; best effort. If the row cannot
+        be deleted the file goes anyway: a row naming a missing file is a miss
+        on read, and start-up's reconcile drops it."""
+        try:
+            self._index.remove_block(digest)
+        except sqlite3.Error as exc:
+            log.warning("cannot drop block %s from the index: %s", digest, exc)
+            self._events.cache_error()
+        try:
+            self.path_of(digest).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot delete block file %s: %s", digest, exc)
+            self._events.cache_error()
 
     def _forget(self, digest: str) -> None:
         with self._lock:
             size = self._lru.pop(digest, None)
             if size is not None:
                 self._used -= size
-        self._index.remove_block(digest)
-        self.path_of(digest).unlink(missing_ok=True)
+        self._remove_block(digest)
         self._report_usage()
 
     def release_version(self, source: str, key: str, etag: str, block_count: int) -> None:
         """Drop one version of an object (it changed or was deleted upstream),
         deleting the blocks nothing else references."""
-        for digest in self._index.release_version(source, key, etag, block_count):
+        try:
+            unreferenced = self._index.release_version(source, key, etag, block_count)
+        except sqlite3.Error as exc:
+            log.warning("cannot release %s version %s in the index: %s", key, etag, exc)
+            self._events.cache_error()
+            return
+        for digest in unreferenced:
             self._forget(digest)
 
     def _report_usage(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -126,7 +127,7 @@ class Namespace:
         prefix = key[: key.rfind("/") + 1]
         with self._lock:
             self._dirs.pop(prefix, None)
-        self._index.save_listing(self._store.uri, prefix, 0.0, _encode(Listing((), ())))
+        self._persist(prefix, 0.0, Listing((), ()))
 
     def _cached(self, prefix: str) -> _Cached:
         now = self._clock()
@@ -168,10 +169,19 @@ class Namespace:
         with self._lock:
             previous = self._dirs.get(prefix)
             self._dirs[prefix] = cached
-        self._index.save_listing(self._store.uri, prefix, fetched_at, _encode(listing))
+        self._persist(prefix, fetched_at, listing)
         if previous is not None:
             self._report_gone_versions(previous.directory, cached.directory)
         return cached
+
+    def _persist(self, prefix: str, fetched_at: float, listing: Listing) -> None:
+        """Save a listing for the next mount; best effort, like every cache:
+        an index that cannot be written (its disk is full) costs a re-list
+        after a restart, never a failed lookup now."""
+        try:
+            self._index.save_listing(self._store.uri, prefix, fetched_at, _encode(listing))
+        except sqlite3.Error as exc:
+            log.warning("cannot save the listing of %r in the index: %s", prefix or "/", exc)
 
     def _report_gone_versions(self, old: Directory, new: Directory) -> None:
         for name, info in old.entries.items():

@@ -1,0 +1,508 @@
+"""Faults through a real mount: the bucket goes away or hangs, block files rot
+on disk, the daemon is killed mid-read, the cache disk fills up, and a second
+daemon reaches for a cache directory in use.
+
+The promises under test (DESIGN.md, "Integrity" and "Fetcher"): a read
+returns the object's exact bytes or fails with EIO after a bounded time; the
+cache is advisory, so any trouble in it becomes a miss and a re-fetch; and a
+``kill -9`` at any moment never leaves a wrong byte to be served.
+
+Cached reads are checked after dropping the kernel page cache, so the bytes
+really come from the daemon. Every wait is a bounded poll, never a sleep.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import hashlib
+import mmap
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachefsd.chunks.cache import disk_bytes
+from cachefsd.chunks.codec import HEADER_SIZE, CorruptBlock, decode
+from cachefsd.runtime import LOCK_WAIT_SECONDS
+from cachefsd.testing.s3_server import S3TestServer
+from tests.integration.conftest import Mount, MountFactory, force_unmount, free_port, run_cli
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+# The fetch deadline the outage tests mount with, and the slack allowed on top
+# of it for the retries' last backoff, the FUSE bridge margin and a loaded CI box.
+FETCH_DEADLINE_SECONDS = 3.0
+EIO_MARGIN_SECONDS = 7.0
+# A read served from the daemon's cache never touches the network; on a dead
+# or hanging bucket it must still be quick (far below the deadline).
+CACHED_READ_SECONDS = 2.0
+# Upper bound of any polling loop here.
+POLL_TIMEOUT_SECONDS = 60.0
+_POLL_INTERVAL_SECONDS = 0.05
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _poll(condition: Callable[[], bool], what: str, timeout: float = POLL_TIMEOUT_SECONDS) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(_POLL_INTERVAL_SECONDS)
+
+
+def _drop_page_cache() -> None:
+    """Drop the kernel's page, dentry and inode caches, so the next read of a
+    file through the mount reaches the daemon (needs root, as in CI)."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def _new_bucket(s3_client: Any, objects: dict[str, bytes]) -> str:
+    bucket = f"faults-{uuid.uuid4().hex[:16]}"
+    s3_client.create_bucket(Bucket=bucket)
+    for key, body in objects.items():
+        s3_client.put_object(Bucket=bucket, Key=key, Body=body)
+    return bucket
+
+
+def _metric(mount: Mount, name: str) -> float:
+    """The sum of every sample of ``name`` (all label values)."""
+    return sum(value for sample, value in mount.metrics().items() if sample.partition("{")[0] == name)
+
+
+def _block_files(cache_dir: Path) -> list[Path]:
+    return sorted(path for path in (cache_dir / "blocks").glob("*/*") if path.is_file())
+
+
+def _read_expecting_eio(path: Path) -> float:
+    """Seconds until reading ``path`` failed with EIO (fails the test otherwise)."""
+    started = time.monotonic()
+    # open succeeds from the cached listing; the read needs the bucket.
+    with pytest.raises(OSError, match=r"Input/output error") as raised, open(path, "rb") as handle:
+        handle.read()
+    assert raised.value.errno == errno.EIO
+    return time.monotonic() - started
+
+
+def _timed_read(path: Path) -> tuple[bytes, float]:
+    started = time.monotonic()
+    data = path.read_bytes()
+    return data, time.monotonic() - started
+
+
+@pytest.fixture(name="outage_server")
+def fixture_outage_server(s3_server: S3TestServer) -> Iterator[S3TestServer]:
+    """The shared S3 server, which the test may stop or slow down: it is
+    running again, with no latency, whatever the test did."""
+    try:
+        yield s3_server
+    finally:
+        s3_server.latency_seconds = 0.0
+        s3_server.start()
+
+
+# -- the bucket goes away --------------------------------------------------------------------
+
+
+def test_stopped_server_serves_cached_files_fails_others_with_eio_then_recovers(
+    outage_server: S3TestServer, s3_client: Any, mounter: MountFactory
+) -> None:
+    objects = {f"data/{name}.bin": os.urandom(300 * KiB) for name in ("a", "b", "c")}
+    bucket = _new_bucket(s3_client, objects)
+    mount = mounter(
+        f"s3://{bucket}",
+        "--endpoint-url",
+        outage_server.endpoint_url,
+        "--fetch-deadline",
+        f"{FETCH_DEADLINE_SECONDS:g}s",
+    )
+    assert sorted(p.name for p in mount.path("data").iterdir()) == ["a.bin", "b.bin", "c.bin"]
+    for key in ("data/a.bin", "data/b.bin"):
+        assert mount.path(key).read_bytes() == objects[key]
+
+    outage_server.stop()
+    _drop_page_cache()
+    for key in ("data/a.bin", "data/b.bin"):
+        data, elapsed = _timed_read(mount.path(key))
+        assert data == objects[key], f"{key}: cached bytes differ with the bucket down"
+        assert elapsed < CACHED_READ_SECONDS, f"{key}: a cached read took {elapsed:.1f}s with the bucket down"
+
+    elapsed = _read_expecting_eio(mount.path("data/c.bin"))
+    assert elapsed < FETCH_DEADLINE_SECONDS + EIO_MARGIN_SECONDS, f"EIO only after {elapsed:.1f}s"
+    assert mount.alive
+    assert os.path.ismount(mount.mountpoint)
+    assert _metric(mount, "cachefsd_fetch_errors_total") >= 1
+
+    outage_server.start()
+    outage_server.reset_counts()
+    assert mount.path("data/c.bin").read_bytes() == objects["data/c.bin"]
+    assert outage_server.get_object_count >= 1
+
+
+def test_hanging_server_fails_uncached_reads_within_deadline_and_serves_cached(
+    outage_server: S3TestServer, s3_client: Any, mounter: MountFactory
+) -> None:
+    objects = {"cached.bin": os.urandom(200 * KiB), "uncached.bin": os.urandom(200 * KiB)}
+    bucket = _new_bucket(s3_client, objects)
+    mount = mounter(
+        f"s3://{bucket}",
+        "--endpoint-url",
+        outage_server.endpoint_url,
+        "--fetch-deadline",
+        f"{FETCH_DEADLINE_SECONDS:g}s",
+    )
+    assert sorted(p.name for p in mount.mountpoint.iterdir()) == ["cached.bin", "uncached.bin"]
+    assert mount.path("cached.bin").read_bytes() == objects["cached.bin"]
+
+    # Every request now takes longer than a read may wait in all.
+    outage_server.latency_seconds = FETCH_DEADLINE_SECONDS + EIO_MARGIN_SECONDS + 5
+    elapsed = _read_expecting_eio(mount.path("uncached.bin"))
+    assert elapsed < FETCH_DEADLINE_SECONDS + EIO_MARGIN_SECONDS, f"EIO only after {elapsed:.1f}s"
+    assert mount.alive
+
+    _drop_page_cache()
+    data, elapsed = _timed_read(mount.path("cached.bin"))
+    assert data == objects["cached.bin"]
+    assert elapsed < CACHED_READ_SECONDS, f"a cached read took {elapsed:.1f}s while the bucket hangs"
+
+    outage_server.latency_seconds = 0.0
+    assert mount.path("uncached.bin").read_bytes() == objects["uncached.bin"]
+
+
+# -- block files rot on disk -----------------------------------------------------------------
+
+
+def _flip_payload_byte(block_file: Path) -> None:
+    frame = bytearray(block_file.read_bytes())
+    position = HEADER_SIZE + (len(frame) - HEADER_SIZE) // 2
+    frame[position] ^= 0xFF
+    with open(block_file, "r+b") as handle:  # in place: same size, so start-up keeps the row
+        handle.write(frame)
+
+
+def _truncate_tail(block_file: Path) -> None:
+    """A torn write's last bytes: the file still fills the same allocation
+    units, so only the frame's own length and hash can tell."""
+    size = block_file.stat().st_size
+    assert disk_bytes(size - 8) == disk_bytes(size)
+    os.truncate(block_file, size - 8)
+
+
+def _truncate_half(block_file: Path) -> None:
+    os.truncate(block_file, block_file.stat().st_size // 2)
+
+
+CORRUPTIONS: dict[str, Callable[[Path], None]] = {
+    "flip": _flip_payload_byte,
+    "truncate_tail": _truncate_tail,
+    "truncate_half": _truncate_half,
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_corrupt_block_on_disk_is_refetched_after_remount(
+    corruption: str, s3_server: S3TestServer, s3_client: Any, mounter: MountFactory
+) -> None:
+    # Random bytes: four distinct blocks, so no block file is shared (dedup).
+    original = os.urandom(1 * MiB)
+    bucket = _new_bucket(s3_client, {"file.bin": original})
+    flags = ("--endpoint-url", s3_server.endpoint_url, "--block-size", "256K")
+    mount = mounter(f"s3://{bucket}", *flags)
+    assert mount.path("file.bin").read_bytes() == original
+    mount.unmount()
+
+    block_files = _block_files(mount.cache_dir)
+    assert len(block_files) == 4
+    victim = random.choice(block_files)
+    CORRUPTIONS[corruption](victim)
+
+    s3_server.reset_counts()
+    mount = mounter(f"s3://{bucket}", *flags, cache_dir=mount.cache_dir)
+    assert mount.path("file.bin").read_bytes() == original
+    # Exactly the bad block went back to the bucket; the three good ones came from disk.
+    assert s3_server.get_object_count == 1
+    if corruption != "truncate_half":
+        # A frame that still has its recorded size is caught by its hash on read
+        # (a shorter file is already dropped by start-up's reconcile).
+        assert _metric(mount, "cachefsd_cache_corrupt_blocks_total") >= 1
+    _drop_page_cache()
+    assert mount.path("file.bin").read_bytes() == original
+
+
+def test_corrupt_block_while_mounted_is_never_served(tmp_path: Path, mounter: MountFactory) -> None:
+    """Corrupt block files under a live daemon, push them out of its memory
+    buffer by reading more than it holds, and read again."""
+    source = tmp_path / "src"
+    source.mkdir()
+    original = os.urandom(1 * MiB)
+    (source / "target.bin").write_bytes(original)
+    # More than the daemon's 64 MiB buffer of decoded blocks.
+    filler = {f"filler-{i}.bin": os.urandom(8 * MiB) for i in range(10)}
+    for name, body in filler.items():
+        (source / name).write_bytes(body)
+    mount = mounter(str(source), "--block-size", "256K")
+    assert mount.path("target.bin").read_bytes() == original
+    target_blocks = set(_block_files(mount.cache_dir))
+    assert len(target_blocks) == 4
+
+    flipped, truncated, *_ = sorted(target_blocks)
+    _flip_payload_byte(flipped)
+    _truncate_tail(truncated)
+    for name, body in filler.items():
+        assert mount.path(name).read_bytes() == body
+    _drop_page_cache()
+    assert mount.path("target.bin").read_bytes() == original
+    assert _metric(mount, "cachefsd_cache_corrupt_blocks_total") >= 2
+    assert mount.alive
+
+
+# -- kill -9 mid-read --------------------------------------------------------------------------
+
+# Reads every file of the manifest in a shuffled loop, dropping each file's
+# pages afterwards so every read reaches the daemon. Prints how many files it
+# read and the errno that stopped it; exits 2 on a wrong byte.
+_READER = r"""
+import hashlib, os, random, sys
+
+root, manifest, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+expected = dict(line.split() for line in open(manifest))
+names = sorted(expected)
+rng = random.Random(seed)
+done = 0
+while True:
+    rng.shuffle(names)
+    for name in names:
+        try:
+            with open(os.path.join(root, name), "rb") as handle:
+                data = handle.read()
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as exc:
+            print(done, exc.errno, flush=True)
+            sys.exit(0)
+        if hashlib.sha256(data).hexdigest() != expected[name]:
+            print(done, "mismatch", name, len(data), flush=True)
+            sys.exit(2)
+        done += 1
+"""
+READERS = 4
+KILL_ROUNDS = 3
+# Errors a reader may see once the daemon is gone: new requests on an aborted
+# connection fail with ENOTCONN, requests in flight with ECONNABORTED.
+DEAD_MOUNT_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED}
+READER_EXIT_SECONDS = 30.0
+# Kill once the readers got this far: files have been read whole, admissions
+# and evictions are under way, and most of the dataset is still to be fetched.
+KILL_AFTER_READ_BYTES = 8 * MiB
+KILL_AFTER_EVICTIONS = 8
+
+
+def _wait_dead(pid: int) -> None:
+    """Until ``pid`` is gone or a zombie (its parent, the CLI, has exited, so
+    it may never be reaped in a container without an init)."""
+
+    def dead() -> bool:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return True
+        return stat.rpartition(")")[2].split()[0] == "Z"
+
+    _poll(dead, f"daemon pid {pid} to die")
+
+
+def _churning(mount: Mount, readers: list[subprocess.Popen[str]]) -> bool:
+    """True once the readers have read a few files and the cache has evicted
+    a few blocks under them (or a reader has stopped, which the caller reports)."""
+    if any(reader.poll() is not None for reader in readers):
+        return True
+    return (
+        _metric(mount, "cachefsd_read_bytes_total") >= KILL_AFTER_READ_BYTES
+        and _metric(mount, "cachefsd_cache_evictions_total") >= KILL_AFTER_EVICTIONS
+    )
+
+
+def _check_cache_dir(cache_dir: Path, capacity: int) -> None:
+    """The on-disk invariants after a clean unmount: no temp files, every
+    block file decodes to the content its name claims, capacity kept."""
+    assert list((cache_dir / "tmp").iterdir()) == []
+    block_files = _block_files(cache_dir)
+    assert block_files, "the cache holds no blocks at all"
+    for block_file in block_files:
+        try:
+            decode(block_file.read_bytes(), block_file.name)
+        except CorruptBlock as exc:
+            pytest.fail(f"{block_file} does not decode: {exc}")
+    on_disk = sum(disk_bytes(path.stat().st_size) for path in block_files)
+    assert on_disk <= capacity, f"{on_disk} bytes of blocks in a {capacity}-byte cache"
+
+
+def test_sigkill_during_heavy_reads_never_serves_wrong_bytes(
+    tmp_path: Path, s3_server: S3TestServer, s3_client: Any, mounter: MountFactory
+) -> None:
+    objects = {f"shard-{i:02d}.bin": os.urandom(1 * MiB) for i in range(40)}
+    bucket = _new_bucket(s3_client, objects)
+    manifest = tmp_path / "manifest.txt"
+    manifest.write_text("".join(f"{name} {_sha256(body)}\n" for name, body in objects.items()))
+    capacity = 12 * MiB  # under a third of the dataset: admissions keep evicting
+    flags = ("--endpoint-url", s3_server.endpoint_url, "--block-size", "256K", "--cache-size", "12M")
+    cache_dir = tmp_path / "cache"
+
+    for round_number in range(KILL_ROUNDS):
+        mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
+        readers = [
+            subprocess.Popen(
+                [sys.executable, "-c", _READER, str(mount.mountpoint), str(manifest), str(seed)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for seed in range(round_number * READERS, (round_number + 1) * READERS)
+        ]
+        try:
+            # Kill in the middle of the churn: blocks are being fetched,
+            # admitted and evicted, and every reader is still going.
+            _poll(functools.partial(_churning, mount, readers), "evictions under the readers")
+            assert all(reader.poll() is None for reader in readers), "a reader stopped before the kill"
+            os.kill(mount.pid, signal.SIGKILL)
+            _wait_dead(mount.pid)
+            outcomes = []
+            for reader in readers:
+                out, err = reader.communicate(timeout=READER_EXIT_SECONDS)
+                outcomes.append((reader.returncode, out.strip(), err.strip()))
+        finally:
+            for reader in readers:
+                if reader.poll() is None:
+                    reader.kill()
+                    reader.wait()
+            force_unmount(mount.mountpoint)
+        for returncode, out, err in outcomes:
+            assert returncode == 0, f"reader saw wrong bytes: {out} {err}"
+            assert int(out.split()[1]) in DEAD_MOUNT_ERRNOS, f"reader stopped by: {out}"
+
+        mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
+        for name in sorted(objects, key=lambda _: random.random()):
+            assert _sha256(mount.path(name).read_bytes()) == _sha256(objects[name]), (
+                f"{name} wrong after kill -9 number {round_number + 1}"
+            )
+        mount.unmount()
+
+    _check_cache_dir(cache_dir, capacity)
+
+
+# -- the cache disk fills up -----------------------------------------------------------------
+
+
+# One O_DIRECT read request: a few blocks, like a loader's read.
+DIRECT_READ_BYTES = 1 * MiB
+
+
+def _read_direct(path: Path) -> bytes:
+    """The whole file through O_DIRECT: every read reaches the daemon, and a
+    failed read is not retried behind our back (the kernel retries a failed
+    readahead with a plain read, which can hide an EIO)."""
+    buffer = mmap.mmap(-1, DIRECT_READ_BYTES)  # page-aligned, as O_DIRECT may require
+    pieces = []
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        offset = 0
+        while count := os.preadv(fd, [buffer], offset):
+            pieces.append(buffer[:count])
+            offset += count
+    finally:
+        os.close(fd)
+        buffer.close()
+    return b"".join(pieces)
+
+
+def test_full_cache_disk_falls_back_to_the_network(
+    tmp_path: Path, s3_server: S3TestServer, s3_client: Any, mounter: MountFactory
+) -> None:
+    """The blocks and the index share a 1 MiB disk: block writes and index
+    commits fail with "disk full", and every read still succeeds."""
+    # Multi-block objects, then one-page ones, fill the disk with blocks and
+    # index commits; then copies of those objects under other keys need no
+    # new block file, only an index commit, which finds the disk full.
+    unique = {f"large/{i}.bin": os.urandom(256 * KiB) for i in range(6)}
+    unique.update({f"small/{i:02d}.bin": os.urandom(KiB + i) for i in range(96)})
+    objects = {**unique, **{f"copy/{key}": body for key, body in unique.items()}}
+    bucket = _new_bucket(s3_client, objects)
+    cache_dir = tmp_path / "tiny"
+    cache_dir.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(cache_dir)], check=True)
+    mount: Mount | None = None
+    try:
+        mount = mounter(
+            f"s3://{bucket}",
+            "--endpoint-url",
+            s3_server.endpoint_url,
+            "--block-size",
+            "64K",
+            "--cache-size",
+            "64M",
+            cache_dir=cache_dir,
+        )
+        for _ in range(2):
+            for name, body in objects.items():
+                assert _read_direct(mount.path(name)) == body, f"{name} wrong on a full cache disk"
+        for name, body in objects.items():
+            assert mount.path(name).read_bytes() == body
+        assert _metric(mount, "cachefsd_cache_errors_total") > 0
+        assert mount.alive
+        mount.unmount()
+    finally:
+        if mount is not None:
+            force_unmount(mount.mountpoint)
+        subprocess.run(["umount", "-l", str(cache_dir)], check=False)
+
+
+# -- two daemons, one cache directory --------------------------------------------------------
+
+
+def test_second_daemon_on_a_cache_dir_in_use_fails_in_one_line(tmp_path: Path, mounter: MountFactory) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "x.bin").write_bytes(b"x" * 1000)
+    first = mounter(str(source))
+    second_mountpoint = tmp_path / "second"
+    second_mountpoint.mkdir()
+
+    started = time.monotonic()
+    try:
+        result = run_cli(
+            "mount",
+            str(source),
+            str(second_mountpoint),
+            "--cache-dir",
+            str(first.cache_dir),
+            "--metrics-addr",
+            f"127.0.0.1:{free_port()}",
+            timeout=LOCK_WAIT_SECONDS + 30,
+        )
+    finally:
+        force_unmount(second_mountpoint)
+    elapsed = time.monotonic() - started
+
+    assert result.returncode != 0
+    assert not os.path.ismount(second_mountpoint)
+    message = result.stderr.strip()
+    assert "\n" not in message, message
+    assert "cache directory" in message
+    assert "in use" in message
+    assert str(first.cache_dir) in message
+    assert elapsed < LOCK_WAIT_SECONDS + 15, f"refused only after {elapsed:.1f}s"
+    # The first daemon is untouched.
+    assert first.alive
+    assert first.path("x.bin").read_bytes() == b"x" * 1000
