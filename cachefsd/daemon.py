@@ -61,13 +61,25 @@ def _open_index(cache_dir: Path) -> Index:
 
 
 def _start_metrics(settings: Settings, registry: CollectorRegistry) -> str | None:
+    """Serve metrics; ``None`` when disabled. An address the user chose must
+    work or the mount fails; the default one may be taken by another mount
+    on this node, which then runs without metrics rather than not at all."""
     if not settings.metrics.enabled:
         return None
     host, _, port = settings.metrics.addr.rpartition(":")
     try:
         server, _ = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
     except OSError as exc:
-        raise ConfigError(f"metrics.addr: cannot listen on {settings.metrics.addr}: {exc.strerror}") from exc
+        if "addr" in settings.metrics.model_fields_set:
+            raise ConfigError(
+                f"metrics.addr: cannot listen on {settings.metrics.addr}: {exc.strerror}"
+            ) from exc
+        log.warning(
+            "metrics disabled: default address %s is in use (%s); set --metrics-addr",
+            settings.metrics.addr,
+            exc.strerror,
+        )
+        return None
     return f"{host}:{server.server_port}"
 
 
