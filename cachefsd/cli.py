@@ -75,21 +75,29 @@ def _mount_foreground(settings: Settings, ready_fd: int | None) -> int:
 
     _configure_logging(settings.log_level)
 
+    # The pipe carries one line: "ready", or the error that prevented it.
+    # After "ready" the mounting command has gone, so the pipe is closed and
+    # a later failure is only logged (writing would raise BrokenPipeError).
+    def tell(line: str) -> None:
+        nonlocal ready_fd
+        fd, ready_fd = ready_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(fd, f"{line}\n".encode())
+            os.close(fd)
+
     def ready() -> None:
         log.info("mount ready")
-        if ready_fd is not None:
-            os.write(ready_fd, b"ready\n")
+        tell("ready")
 
     try:
         daemon.run(settings, ready)
     except CachefsdError as exc:
-        if ready_fd is not None:
-            os.write(ready_fd, f"{exc}\n".encode())
+        tell(str(exc))
         log.error("%s", exc)
         return 1
     except Exception as exc:
-        if ready_fd is not None:
-            os.write(ready_fd, f"unexpected error: {exc}\n".encode())
+        tell(f"unexpected error: {exc}")
         log.exception("unexpected error")
         return 1
     return 0

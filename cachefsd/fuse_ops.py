@@ -31,6 +31,9 @@ import mfusepy  # noqa: E402 - must follow the library choice above
 
 log = logging.getLogger(__name__)
 
+# fuse_main()'s return code when its session loop ended with an error (helper.c).
+FUSE_MAIN_LOOP_ENDED = 8
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -77,6 +80,7 @@ class FuseOperations(mfusepy.Operations):
         self._fs = fs
         self._metadata_ttl = metadata_ttl
         self._on_ready = on_ready
+        self.mounted = False  # set once the kernel has initialised the mount
 
     def init_with_config(self, conn_info: Any, config_3: Any) -> None:
         if config_3 is not None:
@@ -85,6 +89,7 @@ class FuseOperations(mfusepy.Operations):
             config_3.negative_timeout = self._metadata_ttl
             config_3.auto_cache = 1
             config_3.kernel_cache = 0
+        self.mounted = True
         self._on_ready()
 
     @_translated
@@ -186,4 +191,13 @@ def serve(operations: FuseOperations, mountpoint: str, fsname: str, allow_other:
     }
     if allow_other:
         options["allow_other"] = True
-    mfusepy.FUSE(operations, mountpoint, **options)
+    try:
+        mfusepy.FUSE(operations, mountpoint, **options)
+    except RuntimeError as exc:
+        # libfuse >= 3.12 ends the session loop of a SIGTERM/SIGINT/SIGHUP
+        # with the signal as its error, so fuse_main returns 8 ("loop
+        # failed") after what was an orderly unmount; mfusepy raises that
+        # code. Codes 1-7 are failures to mount and stay errors.
+        if exc.args != (FUSE_MAIN_LOOP_ENDED,) or not operations.mounted:
+            raise
+        log.info("FUSE session ended by a signal (libfuse code %d)", FUSE_MAIN_LOOP_ENDED)

@@ -1,0 +1,285 @@
+"""The ``cachefsd`` command as users meet it: failures that are one line and
+fast, signals and ``unmount`` that leave nothing behind, secrets that never
+reach a log, and the demo."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachefsd.runtime import read_state
+from cachefsd.testing.s3_server import S3TestServer
+from tests.integration.conftest import MountFactory, free_port, run_cli
+from tests.integration.datasets import new_bucket, put_objects
+
+# A failed mount must say so well inside this (the source check is bounded
+# by a 5 s connect timeout and a 15 s mount check).
+FAIL_FAST_SECONDS = 20.0
+EXIT_DEADLINE_SECONDS = 30.0
+DEMO_TIMEOUT_SECONDS = 300.0
+POLL_SECONDS = 0.05
+
+
+def cli(*args: str, env: Mapping[str, str] | None = None, timeout: float = 60.0) -> tuple[int, str, str]:
+    """``cachefsd ARGS`` with an optional extra environment: (status, stdout, stderr)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "cachefsd", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+    return result.returncode, result.stdout, result.stderr
+
+
+def wait_until(condition: Any, what: str, deadline_seconds: float = EXIT_DEADLINE_SECONDS) -> None:
+    deadline = time.monotonic() + deadline_seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {deadline_seconds:g}s: {what}")
+        time.sleep(POLL_SECONDS)
+
+
+# -- mount failures --------------------------------------------------------------
+
+
+def _case_unreachable(tmp_path: Path, s3_server: S3TestServer) -> tuple[list[str], dict[str, str], str]:
+    port = free_port()  # nothing listens here once the probe socket is closed
+    return ["s3://bucket", "--endpoint-url", f"http://127.0.0.1:{port}"], {}, f"127.0.0.1:{port}"
+
+
+def _case_missing_bucket(tmp_path: Path, s3_server: S3TestServer) -> tuple[list[str], dict[str, str], str]:
+    return (
+        ["s3://no-such-bucket-cachefsd", "--endpoint-url", s3_server.endpoint_url],
+        {},
+        "no-such-bucket-cachefsd",
+    )
+
+
+def _case_bad_flag(tmp_path: Path, s3_server: S3TestServer) -> tuple[list[str], dict[str, str], str]:
+    return ["s3://bucket", "--cache-size", "abc"], {}, "cache.size"
+
+
+def _case_unknown_toml_key(tmp_path: Path, s3_server: S3TestServer) -> tuple[list[str], dict[str, str], str]:
+    config = tmp_path / "cachefsd.toml"
+    config.write_text('[cache]\nsize = "1G"\nsize_limit = "2G"\n')
+    return ["s3://bucket", "--config", str(config)], {}, "cache.size_limit"
+
+
+def _case_bad_env(tmp_path: Path, s3_server: S3TestServer) -> tuple[list[str], dict[str, str], str]:
+    return ["s3://bucket"], {"CACHEFSD_CACHE__SIZE": "-5"}, "cache.size"
+
+
+MOUNT_FAILURES = {
+    "unreachable endpoint": _case_unreachable,
+    "missing bucket": _case_missing_bucket,
+    "bad flag value": _case_bad_flag,
+    "unknown TOML key": _case_unknown_toml_key,
+    "bad environment value": _case_bad_env,
+}
+
+
+def _assert_one_line_failure(status: int, stdout: str, stderr: str, elapsed: float, names: str) -> str:
+    assert status != 0, stdout
+    assert elapsed < FAIL_FAST_SECONDS, f"took {elapsed:.1f}s"
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("cachefsd: error: "), stderr
+    assert names in lines[0], stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", list(MOUNT_FAILURES))
+def test_mount_failures_are_one_line_and_fast(case: str, tmp_path: Path, s3_server: S3TestServer) -> None:
+    args, env, names = MOUNT_FAILURES[case](tmp_path, s3_server)
+    source, *flags = args
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    started = time.monotonic()
+    status, stdout, stderr = cli(
+        "mount",
+        source,
+        str(mountpoint),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--no-metrics",
+        *flags,
+        env=env,
+    )
+    _assert_one_line_failure(status, stdout, stderr, time.monotonic() - started, names)
+    assert not os.path.ismount(mountpoint)
+
+
+@pytest.mark.parametrize(
+    ("problem", "message"), [("not empty", "is not empty"), ("missing", "not a directory")]
+)
+def test_mount_on_a_bad_mountpoint_fails(
+    problem: str, message: str, tmp_path: Path, s3_client: Any, s3_server: S3TestServer
+) -> None:
+    bucket = new_bucket(s3_client)
+    put_objects(s3_client, bucket, {"a.txt": b"a"})
+    mountpoint = tmp_path / "mnt"
+    if problem == "not empty":
+        mountpoint.mkdir()
+        (mountpoint / "already-here.txt").write_text("user data")
+    started = time.monotonic()
+    status, stdout, stderr = cli(
+        "mount",
+        f"s3://{bucket}",
+        str(mountpoint),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--no-metrics",
+        "--endpoint-url",
+        s3_server.endpoint_url,
+    )
+    line = _assert_one_line_failure(status, stdout, stderr, time.monotonic() - started, "mountpoint")
+    assert message in line, line
+    assert not os.path.ismount(mountpoint)
+    if problem == "not empty":
+        assert (mountpoint / "already-here.txt").read_text() == "user data"
+
+
+# -- stopping --------------------------------------------------------------------
+
+
+def test_sigterm_unmounts_cleanly(s3_client: Any, s3_server: S3TestServer, mounter: MountFactory) -> None:
+    bucket = new_bucket(s3_client)
+    put_objects(s3_client, bucket, {"a.txt": b"a"})
+    mount = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url)
+    assert mount.path("a.txt").read_bytes() == b"a"
+
+    os.kill(mount.pid, signal.SIGTERM)
+    wait_until(lambda: not os.path.ismount(mount.mountpoint), "the mount goes away")
+    wait_until(lambda: not mount.alive, "the daemon exits")
+    assert read_state(mount.mountpoint) is None, "the runtime state file is removed"
+    log = (mount.cache_dir / "cachefsd.log").read_text()
+    assert "Traceback" not in log, log
+    assert " ERROR " not in log, log
+    assert f"unmounted {mount.mountpoint}" in log, log
+    assert os.listdir(mount.mountpoint) == []
+
+
+def test_unmount_of_a_path_that_is_not_mounted_fails_clearly(tmp_path: Path) -> None:
+    status, stdout, stderr = cli("unmount", str(tmp_path))
+    line = _assert_one_line_failure(status, stdout, stderr, 0.0, "not mounted")
+    assert str(tmp_path) in line
+    status, stdout, stderr = cli("unmount", str(tmp_path / "missing"))
+    _assert_one_line_failure(status, stdout, stderr, 0.0, "not mounted")
+
+
+def test_unmount_returns_after_the_daemon_exits(
+    s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
+) -> None:
+    bucket = new_bucket(s3_client)
+    put_objects(s3_client, bucket, {"a.txt": b"a"})
+    mount = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url)
+    assert mount.path("a.txt").read_bytes() == b"a"
+
+    result = run_cli("unmount", str(mount.mountpoint))
+    assert result.returncode == 0, result.stderr
+    assert not mount.alive, "unmount returned before the daemon exited"
+    assert not os.path.ismount(mount.mountpoint)
+    # The cache directory is free again: a new mount of it succeeds at once.
+    again = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, cache_dir=mount.cache_dir)
+    assert again.path("a.txt").read_bytes() == b"a"
+
+
+# -- secrets ---------------------------------------------------------------------
+
+
+def test_credentials_never_reach_logs_or_errors(
+    s3_client: Any,
+    s3_server: S3TestServer,
+    mounter: MountFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    key_id = "AKIACACHEFSDTESTKEY77"
+    secret = "s3cr3t-Z9q8w7e6r5t4y3u2i1o0-cachefsd-never-log-me"
+    bucket = new_bucket(s3_client)
+    put_objects(s3_client, bucket, {"a.txt": b"a", "gone.txt": b"deleted upstream after listing"})
+    # The mounter's CLI (and so the daemon) inherits this environment.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+
+    mount = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, "--log-level", "debug")
+    assert sorted(os.listdir(mount.mountpoint)) == ["a.txt", "gone.txt"]
+    assert mount.path("a.txt").read_bytes() == b"a"
+    s3_client.delete_object(Bucket=bucket, Key="gone.txt")
+    with pytest.raises(OSError):  # noqa: PT011 - ENOENT or EIO; the point is what gets logged
+        mount.path("gone.txt").read_bytes()
+    with pytest.raises(FileNotFoundError):
+        mount.path("missing.txt").read_bytes()
+    mount.unmount()
+
+    # And failing mounts with the same credentials in the environment.
+    env = {"AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret}
+    outputs = []
+    for source, endpoint in (
+        (f"s3://{bucket}", f"http://127.0.0.1:{free_port()}"),
+        ("s3://no-such-bucket-cachefsd", s3_server.endpoint_url),
+    ):
+        mountpoint = tmp_path / "failing"
+        mountpoint.mkdir(exist_ok=True)
+        status, stdout, stderr = cli(
+            "mount",
+            source,
+            str(mountpoint),
+            "--cache-dir",
+            str(mount.cache_dir),
+            "--endpoint-url",
+            endpoint,
+            "--no-metrics",
+            "--log-level",
+            "debug",
+            env=env,
+        )
+        assert status != 0
+        outputs.extend([stdout, stderr])
+
+    log = (mount.cache_dir / "cachefsd.log").read_text()
+    assert "mount ready" in log, "the log should hold the daemon's records"
+    for text in [log, *outputs]:
+        assert secret not in text
+        assert key_id not in text
+    # Nor anywhere else the daemon wrote (index, runtime state).
+    for path in mount.cache_dir.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+
+
+# -- demo ------------------------------------------------------------------------
+
+
+def test_demo_reads_two_epochs_and_the_second_hits_the_cache() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "cachefsd", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT_SECONDS,
+        check=False,
+        env={**os.environ, "COLUMNS": "120"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {}
+    for line in result.stdout.splitlines():
+        cells = [cell.strip() for cell in re.split(r"[│|┃]", line) if cell.strip()]
+        if len(cells) == 5 and cells[0].isdigit():
+            rows[int(cells[0])] = cells
+    assert sorted(rows) == [1, 2], result.stdout
+    for cells in rows.values():
+        assert cells[4] == "all match", result.stdout
+    assert rows[2][3] == "100.0%", result.stdout
+    assert "unmounted" in result.stdout
