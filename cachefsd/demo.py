@@ -86,8 +86,18 @@ def run(workers: int, keep: bool) -> int:
     port = _free_port()
     metrics_url = f"http://127.0.0.1:{port}/metrics"
     mount = subprocess.run(
-        [sys.executable, "-m", "cachefsd", "mount", str(dataset), str(mountpoint), "--cache-dir", str(cache),
-         "--metrics-addr", f"127.0.0.1:{port}"],
+        [
+            sys.executable,
+            "-m",
+            "cachefsd",
+            "mount",
+            str(dataset),
+            str(mountpoint),
+            "--cache-dir",
+            str(cache),
+            "--metrics-addr",
+            f"127.0.0.1:{port}",
+        ],
         check=False,
     )
     if mount.returncode != 0:
@@ -106,7 +116,11 @@ def run(workers: int, keep: bool) -> int:
                 results = [item for shard in pool.map(_read_files, shards) for item in shard]
             elapsed = time.perf_counter() - started
             read_bytes = sum(size for _, _, size in results)
-            bad = [path for path, digest, _ in results if digest != digests[str(Path(path).relative_to(mountpoint))]]
+            bad = [
+                path
+                for path, digest, _ in results
+                if digest != digests[str(Path(path).relative_to(mountpoint))]
+            ]
             hit_ratio = 1 - (_cold_bytes(metrics_url) - cold_before) / read_bytes
             table.add_row(
                 str(epoch),

@@ -8,6 +8,12 @@ reader never sees a mix of old and new bytes. If the object changes upstream
 while the handle is open and a block of the old version is not cached, the
 read fails with EIO and the listing is dropped so the next open sees the new
 version (SEMANTICS.md).
+
+The kernel page cache is per path, not per version, so ``open`` also decides
+how the kernel may use it: keep its pages only when they can only be of the
+version being opened (``keep_cache``); otherwise drop them; and while another
+version of the same path is still open, bypass the page cache for the new
+handle (``direct_io``) so neither version's pages are seen through the other.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import stat
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -30,6 +37,13 @@ DIR_MODE = stat.S_IFDIR | 0o555
 FILE_MODE = stat.S_IFREG | 0o444
 # st_blocks is counted in 512-byte units, whatever the filesystem.
 STAT_BLOCK_UNIT = 512
+
+
+@dataclass(frozen=True, slots=True)
+class OpenFile:
+    handle: int
+    keep_cache: bool  # the kernel's cached pages of this path are of this version
+    direct_io: bool  # another version is open: stay out of the shared page cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +63,11 @@ class FileSystem:
         self._uid = uid
         self._gid = gid
         self._mounted_at = time.time()
+        # _lock guards the three maps below.
         self._lock = threading.Lock()
         self._handles: dict[int, ObjectInfo] = {}
+        self._open_versions: dict[str, Counter[str]] = {}  # key -> etag -> open handles
+        self._page_cache_version: dict[str, str] = {}  # key -> etag the kernel may hold pages of
         self._next_handle = itertools.count(1)
 
     def getattr(self, path: str) -> Attributes:
@@ -66,16 +83,23 @@ class FileSystem:
         listing.extend((name, DIR_MODE if info is None else FILE_MODE) for name, info in entries.items())
         return listing
 
-    def open(self, path: str, flags: int) -> int:
+    def open(self, path: str, flags: int) -> OpenFile:
         if flags & _WRITE_FLAGS:
             raise ReadOnly(path)
-        node = self._namespace.lookup(path)
-        if node.info is None:
+        info = self._namespace.lookup(path).info
+        if info is None:
             raise IsADirectory(path)
         with self._lock:
             handle = next(self._next_handle)
-            self._handles[handle] = node.info
-        return handle
+            self._handles[handle] = info
+            open_versions = self._open_versions.setdefault(info.key, Counter())
+            other_version_open = any(etag != info.etag for etag in open_versions)
+            open_versions[info.etag] += 1
+            if other_version_open:
+                return OpenFile(handle, keep_cache=False, direct_io=True)
+            keep_cache = self._page_cache_version.get(info.key) == info.etag
+            self._page_cache_version[info.key] = info.etag
+        return OpenFile(handle, keep_cache=keep_cache, direct_io=False)
 
     def read(self, handle: int, size: int, offset: int) -> bytes:
         with self._lock:
@@ -90,7 +114,15 @@ class FileSystem:
 
     def release(self, handle: int) -> None:
         with self._lock:
-            self._handles.pop(handle, None)
+            info = self._handles.pop(handle, None)
+            if info is None:
+                return
+            open_versions = self._open_versions[info.key]
+            open_versions[info.etag] -= 1
+            if open_versions[info.etag] == 0:
+                del open_versions[info.etag]
+            if not open_versions:
+                del self._open_versions[info.key]
 
     def statfs(self) -> dict[str, int]:
         """Sizes for ``df``: the block size, and a read-only filesystem with no free space."""

@@ -71,8 +71,13 @@ def _stat(attributes: Attributes) -> dict[str, Any]:
 class FuseOperations(mfusepy.Operations):
     """Kernel-facing options are set in ``init_with_config``: attribute and
     entry timeouts equal the metadata TTL (the kernel asks again exactly when
-    our listing may have changed), and ``auto_cache`` keeps file pages in the
-    kernel page cache across opens until the file's mtime or size changes."""
+    our listing may have changed). Whether the page cache is kept across
+    opens is decided per open by ``fs.open`` from the object version, not by
+    libfuse's ``auto_cache``, which compares mtime and size: S3 mtimes have
+    one-second resolution and an overwrite may keep the size.
+
+    Runs with mfusepy's ``raw_fi``: file operations receive the kernel's
+    ``fuse_file_info`` so ``open`` can set ``keep_cache`` and ``direct_io``."""
 
     use_ns = False
 
@@ -87,7 +92,7 @@ class FuseOperations(mfusepy.Operations):
             config_3.attr_timeout = self._metadata_ttl
             config_3.entry_timeout = self._metadata_ttl
             config_3.negative_timeout = self._metadata_ttl
-            config_3.auto_cache = 1
+            config_3.auto_cache = 0
             config_3.kernel_cache = 0
         self.mounted = True
         self._on_ready()
@@ -101,16 +106,18 @@ class FuseOperations(mfusepy.Operations):
         return [(name, mode, 0) for name, mode in self._fs.readdir(path)]
 
     @_translated
-    def open(self, path: str, flags: int) -> int:
-        return self._fs.open(path, flags)
+    def open(self, path: str, fi: Any) -> int:
+        opened = self._fs.open(path, fi.flags)
+        fi.fh, fi.keep_cache, fi.direct_io = opened.handle, opened.keep_cache, opened.direct_io
+        return 0
 
     @_translated
-    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-        return self._fs.read(fh, size, offset)
+    def read(self, path: str, size: int, offset: int, fi: Any) -> bytes:
+        return self._fs.read(fi.fh, size, offset)
 
     @_translated
-    def release(self, path: str, fh: int) -> int:
-        self._fs.release(fh)
+    def release(self, path: str, fi: Any) -> int:
+        self._fs.release(fi.fh)
         return 0
 
     @_translated
@@ -123,11 +130,11 @@ class FuseOperations(mfusepy.Operations):
         self._fs.refuse_write(path)
 
     @_translated
-    def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
+    def write(self, path: str, data: bytes, offset: int, fi: Any) -> int:
         self._fs.refuse_write(path)
 
     @_translated
-    def truncate(self, path: str, length: int, fh: int | None = None) -> int:
+    def truncate(self, path: str, length: int, fi: Any = None) -> int:
         self._fs.refuse_write(path)
 
     @_translated
@@ -192,7 +199,7 @@ def serve(operations: FuseOperations, mountpoint: str, fsname: str, allow_other:
     if allow_other:
         options["allow_other"] = True
     try:
-        mfusepy.FUSE(operations, mountpoint, **options)
+        mfusepy.FUSE(operations, mountpoint, raw_fi=True, **options)
     except RuntimeError as exc:
         # libfuse >= 3.12 ends the session loop of a SIGTERM/SIGINT/SIGHUP
         # with the signal as its error, so fuse_main returns 8 ("loop

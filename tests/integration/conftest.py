@@ -25,7 +25,6 @@ MOUNT_TIMEOUT_SECONDS = 90.0
 UNMOUNT_TIMEOUT_SECONDS = 30.0
 
 
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test here mounts; it may skip only when the machine has no /dev/fuse."""
     has_fuse = os.path.exists("/dev/fuse")
@@ -44,7 +43,11 @@ def free_port() -> int:
 
 def run_cli(*args: str, timeout: float = MOUNT_TIMEOUT_SECONDS) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cachefsd", *args], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-m", "cachefsd", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
@@ -54,7 +57,9 @@ def force_unmount(mountpoint: Path) -> None:
         if not os.path.ismount(mountpoint):
             return
         with contextlib.suppress(subprocess.TimeoutExpired):
-            subprocess.run(["fusermount3", flags, str(mountpoint)], capture_output=True, timeout=10, check=False)
+            subprocess.run(
+                ["fusermount3", flags, str(mountpoint)], capture_output=True, timeout=10, check=False
+            )
 
 
 @dataclass

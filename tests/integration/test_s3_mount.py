@@ -505,12 +505,6 @@ def test_upstream_changes_show_after_the_metadata_ttl(s3_client: Any, mount_buck
     assert mount.alive
 
 
-@pytest.mark.xfail(
-    reason="BUG: the kernel page cache keeps pages of the old version across opens (auto_cache keys on "
-    "size+mtime, and S3 LastModified has 1 s resolution), so a fresh open mixes old cached pages with "
-    "new bytes; see the report",
-    strict=False,
-)
 def test_an_open_handle_never_returns_bytes_of_a_newer_version(
     s3_client: Any, mount_bucket: MountBucket
 ) -> None:

@@ -38,7 +38,7 @@ def test_attributes(make_engine: EngineFactory) -> None:
 def test_a_handle_stays_on_the_version_it_opened(make_engine: EngineFactory) -> None:
     old = os.urandom(3 * BLOCK_SIZE)
     engine = make_engine({"f": old})
-    handle = engine.fs.open("/f", os.O_RDONLY)
+    handle = engine.fs.open("/f", os.O_RDONLY).handle
     assert engine.fs.read(handle, BLOCK_SIZE, 0) == old[:BLOCK_SIZE]
     new = os.urandom(3 * BLOCK_SIZE)
     engine.store.put("f", new)
@@ -49,13 +49,47 @@ def test_a_handle_stays_on_the_version_it_opened(make_engine: EngineFactory) -> 
         engine.fs.read(handle, BLOCK_SIZE, BLOCK_SIZE)
     engine.fs.release(handle)
     # The failure dropped the stale listing: a new open sees the new version.
-    fresh = engine.fs.open("/f", os.O_RDONLY)
+    fresh = engine.fs.open("/f", os.O_RDONLY).handle
     assert engine.fs.read(fresh, 3 * BLOCK_SIZE, 0) == new
 
 
 def test_reading_a_released_handle_fails(make_engine: EngineFactory) -> None:
     engine = make_engine({"f": b"x"})
-    handle = engine.fs.open("/f", os.O_RDONLY)
+    handle = engine.fs.open("/f", os.O_RDONLY).handle
     engine.fs.release(handle)
     with pytest.raises(BadFileHandle):
         engine.fs.read(handle, 1, 0)
+
+
+def test_the_page_cache_is_kept_only_for_the_version_it_holds(make_engine: EngineFactory) -> None:
+    engine = make_engine({"f": b"version one"}, ttl=5)
+    first = engine.fs.open("/f", os.O_RDONLY)
+    assert not first.keep_cache  # nothing known about the kernel's pages yet
+    engine.fs.release(first.handle)
+    again = engine.fs.open("/f", os.O_RDONLY)
+    assert again.keep_cache
+    assert not again.direct_io
+    engine.fs.release(again.handle)
+
+    engine.store.put("f", b"version two")  # same size, and possibly the same mtime
+    engine.clock.now += 6
+    changed = engine.fs.open("/f", os.O_RDONLY)
+    assert not changed.keep_cache  # the kernel must drop version one's pages
+    engine.fs.release(changed.handle)
+
+
+def test_a_new_version_opened_beside_an_old_one_bypasses_the_page_cache(make_engine: EngineFactory) -> None:
+    engine = make_engine({"f": b"version one"}, ttl=5)
+    old = engine.fs.open("/f", os.O_RDONLY)
+    engine.store.put("f", b"version two")
+    engine.clock.now += 6
+    new = engine.fs.open("/f", os.O_RDONLY)
+    assert new.direct_io
+    assert not new.keep_cache
+    assert engine.fs.read(new.handle, 100, 0) == b"version two"
+    engine.fs.release(old.handle)
+    engine.fs.release(new.handle)
+    # The old version's pages may still be in the kernel: not kept.
+    after = engine.fs.open("/f", os.O_RDONLY)
+    assert not after.keep_cache
+    assert not after.direct_io
