@@ -378,20 +378,21 @@ def test_s3_uri_is_normalised(prefix: str, uri: str) -> None:
     assert S3Store("bkt", prefix, StoreSettings(), ATTEMPT_TIMEOUT_SECONDS).uri == uri
 
 
+async def _check_then_close(store: ObjectStore) -> None:
+    try:
+        await store.check()
+    finally:
+        await store.close()
+
+
 def test_s3_missing_bucket_fails_fast(s3_settings: StoreSettings, monkeypatch: pytest.MonkeyPatch) -> None:
     secret = f"secret-{uuid.uuid4().hex}"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     store = S3Store("no-such-bucket-here", "x", s3_settings, ATTEMPT_TIMEOUT_SECONDS)
 
-    async def body() -> None:
-        try:
-            await store.check()
-        finally:
-            await store.close()
-
     began = time.monotonic()
     with pytest.raises(ObjectNotFound, match="bucket 'no-such-bucket-here' does not exist") as caught:
-        _run_alone(body)
+        _run_alone(lambda: _check_then_close(store))
 
     assert time.monotonic() - began < FAST_FAILURE_SECONDS
     assert secret not in _full_text(caught.value)
@@ -406,15 +407,9 @@ def test_s3_unreachable_endpoint_is_a_retryable_error(monkeypatch: pytest.Monkey
     settings = StoreSettings(endpoint_url=f"http://127.0.0.1:{port}", region="us-east-1", connect_timeout=2.0)
     store = S3Store("bkt", "", settings, ATTEMPT_TIMEOUT_SECONDS)
 
-    async def body() -> None:
-        try:
-            await store.check()
-        finally:
-            await store.close()
-
     began = time.monotonic()
     with pytest.raises(StoreError) as caught:
-        _run_alone(body)
+        _run_alone(lambda: _check_then_close(store))
 
     assert time.monotonic() - began < FAST_FAILURE_SECONDS
     assert type(caught.value) is StoreError
@@ -443,14 +438,8 @@ def test_s3_without_credentials_is_access_denied(
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     store = S3Store("bkt", "", s3_settings, ATTEMPT_TIMEOUT_SECONDS)
 
-    async def body() -> None:
-        try:
-            await store.check()
-        finally:
-            await store.close()
-
     with pytest.raises(AccessDenied, match="standard chain"):
-        _run_alone(body)
+        _run_alone(lambda: _check_then_close(store))
 
 
 def test_s3_store_survives_an_endpoint_outage(s3_client: Any) -> None:
@@ -552,15 +541,9 @@ def test_gcs_uri_is_normalised(prefix: str, uri: str) -> None:
 def test_gcs_missing_bucket_fails_fast(gcs_emulator: object) -> None:
     store = GcsStore("no-such-bucket-here", "x", ATTEMPT_TIMEOUT_SECONDS)
 
-    async def body() -> None:
-        try:
-            await store.check()
-        finally:
-            await store.close()
-
     began = time.monotonic()
     with pytest.raises(ObjectNotFound, match="bucket 'no-such-bucket-here' does not exist"):
-        _run_alone(body)
+        _run_alone(lambda: _check_then_close(store))
     assert time.monotonic() - began < FAST_FAILURE_SECONDS
 
 
