@@ -8,19 +8,25 @@ cache on disk, and finally fetched from the cold store, once for all
 concurrent readers (single-flight), then admitted to the cache.
 
 A block is always found through (source, key, etag, index): bytes cached
-for one version of an object are never served for another.
+for one version of an object are never served for another. Where a store's
+etags identify content (S3: the MD5 of a single-part upload, or of its parts
+with their count), an object with the same etag and size as one already
+cached adopts its blocks without a GET (``dedup_by_etag``).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
-from typing import Protocol
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from cachefsd.aio import LoopThread
-from cachefsd.chunks.cache import BlockCache
-from cachefsd.chunks.codec import content_hash
+from cachefsd.chunks.cache import TieredCache
+from cachefsd.chunks.codec import HEADER_SIZE, content_hash
 from cachefsd.fetch import Fetcher, FetchKind
 from cachefsd.index import BlockRef
 from cachefsd.singleflight import SingleFlight
@@ -30,6 +36,10 @@ from cachefsd.store.base import ObjectInfo
 # dozen concurrent sequential readers is in; the kernel page cache holds the
 # rest, so more would only duplicate it.
 MEMORY_BUFFER_BYTES = 64 << 20
+# How much recently verified raw-tier data is served from its file without
+# hashing it again. The same bound as the RAM buffer: a block that rots on
+# disk is caught once this much other data has been read since its check.
+VERIFIED_WINDOW_BYTES = MEMORY_BUFFER_BYTES
 
 # Margin on top of the fetch deadline for the FUSE thread's own wait, so the
 # fetcher's DeadlineExceeded (with its cause) arrives before the bridge's.
@@ -58,31 +68,62 @@ class ReadEvents(Protocol):
         ...
 
 
-class _MemoryBuffer:
-    """A byte-bounded LRU of decoded blocks. Guarded by its own lock."""
+@dataclass(frozen=True, slots=True)
+class FileSpan:
+    """Bytes a reader gets straight from a cached block file: the FUSE layer
+    hands the descriptor to libfuse, which copies (or splices) in C. The
+    receiver owns ``fd`` and must close it."""
+
+    fd: int
+    offset: int
+    length: int
+
+
+Piece = bytes | FileSpan
+
+
+def close_pieces(pieces: list[Piece]) -> None:
+    for piece in pieces:
+        if isinstance(piece, FileSpan):
+            os.close(piece.fd)
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class _ByteBudgetLru(Generic[K, V]):
+    """An LRU map bounded by the bytes its values stand for. Own lock."""
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._lock = threading.Lock()
-        self._blocks: OrderedDict[BlockRef, bytes] = OrderedDict()
+        self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
         self._used = 0
 
-    def get(self, ref: BlockRef) -> bytes | None:
+    def get(self, key: K) -> V | None:
         with self._lock:
-            data = self._blocks.get(ref)
-            if data is not None:
-                self._blocks.move_to_end(ref)
-            return data
+            item = self._items.get(key)
+            if item is None:
+                return None
+            self._items.move_to_end(key)
+            return item[0]
 
-    def put(self, ref: BlockRef, data: bytes) -> None:
+    def put(self, key: K, value: V, size: int) -> None:
         with self._lock:
-            if ref in self._blocks or len(data) > self._capacity:
+            if key in self._items or size > self._capacity:
                 return
-            self._blocks[ref] = data
-            self._used += len(data)
+            self._items[key] = (value, size)
+            self._used += size
             while self._used > self._capacity:
-                _, evicted = self._blocks.popitem(last=False)
-                self._used -= len(evicted)
+                _, (_, evicted) = self._items.popitem(last=False)
+                self._used -= evicted
+
+    def discard(self, key: K) -> None:
+        with self._lock:
+            item = self._items.pop(key, None)
+            if item is not None:
+                self._used -= item[1]
 
 
 class BlockReader:
@@ -90,10 +131,11 @@ class BlockReader:
         self,
         source: str,
         block_size: int,
-        cache: BlockCache,
+        cache: TieredCache,
         fetcher: Fetcher,
         io: LoopThread,
         events: ReadEvents,
+        dedup_by_etag: bool,
     ) -> None:
         self._source = source
         self._block_size = block_size
@@ -101,7 +143,13 @@ class BlockReader:
         self._fetcher = fetcher
         self._io = io
         self._events = events
-        self._memory = _MemoryBuffer(MEMORY_BUFFER_BYTES)
+        self._dedup_by_etag = dedup_by_etag
+        # Decoded blocks of compressed tiers, served from RAM while a reader
+        # works through them in FUSE-sized pieces.
+        self._memory: _ByteBudgetLru[BlockRef, bytes] = _ByteBudgetLru(MEMORY_BUFFER_BYTES)
+        # Blocks of raw tiers whose file was verified (or written) recently:
+        # reads of them are served from the file without copying or hashing.
+        self._verified: _ByteBudgetLru[str, bool] = _ByteBudgetLru(VERIFIED_WINDOW_BYTES)
         self._in_flight: SingleFlight[BlockRef, bytes] = SingleFlight()
 
     @property
@@ -111,43 +159,72 @@ class BlockReader:
     def ref(self, info: ObjectInfo, index: int) -> BlockRef:
         return BlockRef(self._source, info.key, info.etag, index)
 
-    def read(self, info: ObjectInfo, offset: int, size: int) -> bytes:
-        """Exactly the bytes ``[offset, offset + size)`` of version ``info``,
-        short only at the end of the object."""
-        pieces = []
-        cold_bytes = 0
+    def read(self, info: ObjectInfo, offset: int, size: int) -> list[Piece]:
+        """Exactly the bytes ``[offset, offset + size)`` of version ``info``
+        (short only at the end of the object), as pieces in order."""
+        pieces: list[Piece] = []
+        total = cold_bytes = 0
         stalled = 0.0
-        for index in block_range(offset, size, info.size, self._block_size):
-            start, _ = block_bounds(index, info.size, self._block_size)
-            data, stall = self._block(info, index, "demand")
-            lo = max(offset - start, 0)
-            hi = min(offset + size - start, len(data))
-            pieces.append(data if lo == 0 and hi == len(data) else data[lo:hi])
-            if stall is not None:
-                cold_bytes += hi - lo
-                stalled += stall
-        result = b"".join(pieces)
-        self._events.read_done(len(result), cold_bytes, stalled)
-        return result
+        try:
+            for index in block_range(offset, size, info.size, self._block_size):
+                start, end = block_bounds(index, info.size, self._block_size)
+                lo, hi = max(offset - start, 0), min(offset + size, end) - start
+                piece, stall = self._piece(info, index, lo, hi)
+                pieces.append(piece)
+                total += hi - lo
+                if stall is not None:
+                    cold_bytes += hi - lo
+                    stalled += stall
+        except BaseException:
+            close_pieces(pieces)
+            raise
+        self._events.read_done(total, cold_bytes, stalled)
+        return pieces
 
-    def _block(self, info: ObjectInfo, index: int, kind: FetchKind) -> tuple[bytes, float | None]:
-        """Block ``index`` of ``info``, and how long it waited on the cold
-        store (None when it came from the cache)."""
+    def _piece(self, info: ObjectInfo, index: int, lo: int, hi: int) -> tuple[Piece, float | None]:
+        """Bytes ``[lo, hi)`` of block ``index``, and how long they waited on
+        the cold store (None when they came from the cache)."""
         ref = self.ref(info, index)
         data = self._memory.get(ref)
         if data is not None:
-            return data, None
-        data = self._cache.read(ref)
+            return data[lo:hi], None
+        digest = self._cache.lookup(ref)
+        if digest is not None and self._verified.get(digest):
+            span = self._span(digest, lo, hi)
+            if span is not None:
+                return span, None
+        data = None if digest is None else self._cache.read(digest)
+        if data is None and self._dedup_by_etag:
+            data = self._cache.adopt(ref, (info.etag, info.size))
         if data is not None:
-            self._memory.put(ref, data)
-            return data, None
+            self._remember(ref, content_hash(data), data)
+            return data[lo:hi], None
         started = time.monotonic()
         data = self._in_flight.do(
             ref,
-            lambda: self._fetch_and_admit(info, index, kind),
+            lambda: self._fetch_and_admit(info, index, "demand"),
             self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
         )
-        return data, time.monotonic() - started
+        return data[lo:hi], time.monotonic() - started
+
+    def _span(self, digest: str, lo: int, hi: int) -> FileSpan | None:
+        path = self._cache.raw_path(digest)
+        if path is None:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # evicted or demoted since: take the slow path
+            self._verified.discard(digest)
+            return None
+        return FileSpan(fd, HEADER_SIZE + lo, hi - lo)
+
+    def _remember(self, ref: BlockRef, digest: str, data: bytes) -> None:
+        """Keep a block's next reads cheap: raw-tier blocks by their verified
+        file, others decoded in RAM."""
+        if self._cache.raw_path(digest) is not None:
+            self._verified.put(digest, True, len(data))
+        else:
+            self._memory.put(ref, data, len(data))
 
     def _fetch_and_admit(self, info: ObjectInfo, index: int, kind: FetchKind) -> bytes:
         ref = self.ref(info, index)
@@ -156,8 +233,10 @@ class BlockReader:
             self._fetcher.get_range(info.key, start, end, info.etag, kind),
             self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
         )
-        self._memory.put(ref, data)
-        self._cache.admit(ref, content_hash(data), data)
+        identity = (info.etag, info.size) if self._dedup_by_etag else None
+        digest = content_hash(data)
+        self._cache.admit(ref, digest, data, identity)
+        self._remember(ref, digest, data)
         return data
 
     def release_version(self, info: ObjectInfo) -> None:

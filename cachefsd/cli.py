@@ -42,6 +42,11 @@ def _mount_flags(args: argparse.Namespace) -> dict[str, Any]:
     put("cache", "dir", args.cache_dir)
     put("cache", "size", args.cache_size)
     put("cache", "block_size", args.block_size)
+    for tier in ("hot", "warm"):
+        tier_dir, tier_size = getattr(args, tier), getattr(args, f"{tier}_size")
+        if tier_dir is not None or tier_size is not None:
+            tier_flags = {"dir": tier_dir, "size": tier_size}
+            flags.setdefault("cache", {})[tier] = {k: v for k, v in tier_flags.items() if v is not None}
     put("store", "endpoint_url", args.endpoint_url)
     put("store", "region", args.region)
     put("namespace", "metadata_ttl", args.metadata_ttl)
@@ -177,6 +182,37 @@ def _cmd_unmount(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
+    from cachefsd import cachedir  # noqa: PLC0415 - keep `cachefsd --help` light
+
+    report = cachedir.verify(_cache_dir(args), args.repair)
+    bad = report.corrupt + report.missing
+    print(f"checked {report.checked} blocks: {len(report.corrupt)} corrupt, {len(report.missing)} missing")
+    for digest in report.corrupt:
+        print(f"corrupt {digest}")
+    for digest in report.missing:
+        print(f"missing {digest}")
+    if bad and args.repair:
+        print(f"repaired: dropped {len(bad)} blocks; they are fetched again on their next read")
+        return 0
+    return 1 if bad else 0
+
+
+def _cmd_gc(args: argparse.Namespace, argv: list[str]) -> int:
+    from cachefsd import cachedir  # noqa: PLC0415 - keep `cachefsd --help` light
+
+    for tier in cachedir.gc(_cache_dir(args)):
+        used = f"{tier.used_bytes} of {tier.capacity} bytes"
+        print(f"{tier.name}: {tier.block_count} blocks, {used} ({tier.root})")
+    return 0
+
+
+def _cache_dir(args: argparse.Namespace) -> Path:
+    if args.cache_dir is not None:
+        return Path(args.cache_dir)
+    return load_settings(args.config, {"source": ".", "mountpoint": "."}).cache.dir
+
+
 def _cmd_demo(args: argparse.Namespace, argv: list[str]) -> int:
     from cachefsd import demo  # noqa: PLC0415 - the demo pulls in multiprocessing and rich
 
@@ -197,6 +233,10 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--cache-dir", help="where cached blocks and the index live")
     mount.add_argument("--cache-size", help="byte capacity of the cache, e.g. 20G")
     mount.add_argument("--block-size", help="block size, e.g. 4M (64K to 64M)")
+    mount.add_argument("--hot", help="directory of the hot tier (fast local disk; raw blocks)")
+    mount.add_argument("--hot-size", help="capacity of the hot tier, e.g. 200G or 50%% of its filesystem")
+    mount.add_argument("--warm", help="directory of the warm tier (larger disk; lz4 blocks)")
+    mount.add_argument("--warm-size", help="capacity of the warm tier, e.g. 2T or 80%%")
     mount.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
     mount.add_argument("--region", help="S3 region")
     mount.add_argument("--metadata-ttl", help="how long listings and attributes are trusted, e.g. 60s, 1h")
@@ -212,6 +252,17 @@ def _parser() -> argparse.ArgumentParser:
     unmount_cmd = commands.add_parser("unmount", help="unmount MOUNTPOINT and stop its daemon")
     unmount_cmd.add_argument("mountpoint", type=Path)
     unmount_cmd.set_defaults(handler=_cmd_unmount)
+
+    for name, handler, summary in (
+        ("verify", _cmd_verify, "check every cached block's hash (and --repair: drop bad ones)"),
+        ("gc", _cmd_gc, "remove orphans and unreferenced blocks, trim tiers to capacity"),
+    ):
+        maintenance = commands.add_parser(name, help=summary)
+        maintenance.add_argument("--cache-dir", help="the cache directory (default: from config)")
+        maintenance.add_argument("--config", type=Path, help="TOML settings file")
+        if name == "verify":
+            maintenance.add_argument("--repair", action="store_true", help="drop corrupt or missing blocks")
+        maintenance.set_defaults(handler=handler)
 
     demo = commands.add_parser("demo", help="mount a generated local dataset and read two shuffled epochs")
     demo.add_argument("--workers", type=int, default=4, help="reader processes")

@@ -70,6 +70,36 @@ ByteSize = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
 Duration = Annotated[float, BeforeValidator(parse_duration), Field(ge=0)]
 
 
+def parse_tier_size(value: Any) -> int | str:
+    """A tier size: bytes (``200G``) or a share of its filesystem (``50%``),
+    resolved when the tier's directory is known (``resolve_tier_size``)."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        number = value.strip()[:-1]
+        try:
+            percent = float(number)
+        except ValueError:
+            raise ValueError(f"invalid share {value!r}: expected a percentage like 50%") from None
+        if not 0 < percent <= 100:
+            raise ValueError(f"invalid share {value!r}: must be more than 0% and at most 100%")
+        return f"{percent:g}%"
+    size = parse_size(value)
+    if size <= 0:
+        raise ValueError(f"invalid size {value!r}: must be positive")
+    return size
+
+
+TierSize = Annotated[int | str, BeforeValidator(parse_tier_size)]
+
+
+def resolve_tier_size(size: int | str, directory: Path) -> int:
+    """Bytes for a tier size, a percentage meaning of the total size of the
+    filesystem that holds ``directory`` (as ``df`` shows it)."""
+    if isinstance(size, int):
+        return size
+    stats = os.statvfs(directory)
+    return int(stats.f_blocks * stats.f_frsize * float(size[:-1]) / 100)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -83,14 +113,50 @@ def _default_cache_dir() -> Path:
     return Path(base) / "cachefsd"
 
 
+Codec = Literal["raw", "lz4"]
+
+
+class TierSettings(_Section):
+    dir: Path
+    size: TierSize
+    codec: Codec
+
+
 class CacheSettings(_Section):
+    """Where blocks live. Without ``hot`` or ``warm``, one raw tier of
+    ``size`` bytes under ``dir``; with them, those tiers (``dir`` then only
+    holds the index)."""
+
     dir: Path = Field(default_factory=_default_cache_dir)
     # 10 GiB fits a real dataset shard set on any GPU node's local disk.
-    size: ByteSize = Field(default=10 << 30, gt=0)
+    size: TierSize = Field(default=10 << 30)
     # 4 MiB blocks: large enough that a GET's latency is amortised (S3
     # first-byte latency ~20 ms vs ~40 ms to move 4 MiB at 100 MB/s), small
     # enough that a random read into a large file does not fetch much waste.
     block_size: ByteSize = Field(default=4 << 20, ge=64 << 10, le=64 << 20)
+    hot: TierSettings | None = None
+    warm: TierSettings | None = None
+    policy: Literal["epoch-aware", "lru", "2-random", "minio"] = "epoch-aware"
+    # Reuse cached blocks of another object with the same etag and size
+    # instead of downloading (S3 etags of single-part uploads are content
+    # MD5s). Only stores whose etags identify content take part.
+    dedup_by_etag: bool = True
+
+    @field_validator("hot", "warm", mode="before")
+    @classmethod
+    def _tier_defaults(cls, value: Any, info: Any) -> Any:
+        """``--hot DIR`` alone is a whole tier: raw for hot, lz4 for warm, and
+        all of the cache size unless told otherwise."""
+        if isinstance(value, Mapping):
+            codec = "raw" if info.field_name == "hot" else "lz4"
+            return {"codec": codec, **value}
+        return value
+
+    def tiers(self) -> list[tuple[str, TierSettings]]:
+        """The tiers in order, fastest first."""
+        if self.hot is None and self.warm is None:
+            return [("hot", TierSettings(dir=self.dir, size=self.size, codec="raw"))]
+        return [(name, tier) for name, tier in (("hot", self.hot), ("warm", self.warm)) if tier is not None]
 
 
 class StoreSettings(_Section):

@@ -24,10 +24,11 @@ import stat
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
-from cachefsd.blocks import BlockReader
+from cachefsd.blocks import BlockReader, Piece
 from cachefsd.errors import BadFileHandle, IsADirectory, ObjectChanged, ReadOnly
 from cachefsd.namespace.tree import Namespace
 from cachefsd.store.base import ObjectInfo
@@ -57,8 +58,16 @@ class Attributes:
 
 
 class FileSystem:
-    def __init__(self, namespace: Namespace, reader: BlockReader, uid: int, gid: int) -> None:
+    def __init__(
+        self,
+        namespace: Namespace,
+        reader: BlockReader,
+        uid: int,
+        gid: int,
+        on_open: Callable[[str], None] = lambda key: None,
+    ) -> None:
         self._namespace = namespace
+        self._on_open = on_open  # the access model's view: one call per pass over a file
         self._reader = reader
         self._uid = uid
         self._gid = gid
@@ -95,13 +104,14 @@ class FileSystem:
             open_versions = self._open_versions.setdefault(info.key, Counter())
             other_version_open = any(etag != info.etag for etag in open_versions)
             open_versions[info.etag] += 1
+            self._on_open(info.key)
             if other_version_open:
                 return OpenFile(handle, keep_cache=False, direct_io=True)
             keep_cache = self._page_cache_version.get(info.key) == info.etag
             self._page_cache_version[info.key] = info.etag
         return OpenFile(handle, keep_cache=keep_cache, direct_io=False)
 
-    def read(self, handle: int, size: int, offset: int) -> bytes:
+    def read(self, handle: int, size: int, offset: int) -> list[Piece]:
         with self._lock:
             info = self._handles.get(handle)
         if info is None:

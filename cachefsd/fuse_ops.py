@@ -8,14 +8,19 @@ catch-all EINVAL).
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import errno
 import functools
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
+from cachefsd.blocks import FileSpan, Piece
 from cachefsd.errors import CachefsdError, errno_for
 from cachefsd.fs import Attributes, FileSystem
 
@@ -54,6 +59,117 @@ def _translated(operation: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.malloc.restype = ctypes.c_void_p
+_libc.malloc.argtypes = [ctypes.c_size_t]
+
+# fuse_buf_flags (fuse_common.h): the buffer is a file descriptor, read it at
+# ``pos`` (pread), and retry short reads.
+_FUSE_BUF_IS_FD = 1 << 1
+_FUSE_BUF_FD_SEEK = 1 << 2
+_FUSE_BUF_FD_RETRY = 1 << 3
+_FD_FLAGS = _FUSE_BUF_IS_FD | _FUSE_BUF_FD_SEEK | _FUSE_BUF_FD_RETRY
+
+# libfuse reads a span's descriptor after read_buf has returned, when the
+# same worker thread sends the reply. So a thread's descriptors are closed
+# when it comes back with its next read; those of a thread that does not
+# come back (libfuse retires idle workers) after this grace period, far
+# longer than a reply (a copy into /dev/fuse) can take.
+_FD_GRACE_SECONDS = 5.0
+_open_spans: dict[int, tuple[float, list[int]]] = {}  # thread id -> (handed out at, fds)
+_open_spans_lock = threading.Lock()
+
+
+class _Buf(ctypes.Structure):
+    """``struct fuse_buf``."""
+
+    _fields_ = (
+        ("size", ctypes.c_size_t),
+        ("flags", ctypes.c_int),
+        ("mem", ctypes.c_void_p),
+        ("fd", ctypes.c_int),
+        ("pos", ctypes.c_int64),
+    )
+
+
+@functools.cache
+def _bufvec_type(count: int) -> type[ctypes.Structure]:
+    """``struct fuse_bufvec`` with room for ``count`` buffers (C declares a
+    one-element array and over-allocates; mfusepy's declaration is a pointer)."""
+    return type(
+        f"_BufVec{count}",
+        (ctypes.Structure,),
+        {
+            "_fields_": (
+                ("count", ctypes.c_size_t),
+                ("idx", ctypes.c_size_t),
+                ("off", ctypes.c_size_t),
+                ("buf", _Buf * count),
+            )
+        },
+    )
+
+
+def _malloc(size: int) -> int:
+    address = _libc.malloc(max(size, 1))
+    if not address:
+        raise MemoryError("malloc failed")
+    return int(address)
+
+
+def _bufvec(pieces: list[Piece]) -> Any:
+    """A ``fuse_bufvec`` for libfuse to send and then ``free()``: memory
+    pieces are copied once into malloc'd buffers, file pieces are passed as
+    descriptors that libfuse reads without Python."""
+    now = time.monotonic()
+    thread = threading.get_ident()
+    _close_spans(lambda owner, handed_out: owner == thread or now - handed_out > _FD_GRACE_SECONDS)
+    fds = [piece.fd for piece in pieces if isinstance(piece, FileSpan)]
+    if fds:
+        with _open_spans_lock:
+            _open_spans[thread] = (now, fds)
+    vector_type = _bufvec_type(max(len(pieces), 1))
+    vector = vector_type.from_address(_malloc(ctypes.sizeof(vector_type)))
+    ctypes.memset(ctypes.addressof(vector), 0, ctypes.sizeof(vector_type))
+    vector.count = len(pieces)
+    for slot, piece in zip(vector.buf, pieces, strict=False):
+        if isinstance(piece, FileSpan):
+            slot.size, slot.flags, slot.fd, slot.pos = piece.length, _FD_FLAGS, piece.fd, piece.offset
+        else:
+            memory = _malloc(len(piece))
+            ctypes.memmove(memory, piece, len(piece))
+            slot.size, slot.mem, slot.fd = len(piece), memory, -1
+    return ctypes.cast(ctypes.addressof(vector), ctypes.POINTER(mfusepy.fuse_bufvec))
+
+
+def _close_spans(done: Callable[[int, float], bool]) -> None:
+    """Close the descriptors of every thread for which ``done(thread,
+    handed_out_at)`` says its reply has been sent."""
+    with _open_spans_lock:
+        finished = [thread for thread, (handed_out, _) in _open_spans.items() if done(thread, handed_out)]
+        closing = [fd for thread in finished for fd in _open_spans.pop(thread)[1]]
+    for fd in closing:
+        os.close(fd)
+
+
+def _set_read_ahead(mountpoint: str, nbytes: int) -> None:
+    """Let the kernel read ahead ``nbytes`` of a file being read in order.
+
+    The kernel's default (128 KiB) makes it ask for 256 KiB at a time, so a
+    sequential reader costs one trip through Python per 256 KiB; with a
+    block's worth of read-ahead it asks for 1 MiB (libfuse's largest
+    request). Needs root (sysfs); without it the default stays. Runs on its
+    own thread once the mount answers: the kernel sets read-ahead from
+    libfuse's reply to INIT, after the init callback has returned."""
+    try:
+        device = os.stat(mountpoint).st_dev
+        Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb").write_text(
+            f"{nbytes // 1024}\n"
+        )
+    except OSError as exc:
+        log.info("kernel read-ahead left at its default: %s", exc)
+
+
 def _stat(attributes: Attributes) -> dict[str, Any]:
     return {
         "st_mode": attributes.mode,
@@ -81,9 +197,18 @@ class FuseOperations(mfusepy.Operations):
 
     use_ns = False
 
-    def __init__(self, fs: FileSystem, metadata_ttl: float, on_ready: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        fs: FileSystem,
+        mountpoint: str,
+        metadata_ttl: float,
+        read_ahead: int,
+        on_ready: Callable[[], None],
+    ) -> None:
         self._fs = fs
+        self._mountpoint = mountpoint
         self._metadata_ttl = metadata_ttl
+        self._read_ahead = read_ahead
         self._on_ready = on_ready
         self.mounted = False  # set once the kernel has initialised the mount
 
@@ -95,6 +220,12 @@ class FuseOperations(mfusepy.Operations):
             config_3.auto_cache = 0
             config_3.kernel_cache = 0
         self.mounted = True
+        threading.Thread(
+            target=_set_read_ahead,
+            args=(self._mountpoint, self._read_ahead),
+            name="cachefsd-readahead",
+            daemon=True,
+        ).start()
         self._on_ready()
 
     @_translated
@@ -112,8 +243,9 @@ class FuseOperations(mfusepy.Operations):
         return 0
 
     @_translated
-    def read(self, path: str, size: int, offset: int, fi: Any) -> bytes:
-        return self._fs.read(fi.fh, size, offset)
+    def read_buf(self, path: str, bufpp: Any, size: int, offset: int, fi: Any) -> int:
+        bufpp[0] = _bufvec(self._fs.read(fi.fh, size, offset))
+        return 0
 
     @_translated
     def release(self, path: str, fi: Any) -> int:
@@ -208,3 +340,5 @@ def serve(operations: FuseOperations, mountpoint: str, fsname: str, allow_other:
         if exc.args != (FUSE_MAIN_LOOP_ENDED,) or not operations.mounted:
             raise
         log.info("FUSE session ended by a signal (libfuse code %d)", FUSE_MAIN_LOOP_ENDED)
+    finally:
+        _close_spans(lambda thread, handed_out: True)

@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS blocks (
     hash TEXT PRIMARY KEY,
+    tier TEXT NOT NULL,
     disk_bytes INTEGER NOT NULL,
     raw_bytes INTEGER NOT NULL,
     last_used REAL NOT NULL
@@ -43,6 +43,13 @@ CREATE TABLE IF NOT EXISTS block_refs (
     PRIMARY KEY (source, key, etag, block)
 );
 CREATE INDEX IF NOT EXISTS block_refs_by_hash ON block_refs(hash);
+CREATE TABLE IF NOT EXISTS identities (
+    etag TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    block INTEGER NOT NULL,
+    hash TEXT NOT NULL,
+    PRIMARY KEY (etag, size, block)
+);
 CREATE TABLE IF NOT EXISTS listings (
     source TEXT NOT NULL,
     prefix TEXT NOT NULL,
@@ -66,6 +73,7 @@ class BlockRef:
 @dataclass(frozen=True, slots=True)
 class StoredBlock:
     hash: str
+    tier: str
     disk_bytes: int
     raw_bytes: int
     last_used: float
@@ -127,33 +135,61 @@ class Index:
         """Every stored block, least recently used first."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT hash, disk_bytes, raw_bytes, last_used FROM blocks ORDER BY last_used"
+                "SELECT hash, tier, disk_bytes, raw_bytes, last_used FROM blocks ORDER BY last_used"
             ).fetchall()
         return [StoredBlock(*row) for row in rows]
 
-    def has_block(self, digest: str) -> bool:
-        with self._lock:
-            return self._db.execute("SELECT 1 FROM blocks WHERE hash=?", (digest,)).fetchone() is not None
-
-    def record(self, ref: BlockRef, digest: str, disk_bytes: int, raw_bytes: int) -> None:
-        """Name ``digest`` as the content of ``ref``, adding the block if new."""
+    def record(self, ref: BlockRef, stored: StoredBlock, identity: tuple[str, int] | None = None) -> None:
+        """Name ``stored.hash`` as the content of ``ref``, adding the block if
+        new. ``identity`` (etag, object size) also files the block under the
+        object's content identity, for stores whose etags identify content."""
         with self._lock, self._db:
             self._db.execute("BEGIN")
             self._db.execute(
-                "INSERT OR IGNORE INTO blocks VALUES (?, ?, ?, ?)",
-                (digest, disk_bytes, raw_bytes, time.time()),
+                "INSERT OR IGNORE INTO blocks VALUES (?, ?, ?, ?, ?)",
+                (stored.hash, stored.tier, stored.disk_bytes, stored.raw_bytes, stored.last_used),
             )
             self._db.execute(
                 "INSERT OR REPLACE INTO block_refs VALUES (?, ?, ?, ?, ?)",
-                (ref.source, ref.key, ref.etag, ref.block, digest),
+                (ref.source, ref.key, ref.etag, ref.block, stored.hash),
             )
-            self._add_ref_locked(ref, digest)
+            if identity is not None:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO identities VALUES (?, ?, ?, ?)",
+                    (*identity, ref.block, stored.hash),
+                )
+            self._add_ref_locked(ref, stored.hash)
+
+    def lookup_identity(self, etag: str, size: int, block: int) -> str | None:
+        """A cached block of any object with this content identity."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT hash FROM identities WHERE etag=? AND size=? AND block=?", (etag, size, block)
+            ).fetchone()
+        return None if row is None else row[0]
+
+    def move_block(self, digest: str, tier: str, disk_bytes: int) -> None:
+        """The block now lives in ``tier`` (promotion, demotion)."""
+        with self._lock, self._db:
+            self._db.execute(
+                "UPDATE blocks SET tier=?, disk_bytes=? WHERE hash=?", (tier, disk_bytes, digest)
+            )
+
+    def save_meta(self, name: str, value: str) -> None:
+        with self._lock, self._db:
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (name, value))
+
+    def load_meta(self, name: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM meta WHERE name=?", (name,)).fetchone()
+        return None if row is None else row[0]
 
     def remove_block(self, digest: str) -> None:
         """Forget a block and every reference to it (eviction, corruption)."""
         with self._lock, self._db:
             self._db.execute("BEGIN")
             self._db.execute("DELETE FROM block_refs WHERE hash=?", (digest,))
+            self._db.execute("DELETE FROM identities WHERE hash=?", (digest,))
             self._db.execute("DELETE FROM blocks WHERE hash=?", (digest,))
             for ref in self._refs_by_hash.pop(digest, set()):
                 del self._refs[ref]

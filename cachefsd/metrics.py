@@ -9,9 +9,11 @@ nothing about Prometheus.
 from __future__ import annotations
 
 import threading
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from cachefsd.chunks.cache import DedupWhere
 from cachefsd.fetch import FetchKind
 
 # 100 µs (a local store or an in-region hit) to 30 s (the default deadline).
@@ -76,20 +78,51 @@ class Metrics:
             registry=registry,
         )
         self.cache_used = Gauge(
-            "cachefsd_cache_used_bytes", "Bytes on disk used by cached blocks", registry=registry
+            "cachefsd_cache_used_bytes", "Bytes on disk used by cached blocks, all tiers", registry=registry
         )
         self.cache_capacity = Gauge(
-            "cachefsd_cache_capacity_bytes", "Byte capacity of the block cache", registry=registry
+            "cachefsd_cache_capacity_bytes", "Byte capacity of the block cache, all tiers", registry=registry
         )
-        self.evictions = Counter("cachefsd_cache_evictions", "Blocks evicted to make room", registry=registry)
+        self.tier_used = Gauge(
+            "cachefsd_tier_used_bytes", "Bytes on disk used by cached blocks", ["tier"], registry=registry
+        )
+        self.tier_capacity = Gauge(
+            "cachefsd_tier_capacity_bytes", "Byte capacity of a tier", ["tier"], registry=registry
+        )
+        self.tier_blocks = Gauge("cachefsd_tier_blocks", "Blocks held by a tier", ["tier"], registry=registry)
+        self.tier_read_bytes = Counter(
+            "cachefsd_tier_read_bytes",
+            "Bytes read back from a tier's disk (verified, decompressed)",
+            ["tier"],
+            registry=registry,
+        )
+        self.evictions = Counter(
+            "cachefsd_cache_evictions", "Blocks evicted from a tier to nothing", ["tier"], registry=registry
+        )
+        self.promotions = Counter(
+            "cachefsd_cache_promotions", "Blocks moved up to the hot tier on a hit", registry=registry
+        )
+        self.demotions = Counter(
+            "cachefsd_cache_demotions",
+            "Blocks moved down to the warm tier instead of dropped",
+            registry=registry,
+        )
         self.corrupt_blocks = Counter(
             "cachefsd_cache_corrupt_blocks",
             "Cached blocks that failed their hash check and were dropped",
+            ["tier"],
             registry=registry,
         )
         self.cache_errors = Counter(
             "cachefsd_cache_errors",
             "Cache reads or writes that failed (disk full, I/O error) and fell through to the store",
+            ["tier"],
+            registry=registry,
+        )
+        self.dedup_saved_bytes = Counter(
+            "cachefsd_dedup_saved_bytes",
+            "Bytes deduplication saved: not written again (disk) or not downloaded (wire)",
+            ["where"],
             registry=registry,
         )
         self.hit_ratio = Gauge(
@@ -100,6 +133,9 @@ class Metrics:
         self._lock = threading.Lock()
         self._bytes_total = 0
         self._bytes_cached = 0
+        self._tier_usage: dict[str, tuple[int, int]] = {}
+        for where in ("disk", "wire"):
+            self.dedup_saved_bytes.labels(where)
         for source in ("cache", "cold"):
             self.reads.labels(source)
             self.read_bytes.labels(source)
@@ -134,15 +170,29 @@ class Metrics:
         self.fetch_errors.labels(kind).inc()
 
     # CacheEvents
-    def cache_usage(self, used_bytes: int, capacity_bytes: int) -> None:
-        self.cache_used.set(used_bytes)
-        self.cache_capacity.set(capacity_bytes)
+    def tier_usage(self, tier: str, used_bytes: int, capacity_bytes: int, blocks: int) -> None:
+        with self._lock:
+            self._tier_usage[tier] = (used_bytes, capacity_bytes)
+            self.cache_used.set(sum(used for used, _ in self._tier_usage.values()))
+            self.cache_capacity.set(sum(capacity for _, capacity in self._tier_usage.values()))
+        self.tier_used.labels(tier).set(used_bytes)
+        self.tier_capacity.labels(tier).set(capacity_bytes)
+        self.tier_blocks.labels(tier).set(blocks)
 
-    def block_evicted(self) -> None:
-        self.evictions.inc()
+    def tier_read(self, tier: str, nbytes: int) -> None:
+        self.tier_read_bytes.labels(tier).inc(nbytes)
 
-    def block_corrupt(self) -> None:
-        self.corrupt_blocks.inc()
+    def block_evicted(self, tier: str) -> None:
+        self.evictions.labels(tier).inc()
 
-    def cache_error(self) -> None:
-        self.cache_errors.inc()
+    def block_moved(self, direction: Literal["promotion", "demotion"]) -> None:
+        (self.promotions if direction == "promotion" else self.demotions).inc()
+
+    def block_corrupt(self, tier: str) -> None:
+        self.corrupt_blocks.labels(tier).inc()
+
+    def cache_error(self, tier: str) -> None:
+        self.cache_errors.labels(tier).inc()
+
+    def dedup_saved(self, where: DedupWhere, nbytes: int) -> None:
+        self.dedup_saved_bytes.labels(where).inc(nbytes)

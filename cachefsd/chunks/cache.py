@@ -1,258 +1,343 @@
-"""The block directory: content-addressed block files with a byte capacity.
+"""The tiered block cache: hot (fast disk, raw frames) and warm (larger
+disk, lz4 frames), or a single tier, over one index.
 
-Layout under the cache directory::
+Movement: a new block enters the fastest tier whose policy makes room for
+it; a block evicted from a tier is demoted to the next one instead of being
+dropped, and leaves the last tier for good. A hit in a slower tier promotes
+the block when the fastest tier's policy makes room for it, which with the
+epoch-aware policy means only in place of blocks already consumed this
+epoch. Identical content is stored once (blocks are named by their hash) and
+referenced from every (source, key, etag, block) that holds it.
 
-    blocks/ab/abcdef...   one frame (chunks/codec.py) per content hash
-    tmp/                  frames being written; anything here after a crash is garbage
-    index.sqlite          the index (index.py)
+Crash safety: a frame is written to a temp file and renamed into its tier
+before the index names it there; a moved block is written to its new tier,
+re-homed in the index, and only then deleted from the old one; an evicted
+block leaves the index before its file goes. ``reconcile`` at start-up
+deletes temp files, files the index does not place in that tier, rows whose
+file is missing or of the wrong size, and unreferenced blocks. Every frame
+carries its hash and is verified when read back, so nothing a ``kill -9``
+or a power loss leaves behind can be served.
 
-A block is written to ``tmp/``, renamed into ``blocks/``, and only then
-recorded in the index; eviction deletes the row before the file. Start-up
-(``reconcile``) deletes temp files, files the index does not name, rows
-whose file is missing or has the wrong size, and unreferenced blocks. So a
-``kill -9`` at any point leaves nothing that could be served wrongly, and a
-frame that rotted on disk is caught by its hash on read-back.
+The cache is advisory: a failing tier (disk full, I/O error, an index on a
+full disk) is logged, counted, and turned into a miss or a skipped
+admission, never into a failed read.
 
-The cache is advisory: every failure in here (disk full, unwritable
-directory, a corrupt frame) is logged, counted, and turned into a miss. No
-fsync: the frames' hashes catch what a power loss could tear, and a miss
-only costs a re-fetch.
-
-Capacity counts each file rounded up to the filesystem allocation unit, so
-``used_bytes`` never exceeds ``capacity`` in bytes on disk. Space is
-reserved (evicting least-recently-used blocks) before a frame is written, so
-concurrent admissions cannot overshoot either.
-
-Concurrency: ``_lock`` guards ``_lru`` and ``_used``; ``_admit_lock``
-serialises admissions. Lock order: ``_admit_lock``, ``_lock``, then the
-index's lock. File I/O for reads happens outside every lock.
+Concurrency: ``_move_lock`` serialises everything that adds bytes to a tier
+(admission, promotion, demotion), so a tier's victims are gone before its
+newcomer is written and capacities hold at every moment. Reads take no lock
+but the tiers' own. Lock order: ``_move_lock``, a tier's lock, the index's.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import sqlite3
 import threading
 import time
-from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from cachefsd.chunks.codec import Codec, CorruptBlock, decode, encode
-from cachefsd.index import BlockRef, Index
+from cachefsd.chunks.tier import NoRoom, Tier, disk_bytes
+from cachefsd.index import BlockRef, Index, StoredBlock
 
 log = logging.getLogger(__name__)
 
-# Files occupy whole filesystem blocks; 4 KiB is the allocation unit of
-# ext4 and xfs as formatted by default.
-ALLOCATION_UNIT = 4096
-
 # What a failing cache disk raises: the filesystem's errors, and sqlite's when
-# the index, which lives on the same disk, cannot be written (SQLITE_FULL,
+# the index, which lives on a cache disk, cannot be written (SQLITE_FULL,
 # SQLITE_IOERR). Both are turned into a miss, never into a failed read.
 _DISK_ERRORS = (OSError, sqlite3.Error)
 
-
-def disk_bytes(length: int) -> int:
-    return -(-length // ALLOCATION_UNIT) * ALLOCATION_UNIT
+DedupWhere = Literal["disk", "wire"]
 
 
 class CacheEvents(Protocol):
     """What the cache reports (metrics.py implements it)."""
 
-    def cache_usage(self, used_bytes: int, capacity_bytes: int) -> None: ...
-    def block_evicted(self) -> None: ...
-    def block_corrupt(self) -> None: ...
-    def cache_error(self) -> None: ...
+    def tier_usage(self, tier: str, used_bytes: int, capacity_bytes: int, blocks: int) -> None: ...
+    def tier_read(self, tier: str, nbytes: int) -> None: ...
+    def block_evicted(self, tier: str) -> None: ...
+    def block_moved(self, direction: Literal["promotion", "demotion"]) -> None: ...
+    def block_corrupt(self, tier: str) -> None: ...
+    def cache_error(self, tier: str) -> None: ...
+    def dedup_saved(self, where: DedupWhere, nbytes: int) -> None: ...
 
 
-class BlockCache:
-    def __init__(self, root: Path, capacity: int, index: Index, events: CacheEvents) -> None:
-        self._blocks_dir = root / "blocks"
-        self._tmp_dir = root / "tmp"
-        self._capacity = capacity
+@dataclass(frozen=True)
+class VerifyReport:
+    checked: int
+    corrupt: list[str]
+    missing: list[str]
+
+
+class TieredCache:
+    def __init__(self, tiers: list[Tier], index: Index, events: CacheEvents) -> None:
+        self._tiers = tiers
+        self._by_name = {tier.name: tier for tier in tiers}
         self._index = index
         self._events = events
-        self._lock = threading.Lock()
-        self._admit_lock = threading.Lock()
-        self._lru: OrderedDict[str, int] = OrderedDict()  # hash -> disk bytes, oldest first
-        self._used = 0
-        for directory in (self._blocks_dir, self._tmp_dir):
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._move_lock = threading.Lock()
+        # Damage ``reconcile`` found and dropped at start-up (a row whose file
+        # is missing, or of the wrong size), so that ``verify`` on a freshly
+        # opened cache still reports it.
+        self._missing_at_start: list[str] = []
+        self._corrupt_at_start: list[str] = []
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return self._tiers
 
     @property
     def capacity(self) -> int:
-        return self._capacity
+        return sum(tier.capacity for tier in self._tiers)
 
     @property
     def used_bytes(self) -> int:
-        with self._lock:
-            return self._used
+        return sum(tier.used_bytes for tier in self._tiers)
 
-    def path_of(self, digest: str) -> Path:
-        return self._blocks_dir / digest[:2] / digest
+    def _tier_holding(self, digest: str) -> Tier | None:
+        for tier in self._tiers:
+            if tier.holds(digest):
+                return tier
+        return None
 
     # -- start-up -------------------------------------------------------
 
     def reconcile(self) -> None:
-        """Make files and index agree after whatever happened last time."""
-        for leftover in self._tmp_dir.iterdir():
-            leftover.unlink(missing_ok=True)
-        on_disk: dict[str, int] = {}
-        for shard in self._blocks_dir.iterdir():
-            for block_file in shard.iterdir():
-                on_disk[block_file.name] = block_file.stat().st_size
+        """Make files, index and accounting agree after whatever happened
+        last time, and trim every tier to its (possibly new) capacity."""
+        on_disk = {tier.name: tier.files() for tier in self._tiers}
         garbage = set(self._index.unreferenced())
-        kept: dict[str, int] = {}
-        for stored in self._index.blocks():
-            file_size = on_disk.pop(stored.hash, None)
-            if file_size is None or disk_bytes(file_size) != stored.disk_bytes or stored.hash in garbage:
-                self._index.remove_block(stored.hash)
-                self.path_of(stored.hash).unlink(missing_ok=True)
+        stored = self._index.blocks()  # least recently used first
+        kept: dict[str, StoredBlock] = {}
+        used = dict.fromkeys(self._by_name, 0)
+        for block in reversed(stored):  # most recent first: they are kept when a tier overflows
+            tier = self._by_name.get(block.tier)
+            file_size = None if tier is None else on_disk[tier.name].pop(block.hash, None)
+            fits = tier is not None and used[tier.name] + block.disk_bytes <= tier.capacity
+            if (
+                file_size is None
+                or disk_bytes(file_size) != block.disk_bytes
+                or block.hash in garbage
+                or not fits
+            ):
+                if tier is not None and block.hash not in garbage:
+                    if file_size is None:
+                        self._missing_at_start.append(block.hash)
+                    elif disk_bytes(file_size) != block.disk_bytes:
+                        self._corrupt_at_start.append(block.hash)
+                self._drop(block.hash, tier)
                 continue
-            kept[stored.hash] = stored.disk_bytes
-        for orphan in on_disk:
-            self.path_of(orphan).unlink(missing_ok=True)
-        with self._lock:
-            self._lru = OrderedDict(kept)
-            self._used = sum(kept.values())
-            evicted = self._make_room_locked(0)
-        self._delete_files(evicted)
-        log.info(
-            "cache reconciled: %d blocks, %d bytes, %d orphans removed", len(kept), self._used, len(on_disk)
-        )
+            used[block.tier] += block.disk_bytes
+            kept[block.hash] = block
+        for block in stored:  # admit in recency order so the policies see it
+            if block.hash in kept:
+                self._by_name[block.tier].add(block.hash, block.disk_bytes)
+        orphans = 0
+        for tier in self._tiers:
+            for orphan in on_disk[tier.name]:
+                tier.delete(orphan)
+                orphans += 1
+        log.info("cache reconciled: %d blocks kept, %d orphan files removed", len(kept), orphans)
         self._report_usage()
 
     def save_recency(self) -> None:
-        with self._lock:
-            now = time.time()
-            order = {
-                digest: now - (len(self._lru) - position) * 1e-6 for position, digest in enumerate(self._lru)
-            }
-        self._index.save_last_used(order)
+        """Persist the order of use so eviction order survives a restart."""
+        now = time.time()
+        blocks = self._index.blocks()
+        self._index.save_last_used(
+            {block.hash: now - (len(blocks) - i) * 1e-6 for i, block in enumerate(blocks)}
+        )
 
     # -- read path ------------------------------------------------------
 
-    def read(self, ref: BlockRef) -> bytes | None:
-        """The verified content of ``ref``, or None on any miss or failure."""
-        digest = self._index.lookup(ref)
-        if digest is None:
+    def lookup(self, ref: BlockRef) -> str | None:
+        return self._index.lookup(ref)
+
+    def adopt(self, ref: BlockRef, identity: tuple[str, int]) -> bytes | None:
+        """The block of another object with the same content identity (etag,
+        size), now also recorded for ``ref``: a download saved. None if no
+        such block is cached."""
+        try:
+            digest = self._index.lookup_identity(*identity, ref.block)
+        except sqlite3.Error:
+            return None
+        data = None if digest is None else self.read(digest)
+        if data is None or digest is None:
+            return None
+        self.admit(ref, digest, data, identity)
+        self._events.dedup_saved("wire", len(data))
+        return data
+
+    def raw_path(self, digest: str) -> Path | None:
+        """The file of a block stored raw (its content follows the frame
+        header), for reads that skip Python; None if compressed or absent."""
+        tier = self._tier_holding(digest)
+        if tier is None or tier.codec is not Codec.RAW:
+            return None
+        return tier.path_of(digest)
+
+    def read(self, digest: str) -> bytes | None:
+        """The verified content of block ``digest``, or None on any miss or
+        failure. A hit in a slower tier may promote the block."""
+        tier = self._tier_holding(digest)
+        if tier is None:
             return None
         try:
-            with open(self.path_of(digest), "rb") as block_file:
-                frame = block_file.read()
-            data = decode(frame, digest)
+            data = decode(tier.read(digest), digest)
         except FileNotFoundError:
             self._forget(digest)
             return None
         except CorruptBlock as exc:
-            log.warning("dropping corrupt block %s: %s", digest, exc)
-            self._events.block_corrupt()
+            log.warning("dropping corrupt block %s from the %s tier: %s", digest, tier.name, exc)
+            self._events.block_corrupt(tier.name)
             self._forget(digest)
             return None
         except OSError as exc:
-            log.warning("cannot read block %s: %s", digest, exc)
-            self._events.cache_error()
+            log.warning("cannot read block %s from the %s tier: %s", digest, tier.name, exc)
+            self._events.cache_error(tier.name)
             return None
-        with self._lock:
-            if digest in self._lru:
-                self._lru.move_to_end(digest)
+        tier.accessed(digest)
+        self._events.tier_read(tier.name, len(data))
+        if tier is not self._tiers[0]:
+            self._promote(digest, data, tier)
         return data
 
-    # -- admission ------------------------------------------------------
+    # -- admission and movement -------------------------------------------
 
-    def admit(self, ref: BlockRef, digest: str, data: bytes) -> None:
+    def admit(self, ref: BlockRef, digest: str, data: bytes, identity: tuple[str, int] | None = None) -> None:
         """Store ``data`` (whose hash the caller computed from the fetched
-        bytes) as the content of ``ref``. Best effort: failures only log.
-
-        Admissions are serialised by ``_admit_lock`` so a hash is reserved,
-        written and recorded by one thread at a time; reads never take it."""
-        with self._admit_lock:
-            with self._lock:
-                stored_size = self._lru.get(digest)
-                if stored_size is not None:
-                    self._lru.move_to_end(digest)
-            if stored_size is not None:
-                # Same content under another name: one more row, no new file.
+        bytes) as the content of ``ref``. Best effort: failures only log."""
+        with self._move_lock:
+            holder = self._tier_holding(digest)
+            if holder is not None:
+                size = holder.size_of(digest) or 0
+                self._record(ref, StoredBlock(digest, holder.name, size, len(data), time.time()), identity)
+                self._events.dedup_saved("disk", len(data))
+                return
+            for position, tier in enumerate(self._tiers):
                 try:
-                    self._index.record(ref, digest, stored_size, len(data))
-                except sqlite3.Error as exc:
-                    log.warning("cannot record block %s: %s", digest, exc)
-                    self._events.cache_error()
-                return
-            frame = encode(data, Codec.RAW)
-            size = disk_bytes(len(frame))
-            if size > self._capacity:
-                return
-            with self._lock:
-                evicted = self._make_room_locked(size)
-                self._lru[digest] = size
-                self._used += size
-            self._delete_files(evicted)
-            try:
-                self._write(digest, frame)
-                self._index.record(ref, digest, size, len(data))
-            except _DISK_ERRORS as exc:
-                log.warning("cannot cache block %s: %s", digest, exc)
-                self._events.cache_error()
-                self._forget(digest)
+                    size = self._place(position, digest, data)
+                except NoRoom:
+                    continue
+                except _DISK_ERRORS as exc:
+                    log.warning("cannot cache block %s in the %s tier: %s", digest, tier.name, exc)
+                    self._events.cache_error(tier.name)
+                    continue
+                self._record(ref, StoredBlock(digest, tier.name, size, len(data), time.time()), identity)
+                break
         self._report_usage()
 
-    def _write(self, digest: str, frame: bytes) -> None:
-        temp = self._tmp_dir / f"{digest}.{secrets.token_hex(4)}"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    def _record(self, ref: BlockRef, stored: StoredBlock, identity: tuple[str, int] | None) -> None:
         try:
-            view = memoryview(frame)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-        except OSError:
-            os.close(fd)
-            temp.unlink(missing_ok=True)
+            self._index.record(ref, stored, identity)
+        except sqlite3.Error as exc:
+            log.warning("cannot record block %s: %s", stored.hash, exc)
+            self._events.cache_error(stored.tier)
+            self._forget(stored.hash)
+
+    def _place(self, position: int, digest: str, data: bytes) -> int:
+        """Write ``data`` into tier ``position``, demoting or evicting what
+        its policy gives up for it; the frame's bytes on disk."""
+        tier = self._tiers[position]
+        frame = encode(data, tier.codec)
+        size = disk_bytes(len(frame))
+        try:
+            victims = tier.make_room(size, digest)
+        except NoRoom as refused:
+            self._give_up(position, refused.victims)
             raise
-        os.close(fd)
-        final = self.path_of(digest)
-        final.parent.mkdir(mode=0o700, exist_ok=True)
-        os.replace(temp, final)
+        self._give_up(position, victims)
+        try:
+            tier.write(digest, frame)
+        except OSError:
+            tier.delete(digest)
+            raise
+        tier.add(digest, size)
+        return size
 
-    def _make_room_locked(self, size: int) -> list[str]:
-        """Reserve ``size`` bytes by evicting least recently used blocks; the
-        caller deletes the returned blocks' rows and files outside the lock."""
-        evicted = []
-        while self._lru and self._used + size > self._capacity:
-            digest, victim_size = self._lru.popitem(last=False)
-            self._used -= victim_size
-            evicted.append(digest)
-        return evicted
+    def _give_up(self, position: int, victims: list[str]) -> None:
+        """Blocks tier ``position`` no longer holds: demote each to the next
+        tier, or drop it from the last."""
+        tier = self._tiers[position]
+        for digest in victims:
+            if position + 1 < len(self._tiers) and self._demote(digest, position):
+                continue
+            self._drop(digest, tier)
+            self._events.block_evicted(tier.name)
 
-    def _delete_files(self, digests: list[str]) -> None:
-        for digest in digests:
-            self._remove_block(digest)
-            self._events.block_evicted()
+    def _demote(self, digest: str, position: int) -> bool:
+        source = self._tiers[position]
+        try:
+            data = decode(source.read(digest), digest)
+            self._place(position + 1, digest, data)
+        except (NoRoom, CorruptBlock):
+            return False
+        except _DISK_ERRORS as exc:
+            log.warning("cannot demote block %s: %s", digest, exc)
+            self._events.cache_error(self._tiers[position + 1].name)
+            return False
+        return self._rehome(digest, source, self._tiers[position + 1], "demotion")
 
-    def _remove_block(self, digest: str) -> None:
+    def _promote(self, digest: str, data: bytes, source: Tier) -> None:
+        with self._move_lock:
+            size = source.remove(digest)  # out of reach of the demotions this may cause
+            if size is None:
+                return
+            try:
+                self._place(0, digest, data)
+            except NoRoom:
+                source.add(digest, size)
+                return
+            except _DISK_ERRORS as exc:
+                log.warning("cannot promote block %s: %s", digest, exc)
+                self._events.cache_error(self._tiers[0].name)
+                source.add(digest, size)
+                return
+            self._rehome(digest, source, self._tiers[0], "promotion")
+        self._report_usage()
+
+    def _rehome(
+        self, digest: str, source: Tier, target: Tier, direction: Literal["promotion", "demotion"]
+    ) -> bool:
+        """The block's new copy in ``target`` is written and accounted: name
+        it there in the index, then delete the old file."""
+        try:
+            self._index.move_block(digest, target.name, target.size_of(digest) or 0)
+        except sqlite3.Error as exc:
+            log.warning("cannot move block %s in the index: %s", digest, exc)
+            self._events.cache_error(target.name)
+            target.remove(digest)
+            target.delete(digest)
+            return False
+        source.delete(digest)
+        self._events.block_moved(direction)
+        return True
+
+    # -- removal --------------------------------------------------------
+
+    def _drop(self, digest: str, tier: Tier | None) -> None:
         """Delete a block's row, then its file; best effort. If the row cannot
         be deleted the file goes anyway: a row naming a missing file is a miss
-        on read, and start-up's reconcile drops it."""
+        on read, and start-up drops it."""
         try:
             self._index.remove_block(digest)
         except sqlite3.Error as exc:
             log.warning("cannot drop block %s from the index: %s", digest, exc)
-            self._events.cache_error()
-        try:
-            self.path_of(digest).unlink(missing_ok=True)
-        except OSError as exc:
-            log.warning("cannot delete block file %s: %s", digest, exc)
-            self._events.cache_error()
+        if tier is not None:
+            try:
+                tier.delete(digest)
+            except OSError as exc:
+                log.warning("cannot delete block file %s: %s", digest, exc)
+                self._events.cache_error(tier.name)
 
     def _forget(self, digest: str) -> None:
-        with self._lock:
-            size = self._lru.pop(digest, None)
-            if size is not None:
-                self._used -= size
-        self._remove_block(digest)
+        tier = self._tier_holding(digest)
+        if tier is not None:
+            tier.remove(digest)
+        self._drop(digest, tier)
         self._report_usage()
 
     def release_version(self, source: str, key: str, etag: str, block_count: int) -> None:
@@ -262,10 +347,39 @@ class BlockCache:
             unreferenced = self._index.release_version(source, key, etag, block_count)
         except sqlite3.Error as exc:
             log.warning("cannot release %s version %s in the index: %s", key, etag, exc)
-            self._events.cache_error()
             return
-        for digest in unreferenced:
-            self._forget(digest)
+        with self._move_lock:
+            for digest in unreferenced:
+                self._forget(digest)
+
+    # -- maintenance ------------------------------------------------------
+
+    def verify(self, repair: bool) -> VerifyReport:
+        """Check every block's frame and hash; with ``repair``, drop the bad
+        ones (they are fetched again on their next read). Damage found by
+        the start-up ``reconcile`` is reported too (it was dropped then)."""
+        corrupt, self._corrupt_at_start = self._corrupt_at_start, []
+        missing, self._missing_at_start = self._missing_at_start, []
+        checked = len(corrupt) + len(missing)
+        for digest, tier in self._stored():
+            checked += 1
+            try:
+                decode(tier.read(digest), digest)
+            except FileNotFoundError:
+                missing.append(digest)
+            except (CorruptBlock, OSError):
+                corrupt.append(digest)
+        if repair:
+            for digest in corrupt + missing:
+                self._forget(digest)
+        return VerifyReport(checked, corrupt, missing)
+
+    def _stored(self) -> Iterator[tuple[str, Tier]]:
+        for block in self._index.blocks():
+            tier = self._by_name.get(block.tier)
+            if tier is not None and tier.holds(block.hash):
+                yield block.hash, tier
 
     def _report_usage(self) -> None:
-        self._events.cache_usage(self.used_bytes, self._capacity)
+        for tier in self._tiers:
+            self._events.tier_usage(tier.name, tier.used_bytes, tier.capacity, tier.block_count)

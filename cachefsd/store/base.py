@@ -49,6 +49,12 @@ class ObjectStore(Protocol):
         """Stable identity of the source (``s3://bucket/prefix``), used to key the cache."""
         ...
 
+    @property
+    def content_etags(self) -> bool:
+        """True when equal etags (with equal sizes) mean equal bytes across
+        objects and buckets, so cached blocks can be shared without a GET."""
+        ...
+
     async def check(self) -> None:
         """Prove the source exists and the credentials work, or raise
         ``ObjectNotFound`` / ``AccessDenied`` / ``StoreError`` quickly."""

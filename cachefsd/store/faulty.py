@@ -30,6 +30,10 @@ class FaultyStore:
     def uri(self) -> str:
         return self._inner.uri
 
+    @property
+    def content_etags(self) -> bool:
+        return self._inner.content_etags
+
     async def _inject(self) -> None:
         self.calls += 1
         if self.faults.latency_seconds:

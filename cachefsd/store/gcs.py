@@ -131,6 +131,10 @@ class GcsStore:
     def uri(self) -> str:
         return f"gs://{self._bucket_name}/{self._prefix}" if self._prefix else f"gs://{self._bucket_name}"
 
+    @property
+    def content_etags(self) -> bool:
+        return False  # the etag used here is the generation: a version, not content
+
     def _target(self, key: str = "") -> str:
         return f"gs://{self._bucket_name}/{self._root}{key}" if key else self.uri
 

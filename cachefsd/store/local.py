@@ -32,6 +32,10 @@ class LocalStore:
     def uri(self) -> str:
         return f"file://{self._root}"
 
+    @property
+    def content_etags(self) -> bool:
+        return False  # mtime, size and inode say nothing about content
+
     def _path(self, key: str) -> Path:
         """The file for ``key``, refusing any key that would leave the root."""
         if "\0" in key or key.startswith("/"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,8 +11,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from cachefsd.aio import LoopThread
-from cachefsd.blocks import BlockReader
-from cachefsd.chunks.cache import BlockCache
+from cachefsd.blocks import BlockReader, FileSpan, Piece
+from cachefsd.chunks.cache import TieredCache
+from cachefsd.chunks.codec import Codec
+from cachefsd.chunks.policy import LruPolicy
+from cachefsd.chunks.tier import Tier
 from cachefsd.config import FetchSettings
 from cachefsd.fetch import Fetcher
 from cachefsd.fs import FileSystem
@@ -23,6 +27,19 @@ from cachefsd.store.memory import MemoryStore
 
 BLOCK_SIZE = 64 << 10
 FAST_FETCH = FetchSettings(deadline=2.0, attempt_timeout=0.5, backoff_initial=0.01, backoff_max=0.05)
+
+
+def joined(pieces: list[Piece]) -> bytes:
+    """The bytes a reader would get: memory pieces as they are, file pieces
+    read from their descriptor (which is then closed, as libfuse's caller does)."""
+    parts = []
+    for piece in pieces:
+        if isinstance(piece, FileSpan):
+            parts.append(os.pread(piece.fd, piece.length, piece.offset))
+            os.close(piece.fd)
+        else:
+            parts.append(piece)
+    return b"".join(parts)
 
 
 class Clock:
@@ -40,7 +57,7 @@ class Engine:
     store: MemoryStore
     faulty: FaultyStore
     index: Index
-    cache: BlockCache
+    cache: TieredCache
     metrics: Metrics
     reader: BlockReader
     namespace: Namespace
@@ -79,10 +96,12 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         index = Index(cache_dir / "index.sqlite")
         indexes.append(index)
         metrics = Metrics(CollectorRegistry())
-        cache = BlockCache(cache_dir, capacity, index, metrics)
+        cache = TieredCache(
+            [Tier("hot", cache_dir / "hot", capacity, Codec.RAW, LruPolicy())], index, metrics
+        )
         cache.reconcile()
         fetcher = Fetcher(faulty, FAST_FETCH, metrics)
-        reader = BlockReader(store.uri, BLOCK_SIZE, cache, fetcher, io, metrics)
+        reader = BlockReader(store.uri, BLOCK_SIZE, cache, fetcher, io, metrics, dedup_by_etag=True)
         clock = Clock()
         namespace = Namespace(faulty, fetcher, io, index, ttl, reader.release_version, clock)
         fs = FileSystem(namespace, reader, uid=0, gid=0)

@@ -1,112 +1,191 @@
-"""The block directory: capacity, deduplication, corruption, crash reconciliation."""
+"""The tiered block cache: capacity, movement, deduplication, corruption,
+crash reconciliation, verification."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from cachefsd.chunks.cache import BlockCache, disk_bytes
-from cachefsd.chunks.codec import content_hash, encode
+from cachefsd.chunks.cache import TieredCache
+from cachefsd.chunks.codec import Codec, content_hash, decode, encode
+from cachefsd.chunks.policy import LruPolicy, MinioPolicy
+from cachefsd.chunks.tier import Tier, disk_bytes
 from cachefsd.index import BlockRef, Index
 from cachefsd.metrics import Metrics
 
+COMPRESSIBLE = b"training sample " * 4096  # 64 KiB that lz4 shrinks a lot
 
-def make_cache(root: Path, capacity: int) -> tuple[BlockCache, Index, Metrics]:
+
+@contextmanager
+def tiered(
+    root: Path, hot: int, warm: int | None = None, hot_policy: str = "lru"
+) -> Iterator[tuple[TieredCache, Metrics]]:
     index = Index(root / "index.sqlite")
     metrics = Metrics(CollectorRegistry())
-    cache = BlockCache(root, capacity, index, metrics)
+    tiers = [
+        Tier("hot", root / "hot", hot, Codec.RAW, MinioPolicy() if hot_policy == "minio" else LruPolicy())
+    ]
+    if warm is not None:
+        tiers.append(Tier("warm", root / "warm", warm, Codec.LZ4, LruPolicy()))
+    cache = TieredCache(tiers, index, metrics)
     cache.reconcile()
-    return cache, index, metrics
+    try:
+        yield cache, metrics
+    finally:
+        index.close()
 
 
-def bytes_on_disk(root: Path) -> int:
-    return sum(disk_bytes(path.stat().st_size) for path in (root / "blocks").rglob("*") if path.is_file())
+def on_disk(root: Path, tier: str = "hot") -> int:
+    blocks = root / tier / "blocks"
+    return sum(disk_bytes(path.stat().st_size) for path in blocks.rglob("*") if path.is_file())
 
 
-def admit(cache: BlockCache, ref: BlockRef, data: bytes) -> None:
-    cache.admit(ref, content_hash(data), data)
+def admit(cache: TieredCache, ref: BlockRef, data: bytes) -> str:
+    digest = content_hash(data)
+    cache.admit(ref, digest, data)
+    return digest
 
 
-def test_admitted_block_reads_back(tmp_path: Path) -> None:
-    cache, index, _ = make_cache(tmp_path, 1 << 20)
-    ref = BlockRef("src", "k", "e", 0)
-    admit(cache, ref, b"x" * 5000)
-    assert cache.read(ref) == b"x" * 5000
-    assert cache.used_bytes == disk_bytes(40 + 5000) == bytes_on_disk(tmp_path)
-    files = list((tmp_path / "blocks").rglob("*"))
-    assert all(path.stat().st_mode & 0o077 == 0 for path in files)
-    index.close()
+def read(cache: TieredCache, ref: BlockRef) -> bytes | None:
+    digest = cache.lookup(ref)
+    return None if digest is None else cache.read(digest)
+
+
+def ref(key: str, block: int = 0) -> BlockRef:
+    return BlockRef("src", key, "etag", block)
+
+
+def test_admitted_block_reads_back_from_owner_only_files(tmp_path: Path) -> None:
+    with tiered(tmp_path, 1 << 20) as (cache, _):
+        admit(cache, ref("k"), b"x" * 5000)
+        assert read(cache, ref("k")) == b"x" * 5000
+        assert cache.used_bytes == disk_bytes(40 + 5000) == on_disk(tmp_path)
+        assert all(path.stat().st_mode & 0o077 == 0 for path in (tmp_path / "hot").rglob("*"))
 
 
 def test_identical_content_is_stored_once(tmp_path: Path) -> None:
-    cache, index, _ = make_cache(tmp_path, 1 << 20)
-    data = os.urandom(10_000)
-    refs = [BlockRef("s3://a", "x", "1", 0), BlockRef("s3://b", "other/y", "2", 3)]
-    for ref in refs:
-        admit(cache, ref, data)
-    assert bytes_on_disk(tmp_path) == disk_bytes(40 + 10_000)
-    assert all(cache.read(ref) == data for ref in refs)
-    index.close()
+    with tiered(tmp_path, 1 << 20) as (cache, metrics):
+        data = os.urandom(10_000)
+        refs = [BlockRef("s3://a", "x", "1", 0), BlockRef("s3://b", "other/y", "2", 3)]
+        for each in refs:
+            admit(cache, each, data)
+        assert on_disk(tmp_path) == disk_bytes(40 + 10_000)
+        assert all(read(cache, each) == data for each in refs)
+        assert metrics.dedup_saved_bytes.labels("disk")._value.get() == 10_000
 
 
 def test_corrupt_block_is_dropped_not_served(tmp_path: Path) -> None:
-    cache, index, metrics = make_cache(tmp_path, 1 << 20)
-    ref = BlockRef("src", "k", "e", 0)
-    data = os.urandom(5000)
-    admit(cache, ref, data)
-    path = cache.path_of(content_hash(data))
-    damaged = bytearray(path.read_bytes())
-    damaged[-1] ^= 0xFF
-    path.write_bytes(bytes(damaged))
-    assert cache.read(ref) is None
-    assert not path.exists()
-    assert index.lookup(ref) is None
-    assert metrics.corrupt_blocks._value.get() == 1
-    assert cache.used_bytes == 0
-    index.close()
+    with tiered(tmp_path, 1 << 20) as (cache, metrics):
+        data = os.urandom(5000)
+        digest = admit(cache, ref("k"), data)
+        path = cache.tiers[0].path_of(digest)
+        damaged = bytearray(path.read_bytes())
+        damaged[-1] ^= 0xFF
+        path.write_bytes(bytes(damaged))
+        assert read(cache, ref("k")) is None
+        assert not path.exists()
+        assert cache.lookup(ref("k")) is None
+        assert metrics.corrupt_blocks.labels("hot")._value.get() == 1
+        assert cache.used_bytes == 0
+
+
+def test_a_full_hot_tier_demotes_to_warm_and_a_warm_hit_promotes(tmp_path: Path) -> None:
+    block = disk_bytes(40 + len(COMPRESSIBLE))
+    with tiered(tmp_path, hot=2 * block, warm=1 << 20) as (cache, metrics):
+        blocks = [COMPRESSIBLE + bytes([i]) for i in range(4)]
+        for i, data in enumerate(blocks):
+            admit(cache, ref(f"k{i}"), data)
+        assert metrics.demotions._value.get() == 2
+        assert cache.tiers[0].block_count == 2
+        assert cache.tiers[1].block_count == 2
+        assert on_disk(tmp_path, "warm") < on_disk(tmp_path, "hot")  # lz4 in the warm tier
+        assert read(cache, ref("k0")) == blocks[0]  # a warm hit...
+        assert metrics.promotions._value.get() == 1  # ...moves up, pushing another block down
+        assert cache.tiers[0].holds(content_hash(blocks[0]))
+        assert all(read(cache, ref(f"k{i}")) == data for i, data in enumerate(blocks))
+        assert on_disk(tmp_path, "hot") <= 2 * block
+
+
+def test_a_policy_that_keeps_everything_sends_newcomers_to_the_next_tier(tmp_path: Path) -> None:
+    block = disk_bytes(40 + 5000)
+    with tiered(tmp_path, hot=2 * block, warm=1 << 20, hot_policy="minio") as (cache, _):
+        for i in range(4):
+            admit(cache, ref(f"k{i}"), os.urandom(5000))
+        assert cache.tiers[0].block_count == 2
+        assert cache.tiers[1].block_count == 2
+
+
+def test_an_unwritable_tier_falls_through_to_the_next(tmp_path: Path) -> None:
+    with tiered(tmp_path, hot=1 << 20, warm=1 << 20) as (cache, metrics):
+        data = os.urandom(5000)
+        digest = content_hash(data)
+        (tmp_path / "hot" / "blocks" / digest[:2]).write_bytes(b"a file where a directory must go")
+        admit(cache, ref("k"), data)
+        assert read(cache, ref("k")) == data
+        assert cache.tiers[1].holds(digest)
+        assert metrics.cache_errors.labels("hot")._value.get() >= 1
 
 
 def test_reconcile_after_a_crash(tmp_path: Path) -> None:
-    cache, index, _ = make_cache(tmp_path, 1 << 20)
-    kept = os.urandom(3000)
-    admit(cache, BlockRef("src", "kept", "e", 0), kept)
-    lost = os.urandom(3000)
-    admit(cache, BlockRef("src", "lost", "e", 0), lost)
-    index.close()
-    # What a kill -9 can leave: a half-written temp file, a renamed file
-    # whose row was never committed, and a row whose file is gone.
-    (tmp_path / "tmp" / "deadbeef.1234").write_bytes(b"partial")
+    kept, lost, moved = os.urandom(3000), os.urandom(3000), os.urandom(3000)
+    with tiered(tmp_path, 1 << 20, 1 << 20) as (cache, _):
+        for key, data in (("kept", kept), ("lost", lost), ("moved", moved)):
+            admit(cache, ref(key), data)
+    # What a kill -9 can leave: a half-written temp file, a renamed file whose
+    # row was never committed, a row whose file is gone, and a block copied
+    # to the warm tier by a demotion that never reached the index.
+    (tmp_path / "hot" / "tmp" / "deadbeef.1234").write_bytes(b"partial")
     orphan = os.urandom(3000)
-    orphan_path = tmp_path / "blocks" / content_hash(orphan)[:2] / content_hash(orphan)
+    orphan_path = tmp_path / "hot" / "blocks" / content_hash(orphan)[:2] / content_hash(orphan)
     orphan_path.parent.mkdir(exist_ok=True)
     orphan_path.write_bytes(encode(orphan))
-    (tmp_path / "blocks" / content_hash(lost)[:2] / content_hash(lost)).unlink()
+    (tmp_path / "hot" / "blocks" / content_hash(lost)[:2] / content_hash(lost)).unlink()
+    half_moved = tmp_path / "warm" / "blocks" / content_hash(moved)[:2] / content_hash(moved)
+    half_moved.parent.mkdir(parents=True, exist_ok=True)
+    half_moved.write_bytes(encode(moved, Codec.LZ4))
 
-    cache, index, _ = make_cache(tmp_path, 1 << 20)
-    assert list((tmp_path / "tmp").iterdir()) == []
-    assert not orphan_path.exists()
-    assert cache.read(BlockRef("src", "kept", "e", 0)) == kept
-    assert cache.read(BlockRef("src", "lost", "e", 0)) is None
-    assert cache.used_bytes == bytes_on_disk(tmp_path)
-    index.close()
+    with tiered(tmp_path, 1 << 20, 1 << 20) as (cache, _):
+        assert list((tmp_path / "hot" / "tmp").iterdir()) == []
+        assert not orphan_path.exists()
+        assert not half_moved.exists()
+        assert read(cache, ref("kept")) == kept
+        assert read(cache, ref("moved")) == moved
+        assert read(cache, ref("lost")) is None
+        assert cache.used_bytes == on_disk(tmp_path) + on_disk(tmp_path, "warm")
 
 
-def test_a_smaller_capacity_on_restart_trims(tmp_path: Path) -> None:
-    cache, index, _ = make_cache(tmp_path, 1 << 20)
-    for i in range(10):
-        admit(cache, BlockRef("src", f"k{i}", "e", 0), os.urandom(8000))
-    index.close()
-    cache, index, _ = make_cache(tmp_path, 3 * disk_bytes(8040))
-    assert cache.used_bytes <= cache.capacity
-    assert bytes_on_disk(tmp_path) <= cache.capacity
-    # the most recently admitted blocks are the ones kept
-    assert cache.read(BlockRef("src", "k9", "e", 0)) is not None
-    index.close()
+def test_a_smaller_capacity_on_restart_keeps_the_most_recent(tmp_path: Path) -> None:
+    with tiered(tmp_path, 1 << 20) as (cache, _):
+        for i in range(10):
+            admit(cache, ref(f"k{i}"), os.urandom(8000))
+        cache.save_recency()
+    with tiered(tmp_path, 3 * disk_bytes(8040)) as (cache, _):
+        assert on_disk(tmp_path) <= cache.capacity
+        assert cache.tiers[0].block_count == 3
+        assert read(cache, ref("k9")) is not None
+        assert read(cache, ref("k0")) is None
+
+
+def test_verify_finds_and_repairs_damage(tmp_path: Path) -> None:
+    with tiered(tmp_path, 1 << 20, 1 << 20) as (cache, _):
+        digests = [admit(cache, ref(f"k{i}"), os.urandom(3000)) for i in range(3)]
+        assert cache.verify(repair=False).checked == 3
+        cache.tiers[0].path_of(digests[0]).write_bytes(b"rotten")
+        cache.tiers[0].path_of(digests[1]).unlink()
+        report = cache.verify(repair=True)
+        assert report.corrupt == [digests[0]]
+        assert report.missing == [digests[1]]
+        clean = cache.verify(repair=False)
+        assert clean.checked == 1
+        assert not clean.corrupt
+        assert not clean.missing
 
 
 operations = st.lists(
@@ -121,25 +200,31 @@ operations = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(operations, st.integers(min_value=4096, max_value=12 * 4096))
-def test_capacity_is_never_exceeded_and_refcounts_stay_sane(
-    ops: list[tuple[str, int, int, int]], capacity: int
+@given(
+    operations,
+    st.integers(min_value=4096, max_value=8 * 4096),
+    st.integers(min_value=4096, max_value=8 * 4096),
+)
+def test_capacities_are_never_exceeded_and_reads_are_exact(
+    ops: list[tuple[str, int, int, int]], hot: int, warm: int
 ) -> None:
     contents = [bytes([n]) * (1000 + 3000 * n) for n in range(4)]
     with tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
-        cache, index, _ = make_cache(root, capacity)
-        for op, key, content, version in ops:
-            ref = BlockRef("src", f"k{key}", f"v{version}", 0)
-            if op == "admit":
-                admit(cache, ref, contents[content])
-            elif op == "read":
-                data = cache.read(ref)
-                assert data is None or data in contents
-            else:
-                cache.release_version("src", f"k{key}", f"v{version}", block_count=1)
-            assert cache.used_bytes <= capacity
-            assert bytes_on_disk(root) <= capacity
-            assert cache.used_bytes == bytes_on_disk(root)
-        assert all(block.hash in {content_hash(c) for c in contents} for block in index.blocks())
-        index.close()
+        with tiered(root, hot, warm) as (cache, _):
+            for op, key, content, version in ops:
+                each = BlockRef("src", f"k{key}", f"v{version}", 0)
+                if op == "admit":
+                    admit(cache, each, contents[content])
+                elif op == "read":
+                    data = read(cache, each)
+                    assert data is None or data in contents
+                else:
+                    cache.release_version("src", f"k{key}", f"v{version}", block_count=1)
+                for tier in cache.tiers:
+                    assert on_disk(root, tier.name) <= tier.capacity
+                    assert tier.used_bytes == on_disk(root, tier.name)
+            for tier in cache.tiers:
+                for block in (root / tier.name / "blocks").rglob("*"):
+                    if block.is_file():
+                        decode(block.read_bytes(), block.name)  # every frame on disk is whole and named right

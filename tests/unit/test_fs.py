@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from cachefsd.errors import BadFileHandle, IsADirectory, ObjectChanged, ObjectNotFound, ReadOnly
-from tests.unit.conftest import BLOCK_SIZE, EngineFactory
+from tests.unit.conftest import BLOCK_SIZE, EngineFactory, joined
 
 
 @pytest.mark.parametrize(
@@ -39,18 +39,18 @@ def test_a_handle_stays_on_the_version_it_opened(make_engine: EngineFactory) -> 
     old = os.urandom(3 * BLOCK_SIZE)
     engine = make_engine({"f": old})
     handle = engine.fs.open("/f", os.O_RDONLY).handle
-    assert engine.fs.read(handle, BLOCK_SIZE, 0) == old[:BLOCK_SIZE]
+    assert joined(engine.fs.read(handle, BLOCK_SIZE, 0)) == old[:BLOCK_SIZE]
     new = os.urandom(3 * BLOCK_SIZE)
     engine.store.put("f", new)
     # The cached block is still the opened version's; an uncached one cannot
     # be fetched for that version any more, so the read fails, never mixes.
-    assert engine.fs.read(handle, BLOCK_SIZE, 0) == old[:BLOCK_SIZE]
+    assert joined(engine.fs.read(handle, BLOCK_SIZE, 0)) == old[:BLOCK_SIZE]
     with pytest.raises(ObjectChanged):
-        engine.fs.read(handle, BLOCK_SIZE, BLOCK_SIZE)
+        joined(engine.fs.read(handle, BLOCK_SIZE, BLOCK_SIZE))
     engine.fs.release(handle)
     # The failure dropped the stale listing: a new open sees the new version.
     fresh = engine.fs.open("/f", os.O_RDONLY).handle
-    assert engine.fs.read(fresh, 3 * BLOCK_SIZE, 0) == new
+    assert joined(engine.fs.read(fresh, 3 * BLOCK_SIZE, 0)) == new
 
 
 def test_reading_a_released_handle_fails(make_engine: EngineFactory) -> None:
@@ -58,7 +58,7 @@ def test_reading_a_released_handle_fails(make_engine: EngineFactory) -> None:
     handle = engine.fs.open("/f", os.O_RDONLY).handle
     engine.fs.release(handle)
     with pytest.raises(BadFileHandle):
-        engine.fs.read(handle, 1, 0)
+        joined(engine.fs.read(handle, 1, 0))
 
 
 def test_the_page_cache_is_kept_only_for_the_version_it_holds(make_engine: EngineFactory) -> None:
@@ -86,7 +86,7 @@ def test_a_new_version_opened_beside_an_old_one_bypasses_the_page_cache(make_eng
     new = engine.fs.open("/f", os.O_RDONLY)
     assert new.direct_io
     assert not new.keep_cache
-    assert engine.fs.read(new.handle, 100, 0) == b"version two"
+    assert joined(engine.fs.read(new.handle, 100, 0)) == b"version two"
     engine.fs.release(old.handle)
     engine.fs.release(new.handle)
     # The old version's pages may still be in the kernel: not kept.

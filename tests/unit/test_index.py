@@ -7,14 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from cachefsd.index import BlockRef, Index, IndexSchemaMismatch
+from cachefsd.index import BlockRef, Index, IndexSchemaMismatch, StoredBlock
+
+
+def stored(digest: str) -> StoredBlock:
+    return StoredBlock(digest, "hot", 4096, 10, 0.0)
 
 
 def test_records_survive_reopen(tmp_path: Path) -> None:
     path = tmp_path / "index.sqlite"
     index = Index(path)
     ref = BlockRef("s3://b", "k", "e1", 0)
-    index.record(ref, "h1", 4096, 100)
+    index.record(ref, stored("h1"))
     index.save_listing("s3://b", "", 123.0, b"payload")
     index.close()
     reopened = Index(path)
@@ -27,9 +31,9 @@ def test_records_survive_reopen(tmp_path: Path) -> None:
 def test_a_block_shared_by_two_versions_is_freed_only_with_the_last(tmp_path: Path) -> None:
     index = Index(tmp_path / "index.sqlite")
     old, new = BlockRef("src", "k", "old", 0), BlockRef("src", "k", "new", 0)
-    index.record(old, "shared", 4096, 10)
-    index.record(new, "shared", 4096, 10)
-    index.record(BlockRef("src", "k", "old", 1), "only-old", 4096, 10)
+    index.record(old, stored("shared"))
+    index.record(new, stored("shared"))
+    index.record(BlockRef("src", "k", "old", 1), stored("only-old"))
     assert sorted(index.release_version("src", "k", "old", block_count=2)) == ["only-old"]
     assert index.lookup(old) is None
     assert index.lookup(new) == "shared"
@@ -41,10 +45,10 @@ def test_remove_block_drops_every_reference(tmp_path: Path) -> None:
     index = Index(tmp_path / "index.sqlite")
     refs = [BlockRef("src", f"k{i}", "e", 0) for i in range(3)]
     for ref in refs:
-        index.record(ref, "same", 4096, 10)
+        index.record(ref, stored("same"))
     index.remove_block("same")
     assert all(index.lookup(ref) is None for ref in refs)
-    assert not index.has_block("same")
+    assert index.blocks() == []
     index.close()
 
 
@@ -55,3 +59,13 @@ def test_an_index_of_another_schema_is_refused(tmp_path: Path) -> None:
         db.execute("UPDATE meta SET value='999' WHERE name='schema_version'")
     with pytest.raises(IndexSchemaMismatch):
         Index(path)
+
+
+def test_content_identity_finds_blocks_of_other_objects(tmp_path: Path) -> None:
+    index = Index(tmp_path / "index.sqlite")
+    index.record(BlockRef("s3://a", "x", "md5", 2), stored("h"), identity=("md5", 10_000))
+    assert index.lookup_identity("md5", 10_000, 2) == "h"
+    assert index.lookup_identity("md5", 10_001, 2) is None  # same etag, other size: not the same content
+    index.remove_block("h")
+    assert index.lookup_identity("md5", 10_000, 2) is None
+    index.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cachefsd.errors import NotADirectory, ObjectNotFound
-from tests.unit.conftest import EngineFactory
+from tests.unit.conftest import EngineFactory, joined
 
 
 def test_lookup_resolves_through_parent_listings(make_engine: EngineFactory) -> None:
@@ -51,7 +51,7 @@ def test_a_changed_object_releases_its_old_blocks(make_engine: EngineFactory) ->
     engine = make_engine({"f": b"old content"}, ttl=5)
     old = engine.namespace.lookup("/f").info
     assert old is not None
-    engine.reader.read(old, 0, 100)
+    joined(engine.reader.read(old, 0, 100))
     assert engine.cache.used_bytes > 0
     engine.store.put("f", b"new content!")
     engine.clock.now += 6

@@ -1,0 +1,1 @@
+"""Benchmarks; a package so unit tests can import the simulators' pure cores."""

@@ -1,0 +1,145 @@
+"""Opening a cache directory: its locks, its index and its tiers, for the
+daemon and for the maintenance commands (``verify``, ``gc``) alike.
+
+The cache directory holds the index; the tiers may live elsewhere (a hot
+NVMe, a warm disk). The tier layout is recorded in the index, so
+``cachefsd verify --cache-dir D`` finds the tiers a daemon used without
+being told again. Every directory involved is locked: two daemons sharing a
+tier would each evict the other's blocks and break its capacity.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from cachefsd.chunks.cache import CacheEvents, TieredCache, VerifyReport
+from cachefsd.chunks.codec import Codec
+from cachefsd.chunks.policy import LRU, EpochClock, ObservedEpochs, make_policy
+from cachefsd.chunks.tier import Tier
+from cachefsd.config import CacheSettings, resolve_tier_size
+from cachefsd.errors import CachefsdError, ConfigError
+from cachefsd.index import Index, IndexSchemaMismatch
+from cachefsd.metrics import Metrics
+from cachefsd.runtime import CacheDirLock
+
+log = logging.getLogger(__name__)
+
+_TIERS_META = "tiers"
+_CODECS = {"raw": Codec.RAW, "lz4": Codec.LZ4}
+# Maintenance commands never wait for a running daemon: they tell the user.
+_NO_WAIT = 0.0
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    name: str
+    dir: str
+    capacity: int
+    codec: str
+
+
+def tier_specs(settings: CacheSettings) -> list[TierSpec]:
+    """The configured tiers, directories created and sizes in bytes."""
+    specs = []
+    for name, tier in settings.tiers():
+        try:
+            tier.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cache.{name}.dir: cannot create {tier.dir}: {exc.strerror}") from exc
+        specs.append(TierSpec(name, str(tier.dir), resolve_tier_size(tier.size, tier.dir), tier.codec))
+    return specs
+
+
+def _open_index(cache_dir: Path) -> Index:
+    path = cache_dir / "index.sqlite"
+    try:
+        return Index(path)
+    except IndexSchemaMismatch as exc:
+        # The cache is advisory: an index from another version is set aside
+        # (its blocks become orphans that reconcile removes), never misread.
+        log.warning("%s; starting a new index", exc)
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        return Index(path)
+
+
+@dataclass
+class OpenCache:
+    index: Index
+    cache: TieredCache
+
+
+@contextmanager
+def open_cache(
+    cache_dir: Path,
+    specs: list[TierSpec] | None,
+    policy: str,
+    epochs: EpochClock,
+    events: CacheEvents,
+    lock_wait: float | None = None,
+) -> Iterator[OpenCache]:
+    """Lock, open and reconcile a cache. ``specs`` None means the layout
+    recorded by the last daemon (for maintenance commands)."""
+    try:
+        cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cache.dir: cannot create {cache_dir}: {exc.strerror}") from exc
+    with ExitStack() as stack:
+        wait = {} if lock_wait is None else {"wait_seconds": lock_wait}
+        stack.callback(CacheDirLock(cache_dir, **wait).release)
+        index = _open_index(cache_dir)
+        stack.callback(index.close)
+        if specs is None:
+            recorded = index.load_meta(_TIERS_META)
+            if recorded is None:
+                raise CachefsdError(f"{cache_dir} holds no cache (no daemon has used it)")
+            specs = [TierSpec(**spec) for spec in json.loads(recorded)]
+        else:
+            index.save_meta(_TIERS_META, json.dumps([asdict(spec) for spec in specs]))
+        for directory in {spec.dir for spec in specs} - {str(cache_dir)}:
+            stack.callback(CacheDirLock(Path(directory), **wait).release)
+        rng = random.Random()
+        tiers = [
+            Tier(
+                spec.name,
+                Path(spec.dir),
+                spec.capacity,
+                _CODECS[spec.codec],
+                make_policy(policy, epochs, rng),
+            )
+            for spec in specs
+        ]
+        cache = TieredCache(tiers, index, events)
+        cache.reconcile()
+        yield OpenCache(index, cache)
+        cache.save_recency()
+
+
+@contextmanager
+def _maintenance(cache_dir: Path) -> Iterator[TieredCache]:
+    """The cache as the last daemon laid it out, for an offline command:
+    it never waits for a running daemon, and its metrics go nowhere."""
+    with open_cache(
+        cache_dir, None, LRU, ObservedEpochs(), Metrics(CollectorRegistry()), lock_wait=_NO_WAIT
+    ) as opened:
+        yield opened.cache
+
+
+def verify(cache_dir: Path, repair: bool) -> VerifyReport:
+    with _maintenance(cache_dir) as cache:
+        return cache.verify(repair)
+
+
+def gc(cache_dir: Path) -> list[Tier]:
+    """Reconcile (orphans, unreferenced blocks, over-capacity tiers) and
+    return the tiers as they are after it."""
+    with _maintenance(cache_dir) as cache:
+        return cache.tiers

@@ -1,0 +1,435 @@
+"""Eviction policies: which block of a full tier goes first.
+
+A policy is pure bookkeeping over block names (content hashes): the tier
+tells it what entered, what was read and what left, and asks it for a
+victim when it needs room. A policy may refuse (``victim`` returns None):
+the new block is then not admitted, which is how MinIO and the epoch-aware
+policy avoid thrashing on shuffled epochs.
+
+Why not plain LRU: training reads every sample once per epoch in a new
+random order. Under that access pattern LRU evicts blocks that are still to
+be read this epoch to make room for blocks that will not be read again until
+the next one, and its steady hit ratio falls to about f + (1-f)ln(1-f) for a
+cache holding a fraction f of the dataset (CoorDL, VLDB 2021). JuiceFS's
+2-random does a little better (about 22 % at f = 0.5), a cache that stops
+replacing once full (CoorDL's MinIO) hits exactly f, and the epoch-aware
+policy below hits f too while still letting the cache follow a changing
+working set. ``benchmarks/policy_sim.py`` replays shuffled epochs through
+every policy here and against Belady's offline optimum.
+
+Every operation is O(1) or O(log n) (amortised): a tier can hold millions of
+blocks and calls the policy under its lock. Policies are tolerant of the
+tier's bookkeeping order: ``admitted`` of a resident block counts as a read,
+``accessed`` and ``removed`` of a block the policy does not hold are no-ops.
+Nothing here does I/O, starts threads or locks: the caller serialises.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import OrderedDict
+from typing import Final, Protocol
+
+# Half: a real epoch reads (nearly) every file of the previous one, minus a
+# dropped last batch or a shard that changed owner, so its re-reads come
+# well after the halfway mark; re-reads inside an epoch (retries, repeated
+# samples) come at any point, and requiring half of the epoch to have passed
+# halves the window in which one can end it too early. Higher values risk
+# missing a boundary when the loader skips part of the data (an epoch cut
+# short by ``max_steps``); a missed boundary makes every block read in
+# either epoch a candidate, so the epoch-aware policy degrades towards LRU
+# until the next boundary. Lower values end epochs early; blocks read before
+# an early boundary count as unread, which only delays their eviction.
+MIN_EPOCH_FRACTION: Final = 0.5
+
+LRU: Final = "lru"
+TWO_RANDOM: Final = "2-random"
+MINIO: Final = "minio"
+EPOCH_AWARE: Final = "epoch-aware"
+POLICY_NAMES: Final = (LRU, TWO_RANDOM, MINIO, EPOCH_AWARE)
+# Training epochs are the workload this daemon exists for; see the module docstring.
+DEFAULT_POLICY: Final = EPOCH_AWARE
+
+# Rebuild the next-use heap when it holds more than this many entries per
+# live one. Each re-read or re-rank of a block with a known next use leaves
+# one stale entry behind; a factor of 2 keeps memory within twice the
+# residents, and the O(n) rebuild runs at most once per n updates (amortised
+# O(1)).
+HEAP_SLACK: Final = 2
+
+
+class EvictionPolicy(Protocol):
+    """Bookkeeping for one tier. Not thread-safe: the tier calls it under its lock."""
+
+    def admitted(self, block: str) -> None:
+        """``block`` entered the tier."""
+        ...
+
+    def accessed(self, block: str) -> None:
+        """``block`` was read from the tier."""
+        ...
+
+    def removed(self, block: str) -> None:
+        """``block`` left the tier (evicted, demoted, promoted, corrupt, released)."""
+        ...
+
+    def victim(self, incoming: str | None = None) -> str | None:
+        """The block to evict next, or None to refuse the admission that needs room.
+
+        ``incoming`` is the block that needs the room, when the tier knows it;
+        a policy with next-use knowledge compares it with the residents. The
+        victim stays resident until the tier calls ``removed``; None is also
+        the answer when the policy holds no block.
+        """
+        ...
+
+
+class EpochClock(Protocol):
+    """Where the current training epoch comes from (the access model owns the real one)."""
+
+    def current(self) -> int:
+        """The current epoch number; never decreases."""
+        ...
+
+
+class NextUse(Protocol):
+    """Exact knowledge of when a block will be read next (a loader's plan, fed by prefetch).
+
+    Values are positions on one time axis, smaller = sooner; None means the
+    plan does not say. A block's value may change when it is read (the tier
+    then calls ``accessed``) or when the plan changes, in which case the
+    feeder calls ``EpochAwarePolicy.next_use_changed``. Within one
+    ``victim`` call the answers must be stable.
+    """
+
+    def next_use(self, block: str) -> float | None:
+        """When ``block`` is read next, or None if unknown."""
+        ...
+
+
+class LruPolicy:
+    """Least recently used first: the baseline, and right for non-epoch workloads."""
+
+    def __init__(self) -> None:
+        # Oldest read first; the values are unused.
+        self._order: OrderedDict[str, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._order
+
+    def admitted(self, block: str) -> None:
+        self._order[block] = None
+        self._order.move_to_end(block)
+
+    def accessed(self, block: str) -> None:
+        if block in self._order:
+            self._order.move_to_end(block)
+
+    def removed(self, block: str) -> None:
+        self._order.pop(block, None)
+
+    def victim(self, incoming: str | None = None) -> str | None:
+        return next(iter(self._order), None)
+
+
+class TwoRandomPolicy:
+    """JuiceFS's default: sample two resident blocks, evict the less recently used.
+
+    Approximates LRU without an ordered structure and, by its randomness,
+    thrashes a little less on shuffled epochs. Sampling is O(1): residents
+    live in a list with an index map, and removal swaps the last entry into
+    the hole.
+    """
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self._blocks: list[str] = []
+        self._index: dict[str, int] = {}
+        # Logical time of each resident's last read; a counter, not a clock,
+        # so equal-time ties cannot happen and tests are deterministic.
+        self._last_read: dict[str, int] = {}
+        self._tick = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._index
+
+    def _touch(self, block: str) -> None:
+        self._tick += 1
+        self._last_read[block] = self._tick
+
+    def admitted(self, block: str) -> None:
+        if block not in self._index:
+            self._index[block] = len(self._blocks)
+            self._blocks.append(block)
+        self._touch(block)
+
+    def accessed(self, block: str) -> None:
+        if block in self._index:
+            self._touch(block)
+
+    def removed(self, block: str) -> None:
+        position = self._index.pop(block, None)
+        if position is None:
+            return
+        last = self._blocks.pop()
+        if last != block:
+            self._blocks[position] = last
+            self._index[last] = position
+        del self._last_read[block]
+
+    def victim(self, incoming: str | None = None) -> str | None:
+        count = len(self._blocks)
+        if count == 0:
+            return None
+        if count == 1:
+            return self._blocks[0]
+        first = self._rng.randrange(count)
+        second = self._rng.randrange(count - 1)
+        if second >= first:
+            second += 1
+        a, b = self._blocks[first], self._blocks[second]
+        return a if self._last_read[a] <= self._last_read[b] else b
+
+
+class MinioPolicy:
+    """CoorDL's MinIO: once full, never replace; new blocks are refused.
+
+    Under per-epoch shuffling every resident is read exactly once per epoch,
+    so the hit ratio is exactly the cached fraction, which beats LRU. The
+    price: the cache never follows a changing working set. Blocks the tier
+    removes for its own reasons (demotion, corruption) free room that the
+    next admissions take.
+    """
+
+    def __init__(self) -> None:
+        self._resident: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._resident)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._resident
+
+    def admitted(self, block: str) -> None:
+        self._resident.add(block)
+
+    def accessed(self, block: str) -> None:
+        """Reads change nothing: MinIO keeps whatever filled the cache first."""
+
+    def removed(self, block: str) -> None:
+        self._resident.discard(block)
+
+    def victim(self, incoming: str | None = None) -> str | None:
+        return None
+
+
+class EpochAwarePolicy:
+    """Evict what was already read this epoch; keep what is still unread.
+
+    Each block remembers the epoch of its last read (admission counts: a
+    block is admitted because it was just read). A block read in the current
+    epoch will, under once-per-epoch sampling, not be needed again until the
+    next epoch; a block last read in an earlier epoch is still to come. So:
+
+    - a victim is taken from the blocks read in the current epoch, the one
+      whose last read is the EARLIEST in the epoch first. Under independent
+      per-epoch shuffles every such block is equally useless until the next
+      epoch, so the choice costs nothing there, and "earliest" protects the
+      blocks being read right now: the kernel splits one block into many
+      FUSE reads, and a sample's block is often read again shortly (packed
+      shards, several crops). Choosing the most recent one instead would
+      evict a block in the middle of its read;
+    - when no resident was read this epoch, admission is refused: every
+      resident is still to be read this epoch, and the newcomer, just read,
+      is the least useful block of all. Steady state is MinIO's hit ratio
+      (the cached fraction), but the contents follow the working set.
+
+    With a ``NextUse`` (exact knowledge from a loader's plan), the ranking
+    becomes Belady's, with unknown next uses placed by the epoch rule:
+
+    1. read this epoch, next use unknown: farthest; evicted first, earliest
+       read first, as above;
+    2. next use known: farthest first, evicted only if ``incoming`` is given
+       with a known next use that is strictly sooner (otherwise refuse);
+    3. not read this epoch, next use unknown: due this epoch; never evicted.
+
+    Next uses are cached in a max-heap when a block is read, when
+    ``next_use_changed`` is called, or when a rank-1 block turns out to have
+    one; ``victim`` re-checks the top entry, so stale values cost a re-push,
+    never a wrong answer about residency.
+    """
+
+    def __init__(self, epochs: EpochClock, next_use: NextUse | None = None) -> None:
+        self._epochs = epochs
+        self._next_use = next_use
+        # Epoch of each resident's last read (admission counts).
+        self._epoch_of: dict[str, int] = {}
+        # Residents whose next use is unknown, grouped by the epoch of their
+        # last read, earliest read first within a group. Groups are dropped
+        # when empty, so there are at most as many as epochs with residents.
+        self._unknown: dict[int, OrderedDict[str, None]] = {}
+        # Residents with a known next use: block -> (next use, entry id) of
+        # its one valid heap entry; the heap holds (-next use, entry id, block)
+        # and may hold stale entries, skipped on pop and purged by compaction.
+        self._known: dict[str, tuple[float, int]] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._entry = 0
+
+    def __len__(self) -> int:
+        return len(self._epoch_of)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._epoch_of
+
+    def admitted(self, block: str) -> None:
+        self._read(block)
+
+    def accessed(self, block: str) -> None:
+        if block in self._epoch_of:
+            self._read(block)
+
+    def removed(self, block: str) -> None:
+        epoch = self._epoch_of.pop(block, None)
+        if epoch is None:
+            return
+        self._forget_placement(block, epoch)
+
+    def next_use_changed(self, block: str) -> None:
+        """The plan changed ``block``'s next use without a read; re-rank it. O(log n)."""
+        epoch = self._epoch_of.get(block)
+        if epoch is not None:
+            self._forget_placement(block, epoch)
+            self._place(block, epoch)
+
+    def victim(self, incoming: str | None = None) -> str | None:
+        current = self._epochs.current()
+        while True:
+            done = self._unknown.get(current)
+            if done:
+                block = next(iter(done))
+                if self._lookup(block) is None:
+                    return block
+                # The plan now knows this block: rank it by its next use.
+                self._forget_placement(block, current)
+                self._place(block, current)
+                continue
+            if not self._heap:
+                return None
+            negative, entry, block = self._heap[0]
+            if self._known.get(block) != (-negative, entry):
+                heapq.heappop(self._heap)
+                continue
+            latest = self._lookup(block)
+            if latest != -negative:
+                self._forget_placement(block, self._epoch_of[block])
+                self._place(block, self._epoch_of[block])
+                continue
+            newcomer = None if incoming is None else self._lookup(incoming)
+            if newcomer is not None and newcomer < latest:
+                return block
+            return None
+
+    def _lookup(self, block: str) -> float | None:
+        return None if self._next_use is None else self._next_use.next_use(block)
+
+    def _read(self, block: str) -> None:
+        epoch = self._epochs.current()
+        previous = self._epoch_of.get(block)
+        if previous is not None:
+            self._forget_placement(block, previous)
+        self._epoch_of[block] = epoch
+        self._place(block, epoch)
+
+    def _place(self, block: str, epoch: int) -> None:
+        when = self._lookup(block)
+        if when is None:
+            self._unknown.setdefault(epoch, OrderedDict())[block] = None
+            return
+        self._entry += 1
+        self._known[block] = (when, self._entry)
+        heapq.heappush(self._heap, (-when, self._entry, block))
+
+    def _forget_placement(self, block: str, epoch: int) -> None:
+        if self._known.pop(block, None) is not None:
+            self._compact_heap()
+            return
+        group = self._unknown.get(epoch)
+        if group is not None:
+            group.pop(block, None)
+            if not group:
+                del self._unknown[epoch]
+
+    def _compact_heap(self) -> None:
+        """Drop stale heap entries once they outnumber the live ones (amortised O(1))."""
+        if len(self._heap) > HEAP_SLACK * (len(self._known) + 1):
+            self._heap = [(-when, entry, block) for block, (when, entry) in self._known.items()]
+            heapq.heapify(self._heap)
+
+
+class ObservedEpochs:
+    """Epoch boundaries inferred from file-level reads: a minimal ``EpochClock``.
+
+    ``file_read(file_id)`` is called once per pass over a file (its first
+    read after open, say; not once per FUSE read). The heuristic: an epoch
+    ends when a file already read in the current epoch is read again AND the
+    current epoch has already read at least ``min_fraction`` as many distinct
+    files as the previous epoch did. The re-read is the new pass starting
+    (shuffled or sequential: the first file of epoch e+1 was read in epoch
+    e); the fraction keeps an early re-read (a retried read, a second crop,
+    a sample that references the same file twice) from cutting an epoch short.
+
+    The fraction is measured against the previous epoch rather than against
+    every file ever seen because a distributed sampler gives each node a
+    different 1/world-size share of the dataset each epoch: the node sees
+    more and more files while each epoch stays the same size.
+
+    In the first epoch nothing is known about the epoch size, so any re-read
+    ends it. That costs little: the cache is still filling, and the next
+    boundary corrects itself because it is measured against the short epoch.
+    """
+
+    def __init__(self, min_fraction: float | None = None) -> None:
+        self._min_fraction = MIN_EPOCH_FRACTION if min_fraction is None else min_fraction
+        if not 0.0 < self._min_fraction <= 1.0:
+            raise ValueError(f"min_fraction must be in (0, 1], got {self._min_fraction}")
+        self._epoch = 0
+        self._this_epoch: set[str] = set()
+        self._previous_size = 0
+
+    def current(self) -> int:
+        return self._epoch
+
+    def file_read(self, file_id: str) -> None:
+        if file_id in self._this_epoch and (
+            len(self._this_epoch) >= self._min_fraction * self._previous_size
+        ):
+            self._epoch += 1
+            self._previous_size = len(self._this_epoch)
+            self._this_epoch = set()
+        self._this_epoch.add(file_id)
+
+
+def make_policy(
+    name: str, epochs: EpochClock, rng: random.Random, next_use: NextUse | None = None
+) -> EvictionPolicy:
+    """The policy called ``name`` (one of ``POLICY_NAMES``); ValueError for any other.
+
+    ``epochs`` and ``next_use`` only matter to the epoch-aware policy, ``rng``
+    only to 2-random; every policy takes them so config can switch freely.
+    """
+    if name == LRU:
+        return LruPolicy()
+    if name == TWO_RANDOM:
+        return TwoRandomPolicy(rng)
+    if name == MINIO:
+        return MinioPolicy()
+    if name == EPOCH_AWARE:
+        return EpochAwarePolicy(epochs, next_use)
+    raise ValueError(f"unknown eviction policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")

@@ -1,0 +1,162 @@
+"""One tier: a directory of block frames with a byte capacity and a codec.
+
+    <dir>/blocks/ab/abcdef...   one frame (codec.py) per content hash
+    <dir>/tmp/                  frames being written; garbage after a crash
+
+A tier only stores and accounts; what enters, leaves or moves is decided by
+``tiered.TieredCache``, which serialises every operation that adds bytes.
+Capacity counts each file rounded up to the filesystem allocation unit, so
+``used_bytes`` is bytes on disk; a tier makes room (``make_room``) before a
+frame is written and its victims' files are deleted before the new one is,
+so the bound holds at every moment, not just between operations.
+
+Concurrency: ``_lock`` guards ``_sizes``, ``_used`` and the policy. File I/O
+happens outside it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from pathlib import Path
+
+from cachefsd.chunks.codec import Codec
+from cachefsd.chunks.policy import EvictionPolicy
+
+# Files occupy whole filesystem blocks; 4 KiB is the allocation unit of
+# ext4 and xfs as formatted by default.
+ALLOCATION_UNIT = 4096
+
+
+def disk_bytes(length: int) -> int:
+    return -(-length // ALLOCATION_UNIT) * ALLOCATION_UNIT
+
+
+class NoRoom(Exception):
+    """The tier's policy refuses to evict for a newcomer, or it is too big.
+    ``victims`` were already taken out before the refusal: they were the
+    policy's choice, so the caller deletes (or demotes) them all the same."""
+
+    def __init__(self, message: str, victims: list[str]) -> None:
+        super().__init__(message)
+        self.victims = victims
+
+
+class Tier:
+    def __init__(self, name: str, root: Path, capacity: int, codec: Codec, policy: EvictionPolicy) -> None:
+        self.name = name
+        self.root = root
+        self.capacity = capacity
+        self.codec = codec
+        self._policy = policy
+        self._blocks_dir = root / "blocks"
+        self._tmp_dir = root / "tmp"
+        self._lock = threading.Lock()
+        self._sizes: dict[str, int] = {}  # hash -> disk bytes
+        self._used = 0
+        for directory in (self._blocks_dir, self._tmp_dir):
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    @property
+    def block_count(self) -> int:
+        with self._lock:
+            return len(self._sizes)
+
+    def path_of(self, digest: str) -> Path:
+        return self._blocks_dir / digest[:2] / digest
+
+    def holds(self, digest: str) -> bool:
+        with self._lock:
+            return digest in self._sizes
+
+    def size_of(self, digest: str) -> int | None:
+        with self._lock:
+            return self._sizes.get(digest)
+
+    # -- accounting -------------------------------------------------------
+
+    def make_room(self, size: int, incoming: str) -> list[str]:
+        """Victims whose removal leaves room for ``size`` bytes of block
+        ``incoming`` (the policy may weigh it against them); they are out
+        of the accounting when this returns, and the caller must delete (or
+        demote) them before writing. ``NoRoom`` if the policy refuses."""
+        if size > self.capacity:
+            raise NoRoom(f"{size} bytes exceed the {self.name} tier", [])
+        victims: list[str] = []
+        with self._lock:
+            while self._used + size > self.capacity:
+                victim = self._policy.victim(incoming)
+                if victim is None:
+                    raise NoRoom(f"the {self.name} tier's policy keeps every block", victims)
+                victims.append(victim)
+                self._remove_locked(victim)
+        return victims
+
+    def add(self, digest: str, size: int) -> None:
+        with self._lock:
+            self._add_locked(digest, size)
+
+    def _add_locked(self, digest: str, size: int) -> None:
+        self._sizes[digest] = size
+        self._used += size
+        self._policy.admitted(digest)
+
+    def remove(self, digest: str) -> int | None:
+        """Forget ``digest``; its disk bytes, or None if it was not here."""
+        with self._lock:
+            if digest not in self._sizes:
+                return None
+            return self._remove_locked(digest)
+
+    def _remove_locked(self, digest: str) -> int:
+        size = self._sizes.pop(digest)
+        self._used -= size
+        self._policy.removed(digest)
+        return size
+
+    def accessed(self, digest: str) -> None:
+        with self._lock:
+            if digest in self._sizes:
+                self._policy.accessed(digest)
+
+    # -- files ------------------------------------------------------------
+
+    def write(self, digest: str, frame: bytes) -> None:
+        """Write a frame under its name: a temp file, then a rename."""
+        temp = self._tmp_dir / f"{digest}.{secrets.token_hex(4)}"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            view = memoryview(frame)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        final = self.path_of(digest)
+        final.parent.mkdir(mode=0o700, exist_ok=True)
+        os.replace(temp, final)
+
+    def read(self, digest: str) -> bytes:
+        with open(self.path_of(digest), "rb") as block_file:
+            return block_file.read()
+
+    def delete(self, digest: str) -> None:
+        self.path_of(digest).unlink(missing_ok=True)
+
+    def files(self) -> dict[str, int]:
+        """Every block file on disk -> its size; temp files are deleted."""
+        for leftover in self._tmp_dir.iterdir():
+            leftover.unlink(missing_ok=True)
+        return {
+            block_file.name: block_file.stat().st_size
+            for shard in self._blocks_dir.iterdir()
+            for block_file in shard.iterdir()
+        }

@@ -1,0 +1,372 @@
+"""Eviction policies: each policy's order and refusals, epoch detection, and bookkeeping invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachefsd.chunks.policy import (
+    DEFAULT_POLICY,
+    POLICY_NAMES,
+    EpochAwarePolicy,
+    EvictionPolicy,
+    LruPolicy,
+    MinioPolicy,
+    ObservedEpochs,
+    TwoRandomPolicy,
+    make_policy,
+)
+
+
+class FakeClock:
+    """An ``EpochClock`` the test advances by hand."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def current(self) -> int:
+        return self.epoch
+
+
+class PlanOracle:
+    """A ``NextUse`` backed by a dict the test edits; missing = unknown."""
+
+    def __init__(self) -> None:
+        self.plan: dict[str, float] = {}
+
+    def next_use(self, block: str) -> float | None:
+        return self.plan.get(block)
+
+
+def fill(policy: EvictionPolicy, *blocks: str) -> None:
+    for block in blocks:
+        policy.admitted(block)
+
+
+# --- LRU ---------------------------------------------------------------------------------------------
+
+
+def test_lru_evicts_least_recently_read() -> None:
+    policy = LruPolicy()
+    fill(policy, "a", "b", "c")
+    policy.accessed("a")
+    assert policy.victim() == "b"
+    policy.removed("b")
+    assert policy.victim() == "c"
+    policy.admitted("c")  # re-admission counts as a read
+    assert policy.victim() == "a"
+
+
+def test_lru_empty_and_unknown_blocks() -> None:
+    policy = LruPolicy()
+    assert policy.victim() is None
+    policy.accessed("ghost")
+    policy.removed("ghost")
+    assert len(policy) == 0
+
+
+# --- MinIO -------------------------------------------------------------------------------------------
+
+
+def test_minio_refuses_once_full_and_tracks_residents() -> None:
+    policy = MinioPolicy()
+    fill(policy, "a", "b")
+    policy.accessed("a")
+    assert policy.victim("c") is None
+    policy.removed("a")
+    assert "a" not in policy
+    assert len(policy) == 1
+
+
+# --- 2-random ----------------------------------------------------------------------------------------
+
+
+def test_two_random_with_two_blocks_evicts_the_older() -> None:
+    policy = TwoRandomPolicy(random.Random(1))
+    fill(policy, "a", "b")
+    policy.accessed("a")
+    assert all(policy.victim() == "b" for _ in range(20))
+
+
+def test_two_random_evicts_one_of_its_sample_never_the_newest() -> None:
+    policy = TwoRandomPolicy(random.Random(7))
+    blocks = [f"b{index}" for index in range(10)]
+    fill(policy, *blocks)
+    policy.accessed("b3")  # now the most recently read
+    victims = {policy.victim() for _ in range(500)}
+    assert "b3" not in victims
+    assert victims <= set(blocks)
+    # The oldest block loses every sample it is in, so it is picked about 2/n of the time.
+    assert "b0" in victims
+
+
+def test_two_random_swap_remove_keeps_sampling_valid() -> None:
+    policy = TwoRandomPolicy(random.Random(3))
+    fill(policy, "a", "b", "c", "d")
+    policy.removed("a")  # swaps "d" into the hole
+    policy.removed("d")
+    assert {policy.victim() for _ in range(100)} <= {"b", "c"}
+    policy.removed("b")
+    assert policy.victim() == "c"
+    policy.removed("c")
+    assert policy.victim() is None
+
+
+# --- epoch-aware -------------------------------------------------------------------------------------
+
+
+def test_epoch_aware_refuses_while_every_resident_is_unread_this_epoch() -> None:
+    clock = FakeClock()
+    policy = EpochAwarePolicy(clock)
+    fill(policy, "a", "b")
+    clock.epoch = 1
+    assert policy.victim("c") is None
+
+
+def test_epoch_aware_evicts_earliest_read_this_epoch_first() -> None:
+    clock = FakeClock()
+    policy = EpochAwarePolicy(clock)
+    fill(policy, "a", "b", "c")
+    clock.epoch = 1
+    policy.accessed("c")
+    policy.accessed("b")
+    assert policy.victim() == "c"
+    policy.removed("c")
+    assert policy.victim() == "b"
+    policy.admitted("d")  # admission is a read: a candidate, after "b"
+    policy.removed("b")
+    assert policy.victim() == "d"
+    policy.removed("d")
+    assert policy.victim() is None  # "a" is still to be read this epoch
+
+
+def test_epoch_aware_rereads_move_a_block_to_the_back() -> None:
+    clock = FakeClock()
+    policy = EpochAwarePolicy(clock)
+    fill(policy, "a", "b")
+    policy.accessed("a")  # a block being read in several FUSE reads stays
+    assert policy.victim() == "b"
+
+
+def test_epoch_aware_unknown_next_use_read_this_epoch_goes_first() -> None:
+    clock, oracle = FakeClock(), PlanOracle()
+    policy = EpochAwarePolicy(clock, oracle)
+    oracle.plan = {"far": 100.0, "near": 5.0}
+    fill(policy, "far", "near", "done")
+    assert policy.victim("new") == "done"
+
+
+def test_epoch_aware_with_plan_evicts_farthest_only_for_a_sooner_newcomer() -> None:
+    clock, oracle = FakeClock(), PlanOracle()
+    policy = EpochAwarePolicy(clock, oracle)
+    oracle.plan = {"far": 100.0, "near": 5.0, "mid": 50.0}
+    fill(policy, "far", "near")
+    assert policy.victim("mid") == "far"
+    assert policy.victim("unplanned") is None  # unknown: just read, farther than any plan
+    assert policy.victim() is None  # no newcomer to compare with
+    oracle.plan["later"] = 200.0
+    assert policy.victim("later") is None
+
+
+def test_epoch_aware_plan_changes_are_seen() -> None:
+    clock, oracle = FakeClock(), PlanOracle()
+    policy = EpochAwarePolicy(clock, oracle)
+    oracle.plan = {"a": 10.0, "b": 20.0, "new": 15.0}
+    fill(policy, "a", "b", "c")
+    clock.epoch = 1  # "c": unread this epoch, unplanned: protected
+    assert policy.victim("new") == "b"
+    oracle.plan["b"] = 12.0  # re-ranked lazily on the next victim call
+    assert policy.victim("new") is None
+    oracle.plan["c"] = 30.0
+    policy.next_use_changed("c")
+    assert policy.victim("new") == "c"
+    del oracle.plan["c"]  # dropped from the plan: back to unread-this-epoch
+    assert policy.victim("new") is None
+    policy.accessed("c")  # read in epoch 1, unplanned: first to go
+    assert policy.victim("new") == "c"
+
+
+def test_epoch_aware_heap_stays_bounded_under_rereads() -> None:
+    clock, oracle = FakeClock(), PlanOracle()
+    policy = EpochAwarePolicy(clock, oracle)
+    fill(policy, "a", "b")
+    for step in range(10_000):
+        oracle.plan["a"] = float(step)
+        policy.accessed("a")
+    assert len(policy._heap) <= 8  # stale entries are compacted, not kept forever
+
+
+# --- epoch detection ---------------------------------------------------------------------------------
+
+
+def run_epochs(orders: list[list[str]]) -> list[tuple[int, int]]:
+    """Feed the orders to ObservedEpochs; (true epoch, detected epoch) per read."""
+    clock = ObservedEpochs()
+    observed = []
+    for epoch, order in enumerate(orders):
+        for name in order:
+            clock.file_read(name)
+            observed.append((epoch, clock.current()))
+    return observed
+
+
+FILES = [f"f{index:04d}" for index in range(200)]
+
+
+def test_observed_epochs_on_shuffled_epochs() -> None:
+    rng = random.Random(5)
+    orders = [rng.sample(FILES, len(FILES)) for _ in range(4)]
+    assert all(true == seen for true, seen in run_epochs(orders))
+
+
+def test_observed_epochs_on_sequential_epochs() -> None:
+    assert all(true == seen for true, seen in run_epochs([FILES] * 4))
+
+
+def test_observed_epochs_ignores_an_early_reread() -> None:
+    clock = ObservedEpochs()
+    for name in FILES:
+        clock.file_read(name)
+    for name in FILES[:10]:
+        clock.file_read(name)
+    assert clock.current() == 1
+    clock.file_read(FILES[3])  # 10 of 200 read this epoch: not a new epoch
+    for name in FILES[10:]:
+        clock.file_read(name)
+    assert clock.current() == 1
+    clock.file_read(FILES[0])
+    assert clock.current() == 2
+
+
+def test_observed_epochs_first_epoch_ends_on_any_reread() -> None:
+    """Documented: nothing is known about the size of the first epoch."""
+    clock = ObservedEpochs()
+    for name in ("a", "b", "a"):
+        clock.file_read(name)
+    assert clock.current() == 1
+
+
+def test_observed_epochs_with_a_different_shard_each_epoch() -> None:
+    """A distributed sampler: each epoch reads a fresh half of the files; the boundary lags a little."""
+    rng = random.Random(11)
+    clock = ObservedEpochs()
+    boundaries = []
+    reads = 0
+    for _ in range(5):
+        for name in rng.sample(FILES, len(FILES) // 2):
+            before = clock.current()
+            clock.file_read(name)
+            if clock.current() != before:
+                boundaries.append(reads)
+            reads += 1
+    starts = range(len(FILES) // 2, reads, len(FILES) // 2)
+    assert len(boundaries) == len(starts)
+    assert all(0 <= seen - start < 10 for seen, start in zip(boundaries, starts, strict=True))
+
+
+@pytest.mark.parametrize("fraction", [0.0, -1.0, 1.5])
+def test_observed_epochs_rejects_bad_fraction(fraction: float) -> None:
+    with pytest.raises(ValueError, match="min_fraction"):
+        ObservedEpochs(fraction)
+
+
+# --- factory -----------------------------------------------------------------------------------------
+
+
+def test_make_policy_knows_every_name() -> None:
+    kinds = {name: type(make_policy(name, FakeClock(), random.Random(0))) for name in POLICY_NAMES}
+    assert kinds == {
+        "lru": LruPolicy,
+        "2-random": TwoRandomPolicy,
+        "minio": MinioPolicy,
+        "epoch-aware": EpochAwarePolicy,
+    }
+    assert DEFAULT_POLICY == "epoch-aware"
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_policy("arc", FakeClock(), random.Random(0))
+
+
+# --- invariants under random operation sequences -----------------------------------------------------
+
+BLOCKS = [f"h{index}" for index in range(6)]
+OPERATIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "access", "remove", "victim", "evict", "tick", "plan", "unplan"]),
+        st.sampled_from(BLOCKS),
+        st.integers(0, 50),
+    ),
+    max_size=80,
+)
+
+
+def drive(
+    policy: EvictionPolicy, clock: FakeClock, oracle: PlanOracle, operation: str, block: str, value: int
+) -> None:
+    """Apply one operation that needs no answer from the policy."""
+    if operation == "admit":
+        policy.admitted(block)
+    elif operation == "access":
+        policy.accessed(block)  # a no-op for a block the policy does not hold
+    elif operation == "remove":
+        policy.removed(block)
+    elif operation == "tick":
+        clock.epoch += 1
+    elif operation == "plan":
+        oracle.plan[block] = float(value)
+        if isinstance(policy, EpochAwarePolicy):
+            policy.next_use_changed(block)
+    elif operation == "unplan":
+        oracle.plan.pop(block, None)  # unannounced: victim must cope
+
+
+@pytest.mark.parametrize("name", [*POLICY_NAMES, "epoch-aware+plan"])
+@settings(max_examples=150, deadline=None)
+@given(operations=OPERATIONS, seed=st.integers(0, 2**16))
+def test_policy_bookkeeping_matches_a_reference(
+    name: str, operations: list[tuple[str, str, int]], seed: int
+) -> None:
+    clock, oracle = FakeClock(), PlanOracle()
+    if name == "epoch-aware+plan":
+        policy: EvictionPolicy = EpochAwarePolicy(clock, oracle)
+    else:
+        policy = make_policy(name, clock, random.Random(seed))
+    resident: list[str] = []  # least recently read first
+    read_in: dict[str, int] = {}
+    for operation, block, value in operations:
+        drive(policy, clock, oracle, operation, block, value)
+        if operation == "admit" or (operation == "access" and block in resident):
+            if block in resident:
+                resident.remove(block)
+            resident.append(block)
+            read_in[block] = clock.epoch
+        elif operation == "remove" and block in resident:
+            resident.remove(block)
+        elif operation in ("victim", "evict"):
+            chosen = policy.victim(block)
+            assert chosen is None or chosen in resident
+            check_choice(name, chosen, resident, read_in, clock.epoch)
+            if operation == "evict" and chosen is not None:
+                policy.removed(chosen)
+                resident.remove(chosen)
+        assert len(policy) == len(resident)  # type: ignore[arg-type]  # every policy has __len__
+        assert all((candidate in policy) == (candidate in resident) for candidate in BLOCKS)  # type: ignore[operator]
+
+
+def check_choice(
+    name: str, chosen: str | None, resident: list[str], read_in: dict[str, int], now: int
+) -> None:
+    """What each policy may answer, beyond "a resident or None"."""
+    if name == "lru":
+        assert chosen == (resident[0] if resident else None)
+    elif name == "2-random":
+        assert (chosen is None) == (not resident)
+        if len(resident) > 1:
+            assert chosen != resident[-1]
+    elif name == "minio":
+        assert chosen is None
+    elif name == "epoch-aware":
+        candidates = [block for block in resident if read_in[block] == now]
+        assert chosen == (candidates[0] if candidates else None)

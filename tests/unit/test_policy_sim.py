@@ -1,0 +1,74 @@
+"""The policy simulator: its results match theory, and Belady bounds every policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.policy_sim import (
+    BELADY,
+    DEFAULT_FRACTIONS,
+    PLANNED,
+    SIMULATED,
+    analytic_lru,
+    next_uses,
+    run,
+    shuffled_trace,
+    simulate_belady,
+)
+
+INF = float("inf")
+
+
+@pytest.fixture(name="steady", scope="module")
+def fixture_steady() -> dict[tuple[float, str], float]:
+    """Steady hit ratio per (fraction, policy) on the benchmark's default workload."""
+    result = run(files=1000, epochs=5, fractions=DEFAULT_FRACTIONS, seed=0)
+    return {(row["fraction"], row["policy"]): row["steady"] for row in result["rows"]}
+
+
+def test_trace_reads_every_file_once_per_epoch() -> None:
+    trace = shuffled_trace(files=50, epochs=3, seed=1)
+    epochs = [trace[start : start + 50] for start in range(0, 150, 50)]
+    assert all(sorted(epoch) == sorted(epochs[0]) and len(set(epoch)) == 50 for epoch in epochs)
+    assert epochs[0] != epochs[1]  # a fresh shuffle
+
+
+def test_next_uses() -> None:
+    assert next_uses(["a", "b", "a", "c", "b"]) == [2, 4, INF, INF, INF]
+
+
+def test_belady_on_a_loop_larger_than_the_cache() -> None:
+    # a b c a b c with room for two: c is never admitted, a and b hit.
+    assert simulate_belady(["a", "b", "c", "a", "b", "c"], capacity=2) == [False] * 3 + [True, True, False]
+
+
+@pytest.mark.parametrize("fraction", DEFAULT_FRACTIONS)
+def test_minio_hits_the_cached_fraction(steady: dict[tuple[float, str], float], fraction: float) -> None:
+    assert steady[fraction, "minio"] == pytest.approx(fraction, abs=0.03)
+
+
+@pytest.mark.parametrize("fraction", DEFAULT_FRACTIONS)
+def test_lru_matches_the_analytic_value(steady: dict[tuple[float, str], float], fraction: float) -> None:
+    assert steady[fraction, "lru"] == pytest.approx(analytic_lru(fraction), abs=0.05)
+
+
+@pytest.mark.parametrize("fraction", DEFAULT_FRACTIONS)
+def test_belady_bounds_every_policy(steady: dict[tuple[float, str], float], fraction: float) -> None:
+    for name in SIMULATED:
+        assert steady[fraction, name] <= steady[fraction, BELADY] + 1e-9, name
+
+
+@pytest.mark.parametrize("fraction", DEFAULT_FRACTIONS)
+def test_epoch_aware_is_at_least_minio(steady: dict[tuple[float, str], float], fraction: float) -> None:
+    assert steady[fraction, "epoch-aware"] >= steady[fraction, "minio"] - 0.02
+
+
+@pytest.mark.parametrize("fraction", DEFAULT_FRACTIONS)
+def test_epoch_aware_with_a_plan_reaches_belady(
+    steady: dict[tuple[float, str], float], fraction: float
+) -> None:
+    assert steady[fraction, PLANNED] == pytest.approx(steady[fraction, BELADY], abs=0.01)
+
+
+def test_analytic_lru_at_half() -> None:
+    assert analytic_lru(0.5) == pytest.approx(0.1534, abs=1e-4)
