@@ -185,13 +185,16 @@ class BlockReader:
         """Bytes ``[lo, hi)`` of block ``index``, and how long they waited on
         the cold store (None when they came from the cache)."""
         ref = self.ref(info, index)
+        digest = self._cache.lookup(ref)
         data = self._memory.get(ref)
         if data is not None:
+            if digest is not None:
+                self._cache.touch(digest)
             return data[lo:hi], None
-        digest = self._cache.lookup(ref)
         if digest is not None and self._verified.get(digest):
             span = self._span(digest, lo, hi)
             if span is not None:
+                self._cache.touch(digest)
                 return span, None
         data = None if digest is None else self._cache.read(digest)
         if data is None and self._dedup_by_etag:

@@ -171,6 +171,13 @@ class TieredCache:
         self._events.dedup_saved("wire", len(data))
         return data
 
+    def touch(self, digest: str) -> None:
+        """A read served without ``read`` (from the file or from RAM): the
+        policies still have to see it."""
+        tier = self._tier_holding(digest)
+        if tier is not None:
+            tier.accessed(digest)
+
     def raw_path(self, digest: str) -> Path | None:
         """The file of a block stored raw (its content follows the frame
         header), for reads that skip Python; None if compressed or absent."""

@@ -658,4 +658,4 @@ def test_cache_never_exceeds_its_capacity(s3_client: Any, mount_bucket: MountBuc
     assert peak > capacity // 2, "the cache should have filled up"
     samples = mount.metrics()
     assert 0 < samples["cachefsd_cache_used_bytes"] <= samples["cachefsd_cache_capacity_bytes"] == capacity
-    assert samples["cachefsd_cache_evictions_total"] > 0
+    assert sum(v for k, v in samples.items() if k.startswith("cachefsd_cache_evictions_total")) > 0

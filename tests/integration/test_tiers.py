@@ -1,0 +1,546 @@
+"""Hot and warm tiers through real mounts: blocks move between tiers and
+never overflow them, identical content is cached and downloaded once, a
+``kill -9`` under churn leaves a cache that ``verify`` finds clean, and the
+maintenance commands and tier flags behave as the CLI contract says.
+
+The promises under test (DESIGN.md, "Tiers" and "Integrity"): each tier's
+capacity is never exceeded; blocks are demoted instead of dropped and
+promoted on reuse; warm frames are compressed; a block is stored once
+whatever object, prefix or bucket holds it; nothing a crash leaves behind
+is ever served or reported clean.
+
+Bytes on disk are counted as the daemon accounts them: each block file's
+size rounded up to the 4 KiB allocation unit. Every wait is a bounded poll.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachefsd.chunks.codec import HEADER_SIZE, decode
+from cachefsd.chunks.tier import disk_bytes
+from cachefsd.testing.s3_server import S3TestServer
+from tests.integration.conftest import Mount, MountFactory, force_unmount, free_port, run_cli
+from tests.integration.datasets import new_bucket, put_objects
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+BLOCK_SIZE = 64 * KiB
+# Upper bound of any polling loop here.
+POLL_TIMEOUT_SECONDS = 60.0
+_POLL_INTERVAL_SECONDS = 0.05
+# verify and gc on a cache in use must answer at once, not after a lock wait.
+FAIL_FAST_SECONDS = 10.0
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _poll(condition: Callable[[], bool], what: str, timeout: float = POLL_TIMEOUT_SECONDS) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(_POLL_INTERVAL_SECONDS)
+
+
+def _drop_page_cache() -> None:
+    """Drop the kernel's page, dentry and inode caches, so the next read
+    through a mount reaches the daemon (needs root, as in CI)."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def _metric(mount: Mount, name: str) -> float:
+    """The sum of every sample of ``name`` (all label values)."""
+    return sum(value for sample, value in mount.metrics().items() if sample.partition("{")[0] == name)
+
+
+def _block_files(tier_dir: Path) -> list[Path]:
+    return sorted(path for path in (tier_dir / "blocks").glob("*/*") if path.is_file())
+
+
+def _disk_bytes(tier_dir: Path) -> int:
+    """Bytes on disk of a tier's block files, as the daemon accounts them."""
+    return sum(disk_bytes(path.stat().st_size) for path in _block_files(tier_dir))
+
+
+def _frame_disk_bytes(raw_length: int) -> int:
+    """Bytes on disk of one raw (uncompressed) frame holding ``raw_length`` bytes."""
+    return disk_bytes(HEADER_SIZE + raw_length)
+
+
+def _blocks_of(data: bytes) -> list[bytes]:
+    return [data[start : start + BLOCK_SIZE] for start in range(0, len(data), BLOCK_SIZE)]
+
+
+def _assert_within_capacity(tiers: dict[str, tuple[Path, int]], when: str) -> None:
+    for name, (tier_dir, capacity) in tiers.items():
+        used = _disk_bytes(tier_dir)
+        assert used <= capacity, f"{when}: {used} bytes of blocks in the {capacity}-byte {name} tier"
+
+
+def _read_all(mount: Mount, objects: dict[str, bytes], names: Iterable[str] | None = None) -> None:
+    for name in objects if names is None else names:
+        assert mount.path(name).read_bytes() == objects[name], f"{name}: wrong bytes through the mount"
+
+
+def _compressible(seed: int, size: int) -> bytes:
+    """Text-like records (a CSV shard): lz4 shrinks them several times, and
+    no two blocks of any two such files are equal (no content dedup)."""
+    rng = random.Random(seed)
+    lines = []
+    total = 0
+    while total < size:
+        line = f"sample-{seed:03d}-{len(lines):07d},split=train,label={rng.randrange(10)},weight=1.0\n"
+        lines.append(line)
+        total += len(line)
+    return "".join(lines).encode()[:size]
+
+
+# -- 1. hot and warm -------------------------------------------------------------------------
+
+
+def test_blocks_demote_to_warm_promote_on_reuse_and_never_overflow_a_tier(
+    tmp_path: Path, s3_server: S3TestServer, s3_client: Any, mounter: MountFactory
+) -> None:
+    # 3 MiB: six times the hot tier, well inside hot + warm even uncompressed.
+    text = {f"text/{i}.csv": _compressible(i, 256 * KiB) for i in range(6)}
+    noise = {f"noise/{i}.bin": os.urandom(256 * KiB) for i in range(6)}
+    objects = {**text, **noise}
+    bucket = new_bucket(s3_client, "tiers")
+    put_objects(s3_client, bucket, objects)
+    hot, warm, cache_dir = tmp_path / "hot", tmp_path / "warm", tmp_path / "cache"
+    tiers = {"hot": (hot, 512 * KiB), "warm": (warm, 8 * MiB)}
+    flags = (
+        "--endpoint-url",
+        s3_server.endpoint_url,
+        "--block-size",
+        "64K",
+        "--hot",
+        str(hot),
+        "--hot-size",
+        "512K",
+        "--warm",
+        str(warm),
+        "--warm-size",
+        "8M",
+    )
+
+    # Pass 1: the text is read first, so it is what the hot tier gives up
+    # to the warm one (and what the warm tier compresses).
+    mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
+    _read_all(mount, objects)
+    _assert_within_capacity(tiers, "after the first pass")
+    metrics = mount.metrics()
+    assert _metric(mount, "cachefsd_cache_demotions_total") > 0
+    assert _metric(mount, "cachefsd_cache_evictions_total") == 0, "hot + warm hold the dataset"
+    for name, (tier_dir, capacity) in tiers.items():
+        assert metrics[f"cachefsd_tier_capacity_bytes{{tier={name}}}"] == capacity
+        assert metrics[f"cachefsd_tier_used_bytes{{tier={name}}}"] == _disk_bytes(tier_dir), name
+        assert metrics[f"cachefsd_tier_blocks{{tier={name}}}"] == len(_block_files(tier_dir)), name
+    all_blocks = sum(len(_blocks_of(body)) for body in objects.values())
+    assert len(_block_files(hot)) + len(_block_files(warm)) == all_blocks
+
+    # Warm frames are lz4: the text blocks it holds take a fraction of their size.
+    warm_text_raw = warm_text_disk = 0
+    text_blocks = {block for body in text.values() for block in _blocks_of(body)}
+    for block_file in _block_files(warm):
+        raw = decode(block_file.read_bytes(), block_file.name)
+        if raw in text_blocks:
+            warm_text_raw += len(raw)
+            warm_text_disk += disk_bytes(block_file.stat().st_size)
+    assert warm_text_raw >= 1 * MiB, "the text should have been demoted to the warm tier"
+    assert warm_text_disk < warm_text_raw / 2, f"{warm_text_disk} bytes on disk for {warm_text_raw} of text"
+    warm_blocks = metrics["cachefsd_tier_blocks{tier=warm}"]
+    assert metrics["cachefsd_tier_used_bytes{tier=warm}"] < warm_blocks * BLOCK_SIZE
+    mount.unmount()
+
+    # Pass 2 with a new daemon on the same tiers: its 64 MiB buffer of decoded
+    # blocks would otherwise answer every read of this small dataset, and the
+    # tiers would never see the pass (dropping the page cache is not enough).
+    _drop_page_cache()
+    s3_server.reset_counts()
+    mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
+    _read_all(mount, objects)
+    assert s3_server.get_object_count == 0, "the second pass went to the bucket"
+    # Hits in the warm tier move up, in place of hot blocks already read
+    # (the default epoch-aware policy gives up blocks read in this epoch).
+    assert _metric(mount, "cachefsd_cache_promotions_total") > 0
+    assert _metric(mount, "cachefsd_tier_read_bytes_total") >= sum(len(body) for body in objects.values())
+    assert mount.metrics()["cachefsd_tier_read_bytes_total{tier=warm}"] > 0
+    _assert_within_capacity(tiers, "after the second pass")
+    mount.unmount()
+    _assert_within_capacity(tiers, "after unmount")
+
+
+# -- 2. dedup by etag ------------------------------------------------------------------------
+
+
+def test_same_objects_under_two_prefixes_are_cached_and_downloaded_once(
+    tmp_path: Path, s3_server: S3TestServer, s3_client: Any, mounter: MountFactory
+) -> None:
+    # Random and distinct: no two blocks are equal, so only the copies share.
+    files = {f"{i}.bin": os.urandom(192 * KiB + i * 1000) for i in range(4)}
+    bucket = new_bucket(s3_client, "dedup")
+    put_objects(
+        s3_client, bucket, {f"{prefix}/{name}": body for prefix in "ab" for name, body in files.items()}
+    )
+    one_copy = sum(_frame_disk_bytes(len(block)) for body in files.values() for block in _blocks_of(body))
+    mount = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, "--block-size", "64K")
+
+    s3_server.reset_counts()
+    _read_all(mount, {f"a/{name}": body for name, body in files.items()})
+    assert s3_server.get_object_count > 0
+    assert _disk_bytes(mount.cache_dir) == one_copy
+
+    s3_server.reset_counts()
+    _read_all(mount, {f"b/{name}": body for name, body in files.items()})
+    assert s3_server.get_object_count == 0, "b/ was downloaded although a/ holds the same objects"
+    assert _disk_bytes(mount.cache_dir) == one_copy, "b/ took disk space of its own"
+    saved = mount.metrics()["cachefsd_dedup_saved_bytes_total{where=wire}"]
+    assert saved >= sum(len(body) for body in files.values())
+
+
+def test_two_buckets_with_the_same_objects_share_one_cache(
+    tmp_path: Path, s3_server: S3TestServer, s3_client: Any, mounter: MountFactory
+) -> None:
+    objects = {f"shard-{i}.bin": os.urandom(160 * KiB + i) for i in range(4)}
+    first, second = new_bucket(s3_client, "dedup1"), new_bucket(s3_client, "dedup2")
+    put_objects(s3_client, first, objects)
+    put_objects(s3_client, second, objects)
+    cache_dir = tmp_path / "shared-cache"
+    flags = ("--endpoint-url", s3_server.endpoint_url, "--block-size", "64K")
+
+    mount = mounter(f"s3://{first}", *flags, cache_dir=cache_dir)
+    _read_all(mount, objects)
+    mount.unmount()
+    cached = _disk_bytes(cache_dir)
+    assert cached > 0
+
+    s3_server.reset_counts()
+    mount = mounter(f"s3://{second}", *flags, cache_dir=cache_dir)
+    _read_all(mount, objects)
+    assert s3_server.get_object_count == 0, "the second bucket's objects were downloaded again"
+    assert mount.metrics()["cachefsd_dedup_saved_bytes_total{where=wire}"] >= sum(map(len, objects.values()))
+    mount.unmount()
+    assert _disk_bytes(cache_dir) == cached, "the second bucket's objects took disk space of their own"
+
+
+# -- 3. kill -9 under tier churn -------------------------------------------------------------
+
+# Reads every file of the manifest in a shuffled loop, dropping each file's
+# pages afterwards so every read reaches the daemon. Prints how many files it
+# read and the errno that stopped it; exits 2 on a wrong byte.
+_READER = r"""
+import hashlib, os, random, sys
+
+root, manifest, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+expected = dict(line.split() for line in open(manifest))
+names = sorted(expected)
+rng = random.Random(seed)
+done = 0
+while True:
+    rng.shuffle(names)
+    for name in names:
+        try:
+            with open(os.path.join(root, name), "rb") as handle:
+                data = handle.read()
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as exc:
+            print(done, exc.errno, flush=True)
+            sys.exit(0)
+        if hashlib.sha256(data).hexdigest() != expected[name]:
+            print(done, "mismatch", name, len(data), flush=True)
+            sys.exit(2)
+        done += 1
+"""
+READERS = 4
+KILL_ROUNDS = 3
+# Errors a reader may see once the daemon is gone: new requests on an aborted
+# connection fail with ENOTCONN, requests in flight with ECONNABORTED.
+DEAD_MOUNT_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED}
+READER_EXIT_SECONDS = 30.0
+# Kill once blocks are being demoted out of hot and evicted out of warm: the
+# whole dataset is more than both tiers hold, so the churn goes on until every
+# block has been fetched once.
+KILL_AFTER_DEMOTIONS = 8
+KILL_AFTER_EVICTIONS = 4
+
+
+def _wait_dead(pid: int) -> None:
+    """Until ``pid`` is gone or a zombie (its parent, the CLI, has exited, so
+    it may never be reaped in a container without an init)."""
+
+    def dead() -> bool:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return True
+        return stat.rpartition(")")[2].split()[0] == "Z"
+
+    _poll(dead, f"daemon pid {pid} to die")
+
+
+def _churning(mount: Mount, readers: list[subprocess.Popen[str]]) -> bool:
+    if any(reader.poll() is not None for reader in readers):
+        return True
+    return (
+        _metric(mount, "cachefsd_cache_demotions_total") >= KILL_AFTER_DEMOTIONS
+        and _metric(mount, "cachefsd_cache_evictions_total") >= KILL_AFTER_EVICTIONS
+    )
+
+
+def test_sigkill_under_tier_churn_leaves_a_cache_verify_finds_clean(
+    tmp_path: Path, s3_server: S3TestServer, s3_client: Any, mounter: MountFactory
+) -> None:
+    # 8 MiB of random blocks through 512 KiB of hot and 2 MiB of warm.
+    objects = {f"shard-{i:02d}.bin": os.urandom(256 * KiB) for i in range(32)}
+    bucket = new_bucket(s3_client, "torture")
+    put_objects(s3_client, bucket, objects)
+    manifest = tmp_path / "manifest.txt"
+    manifest.write_text("".join(f"{name} {_sha256(body)}\n" for name, body in objects.items()))
+    hot, warm, cache_dir = tmp_path / "hot", tmp_path / "warm", tmp_path / "cache"
+    tiers = {"hot": (hot, 512 * KiB), "warm": (warm, 2 * MiB)}
+    flags = (
+        "--endpoint-url",
+        s3_server.endpoint_url,
+        "--block-size",
+        "64K",
+        "--hot",
+        str(hot),
+        "--hot-size",
+        "512K",
+        "--warm",
+        str(warm),
+        "--warm-size",
+        "2M",
+    )
+
+    for round_number in range(KILL_ROUNDS):
+        mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
+        readers = [
+            subprocess.Popen(
+                [sys.executable, "-c", _READER, str(mount.mountpoint), str(manifest), str(seed)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for seed in range(round_number * READERS, (round_number + 1) * READERS)
+        ]
+        try:
+            _poll(functools.partial(_churning, mount, readers), "demotions and evictions under the readers")
+            assert all(reader.poll() is None for reader in readers), "a reader stopped before the kill"
+            os.kill(mount.pid, signal.SIGKILL)
+            _wait_dead(mount.pid)
+            outcomes = []
+            for reader in readers:
+                out, err = reader.communicate(timeout=READER_EXIT_SECONDS)
+                outcomes.append((reader.returncode, out.strip(), err.strip()))
+        finally:
+            for reader in readers:
+                if reader.poll() is None:
+                    reader.kill()
+                    reader.wait()
+            force_unmount(mount.mountpoint)
+        for returncode, out, err in outcomes:
+            assert returncode == 0, f"reader saw wrong bytes: {out} {err}"
+            assert int(out.split()[1]) in DEAD_MOUNT_ERRNOS, f"reader stopped by: {out}"
+
+    mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
+    for name in sorted(objects, key=lambda _: random.random()):
+        assert _sha256(mount.path(name).read_bytes()) == _sha256(objects[name]), (
+            f"{name} wrong after the kills"
+        )
+    _assert_within_capacity(tiers, "after the kills")
+    mount.unmount()
+
+    result = run_cli("verify", "--cache-dir", str(cache_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ": 0 corrupt, 0 missing" in result.stdout, result.stdout
+    result = run_cli("gc", "--cache-dir", str(cache_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name, (tier_dir, _) in tiers.items():
+        assert list((tier_dir / "tmp").iterdir()) == [], f"temp files left in the {name} tier"
+        assert _block_files(tier_dir), f"the {name} tier holds no blocks at all"
+    _assert_within_capacity(tiers, "after gc")
+
+
+# -- 4. verify finds damage ------------------------------------------------------------------
+
+
+def _flip_payload_byte(block_file: Path) -> None:
+    """In place, same size: only the frame's hash can tell."""
+    frame = bytearray(block_file.read_bytes())
+    frame[HEADER_SIZE + (len(frame) - HEADER_SIZE) // 2] ^= 0xFF
+    with open(block_file, "r+b") as handle:
+        handle.write(frame)
+
+
+def test_verify_reports_damaged_blocks_and_repair_drops_them(
+    tmp_path: Path, s3_server: S3TestServer, s3_client: Any, mounter: MountFactory
+) -> None:
+    objects = {f"{i}.bin": os.urandom(256 * KiB) for i in range(4)}
+    bucket = new_bucket(s3_client, "verify")
+    put_objects(s3_client, bucket, objects)
+    hot, warm, cache_dir = tmp_path / "hot", tmp_path / "warm", tmp_path / "cache"
+    flags = (
+        "--endpoint-url",
+        s3_server.endpoint_url,
+        "--block-size",
+        "64K",
+        "--hot",
+        str(hot),
+        "--hot-size",
+        "256K",
+        "--warm",
+        str(warm),
+        "--warm-size",
+        "4M",
+    )
+    mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
+    _read_all(mount, objects)
+    mount.unmount()
+    result = run_cli("verify", "--cache-dir", str(cache_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    corrupted = random.choice(_block_files(warm))
+    _flip_payload_byte(corrupted)
+    deleted = random.choice(_block_files(hot))
+    deleted.unlink()
+
+    result = run_cli("verify", "--cache-dir", str(cache_dir))
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
+    assert ": 1 corrupt, 1 missing" in result.stdout, result.stdout
+    assert f"corrupt {corrupted.name}" in result.stdout.splitlines(), result.stdout
+    assert f"missing {deleted.name}" in result.stdout.splitlines(), result.stdout
+
+    result = run_cli("verify", "--cache-dir", str(cache_dir), "--repair")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not corrupted.exists(), "repair left the corrupt block file"
+    result = run_cli("verify", "--cache-dir", str(cache_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ": 0 corrupt, 0 missing" in result.stdout, result.stdout
+
+    s3_server.reset_counts()
+    mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
+    _read_all(mount, objects)
+    # Exactly the two dropped blocks went back to the bucket.
+    assert s3_server.get_object_count == 2
+
+
+# -- 5. maintenance on a cache in use --------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["verify", "gc"])
+def test_maintenance_on_a_mounted_cache_fails_fast_in_one_line(
+    command: str, tmp_path: Path, mounter: MountFactory
+) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "x.bin").write_bytes(os.urandom(100 * KiB))
+    mount = mounter(str(source))
+    assert mount.path("x.bin").read_bytes() == (source / "x.bin").read_bytes()
+
+    started = time.monotonic()
+    result = run_cli(command, "--cache-dir", str(mount.cache_dir))
+    elapsed = time.monotonic() - started
+
+    assert result.returncode != 0
+    message = result.stderr.strip()
+    assert "\n" not in message, message
+    assert "Traceback" not in message
+    assert "in use" in message, message
+    assert elapsed < FAIL_FAST_SECONDS, f"{command} refused only after {elapsed:.1f}s"
+    assert mount.alive
+    assert mount.path("x.bin").read_bytes() == (source / "x.bin").read_bytes()
+
+
+# -- 6. tier sizes -----------------------------------------------------------------------------
+
+
+def test_tier_size_as_a_share_of_its_filesystem(tmp_path: Path, mounter: MountFactory) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "x.bin").write_bytes(os.urandom(100 * KiB))
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    mount = mounter(str(source), "--hot", str(hot), "--hot-size", "1%")
+    assert mount.path("x.bin").read_bytes() == (source / "x.bin").read_bytes()
+    stats = os.statvfs(hot)
+    expected = int(stats.f_blocks * stats.f_frsize / 100)
+    assert mount.metrics()["cachefsd_tier_capacity_bytes{tier=hot}"] == expected
+
+
+@pytest.mark.parametrize(
+    "size_flags",
+    [("--hot-size", "0%"), ("--hot-size", "150%"), ("--hot-size", "abc"), ()],
+    ids=["zero-percent", "over-100-percent", "not-a-size", "missing"],
+)
+def test_bad_tier_size_is_a_one_line_error_naming_the_field(
+    size_flags: tuple[str, ...], tmp_path: Path
+) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    try:
+        result = run_cli(
+            "mount",
+            str(source),
+            str(mountpoint),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--metrics-addr",
+            f"127.0.0.1:{free_port()}",
+            "--hot",
+            str(tmp_path / "hot"),
+            *size_flags,
+        )
+    finally:
+        force_unmount(mountpoint)
+    assert result.returncode != 0
+    assert not os.path.ismount(mountpoint)
+    message = result.stderr.strip()
+    assert "\n" not in message, message
+    assert "Traceback" not in message
+    assert "cache.hot.size" in message, message
+
+
+# -- 7. one tier -------------------------------------------------------------------------------
+
+
+def test_single_tier_cache_dir_reports_as_the_hot_tier(tmp_path: Path, mounter: MountFactory) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    objects = {f"{i}.bin": os.urandom(200 * KiB) for i in range(3)}
+    for name, body in objects.items():
+        (source / name).write_bytes(body)
+    mount = mounter(str(source), "--block-size", "64K", "--cache-size", "4M")
+    _read_all(mount, objects)
+    metrics = mount.metrics()
+    assert metrics["cachefsd_tier_capacity_bytes{tier=hot}"] == 4 * MiB
+    assert metrics["cachefsd_tier_used_bytes{tier=hot}"] == _disk_bytes(mount.cache_dir) > 0
+    assert metrics["cachefsd_tier_blocks{tier=hot}"] == len(_block_files(mount.cache_dir))
+    assert not any("tier=warm" in sample for sample in metrics), "a single-tier cache reports a warm tier"
+    mount.unmount()
+
+    mount = mounter(str(source), "--block-size", "64K", "--cache-size", "4M", cache_dir=mount.cache_dir)
+    _read_all(mount, objects)
+    assert mount.metrics()["cachefsd_tier_read_bytes_total{tier=hot}"] >= sum(map(len, objects.values()))
