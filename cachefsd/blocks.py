@@ -36,10 +36,6 @@ from cachefsd.store.base import ObjectInfo
 # dozen concurrent sequential readers is in; the kernel page cache holds the
 # rest, so more would only duplicate it.
 MEMORY_BUFFER_BYTES = 64 << 20
-# How much recently verified raw-tier data is served from its file without
-# hashing it again. The same bound as the RAM buffer: a block that rots on
-# disk is caught once this much other data has been read since its check.
-VERIFIED_WINDOW_BYTES = MEMORY_BUFFER_BYTES
 
 # Margin on top of the fetch deadline for the FUSE thread's own wait, so the
 # fetcher's DeadlineExceeded (with its cause) arrives before the bridge's.
@@ -119,12 +115,6 @@ class _ByteBudgetLru(Generic[K, V]):
                 _, (_, evicted) = self._items.popitem(last=False)
                 self._used -= evicted
 
-    def discard(self, key: K) -> None:
-        with self._lock:
-            item = self._items.pop(key, None)
-            if item is not None:
-                self._used -= item[1]
-
 
 class BlockReader:
     def __init__(
@@ -147,9 +137,6 @@ class BlockReader:
         # Decoded blocks of compressed tiers, served from RAM while a reader
         # works through them in FUSE-sized pieces.
         self._memory: _ByteBudgetLru[BlockRef, bytes] = _ByteBudgetLru(MEMORY_BUFFER_BYTES)
-        # Blocks of raw tiers whose file was verified (or written) recently:
-        # reads of them are served from the file without copying or hashing.
-        self._verified: _ByteBudgetLru[str, bool] = _ByteBudgetLru(VERIFIED_WINDOW_BYTES)
         self._in_flight: SingleFlight[BlockRef, bytes] = SingleFlight()
 
     @property
@@ -159,9 +146,14 @@ class BlockReader:
     def ref(self, info: ObjectInfo, index: int) -> BlockRef:
         return BlockRef(self._source, info.key, info.etag, index)
 
-    def read(self, info: ObjectInfo, offset: int, size: int) -> list[Piece]:
+    def read(self, info: ObjectInfo, offset: int, size: int, verified: set[str]) -> list[Piece]:
         """Exactly the bytes ``[offset, offset + size)`` of version ``info``
-        (short only at the end of the object), as pieces in order."""
+        (short only at the end of the object), as pieces in order.
+
+        ``verified`` holds the raw-tier blocks this reader (an open file)
+        has already had checked: those are served from their file without
+        copying or hashing; every other block is read whole and verified
+        first. So a block that rots on disk is caught by the next open."""
         pieces: list[Piece] = []
         total = cold_bytes = 0
         stalled = 0.0
@@ -169,7 +161,7 @@ class BlockReader:
             for index in block_range(offset, size, info.size, self._block_size):
                 start, end = block_bounds(index, info.size, self._block_size)
                 lo, hi = max(offset - start, 0), min(offset + size, end) - start
-                piece, stall = self._piece(info, index, lo, hi)
+                piece, stall = self._piece(info, index, lo, hi, verified)
                 pieces.append(piece)
                 total += hi - lo
                 if stall is not None:
@@ -181,7 +173,9 @@ class BlockReader:
         self._events.read_done(total, cold_bytes, stalled)
         return pieces
 
-    def _piece(self, info: ObjectInfo, index: int, lo: int, hi: int) -> tuple[Piece, float | None]:
+    def _piece(
+        self, info: ObjectInfo, index: int, lo: int, hi: int, verified: set[str]
+    ) -> tuple[Piece, float | None]:
         """Bytes ``[lo, hi)`` of block ``index``, and how long they waited on
         the cold store (None when they came from the cache)."""
         ref = self.ref(info, index)
@@ -191,8 +185,8 @@ class BlockReader:
             if digest is not None:
                 self._cache.touch(digest)
             return data[lo:hi], None
-        if digest is not None and self._verified.get(digest):
-            span = self._span(digest, lo, hi)
+        if digest is not None and digest in verified:
+            span = self._span(digest, lo, hi, verified)
             if span is not None:
                 self._cache.touch(digest)
                 return span, None
@@ -200,7 +194,7 @@ class BlockReader:
         if data is None and self._dedup_by_etag:
             data = self._cache.adopt(ref, (info.etag, info.size))
         if data is not None:
-            self._remember(ref, content_hash(data), data)
+            self._remember(ref, content_hash(data), data, verified)
             return data[lo:hi], None
         started = time.monotonic()
         data = self._in_flight.do(
@@ -208,24 +202,25 @@ class BlockReader:
             lambda: self._fetch_and_admit(info, index, "demand"),
             self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
         )
+        self._remember(ref, content_hash(data), data, verified)
         return data[lo:hi], time.monotonic() - started
 
-    def _span(self, digest: str, lo: int, hi: int) -> FileSpan | None:
+    def _span(self, digest: str, lo: int, hi: int, verified: set[str]) -> FileSpan | None:
         path = self._cache.raw_path(digest)
         if path is None:
             return None
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:  # evicted or demoted since: take the slow path
-            self._verified.discard(digest)
+            verified.discard(digest)
             return None
         return FileSpan(fd, HEADER_SIZE + lo, hi - lo)
 
-    def _remember(self, ref: BlockRef, digest: str, data: bytes) -> None:
-        """Keep a block's next reads cheap: raw-tier blocks by their verified
+    def _remember(self, ref: BlockRef, digest: str, data: bytes, verified: set[str]) -> None:
+        """Keep a block's next reads cheap: raw-tier blocks by their checked
         file, others decoded in RAM."""
         if self._cache.raw_path(digest) is not None:
-            self._verified.put(digest, True, len(data))
+            verified.add(digest)
         else:
             self._memory.put(ref, data, len(data))
 
@@ -237,9 +232,7 @@ class BlockReader:
             self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
         )
         identity = (info.etag, info.size) if self._dedup_by_etag else None
-        digest = content_hash(data)
-        self._cache.admit(ref, digest, data, identity)
-        self._remember(ref, digest, data)
+        self._cache.admit(ref, content_hash(data), data, identity)
         return data
 
     def release_version(self, info: ObjectInfo) -> None:

@@ -75,6 +75,7 @@ class FileSystem:
         # _lock guards the three maps below.
         self._lock = threading.Lock()
         self._handles: dict[int, ObjectInfo] = {}
+        self._verified: dict[int, set[str]] = {}  # handle -> raw blocks checked for it
         self._open_versions: dict[str, Counter[str]] = {}  # key -> etag -> open handles
         self._page_cache_version: dict[str, str] = {}  # key -> etag the kernel may hold pages of
         self._next_handle = itertools.count(1)
@@ -101,6 +102,7 @@ class FileSystem:
         with self._lock:
             handle = next(self._next_handle)
             self._handles[handle] = info
+            self._verified[handle] = set()
             open_versions = self._open_versions.setdefault(info.key, Counter())
             other_version_open = any(etag != info.etag for etag in open_versions)
             open_versions[info.etag] += 1
@@ -114,10 +116,11 @@ class FileSystem:
     def read(self, handle: int, size: int, offset: int) -> list[Piece]:
         with self._lock:
             info = self._handles.get(handle)
+            verified = self._verified.get(handle, set())
         if info is None:
             raise BadFileHandle(str(handle))
         try:
-            return self._reader.read(info, offset, size)
+            return self._reader.read(info, offset, size, verified)
         except ObjectChanged:
             self._namespace.invalidate(info.key)
             raise
@@ -125,6 +128,7 @@ class FileSystem:
     def release(self, handle: int) -> None:
         with self._lock:
             info = self._handles.pop(handle, None)
+            self._verified.pop(handle, None)
             if info is None:
                 return
             open_versions = self._open_versions[info.key]

@@ -42,7 +42,7 @@ def test_reads_return_exact_bytes_at_any_offset(make_engine: EngineFactory) -> N
     for _ in range(300):
         offset = rng.randrange(0, len(data) + 10)
         size = rng.randrange(0, 3 * BLOCK_SIZE)
-        assert joined(engine.reader.read(info, offset, size)) == data[offset : offset + size]
+        assert joined(engine.reader.read(info, offset, size, set())) == data[offset : offset + size]
 
 
 def test_second_read_is_served_from_disk_with_no_get(make_engine: EngineFactory) -> None:
@@ -50,11 +50,11 @@ def test_second_read_is_served_from_disk_with_no_get(make_engine: EngineFactory)
     engine = make_engine({"f": data})
     info = engine.namespace.lookup("/f").info
     assert info is not None
-    assert joined(engine.reader.read(info, 0, len(data))) == data
+    assert joined(engine.reader.read(info, 0, len(data), set())) == data
     gets = engine.store.get_count
     assert gets == 3
     fresh = make_engine(store=engine.store, cache_dir=engine.cache_dir)
-    assert joined(fresh.reader.read(info, 0, len(data))) == data
+    assert joined(fresh.reader.read(info, 0, len(data), set())) == data
     assert engine.store.get_count == gets
 
 
@@ -69,7 +69,7 @@ def test_concurrent_readers_of_one_block_share_one_get(make_engine: EngineFactor
 
     def read() -> None:
         barrier.wait()
-        results.append(joined(engine.reader.read(info, 0, BLOCK_SIZE)))
+        results.append(joined(engine.reader.read(info, 0, BLOCK_SIZE, set())))
 
     threads = [threading.Thread(target=read) for _ in range(8)]
     for thread in threads:
@@ -85,8 +85,8 @@ def test_metrics_split_cold_and_cached_bytes(make_engine: EngineFactory) -> None
     engine = make_engine({"f": data})
     info = engine.namespace.lookup("/f").info
     assert info is not None
-    joined(engine.reader.read(info, 0, len(data)))
-    joined(engine.reader.read(info, 0, len(data)))
+    joined(engine.reader.read(info, 0, len(data), set()))
+    joined(engine.reader.read(info, 0, len(data), set()))
     read_bytes = engine.metrics.read_bytes
     assert read_bytes.labels("cold")._value.get() == len(data)
     assert read_bytes.labels("cache")._value.get() == len(data)
@@ -98,9 +98,12 @@ def test_a_verified_raw_block_is_served_from_its_file_without_copying(make_engin
     engine = make_engine({"f": data})
     info = engine.namespace.lookup("/f").info
     assert info is not None
-    first = engine.reader.read(info, 0, len(data))
-    assert all(isinstance(piece, bytes) for piece in first)  # fetched: served from memory once
-    second = engine.reader.read(info, 100, BLOCK_SIZE)
+    verified: set[str] = set()
+    first = engine.reader.read(info, 0, len(data), verified)
+    assert all(isinstance(piece, bytes) for piece in first)  # fetched: checked as it is admitted
+    second = engine.reader.read(info, 100, BLOCK_SIZE, verified)
     assert all(isinstance(piece, FileSpan) for piece in second)
     assert joined(second) == data[100 : 100 + BLOCK_SIZE]
     assert joined(first) == data
+    # Another reader (a new open) has its blocks checked again.
+    assert all(isinstance(piece, bytes) for piece in engine.reader.read(info, 0, 10, set()))
