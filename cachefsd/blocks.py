@@ -224,7 +224,31 @@ class BlockReader:
         else:
             self._memory.put(ref, data, len(data))
 
-    def _fetch_and_admit(self, info: ObjectInfo, index: int, kind: FetchKind) -> bytes:
+    def residency(self, info: ObjectInfo, index: int) -> str | None:
+        """The tier holding block ``index`` of ``info``, or None."""
+        digest = self._cache.lookup(self.ref(info, index))
+        return None if digest is None else self._cache.tier_of(digest)
+
+    def fetch_ahead(self, info: ObjectInfo, index: int, tier: str | None = None) -> bool:
+        """Bring block ``index`` of ``info`` into the cache before anyone
+        reads it (prefetch, stage); True if it had to be fetched. Shares the
+        GET of a demand read of the same block, and never waits in line
+        before one (kind "prefetch")."""
+        if self.residency(info, index) is not None:
+            return False
+        ref = self.ref(info, index)
+        if self._dedup_by_etag and self._cache.adopt(ref, (info.etag, info.size)) is not None:
+            return False
+        self._in_flight.do(
+            ref,
+            lambda: self._fetch_and_admit(info, index, "prefetch", tier),
+            self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
+        )
+        return True
+
+    def _fetch_and_admit(
+        self, info: ObjectInfo, index: int, kind: FetchKind, tier: str | None = None
+    ) -> bytes:
         ref = self.ref(info, index)
         start, end = block_bounds(index, info.size, self._block_size)
         data = self._io.run(
@@ -232,7 +256,7 @@ class BlockReader:
             self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
         )
         identity = (info.etag, info.size) if self._dedup_by_etag else None
-        self._cache.admit(ref, content_hash(data), data, identity)
+        self._cache.admit(ref, content_hash(data), data, identity, tier)
         return data
 
     def release_version(self, info: ObjectInfo) -> None:

@@ -171,6 +171,10 @@ class TieredCache:
         self._events.dedup_saved("wire", len(data))
         return data
 
+    def tier_of(self, digest: str) -> str | None:
+        tier = self._tier_holding(digest)
+        return None if tier is None else tier.name
+
     def touch(self, digest: str) -> None:
         """A read served without ``read`` (from the file or from RAM): the
         policies still have to see it."""
@@ -214,9 +218,18 @@ class TieredCache:
 
     # -- admission and movement -------------------------------------------
 
-    def admit(self, ref: BlockRef, digest: str, data: bytes, identity: tuple[str, int] | None = None) -> None:
+    def admit(
+        self,
+        ref: BlockRef,
+        digest: str,
+        data: bytes,
+        identity: tuple[str, int] | None = None,
+        tier: str | None = None,
+    ) -> None:
         """Store ``data`` (whose hash the caller computed from the fetched
-        bytes) as the content of ``ref``. Best effort: failures only log."""
+        bytes) as the content of ``ref``, in ``tier`` or the fastest tier with
+        room. Best effort: failures only log."""
+        first = 0 if tier is None else next(i for i, each in enumerate(self._tiers) if each.name == tier)
         with self._move_lock:
             holder = self._tier_holding(digest)
             if holder is not None:
@@ -224,16 +237,17 @@ class TieredCache:
                 self._record(ref, StoredBlock(digest, holder.name, size, len(data), time.time()), identity)
                 self._events.dedup_saved("disk", len(data))
                 return
-            for position, tier in enumerate(self._tiers):
+            for position in range(first, len(self._tiers)):
+                target = self._tiers[position]
                 try:
                     size = self._place(position, digest, data)
                 except NoRoom:
                     continue
                 except _DISK_ERRORS as exc:
-                    log.warning("cannot cache block %s in the %s tier: %s", digest, tier.name, exc)
-                    self._events.cache_error(tier.name)
+                    log.warning("cannot cache block %s in the %s tier: %s", digest, target.name, exc)
+                    self._events.cache_error(target.name)
                     continue
-                self._record(ref, StoredBlock(digest, tier.name, size, len(data), time.time()), identity)
+                self._record(ref, StoredBlock(digest, target.name, size, len(data), time.time()), identity)
                 break
         self._report_usage()
 
