@@ -12,24 +12,29 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
 
 from cachefsd.aio import LoopThread
 from cachefsd.blocks import BlockReader
-from cachefsd.cachedir import OpenCache, open_cache, tier_specs
+from cachefsd.cachedir import open_cache, tier_specs
+from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.policy import ObservedEpochs
 from cachefsd.config import Settings
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.fetch import Fetcher
 from cachefsd.fs import FileSystem
 from cachefsd.fuse_ops import FuseOperations, serve
+from cachefsd.index import Index
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
 from cachefsd.runtime import MountState, write_state
 from cachefsd.store import open_store
+from cachefsd.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -70,68 +75,81 @@ def _start_metrics(settings: Settings, registry: CollectorRegistry) -> str | Non
     return f"{host}:{server.server_port}"
 
 
+@dataclass
+class Engine:
+    """Everything between the FUSE layer and the bucket: what a mount serves
+    from, and what ``cachefsd stage`` uses directly when no daemon runs."""
+
+    store: ObjectStore
+    cache: TieredCache
+    index: Index
+    reader: BlockReader
+    namespace: Namespace
+    metrics: Metrics
+    epochs: ObservedEpochs
+
+
+@contextmanager
+def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engine]:
+    """Open the cache (locks, reconcile), prove the source reachable, and
+    build the data path; close it all on exit."""
+    metrics = Metrics(CollectorRegistry())
+    epochs = ObservedEpochs()
+    specs = tier_specs(settings.cache)
+    io = LoopThread()
+    try:
+        with open_cache(
+            settings.cache.dir, specs, settings.cache.policy, epochs, metrics, lock_wait
+        ) as opened:
+            store = open_store(settings.source, settings.store, settings.fetch.attempt_timeout)
+            try:
+                io.run(store.check(), MOUNT_CHECK_SECONDS)
+                fetcher = Fetcher(store, settings.fetch, metrics)
+                dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
+                reader = BlockReader(
+                    store.uri, settings.cache.block_size, opened.cache, fetcher, io, metrics, dedup_by_etag
+                )
+                namespace = Namespace(
+                    store,
+                    fetcher,
+                    io,
+                    opened.index,
+                    settings.namespace.metadata_ttl,
+                    on_version_gone=reader.release_version,
+                )
+                yield Engine(store, opened.cache, opened.index, reader, namespace, metrics, epochs)
+            finally:
+                with contextlib.suppress(CachefsdError):
+                    io.run(store.close(), MOUNT_CHECK_SECONDS)
+    finally:
+        io.stop()
+
+
 def run(settings: Settings, ready: Callable[[], None]) -> None:
     """Mount ``settings.source`` and serve until unmounted."""
     os.umask(0o077)  # cache files and runtime state are owner-only
     mountpoint = settings.mountpoint.resolve()
     _check_mountpoint(mountpoint)
-    registry = CollectorRegistry()
-    metrics = Metrics(registry)
-    epochs = ObservedEpochs()
-    specs = tier_specs(settings.cache)
-    io = LoopThread()
-    try:
-        with open_cache(settings.cache.dir, specs, settings.cache.policy, epochs, metrics) as opened:
-            _serve(settings, mountpoint, opened, epochs, metrics, io, ready)
-    finally:
-        io.stop()
-
-
-def _serve(
-    settings: Settings,
-    mountpoint: Path,
-    opened: OpenCache,
-    epochs: ObservedEpochs,
-    metrics: Metrics,
-    io: LoopThread,
-    ready: Callable[[], None],
-) -> None:
-    store = open_store(settings.source, settings.store, settings.fetch.attempt_timeout)
-    try:
-        io.run(store.check(), MOUNT_CHECK_SECONDS)
-        fetcher = Fetcher(store, settings.fetch, metrics)
-        dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
-        reader = BlockReader(
-            store.uri, settings.cache.block_size, opened.cache, fetcher, io, metrics, dedup_by_etag
+    with engine(settings) as parts:
+        metrics_addr = _start_metrics(settings, parts.metrics.registry)
+        fs = FileSystem(
+            parts.namespace, parts.reader, os.getuid(), os.getgid(), on_open=parts.epochs.file_read
         )
-        namespace = Namespace(
-            store,
-            fetcher,
-            io,
-            opened.index,
-            settings.namespace.metadata_ttl,
-            on_version_gone=reader.release_version,
-        )
-        metrics_addr = _start_metrics(settings, metrics.registry)
-        fs = FileSystem(namespace, reader, os.getuid(), os.getgid(), on_open=epochs.file_read)
         state = write_state(
-            MountState(os.getpid(), str(mountpoint), store.uri, str(settings.cache.dir), metrics_addr)
+            MountState(os.getpid(), str(mountpoint), parts.store.uri, str(settings.cache.dir), metrics_addr)
         )
         try:
             log.info(
                 "mounting %s on %s (tiers %s, metrics %s)",
-                store.uri,
+                parts.store.uri,
                 mountpoint,
-                ", ".join(f"{tier.name} {tier.root} {tier.capacity}B" for tier in opened.cache.tiers),
+                ", ".join(f"{tier.name} {tier.root} {tier.capacity}B" for tier in parts.cache.tiers),
                 metrics_addr,
             )
             operations = FuseOperations(
                 fs, str(mountpoint), settings.namespace.metadata_ttl, settings.cache.block_size, ready
             )
-            serve(operations, str(mountpoint), f"cachefsd:{store.uri}", settings.fuse.allow_other)
+            serve(operations, str(mountpoint), f"cachefsd:{parts.store.uri}", settings.fuse.allow_other)
             log.info("unmounted %s", mountpoint)
         finally:
             state.unlink(missing_ok=True)
-    finally:
-        with contextlib.suppress(CachefsdError):
-            io.run(store.close(), MOUNT_CHECK_SECONDS)
