@@ -10,6 +10,8 @@ while the daemon keeps serving what it has cached.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -31,6 +33,43 @@ class FetchEvents(Protocol):
     def fetch_failed(self, kind: FetchKind) -> None: ...
 
 
+# Lower goes first: a reader is waiting on demand requests and listings,
+# nobody yet on a prefetch.
+_PRIORITY: dict[str, int] = {"demand": 0, "metadata": 0, "prefetch": 1}
+
+
+class PrioritySlots:
+    """A counting semaphore whose waiters are served by priority, then in
+    arrival order: a demand read waits only for requests already running,
+    never behind queued prefetches. Belongs to one event loop."""
+
+    def __init__(self, slots: int) -> None:
+        self._free = slots
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
+
+    async def acquire(self, priority: int) -> None:
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (priority, next(self._arrivals), granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self.release()  # the slot arrived as we were cancelled: pass it on
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            _, _, granted = heapq.heappop(self._waiters)
+            if not granted.done():
+                granted.set_result(None)
+                return
+        self._free += 1
+
+
 class Fetcher:
     def __init__(
         self,
@@ -43,7 +82,7 @@ class Fetcher:
         self._settings = settings
         self._events = events
         self._rng = rng or random.Random()
-        self._slots: asyncio.Semaphore | None = None
+        self._slots: PrioritySlots | None = None
 
     @property
     def deadline(self) -> float:
@@ -65,7 +104,7 @@ class Fetcher:
         """``attempt()``'s result, retried on retryable errors and timeouts
         until the deadline. ``what`` names the request in errors."""
         if self._slots is None:  # created lazily: it must belong to the running loop
-            self._slots = asyncio.Semaphore(self._settings.concurrency)
+            self._slots = PrioritySlots(self._settings.concurrency)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._settings.deadline
         attempts = 0
@@ -74,7 +113,7 @@ class Fetcher:
             started = time.monotonic()
             try:
                 result = await asyncio.wait_for(
-                    self._limited(attempt), min(self._settings.attempt_timeout, remaining)
+                    self._limited(attempt, _PRIORITY[kind]), min(self._settings.attempt_timeout, remaining)
                 )
                 nbytes = len(result) if isinstance(result, bytes) else 0
                 self._events.fetch_done(kind, time.monotonic() - started, nbytes)
@@ -101,7 +140,10 @@ class Fetcher:
             self._events.fetch_retry(kind)
             await asyncio.sleep(backoff)
 
-    async def _limited(self, attempt: Callable[[], Awaitable[T]]) -> T:
+    async def _limited(self, attempt: Callable[[], Awaitable[T]], priority: int) -> T:
         assert self._slots is not None
-        async with self._slots:
+        await self._slots.acquire(priority)
+        try:
             return await attempt()
+        finally:
+            self._slots.release()

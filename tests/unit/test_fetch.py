@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from cachefsd.aio import LoopThread
 from cachefsd.config import FetchSettings
 from cachefsd.errors import AccessDenied, DeadlineExceeded, ObjectChanged
-from cachefsd.fetch import Fetcher
+from cachefsd.fetch import Fetcher, PrioritySlots
 from cachefsd.store.faulty import Faults, FaultyStore
 from cachefsd.store.memory import MemoryStore
 from tests.unit.conftest import FAST_FETCH
@@ -75,3 +76,24 @@ def test_a_short_read_is_retried_then_fails(io: LoopThread) -> None:
     fetcher, store, _ = setup(Faults())
     with pytest.raises(DeadlineExceeded, match="short read"):
         io.run(fetcher.get_range("k", 5, 20, etag(store, io)), 10)
+
+
+def test_waiting_demand_requests_go_before_waiting_prefetches(io: LoopThread) -> None:
+    async def scenario() -> list[str]:
+        slots = PrioritySlots(1)
+        order: list[str] = []
+        await slots.acquire(0)  # the one slot is busy
+
+        async def request(name: str, priority: int) -> None:
+            await slots.acquire(priority)
+            order.append(name)
+            slots.release()
+
+        waiting = [asyncio.ensure_future(request(f"prefetch-{i}", 1)) for i in range(3)]
+        waiting.append(asyncio.ensure_future(request("demand", 0)))
+        await asyncio.sleep(0)  # let every request queue up
+        slots.release()
+        await asyncio.gather(*waiting)
+        return order
+
+    assert io.run(scenario(), 5) == ["demand", "prefetch-0", "prefetch-1", "prefetch-2"]
