@@ -224,6 +224,10 @@ class BlockReader:
         else:
             self._memory.put(ref, data, len(data))
 
+    def digest(self, info: ObjectInfo, index: int) -> str | None:
+        """The content hash cached for block ``index`` of ``info``, or None."""
+        return self._cache.lookup(self.ref(info, index))
+
     def residency(self, info: ObjectInfo, index: int) -> str | None:
         """The tier holding block ``index`` of ``info``, or None."""
         digest = self._cache.lookup(self.ref(info, index))

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from cachefsd.chunks.cache import CacheEvents, TieredCache, VerifyReport
 from cachefsd.chunks.codec import Codec
-from cachefsd.chunks.policy import LRU, EpochClock, ObservedEpochs, make_policy
+from cachefsd.chunks.policy import LRU, EpochClock, NextUse, ObservedEpochs, make_policy
 from cachefsd.chunks.tier import Tier
 from cachefsd.config import CacheSettings, resolve_tier_size
 from cachefsd.errors import CachefsdError, ConfigError
@@ -85,6 +85,7 @@ def open_cache(
     epochs: EpochClock,
     events: CacheEvents,
     lock_wait: float | None = None,
+    next_use: NextUse | None = None,
 ) -> Iterator[OpenCache]:
     """Lock, open and reconcile a cache. ``specs`` None means the layout
     recorded by the last daemon (for maintenance commands)."""

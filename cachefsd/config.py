@@ -15,7 +15,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from cachefsd.errors import ConfigError
 
@@ -187,6 +195,23 @@ class FetchSettings(_Section):
     backoff_max: Duration = 2.0
 
 
+class PrefetchSettings(_Section):
+    """Read-ahead of the loader: sequential streams inside files, the
+    unread files of the epoch, or a hinted order. One global budget, however
+    many files are open (per-handle windows drove Mountpoint for S3 to
+    out-of-memory kills)."""
+
+    enabled: bool = True
+    # Parallel prefetch GETs. Demand reads always go first (fetch.py), and
+    # at least this many of fetch.concurrency stay free for them.
+    concurrency: int = Field(default=16, ge=1, le=512)
+    # Bytes fetched ahead and not yet read, at most: the prefetcher's whole
+    # footprint in the cache. 2 GiB is a few seconds of a fast link.
+    lookahead: ByteSize = Field(default=2 << 30, gt=0)
+    # Bytes per second for prefetch traffic; 0 means no cap.
+    bandwidth: ByteSize = 0
+
+
 class NamespaceSettings(_Section):
     # Datasets are immutable in practice; an hour keeps `ls` and `stat` off
     # the network for a whole training run while still noticing re-uploads.
@@ -219,8 +244,18 @@ class Settings(_Section):
     store: StoreSettings = Field(default_factory=StoreSettings)
     fetch: FetchSettings = Field(default_factory=FetchSettings)
     namespace: NamespaceSettings = Field(default_factory=NamespaceSettings)
+    prefetch: PrefetchSettings = Field(default_factory=PrefetchSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     fuse: FuseSettings = Field(default_factory=FuseSettings)
+
+    @model_validator(mode="after")
+    def _demand_keeps_slots(self) -> Settings:
+        if self.prefetch.concurrency >= self.fetch.concurrency:
+            raise ValueError(
+                f"prefetch.concurrency ({self.prefetch.concurrency}) must be below fetch.concurrency "
+                f"({self.fetch.concurrency}) so demand reads always find a free connection"
+            )
+        return self
 
 
 def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -254,7 +289,7 @@ def _describe(error: ValidationError) -> str:
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown setting"
-        lines.append(f"{field}: {message}")
+        lines.append(f"{field}: {message}" if item["loc"] else message)
     return "; ".join(lines)
 
 

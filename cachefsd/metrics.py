@@ -125,6 +125,20 @@ class Metrics:
             ["where"],
             registry=registry,
         )
+        self.prefetch_issued_bytes = Counter(
+            "cachefsd_prefetch_issued_bytes", "Bytes fetched ahead of the readers", registry=registry
+        )
+        self.prefetch_used_bytes = Counter(
+            "cachefsd_prefetch_used_bytes", "Bytes fetched ahead that a reader then read", registry=registry
+        )
+        self.prefetch_wasted_bytes = Counter(
+            "cachefsd_prefetch_wasted_bytes",
+            "Bytes fetched ahead that left the cache before anyone read them",
+            registry=registry,
+        )
+        self.epoch_number = Gauge(
+            "cachefsd_epoch", "Current training epoch, as the access model sees it", registry=registry
+        )
         self.hit_ratio = Gauge(
             "cachefsd_hit_ratio",
             "Fraction of bytes read since mount that did not wait on the cold store",
@@ -168,6 +182,19 @@ class Metrics:
 
     def fetch_failed(self, kind: FetchKind) -> None:
         self.fetch_errors.labels(kind).inc()
+
+    # PrefetchEvents
+    def prefetch_issued(self, nbytes: int) -> None:
+        self.prefetch_issued_bytes.inc(nbytes)
+
+    def prefetch_used(self, nbytes: int) -> None:
+        self.prefetch_used_bytes.inc(nbytes)
+
+    def prefetch_wasted(self, nbytes: int) -> None:
+        self.prefetch_wasted_bytes.inc(nbytes)
+
+    def epoch(self, number: int) -> None:
+        self.epoch_number.set(number)
 
     # CacheEvents
     def tier_usage(self, tier: str, used_bytes: int, capacity_bytes: int, blocks: int) -> None:
