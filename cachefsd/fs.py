@@ -24,9 +24,8 @@ import stat
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from cachefsd.blocks import BlockReader, Piece
 from cachefsd.errors import BadFileHandle, IsADirectory, ObjectChanged, ReadOnly
@@ -38,6 +37,14 @@ DIR_MODE = stat.S_IFDIR | 0o555
 FILE_MODE = stat.S_IFREG | 0o444
 # st_blocks is counted in 512-byte units, whatever the filesystem.
 STAT_BLOCK_UNIT = 512
+
+
+class AccessEvents(Protocol):
+    """What the access model learns from (prefetch/engine.py implements it)."""
+
+    def opened(self, info: ObjectInfo) -> None: ...
+    def read(self, info: ObjectInfo, offset: int, size: int) -> None: ...
+    def listed(self, entries: dict[str, ObjectInfo | None], directory: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +71,10 @@ class FileSystem:
         reader: BlockReader,
         uid: int,
         gid: int,
-        on_open: Callable[[str], None] = lambda key: None,
+        access: AccessEvents,
     ) -> None:
         self._namespace = namespace
-        self._on_open = on_open  # the access model's view: one call per pass over a file
+        self._access = access
         self._reader = reader
         self._uid = uid
         self._gid = gid
@@ -89,6 +96,7 @@ class FileSystem:
     def readdir(self, path: str) -> list[tuple[str, int]]:
         """``(name, mode)`` of every entry, ``.`` and ``..`` included."""
         entries = self._namespace.listdir(path)
+        self._access.listed(entries, path.strip("/"))
         listing = [(".", DIR_MODE), ("..", DIR_MODE)]
         listing.extend((name, DIR_MODE if info is None else FILE_MODE) for name, info in entries.items())
         return listing
@@ -99,6 +107,7 @@ class FileSystem:
         info = self._namespace.lookup(path).info
         if info is None:
             raise IsADirectory(path)
+        self._access.opened(info)
         with self._lock:
             handle = next(self._next_handle)
             self._handles[handle] = info
@@ -106,7 +115,6 @@ class FileSystem:
             open_versions = self._open_versions.setdefault(info.key, Counter())
             other_version_open = any(etag != info.etag for etag in open_versions)
             open_versions[info.etag] += 1
-            self._on_open(info.key)
             if other_version_open:
                 return OpenFile(handle, keep_cache=False, direct_io=True)
             keep_cache = self._page_cache_version.get(info.key) == info.etag
@@ -119,6 +127,7 @@ class FileSystem:
             verified = self._verified.get(handle, set())
         if info is None:
             raise BadFileHandle(str(handle))
+        self._access.read(info, offset, size)
         try:
             return self._reader.read(info, offset, size, verified)
         except ObjectChanged:

@@ -16,12 +16,14 @@ from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.codec import Codec
 from cachefsd.chunks.policy import LruPolicy
 from cachefsd.chunks.tier import Tier
-from cachefsd.config import FetchSettings
+from cachefsd.config import FetchSettings, PrefetchSettings
 from cachefsd.fetch import Fetcher
 from cachefsd.fs import FileSystem
 from cachefsd.index import Index
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
+from cachefsd.prefetch.access import AccessModel
+from cachefsd.prefetch.engine import PlannedUse, Prefetcher
 from cachefsd.store.faulty import FaultyStore
 from cachefsd.store.memory import MemoryStore
 
@@ -104,7 +106,8 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         reader = BlockReader(store.uri, BLOCK_SIZE, cache, fetcher, io, metrics, dedup_by_etag=True)
         clock = Clock()
         namespace = Namespace(faulty, fetcher, io, index, ttl, reader.release_version, clock)
-        fs = FileSystem(namespace, reader, uid=0, gid=0)
+        prefetcher = Prefetcher(AccessModel(), namespace, reader, PrefetchSettings(), PlannedUse(), metrics)
+        fs = FileSystem(namespace, reader, uid=0, gid=0, access=prefetcher)
         return Engine(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir)
 
     yield make

@@ -1,0 +1,696 @@
+"""The access model: what a training job will read next, learned from the
+events the mount sees.
+
+Training reads a dataset in epochs: every file once per epoch, usually in a
+fresh shuffled order, sometimes in the same order every time (a loader that
+does not shuffle, shards read in sequence), and large files (tar shards,
+arrow or numpy files) front to back. The model is fed every directory
+listing, open and read (path, offset, size, time) and answers four
+questions: which files are still to be read this epoch (``unread``), what is
+read next (``predict``, for the prefetcher), when a file is read next
+(``next_use``, for eviction), and which epoch it is (``current``, an
+``EpochClock``).
+
+Jobs. Several jobs may read different prefixes of one mount, so every piece
+of state below is kept per job, and a job is named by its root directory.
+A path belongs to the job whose root is its DEEPEST ancestor directory that
+already is a job root. When no job root is an ancestor, a new root is made:
+
+1. if an ancestor directory was listed, the deepest listed ancestor, moved
+   up while its parent was listed too (a recursive scan such as ImageFolder's
+   lists ``train`` and then every ``train/<class>``: the job is ``train``);
+2. otherwise the first path component (``a/x/1.jpg`` -> ``a``);
+3. a file directly at the mount root belongs to the job ``""``.
+
+The mount root itself never joins a chain of listed directories: a human
+``ls`` of the mount would otherwise merge every job on it into one. The
+price is that a dataset whose class folders sit directly at the mount root
+is modelled as one job per folder (each still gets its own epochs, unread
+set and replayed order). A listing that makes a new root above existing
+listing-made roots (a child listed before its parent) merges them into it.
+Roots, once made, are kept; jobs are never dropped (they are few).
+
+Epochs. A job's epoch ends when a file it already opened this epoch is
+opened again AND at least ``MIN_EPOCH_FRACTION`` of the reference size has
+been opened this epoch; the reference is the job's working set, or the
+previous epoch's file count when that is smaller (a distributed sampler
+gives each node a share of the dataset, as in ``ObservedEpochs``). A
+re-open of one of the last few files opened is a peek (a loader that opens
+a file twice to read its header), never a boundary. Many reads after one
+open count once: only opens feed epochs. A new hint also starts an epoch,
+unless the current one has barely begun (then the hint joins it). Epochs
+are numbered from 0, like ``ObservedEpochs``.
+
+Working set. Listings are the first guess (so the unread set, and with it
+prediction, is useful from the first open of epoch 0); files opened without
+having been listed join it. It only grows: datasets are immutable, and a
+stale entry costs one useless prediction, which the prefetcher drops when
+the file is not found.
+
+Predictions, per job, in priority order:
+
+1. sequential streams inside large files: after two contiguous reads, the
+   window after the last byte read. The window starts at
+   ``STREAM_INITIAL_WINDOW`` and doubles each time the reader consumes a
+   whole window, up to ``STREAM_MAX_WINDOW`` (Mountpoint for S3 grows its
+   read window the same way); a non-contiguous read starts a new stream;
+2. a hint's remaining order: the loader told us the order; follow it from
+   the reader's position, skipping what was read;
+3. a replayed order: when this epoch's opens so far match the previous
+   epoch's order (or the previous epoch matched the one before it), the rest
+   of the previous epoch's order;
+4. the unread files of the epoch in listing order: "unread, order unknown".
+
+A plan (hint or replay) is trusted while at least a threshold fraction of
+the opens it has seen came at about the position it predicted (within
+``_slack``); an untrusted plan is ignored and the next source is used, so a
+wrong or stale hint costs the bandwidth of a few predictions, nothing else.
+``predict`` interleaves jobs round-robin, one prediction each in turn.
+
+Units. ``Prediction.distance`` counts FILES: the number of other files the
+job is predicted to open before this one is needed (0: needed now, as for a
+stream's next window). ``next_use`` returns a POSITION instead: the value
+the job's open counter (its number of first-opens since it was first seen)
+will have when the path is opened. Positions do not change as the reader
+advances, only when the plan changes, which is what ``NextUse`` requires
+(an eviction policy caches them); distance = position - counter now.
+
+Cost: every event is O(depth of the path) (which is O(1) in practice); an
+epoch boundary copies the working set once per epoch (a dict copy, about
+30 ms per million files), amortised O(1) per open since an epoch holds at
+least ``MIN_EPOCH_FRACTION`` of it; ``predict`` is
+O(limit + jobs + streams), plus skipping the holes reads leave in a job's
+unread dict (C-speed, about 1 ms per million in the worst case).
+
+Concurrency: all state is guarded by ``_lock``, a leaf lock (nothing is
+called while holding it). Methods with the ``_locked`` suffix need it held.
+Nothing here does I/O, reads a clock or starts threads: time comes in with
+the events, and ``_now`` is the latest event time seen.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Final
+
+# Half of the reference must have been opened before a re-open ends an
+# epoch: a real new pass starts after (nearly) everything was read, while a
+# re-read inside an epoch (a retry, a second crop, a sample referencing a
+# file twice) can come at any time; requiring half halves the window in
+# which one can end an epoch early. Same value and reasoning as
+# ``chunks.policy.MIN_EPOCH_FRACTION``.
+MIN_EPOCH_FRACTION: Final = 0.5
+
+# A re-open of one of the last ``min(REOPEN_PEEK_WINDOW, opens // REOPEN_PEEK_DIVISOR)``
+# files opened is a peek, not a new pass. DataLoader workers interleave their
+# opens, so a worker's second open of a file can come a few dozen opens after
+# its first; a new pass starting with one of those files instead (probability
+# about 1/16 under shuffling) only delays the boundary by one open.
+REOPEN_PEEK_WINDOW: Final = 32
+REOPEN_PEEK_DIVISOR: Final = 16
+
+# First prediction window of a sequential stream: 1 MiB, like Mountpoint for
+# S3's initial read window. Smaller than a block, so a "stream" that was
+# really two random reads costs little.
+STREAM_INITIAL_WINDOW: Final = 1 << 20
+# Largest window: 64 MiB is 16 default 4 MiB blocks in flight for one
+# stream, enough to fill a fast link from an object store (about 100 MB/s
+# per GET), while the prefetcher's global byte budget bounds the total.
+STREAM_MAX_WINDOW: Final = 64 << 20
+# Two contiguous reads make a stream: one read alone may be random access.
+STREAM_CONFIRM_READS: Final = 2
+# Files up to this size are one default block, fetched whole by their first
+# read; only larger files get streams.
+STREAM_MIN_FILE_BYTES: Final = 4 << 20
+# A read this far past the stream's end still continues it: reads served by
+# the kernel page cache (kernel_cache, readahead) never reach us and leave gaps.
+STREAM_FORWARD_SLACK: Final = 1 << 20
+# ... and this far before it: FUSE threads may deliver a reader's reads out of order.
+STREAM_BACKWARD_SLACK: Final = 1 << 20
+# Streams tracked per job, least recently read dropped first: a loader keeps
+# one or two files open per worker; 64 covers 32 workers with room to spare.
+MAX_STREAMS_PER_JOB: Final = 64
+# A stream not read for this long is finished or abandoned: stop predicting it.
+# Long enough for a slow training step between two reads of one shard.
+STREAM_IDLE_SECONDS: Final = 30.0
+
+# A job with no event for this long (finished, or evaluating elsewhere)
+# predicts nothing, so the prefetcher stops fetching its leftovers. Training
+# reads continuously; five minutes covers checkpointing and evaluation pauses.
+JOB_IDLE_SECONDS: Final = 300.0
+
+# A whole file predicted by a plan or the unread set: fetch at most its first
+# stream-sized window (the consumer clips to the object); a stream takes
+# over once the reader is in the file. Also used when the size is unknown.
+FILE_PREDICTION_BYTES: Final = STREAM_MAX_WINDOW
+
+# A plan is judged only after this many opens; before that a hint is trusted
+# (the loader said so) and a replay is trusted only if the previous epoch
+# already replayed the one before it. Eight opens is a batch or two: little
+# bandwidth is wasted on a wrong plan, and a random order will not match by chance.
+PLAN_PROBATION_OPENS: Final = 8
+# "Mostly matches": a replay needs 90 % of the opens at their predicted
+# place: loaders that do not shuffle repeat their order exactly (up to the
+# slack below), and anything lower is better treated as unknown order.
+REPLAY_MIN_MATCH: Final = 0.9
+# A hint is kept while half of the opens follow it: the loader knows its order,
+# so a lower rate means the hint is stale or for another job.
+HINT_MIN_MATCH: Final = 0.5
+# An open matches a plan when it is within this many places of its predicted
+# position: min(PLAN_SLACK_FILES, plan length // PLAN_SLACK_DIVISOR), at least 1.
+# DataLoader workers open files of several batches at once (workers x
+# prefetch_factor x batch size: 8 x 2 x 32 = 512), and a random order falls
+# within n/16 of its place with probability about 1/8, far below the thresholds.
+PLAN_SLACK_FILES: Final = 512
+PLAN_SLACK_DIVISOR: Final = 16
+# predict() looks at most this many plan entries per prediction asked for,
+# so a plan whose head was read out of order cannot make it O(plan).
+PLAN_SCAN_FACTOR: Final = 4
+# A hint arriving when the current epoch has opened at most this fraction of
+# the hint's length joins the epoch instead of starting a new one: the
+# loader's pass began (and the re-open rule noticed) just before the hint came.
+HINT_JOIN_FRACTION: Final = 1 / 16
+# stats() details the most recently active jobs only.
+STATS_MAX_JOBS: Final = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """A byte range predicted to be read: ``[offset, offset + length)`` of
+    ``path``, clipped by the consumer to the object's size. ``distance`` is
+    the number of other files the job is predicted to open first (0: now)."""
+
+    path: str
+    offset: int
+    length: int
+    distance: float
+
+
+@dataclass
+class _Stream:
+    """A sequential reader inside one file."""
+
+    end: int  # one past the last byte read
+    size: int  # file size, -1 if unknown
+    last_read: float
+    window: int = STREAM_INITIAL_WINDOW
+    consumed: int = 0  # bytes read since the window last grew
+    reads: int = 1
+
+
+class _Plan:
+    """An order of files for one epoch (a hint, or the previous epoch's to
+    replay) and how well the reader has followed it."""
+
+    def __init__(self, order: list[str], index: dict[str, int], min_match: float, trusted: bool) -> None:
+        self.order = order
+        # path -> its (first) position in order.
+        self.index = index
+        self.min_match = min_match
+        # The verdict before PLAN_PROBATION_OPENS opens were seen.
+        self.trusted_at_start = trusted
+        self.slack = max(1, min(PLAN_SLACK_FILES, len(order) // PLAN_SLACK_DIVISOR))
+        self.low = 0  # entries before this were all read this epoch
+        self.observed = 0
+        self.matched = 0
+
+    @classmethod
+    def of(cls, order: list[str], min_match: float, trusted: bool) -> _Plan:
+        index: dict[str, int] = {}
+        for position, path in enumerate(order):
+            index.setdefault(path, position)
+        return cls(order, index, min_match, trusted)
+
+    def observe(self, position: int, path: str) -> None:
+        """``path`` was the job's ``position``-th open (0-based) of the epoch."""
+        self.observed += 1
+        planned = self.index.get(path)
+        if planned is not None and abs(planned - position) <= self.slack:
+            self.matched += 1
+
+    def trusted(self) -> bool:
+        if self.observed < PLAN_PROBATION_OPENS:
+            return self.trusted_at_start
+        return self.matched >= self.min_match * self.observed
+
+    def judged_good(self) -> bool:
+        """Seen long enough and followed: the epoch replayed this order."""
+        return self.observed >= PLAN_PROBATION_OPENS and self.trusted()
+
+
+@dataclass
+class _Job:
+    root: str
+    made_by_listing: bool
+    # Working set: path -> size (-1 unknown), in listing / first-seen order.
+    working: dict[str, int] = field(default_factory=dict)
+    # Working-set files not opened this epoch -> size, in working-set order.
+    # A plain dict, not an OrderedDict: the per-epoch reset is a copy of
+    # ``working`` (about 30 ms per million files, against 400 ms to build an
+    # OrderedDict under the lock), and iterating past the holes that reads
+    # leave costs about 1 ms per million in the worst case (a reader in
+    # listing order, late in the epoch).
+    unread: dict[str, int] = field(default_factory=dict)
+    # Opened this epoch: path -> its position in ``order``.
+    seen: dict[str, int] = field(default_factory=dict)
+    # First opens of this epoch, in order.
+    order: list[str] = field(default_factory=list)
+    epoch: int = 0
+    # First opens since the job was made (all epochs): the ``next_use`` axis.
+    clock: int = 0
+    epoch_start_clock: int = 0
+    previous_size: int | None = None
+    replay: _Plan | None = None
+    hint: _Plan | None = None
+    streams: OrderedDict[str, _Stream] = field(default_factory=OrderedDict)
+    # Predictions start once the job opened or read a file or sent a hint:
+    # a listing alone may be a human's ``ls``.
+    engaged: bool = False
+    last_event: float = float("-inf")
+
+    def plan(self) -> _Plan | None:
+        """The order to follow now: a trusted hint, else a trusted replay."""
+        if self.hint is not None and self.hint.trusted():
+            return self.hint
+        if self.replay is not None and self.replay.trusted():
+            return self.replay
+        return None
+
+
+def _clean(path: str) -> str:
+    return path.strip("/")
+
+
+def _ancestors(path: str) -> list[str]:
+    """Proper ancestor directories of ``path``, shallowest first, without the root ``""``."""
+    out = []
+    cut = path.find("/")
+    while cut != -1:
+        out.append(path[:cut])
+        cut = path.find("/", cut + 1)
+    return out
+
+
+def _parent(path: str) -> str:
+    cut = path.rfind("/")
+    return "" if cut == -1 else path[:cut]
+
+
+class AccessModel:
+    """Learns jobs, working sets, epochs, streams and orders from mount events;
+    see the module docstring. Thread-safe; usable as an ``EpochClock``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # Guarded by _lock:
+        self._jobs: dict[str, _Job] = {}
+        self._listed: set[str] = set()
+        self._now = float("-inf")
+        self._max_epoch = 0
+
+    # -- events ------------------------------------------------------------
+
+    def listed(self, directory: str, files: dict[str, int]) -> None:
+        """``directory`` was listed; ``files`` maps each child FILE's path to its size."""
+        directory = _clean(directory)
+        with self._lock:
+            if directory:
+                self._listed.add(directory)
+                job = self._job_for_directory_locked(directory)
+            else:
+                job = self._job_locked("", made_by_listing=False)
+            for name, size in files.items():
+                path = _clean(name)
+                if path in job.working:
+                    job.working[path] = size
+                    continue
+                job.working[path] = size
+                if path not in job.seen:
+                    job.unread[path] = size
+
+    def opened(self, path: str, size: int, now: float) -> None:
+        """``path`` (``size`` bytes, -1 if unknown) was opened for reading at ``now``."""
+        path = _clean(path)
+        with self._lock:
+            job = self._touch_locked(path, now)
+            if size >= 0 or path not in job.working:
+                job.working[path] = size
+            position = job.seen.get(path)
+            if position is not None:
+                if not self._ends_epoch_locked(job, position):
+                    return
+                self._start_epoch_locked(job, None)
+            self._first_open_locked(job, path)
+
+    def read(self, path: str, offset: int, length: int, now: float) -> None:
+        """``length`` bytes of ``path`` at ``offset`` were read at ``now``."""
+        path = _clean(path)
+        with self._lock:
+            job = self._touch_locked(path, now)
+            size = job.working.get(path, -1)
+            if 0 <= size <= STREAM_MIN_FILE_BYTES:
+                return
+            end = offset + length
+            stream = job.streams.get(path)
+            if stream is not None and (
+                stream.end - STREAM_BACKWARD_SLACK <= offset <= stream.end + STREAM_FORWARD_SLACK
+            ):
+                grown = max(0, end - stream.end)
+                stream.end = max(stream.end, end)
+                stream.reads += 1
+                stream.consumed += grown
+                stream.last_read = now
+                stream.size = size
+                if stream.consumed >= stream.window:
+                    stream.consumed = 0
+                    stream.window = min(2 * stream.window, STREAM_MAX_WINDOW)
+                job.streams.move_to_end(path)
+                return
+            # New stream, or a broken one starting over at the initial window.
+            job.streams[path] = _Stream(end=end, size=size, last_read=now, consumed=length)
+            job.streams.move_to_end(path)
+            while len(job.streams) > MAX_STREAMS_PER_JOB:
+                job.streams.popitem(last=False)
+
+    def hint(self, order: list[str], now: float) -> None:
+        """The exact order of the current (or next) epoch of the job that
+        ``order[0]`` belongs to; replaces that job's previous hint. Paths of
+        other jobs are ignored; an empty order is a no-op."""
+        paths = [_clean(path) for path in order]
+        if not paths:
+            return
+        with self._lock:
+            job = self._touch_locked(paths[0], now)
+            mine = [path for path in paths if self._root_of_locked(path) == job.root]
+            plan = _Plan.of(mine, HINT_MIN_MATCH, trusted=True)
+            if len(job.order) <= HINT_JOIN_FRACTION * len(mine):
+                # The pass has barely begun: the hint is for this epoch.
+                for position, path in enumerate(job.order):
+                    plan.observe(position, path)
+                job.hint = plan
+            else:
+                self._start_epoch_locked(job, plan)
+
+    # -- questions ---------------------------------------------------------
+
+    def predict(self, limit: int) -> list[Prediction]:
+        """Up to ``limit`` predicted reads, jobs interleaved round-robin, each
+        job's nearest predicted use first (streams, plan, unread files)."""
+        out: list[Prediction] = []
+        if limit <= 0:
+            return out
+        with self._lock:
+            sources = [
+                self._job_predictions_locked(job, limit)
+                for job in self._jobs.values()
+                if job.engaged and self._now - job.last_event <= JOB_IDLE_SECONDS
+            ]
+            while sources and len(out) < limit:
+                alive = []
+                for source in sources:
+                    prediction = next(source, None)
+                    if prediction is None:
+                        continue
+                    alive.append(source)
+                    out.append(prediction)
+                    if len(out) >= limit:
+                        break
+                sources = alive
+        return out
+
+    def next_use(self, path: str) -> float | None:
+        """The position on the job's open counter at which ``path`` is
+        predicted to be opened next this epoch (see the module docstring's
+        Units); None if it was already opened this epoch or no trusted plan
+        (hint or replay) places it."""
+        path = _clean(path)
+        with self._lock:
+            job = self._existing_job_locked(path)
+            if job is None or path in job.seen:
+                return None
+            plan = job.plan()
+            if plan is None:
+                return None
+            planned = plan.index.get(path)
+            return None if planned is None else float(job.epoch_start_clock + planned)
+
+    def current(self) -> int:
+        """``EpochClock``: the highest epoch of any job. Never decreases (job
+        epochs only grow, jobs are never dropped); with one job it is that
+        job's epoch."""
+        with self._lock:
+            return self._max_epoch
+
+    def current_epoch(self, job_path: str | None = None) -> int:
+        """The epoch of the job ``job_path`` (a root or any path under it)
+        belongs to, 0 for an unknown job; ``current()`` when None."""
+        with self._lock:
+            if job_path is None:
+                return self._max_epoch
+            job = self._existing_job_locked(_clean(job_path))
+            return 0 if job is None else job.epoch
+
+    def job_of(self, path: str) -> str | None:
+        """The root of the job ``path`` belongs to now, None if none yet."""
+        with self._lock:
+            job = self._existing_job_locked(_clean(path))
+            return None if job is None else job.root
+
+    def jobs(self) -> list[str]:
+        """Every job root, oldest first."""
+        with self._lock:
+            return list(self._jobs)
+
+    def unread(self, job_path: str) -> set[str]:
+        """Working-set files of ``job_path``'s job not opened this epoch. O(working set)."""
+        with self._lock:
+            job = self._existing_job_locked(_clean(job_path))
+            return set() if job is None else set(job.unread)
+
+    def read_this_epoch(self, job_path: str) -> set[str]:
+        """Files ``job_path``'s job opened this epoch. O(files opened)."""
+        with self._lock:
+            job = self._existing_job_locked(_clean(job_path))
+            return set() if job is None else set(job.seen)
+
+    def working_set(self, job_path: str) -> set[str]:
+        """Files of ``job_path``'s job's working set. O(working set)."""
+        with self._lock:
+            job = self._existing_job_locked(_clean(job_path))
+            return set() if job is None else set(job.working)
+
+    def stats(self) -> dict[str, object]:
+        """Totals over all jobs, and details of the most recently active ones.
+
+        ``hint_coverage`` is the share of this epoch's opens (all jobs) that
+        came where a hint predicted them: 0.0 without hints, near 1.0 when
+        loaders send exact hints.
+        """
+        with self._lock:
+            jobs = list(self._jobs.values())
+            opens = sum(len(job.order) for job in jobs)
+            hinted = sum(job.hint.matched for job in jobs if job.hint is not None)
+            active = sorted(jobs, key=lambda job: job.last_event, reverse=True)[:STATS_MAX_JOBS]
+            return {
+                "epoch": self._max_epoch,
+                "jobs": len(jobs),
+                "working_set_files": sum(len(job.working) for job in jobs),
+                "unread_files": sum(len(job.unread) for job in jobs),
+                "read_this_epoch_files": opens,
+                "active_streams": sum(self._live_streams_locked(job) for job in jobs),
+                "hint_coverage": hinted / opens if opens else 0.0,
+                "per_job": {job.root: self._job_stats_locked(job) for job in active},
+            }
+
+    # -- jobs ---------------------------------------------------------------
+
+    def _job_locked(self, root: str, made_by_listing: bool) -> _Job:
+        job = self._jobs.get(root)
+        if job is None:
+            job = _Job(root, made_by_listing)
+            self._jobs[root] = job
+        return job
+
+    def _existing_job_locked(self, path: str) -> _Job | None:
+        """The job of ``path`` (a file, directory or root), without making one."""
+        job = self._jobs.get(path)
+        if job is not None:
+            return job
+        for directory in reversed(_ancestors(path)):
+            job = self._jobs.get(directory)
+            if job is not None:
+                return job
+        if "/" not in path:
+            return self._jobs.get("")
+        return None
+
+    def _root_of_locked(self, path: str) -> str:
+        """The root of the job a FILE ``path`` belongs to or would get."""
+        ancestors = _ancestors(path)
+        for directory in reversed(ancestors):
+            if directory in self._jobs:
+                return directory
+        for directory in reversed(ancestors):
+            if directory in self._listed:
+                return self._chain_top_locked(directory)
+        return ancestors[0] if ancestors else ""
+
+    def _chain_top_locked(self, directory: str) -> str:
+        while True:
+            parent = _parent(directory)
+            if not parent or parent not in self._listed:
+                return directory
+            directory = parent
+
+    def _file_job_locked(self, path: str) -> _Job:
+        root = self._root_of_locked(path)
+        job = self._jobs.get(root)
+        if job is not None:
+            return job
+        if root and root in self._listed:
+            return self._job_for_directory_locked(root)
+        return self._job_locked(root, made_by_listing=False)
+
+    def _job_for_directory_locked(self, directory: str) -> _Job:
+        """The job of a listed ``directory`` (not the root); may make and merge."""
+        for candidate in [directory, *reversed(_ancestors(directory))]:
+            job = self._jobs.get(candidate)
+            if job is not None:
+                return job
+        root = self._chain_top_locked(directory)
+        job = self._job_locked(root, made_by_listing=True)
+        prefix = root + "/"
+        for other in [other for other in self._jobs.values() if other.made_by_listing]:
+            if other.root.startswith(prefix):
+                self._merge_locked(job, other)
+        return job
+
+    def _merge_locked(self, into: _Job, child: _Job) -> None:
+        """Fold a job made below ``into`` (its child listed first) into it.
+
+        The child's opens this epoch count as opens of ``into``; its orders
+        and hint are dropped (they were orders of a part of the job).
+        """
+        del self._jobs[child.root]
+        for path, size in child.working.items():
+            into.working.setdefault(path, size)
+        for path in child.order:
+            if path not in into.seen:
+                into.seen[path] = len(into.order)
+                into.order.append(path)
+                into.clock += 1
+        for path, size in child.working.items():
+            if path not in into.seen:
+                into.unread[path] = size
+        for path in into.seen:
+            into.unread.pop(path, None)
+        into.streams.update(child.streams)
+        into.epoch = max(into.epoch, child.epoch)
+        into.engaged = into.engaged or child.engaged
+        into.last_event = max(into.last_event, child.last_event)
+
+    # -- epochs -------------------------------------------------------------
+
+    def _touch_locked(self, path: str, now: float) -> _Job:
+        self._now = max(self._now, now)
+        job = self._file_job_locked(path)
+        job.engaged = True
+        job.last_event = max(job.last_event, now)
+        return job
+
+    def _ends_epoch_locked(self, job: _Job, position: int) -> bool:
+        """A re-open of the file opened at ``position`` this epoch: a new pass?"""
+        opens = len(job.order)
+        peek_window = min(REOPEN_PEEK_WINDOW, opens // REOPEN_PEEK_DIVISOR)
+        if position >= opens - peek_window:
+            return False
+        reference = len(job.working)
+        if job.previous_size is not None:
+            reference = min(reference, job.previous_size)
+        return opens >= MIN_EPOCH_FRACTION * reference
+
+    def _start_epoch_locked(self, job: _Job, hint: _Plan | None) -> None:
+        """End the job's epoch; O(working set)."""
+        if job.order:
+            # This epoch replayed the previous one: trust the replay at once next time.
+            repeated = job.replay is not None and job.replay.judged_good()
+            job.replay = _Plan(job.order, job.seen, REPLAY_MIN_MATCH, trusted=repeated)
+            job.previous_size = len(job.order)
+        job.epoch += 1
+        self._max_epoch = max(self._max_epoch, job.epoch)
+        job.epoch_start_clock = job.clock
+        job.order = []
+        job.seen = {}
+        job.unread = job.working.copy()
+        job.hint = hint
+
+    def _first_open_locked(self, job: _Job, path: str) -> None:
+        position = len(job.order)
+        job.order.append(path)
+        job.seen[path] = position
+        job.unread.pop(path, None)
+        job.clock += 1
+        if job.hint is not None:
+            job.hint.observe(position, path)
+        if job.replay is not None:
+            job.replay.observe(position, path)
+
+    # -- predictions --------------------------------------------------------
+
+    def _stream_live_locked(self, stream: _Stream) -> bool:
+        return (
+            stream.reads >= STREAM_CONFIRM_READS
+            and (stream.size < 0 or stream.end < stream.size)
+            and self._now - stream.last_read <= STREAM_IDLE_SECONDS
+        )
+
+    def _live_streams_locked(self, job: _Job) -> int:
+        return sum(1 for stream in job.streams.values() if self._stream_live_locked(stream))
+
+    def _file_prediction_locked(self, job: _Job, path: str, distance: float) -> Prediction:
+        size = job.working.get(path, -1)
+        length = FILE_PREDICTION_BYTES if size < 0 else min(size, FILE_PREDICTION_BYTES)
+        return Prediction(path, 0, length, distance)
+
+    def _job_predictions_locked(self, job: _Job, limit: int) -> Iterator[Prediction]:
+        """One job's predictions, nearest first. Consumed under the lock."""
+        for path, stream in reversed(job.streams.items()):
+            if self._stream_live_locked(stream):
+                length = stream.window if stream.size < 0 else min(stream.window, stream.size - stream.end)
+                yield Prediction(path, stream.end, length, 0.0)
+        emitted: set[str] = set()
+        opens = len(job.order)
+        plan = job.plan()
+        if plan is not None:
+            order = plan.order
+            while plan.low < len(order) and order[plan.low] in job.seen:
+                plan.low += 1
+            stop = min(len(order), plan.low + PLAN_SCAN_FACTOR * limit)
+            for position in range(plan.low, stop):
+                path = order[position]
+                if path in job.seen or path in emitted:
+                    continue
+                emitted.add(path)
+                yield self._file_prediction_locked(job, path, float(max(0, position - opens)))
+        # Unread, order unknown: under a random order the expected wait is half the rest.
+        expected = max(0.0, (len(job.unread) - 1) / 2)
+        for path in job.unread:
+            if path not in emitted:
+                yield self._file_prediction_locked(job, path, expected)
+
+    def _job_stats_locked(self, job: _Job) -> dict[str, object]:
+        plan = job.plan()
+        source = "unknown" if plan is None else "hint" if plan is job.hint else "replay"
+        return {
+            "epoch": job.epoch,
+            "working_set_files": len(job.working),
+            "unread_files": len(job.unread),
+            "read_this_epoch_files": len(job.order),
+            "order": source,
+            "hint_files": 0 if job.hint is None else len(job.hint.order),
+            "hint_matched": 0 if job.hint is None else job.hint.matched,
+            "active_streams": self._live_streams_locked(job),
+        }

@@ -1,0 +1,276 @@
+"""The prefetcher: turns the access model's predictions into block fetches,
+within one global budget.
+
+Every open, read and directory listing of the mount is an event for the
+access model (``prefetch/access.py``). A single thread wakes on those events,
+asks the model what will be read next (a sequential stream's next window, a
+hint's remaining order, a replayed order, or the unread files of the epoch),
+and fetches the blocks that are not cached yet, nearest predicted use first.
+
+Budget, whatever the number of open files:
+- at most ``concurrency`` prefetch GETs at once, and they queue behind every
+  demand read in the fetcher (``fetch.PrioritySlots``);
+- at most ``lookahead`` bytes fetched ahead and not yet read;
+- at most ``bandwidth`` bytes per second when set (a token bucket).
+Nothing waits on a prefetch: a demand read of a block being prefetched joins
+its GET (single-flight in ``blocks.py``), and a failed prefetch only logs.
+
+Blocks fetched ahead carry their predicted use (``PlannedUse``), which the
+epoch-aware eviction policy reads: it keeps them over blocks already read
+this epoch. A block fetched ahead that leaves the cache unread counts as
+waste; one that is read counts as used.
+
+Concurrency: ``_lock`` guards ``_ahead``, ``_ahead_bytes`` and the token
+bucket; the model has its own lock. Lock order: this lock, then the model's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from cachefsd.blocks import BlockReader, block_range
+from cachefsd.config import PrefetchSettings
+from cachefsd.errors import CachefsdError
+from cachefsd.index import BlockRef
+from cachefsd.namespace.tree import Namespace
+from cachefsd.prefetch.access import AccessModel
+from cachefsd.store.base import ObjectInfo
+
+log = logging.getLogger(__name__)
+
+# Predictions asked for per round. Most of the head of an epoch's unread list
+# may already be cached (a cache that holds half the dataset holds about half
+# of any list), so ask for far more than one round can fetch.
+PREDICTIONS_PER_ROUND = 4096
+# The thread also wakes this often without events, to retire waste and to
+# spend bandwidth tokens that have accumulated.
+IDLE_WAKE_SECONDS = 0.5
+
+
+class PrefetchEvents(Protocol):
+    def prefetch_issued(self, nbytes: int) -> None: ...
+    def prefetch_used(self, nbytes: int) -> None: ...
+    def prefetch_wasted(self, nbytes: int) -> None: ...
+    def epoch(self, number: int) -> None: ...
+
+
+class PlannedUse:
+    """``NextUse`` for the eviction policies: the predicted position of the
+    next read of a block fetched ahead, in opens since mount; None for any
+    other block. Positions are absolute so that blocks planned at different
+    times compare correctly."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._planned: dict[str, float] = {}
+
+    def plan(self, digest: str, position: float) -> None:
+        with self._lock:
+            self._planned[digest] = position
+
+    def consumed(self, digest: str) -> None:
+        with self._lock:
+            self._planned.pop(digest, None)
+
+    def next_use(self, block: str) -> float | None:
+        with self._lock:
+            return self._planned.get(block)
+
+
+@dataclass
+class _Ahead:
+    """A block fetched ahead and not yet read."""
+
+    info: ObjectInfo
+    index: int
+    digest: str
+    nbytes: int
+
+
+class Prefetcher:
+    def __init__(
+        self,
+        model: AccessModel,
+        namespace: Namespace,
+        reader: BlockReader,
+        settings: PrefetchSettings,
+        planned: PlannedUse,
+        events: PrefetchEvents,
+    ) -> None:
+        self._model = model
+        self._namespace = namespace
+        self._reader = reader
+        self._settings = settings
+        self._planned = planned
+        self._events = events
+        self._lock = threading.Lock()
+        self._ahead: dict[BlockRef, _Ahead] = {}
+        self._in_flight: set[BlockRef] = set()
+        self._ahead_bytes = 0
+        self._tokens = float(settings.bandwidth)
+        self._tokens_at = time.monotonic()
+        self._opens = 0
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="cachefsd-prefetch")
+        self._thread = threading.Thread(target=self._run, name="cachefsd-prefetcher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- events from the filesystem -------------------------------------
+
+    def opened(self, info: ObjectInfo) -> None:
+        self._model.opened(info.key, info.size, time.monotonic())
+        with self._lock:
+            self._opens += 1
+        self._wake.set()
+
+    def read(self, info: ObjectInfo, offset: int, size: int) -> None:
+        self._model.read(info.key, offset, size, time.monotonic())
+        used = 0
+        with self._lock:
+            for index in block_range(offset, size, info.size, self._reader.block_size):
+                ahead = self._ahead.pop(self._reader.ref(info, index), None)
+                if ahead is not None:
+                    self._ahead_bytes -= ahead.nbytes
+                    used += ahead.nbytes
+                    self._planned.consumed(ahead.digest)
+        if used:
+            self._events.prefetch_used(used)
+        self._wake.set()
+
+    def listed(self, entries: dict[str, ObjectInfo | None], directory: str) -> None:
+        files = {info.key: info.size for info in entries.values() if info is not None}
+        self._model.listed(directory, files)
+        self._wake.set()
+
+    def hint(self, order: list[str]) -> tuple[int, int]:
+        """Follow ``order`` (mount-relative paths) for the current epoch;
+        returns (accepted, unknown). Unknown paths are dropped, not errors:
+        a stale hint costs bandwidth, never correctness."""
+        accepted = []
+        for path in order:
+            try:
+                node = self._namespace.lookup("/" + path.lstrip("/"))
+            except CachefsdError:
+                continue
+            if node.info is not None:
+                accepted.append(node.info.key)
+        self._model.hint(accepted, time.monotonic())
+        self._wake.set()
+        return len(accepted), len(order) - len(accepted)
+
+    # -- the prefetch thread ----------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._wake.wait(IDLE_WAKE_SECONDS)
+            self._wake.clear()
+            try:
+                self._events.epoch(self._model.current())
+                self._retire_waste()
+                self._issue()
+            except Exception:
+                log.exception("prefetch round failed")
+
+    def _retire_waste(self) -> None:
+        """Blocks fetched ahead that left the cache before anyone read them."""
+        with self._lock:
+            gone = [
+                ref
+                for ref, ahead in self._ahead.items()
+                if self._reader.digest(ahead.info, ahead.index) is None
+            ]
+            wasted = 0
+            for ref in gone:
+                ahead = self._ahead.pop(ref)
+                self._ahead_bytes -= ahead.nbytes
+                self._planned.consumed(ahead.digest)
+                wasted += ahead.nbytes
+        if wasted:
+            self._events.prefetch_wasted(wasted)
+
+    def _issue(self) -> None:
+        for prediction in self._model.predict(PREDICTIONS_PER_ROUND):
+            if self._stopped.is_set():
+                return
+            try:
+                info = self._namespace.lookup("/" + prediction.path).info
+            except CachefsdError:
+                continue
+            if info is None:
+                continue
+            for index in block_range(
+                prediction.offset, prediction.length, info.size, self._reader.block_size
+            ):
+                if not self._take(info, index, prediction.distance):
+                    return
+
+    def _take(self, info: ObjectInfo, index: int, distance: float) -> bool:
+        """Submit block ``index`` of ``info`` if it needs fetching and the
+        budget allows; False when the budget is spent (stop this round)."""
+        ref = self._reader.ref(info, index)
+        start = index * self._reader.block_size
+        nbytes = min(self._reader.block_size, info.size - start)
+        with self._lock:
+            if ref in self._ahead or ref in self._in_flight:
+                return True
+            if len(self._in_flight) >= self._settings.concurrency:
+                return False
+            if self._ahead_bytes + nbytes > self._settings.lookahead or not self._spend_locked(nbytes):
+                return False
+            if self._reader.digest(info, index) is not None:
+                self._refund_locked(nbytes)
+                return True
+            self._in_flight.add(ref)
+            position = self._opens + distance
+        self._pool.submit(self._fetch, info, index, ref, nbytes, position)
+        return True
+
+    def _fetch(self, info: ObjectInfo, index: int, ref: BlockRef, nbytes: int, position: float) -> None:
+        try:
+            fetched = self._reader.fetch_ahead(info, index)
+        except CachefsdError as exc:
+            log.info("prefetch of %s block %d failed: %s", info.key, index, exc)
+            fetched = False
+        digest = self._reader.digest(info, index) if fetched else None
+        with self._lock:
+            self._in_flight.discard(ref)
+            if digest is not None:
+                self._ahead[ref] = _Ahead(info, index, digest, nbytes)
+                self._ahead_bytes += nbytes
+                self._planned.plan(digest, position)
+            else:
+                self._refund_locked(nbytes)
+        if digest is not None:
+            self._events.prefetch_issued(nbytes)
+        self._wake.set()
+
+    def _spend_locked(self, nbytes: int) -> bool:
+        rate = self._settings.bandwidth
+        if not rate:
+            return True
+        now = time.monotonic()
+        # A bucket one second deep: bursts of at most a second's worth.
+        self._tokens = min(float(rate), self._tokens + (now - self._tokens_at) * rate)
+        self._tokens_at = now
+        if self._tokens < nbytes and self._tokens < rate:
+            return False
+        self._tokens -= nbytes
+        return True
+
+    def _refund_locked(self, nbytes: int) -> None:
+        if self._settings.bandwidth:
+            self._tokens += nbytes

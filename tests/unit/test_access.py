@@ -1,0 +1,657 @@
+"""The access model on synthetic traces: jobs, epochs, unread sets, streams,
+replayed orders, hints, next use, and invariants under random events."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachefsd.chunks.policy import EpochAwarePolicy
+from cachefsd.prefetch.access import (
+    FILE_PREDICTION_BYTES,
+    JOB_IDLE_SECONDS,
+    PLAN_PROBATION_OPENS,
+    STREAM_IDLE_SECONDS,
+    STREAM_INITIAL_WINDOW,
+    STREAM_MAX_WINDOW,
+    AccessModel,
+    Prediction,
+)
+
+KIB = 1 << 10
+MIB = 1 << 20
+SMALL = 100 * KIB
+
+
+class Trace:
+    """Feeds a model events with a clock that ticks 10 ms per event."""
+
+    def __init__(self, model: AccessModel) -> None:
+        self.model = model
+        self.now = 1000.0
+
+    def tick(self) -> float:
+        self.now += 0.01
+        return self.now
+
+    def open(self, path: str, size: int = SMALL) -> None:
+        self.model.opened(path, size, self.tick())
+        self.model.read(path, 0, size, self.tick())
+
+    def pass_over(self, paths: list[str], size: int = SMALL) -> None:
+        for path in paths:
+            self.open(path, size)
+
+
+def dataset(root: str, count: int) -> list[str]:
+    return [f"{root}/img{i:04d}.jpg" for i in range(count)]
+
+
+def listed(model: AccessModel, directory: str, paths: list[str], size: int = SMALL) -> None:
+    model.listed(directory, dict.fromkeys(paths, size))
+
+
+def shuffled_epochs(paths: list[str], count: int, rng: random.Random) -> list[list[str]]:
+    """``count`` shuffled orders; each epoch starts with a file read early in
+    the one before, so its first open is unambiguously a new pass."""
+    epochs: list[list[str]] = []
+    for _ in range(count):
+        order = paths[:]
+        rng.shuffle(order)
+        if epochs:
+            early = epochs[-1][: len(paths) // 2]
+            first = next(i for i, path in enumerate(order) if path in early)
+            order[0], order[first] = order[first], order[0]
+        epochs.append(order)
+    return epochs
+
+
+def paths_of(predictions: list[Prediction]) -> list[str]:
+    return [prediction.path for prediction in predictions]
+
+
+# -- jobs ---------------------------------------------------------------------
+
+
+def test_recursive_scan_makes_one_job_at_the_top_listed_directory() -> None:
+    model = AccessModel()
+    model.listed("", {})
+    model.listed("data/train", {})
+    for label in ("cat", "dog"):
+        listed(model, f"data/train/{label}", dataset(f"data/train/{label}", 3))
+    assert model.jobs() == ["", "data/train"]
+    assert model.job_of("data/train/cat/img0001.jpg") == "data/train"
+    assert len(model.working_set("data/train")) == 6
+
+
+def test_without_listing_a_path_belongs_to_its_first_component() -> None:
+    model = AccessModel()
+    model.opened("a/x/1.bin", SMALL, 1.0)
+    model.opened("b/y/2.bin", SMALL, 1.0)
+    model.opened("root.bin", SMALL, 1.0)
+    assert model.job_of("a/x/1.bin") == "a"
+    assert model.job_of("b/y/2.bin") == "b"
+    assert model.job_of("root.bin") == ""
+    assert model.job_of("c/unseen.bin") is None
+
+
+def test_a_parent_listed_after_its_child_absorbs_the_child_job() -> None:
+    model = AccessModel()
+    listed(model, "ds/c1", dataset("ds/c1", 2))
+    assert model.jobs() == ["ds/c1"]
+    listed(model, "ds", [])
+    listed(model, "ds/c2", dataset("ds/c2", 2))
+    assert model.jobs() == ["ds"]
+    assert len(model.unread("ds")) == 4
+
+
+def test_a_deeper_listing_under_a_fallback_job_joins_it() -> None:
+    model = AccessModel()
+    model.opened("a/train/0.jpg", SMALL, 1.0)
+    listed(model, "a/train", dataset("a/train", 3))
+    assert model.jobs() == ["a"]
+
+
+# -- epochs -------------------------------------------------------------------
+
+
+def test_sequential_epochs_end_at_the_first_reopen() -> None:
+    model = AccessModel()
+    files = dataset("seq", 20)
+    listed(model, "seq", files)
+    trace = Trace(model)
+    trace.pass_over(files)
+    assert model.current_epoch("seq") == 0
+    assert model.unread("seq") == set()
+    trace.open(files[0])
+    assert model.current_epoch("seq") == 1
+    assert model.unread("seq") == set(files[1:])
+    trace.pass_over(files[1:])
+    trace.pass_over(files)
+    assert model.current() == 2
+    assert model.current_epoch() == 2
+
+
+def test_shuffled_epochs_are_detected() -> None:
+    model = AccessModel()
+    files = dataset("shuf", 100)
+    listed(model, "shuf", files)
+    trace = Trace(model)
+    for number, order in enumerate(shuffled_epochs(files, 4, random.Random(7))):
+        trace.open(order[0])
+        assert model.current_epoch("shuf") == number
+        trace.pass_over(order[1:])
+        assert model.unread("shuf") == set()
+
+
+def test_epoch_zero_without_listing_ends_at_any_reopen() -> None:
+    model = AccessModel()
+    trace = Trace(model)
+    files = dataset("nolist", 10)
+    trace.pass_over(files)
+    trace.open(files[3])
+    assert model.current_epoch("nolist") == 1
+
+
+def test_early_reread_does_not_end_the_epoch() -> None:
+    model = AccessModel()
+    files = dataset("d", 20)
+    listed(model, "d", files)
+    trace = Trace(model)
+    trace.pass_over(files[:5])
+    trace.open(files[0])  # 5 of 20 read: a re-read, not a new pass
+    assert model.current_epoch("d") == 0
+    assert len(model.unread("d")) == 15
+
+
+def test_reopening_a_file_just_opened_is_a_peek_not_a_boundary() -> None:
+    model = AccessModel()
+    files = dataset("d", 64)
+    listed(model, "d", files)
+    trace = Trace(model)
+    trace.pass_over(files[:40])
+    trace.open(files[39])  # opened 1 open ago: a loader peeking twice
+    assert model.current_epoch("d") == 0
+    trace.open(files[0])  # opened 40 opens ago, over half read: a new pass
+    assert model.current_epoch("d") == 1
+
+
+def test_many_reads_after_one_open_count_once() -> None:
+    model = AccessModel()
+    files = dataset("d", 4)
+    listed(model, "d", files)
+    model.opened(files[0], 4 * KIB, 1.0)
+    for offset in range(0, 4 * KIB, KIB):
+        model.read(files[0], offset, KIB, 1.0)
+    assert model.read_this_epoch("d") == {files[0]}
+    assert model.stats()["read_this_epoch_files"] == 1
+
+
+def test_distributed_share_ends_epochs_once_the_epoch_size_is_known() -> None:
+    """A node reads a different quarter of the dataset each epoch."""
+    model = AccessModel()
+    files = dataset("ddp", 400)
+    listed(model, "ddp", files)
+    trace = Trace(model)
+    rng = random.Random(3)
+    shares = [rng.sample(files, 100) for _ in range(6)]
+    for share in shares:
+        trace.pass_over(share)
+    # Epoch 0 needs half the listing before a re-open ends it; later epochs
+    # are measured against the previous one, so each share is then an epoch.
+    assert model.current_epoch("ddp") >= 3
+
+
+# -- unread and working set ----------------------------------------------------
+
+
+def test_unread_shrinks_during_an_epoch_and_resets_at_the_next() -> None:
+    model = AccessModel()
+    files = dataset("u", 10)
+    listed(model, "u", files)
+    trace = Trace(model)
+    assert model.unread("u") == set(files)
+    trace.pass_over(files[:3])
+    assert model.unread("u") == set(files[3:])
+    trace.pass_over(files[3:])
+    assert model.unread("u") == set()
+    trace.open(files[5])
+    assert model.unread("u") == set(files) - {files[5]}
+
+
+def test_a_file_opened_without_listing_joins_the_working_set() -> None:
+    model = AccessModel()
+    files = dataset("w", 3)
+    listed(model, "w", files)
+    trace = Trace(model)
+    trace.open("w/late.jpg")
+    assert "w/late.jpg" in model.working_set("w")
+    trace.pass_over(files)
+    trace.open(files[0])
+    assert "w/late.jpg" in model.unread("w")
+
+
+def test_listing_predicts_unread_files_from_the_first_open() -> None:
+    model = AccessModel()
+    model.listed("train", {})
+    cats, dogs = dataset("train/cat", 5), dataset("train/dog", 5)
+    listed(model, "train/cat", cats)
+    listed(model, "train/dog", dogs)
+    assert model.predict(10) == []  # a listing alone may be a human's `ls`
+    Trace(model).open(dogs[2])
+    predicted = model.predict(100)
+    assert paths_of(predicted) == [path for path in cats + dogs if path != dogs[2]]
+    assert all(p.offset == 0 and p.length == SMALL for p in predicted)
+    assert model.current_epoch("train") == 0
+
+
+def test_an_idle_job_predicts_nothing() -> None:
+    model = AccessModel()
+    listed(model, "old", dataset("old", 5))
+    listed(model, "new", dataset("new", 5))
+    model.opened("old/img0000.jpg", SMALL, 0.0)
+    model.opened("new/img0000.jpg", SMALL, JOB_IDLE_SECONDS + 1.0)
+    assert {model.job_of(path) for path in paths_of(model.predict(100))} == {"new"}
+
+
+# -- streams ------------------------------------------------------------------
+
+
+def stream_predictions(model: AccessModel) -> list[Prediction]:
+    return [p for p in model.predict(100) if p.offset > 0]
+
+
+def test_a_sequential_reader_gets_a_growing_window_after_its_last_read() -> None:
+    model = AccessModel()
+    shard = "shards/shard-000.tar"
+    size = 1 << 30
+    model.opened(shard, size, 0.0)
+    chunk = 256 * KIB
+    model.read(shard, 0, chunk, 0.0)
+    assert stream_predictions(model) == []  # one read may be random access
+    model.read(shard, chunk, chunk, 0.0)
+    assert stream_predictions(model) == [Prediction(shard, 2 * chunk, STREAM_INITIAL_WINDOW, 0.0)]
+    offset = 2 * chunk
+    windows = []
+    while offset < 200 * MIB:
+        model.read(shard, offset, chunk, 0.0)
+        offset += chunk
+        windows.append(stream_predictions(model)[0].length)
+    # Doubles each time a whole window has been consumed, up to the maximum.
+    # Four reads of a quarter window consume the first window: it doubles.
+    assert windows[:2] == [STREAM_INITIAL_WINDOW, 2 * STREAM_INITIAL_WINDOW]
+    assert sorted(set(windows)) == [STREAM_INITIAL_WINDOW << k for k in range(7)]
+    assert windows[-1] == STREAM_MAX_WINDOW
+    assert windows == sorted(windows)
+
+
+def test_a_seek_resets_the_stream_window() -> None:
+    model = AccessModel()
+    shard = "shards/shard-000.tar"
+    model.opened(shard, 1 << 30, 0.0)
+    for offset in range(0, 8 * MIB, MIB):
+        model.read(shard, offset, MIB, 0.0)
+    assert stream_predictions(model)[0].length > STREAM_INITIAL_WINDOW
+    model.read(shard, 500 * MIB, 256 * KIB, 0.0)
+    assert stream_predictions(model) == []
+    model.read(shard, 500 * MIB + 256 * KIB, 256 * KIB, 0.0)
+    assert stream_predictions(model) == [Prediction(shard, 500 * MIB + 512 * KIB, STREAM_INITIAL_WINDOW, 0.0)]
+
+
+def test_small_gaps_and_reordered_reads_continue_a_stream() -> None:
+    model = AccessModel()
+    shard = "s/big.bin"
+    model.opened(shard, 1 << 30, 0.0)
+    model.read(shard, 0, 128 * KIB, 0.0)
+    model.read(shard, 256 * KIB, 128 * KIB, 0.0)  # page cache served the gap
+    model.read(shard, 128 * KIB, 128 * KIB, 0.0)  # a late FUSE thread
+    assert stream_predictions(model) == [Prediction(shard, 384 * KIB, STREAM_INITIAL_WINDOW, 0.0)]
+
+
+def test_stream_window_is_clipped_to_the_file_and_stops_at_its_end() -> None:
+    model = AccessModel()
+    shard = "s/big.bin"
+    size = 10 * MIB
+    model.opened(shard, size, 0.0)
+    model.read(shard, 0, MIB, 0.0)
+    model.read(shard, MIB, size - MIB - 100, 0.0)
+    assert stream_predictions(model) == [Prediction(shard, size - 100, 100, 0.0)]
+    model.read(shard, size - 100, 100, 0.0)
+    assert stream_predictions(model) == []
+
+
+def test_small_files_and_idle_streams_are_not_streamed() -> None:
+    model = AccessModel()
+    model.opened("s/small.bin", MIB, 0.0)
+    model.read("s/small.bin", 0, 256 * KIB, 0.0)
+    model.read("s/small.bin", 256 * KIB, 256 * KIB, 0.0)
+    assert stream_predictions(model) == []
+    model.opened("s/big.bin", 1 << 30, 0.0)
+    model.read("s/big.bin", 0, MIB, 0.0)
+    model.read("s/big.bin", MIB, MIB, 0.0)
+    assert len(stream_predictions(model)) == 1
+    model.opened("s/other.bin", SMALL, STREAM_IDLE_SECONDS + 1.0)
+    assert stream_predictions(model) == []
+    assert model.stats()["active_streams"] == 0
+
+
+# -- replayed order -----------------------------------------------------------
+
+
+def test_an_unshuffled_loader_order_is_replayed_from_the_current_position() -> None:
+    model = AccessModel()
+    files = dataset("fixed", 50)
+    listed(model, "fixed", files)
+    order = files[:]
+    random.Random(1).shuffle(order)  # fixed, but not the listing order
+    trace = Trace(model)
+    trace.pass_over(order)
+    trace.pass_over(order[:10])
+    assert model.current_epoch("fixed") == 1
+    predicted = model.predict(5)
+    assert paths_of(predicted) == order[10:15]
+    assert [p.distance for p in predicted] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert model.stats()["per_job"]["fixed"]["order"] == "replay"  # type: ignore[index]
+    # The next epoch repeated the previous one: replay from its first open.
+    trace.pass_over(order[10:])
+    trace.open(order[0])
+    assert model.current_epoch("fixed") == 2
+    assert paths_of(model.predict(3)) == order[1:4]
+
+
+def test_replay_needs_some_evidence_in_the_first_repeated_epoch() -> None:
+    model = AccessModel()
+    files = dataset("fixed", 50)
+    listed(model, "fixed", files)
+    order = list(reversed(files))
+    trace = Trace(model)
+    trace.pass_over(order)
+    trace.pass_over(order[: PLAN_PROBATION_OPENS - 1])
+    # Not yet judged: unread files in listing order.
+    assert paths_of(model.predict(2)) == files[:2]
+    trace.open(order[PLAN_PROBATION_OPENS - 1])
+    assert paths_of(model.predict(2)) == order[PLAN_PROBATION_OPENS : PLAN_PROBATION_OPENS + 2]
+
+
+def test_a_shuffled_loader_is_not_replayed() -> None:
+    model = AccessModel()
+    files = dataset("shuf", 200)
+    listed(model, "shuf", files)
+    trace = Trace(model)
+    first, second = shuffled_epochs(files, 2, random.Random(11))
+    trace.pass_over(first)
+    trace.pass_over(second[:50])
+    assert model.stats()["per_job"]["shuf"]["order"] == "unknown"  # type: ignore[index]
+    assert model.next_use(second[60]) is None
+    unread_in_listing_order = [path for path in files if path not in set(second[:50])]
+    assert paths_of(model.predict(5)) == unread_in_listing_order[:5]
+
+
+# -- hints ----------------------------------------------------------------------
+
+
+def test_a_hint_is_followed_exactly_from_the_reader_position() -> None:
+    model = AccessModel()
+    files = dataset("h", 40)
+    listed(model, "h", files)
+    order = files[:]
+    random.Random(5).shuffle(order)
+    model.hint(order, 0.0)
+    assert paths_of(model.predict(3)) == order[:3]
+    trace = Trace(model)
+    trace.pass_over(order[:5])
+    predicted = model.predict(3)
+    assert paths_of(predicted) == order[5:8]
+    assert [p.distance for p in predicted] == [0.0, 1.0, 2.0]
+    # Out-of-order workers: the files read ahead of the position are skipped.
+    trace.open(order[6])
+    assert paths_of(model.predict(3)) == [order[5], order[7], order[8]]
+    stats = model.stats()
+    assert stats["hint_coverage"] == 1.0
+    assert stats["per_job"]["h"]["order"] == "hint"  # type: ignore[index]
+
+
+def test_a_new_hint_starts_a_new_epoch() -> None:
+    model = AccessModel()
+    files = dataset("h", 40)
+    listed(model, "h", files)
+    trace = Trace(model)
+    trace.pass_over(files)
+    second = list(reversed(files))
+    model.hint(second, trace.tick())
+    assert model.current_epoch("h") == 1
+    assert model.unread("h") == set(files)
+    assert paths_of(model.predict(2)) == second[:2]
+    trace.open(second[0])  # read last epoch, but this epoch began with the hint
+    assert model.current_epoch("h") == 1
+
+
+def test_a_hint_arriving_just_after_the_pass_began_joins_the_epoch() -> None:
+    model = AccessModel()
+    files = dataset("h", 64)
+    listed(model, "h", files)
+    trace = Trace(model)
+    trace.pass_over(files)
+    order = files[1:] + files[:1]
+    random.Random(4).shuffle(order)
+    order.remove(files[0])
+    order.insert(0, files[0])
+    trace.open(order[0])  # the re-open already started epoch 1
+    model.hint(order, trace.tick())
+    assert model.current_epoch("h") == 1
+    assert paths_of(model.predict(2)) == order[1:3]
+
+
+def test_a_hint_of_unknown_paths_costs_bandwidth_then_falls_back() -> None:
+    model = AccessModel()
+    files = dataset("h", 40)
+    listed(model, "h", files)
+    ghosts = [f"h/ghost{i}.jpg" for i in range(40)]
+    model.hint(ghosts, 0.0)
+    assert paths_of(model.predict(2)) == ghosts[:2]
+    assert model.predict(1)[0].length == FILE_PREDICTION_BYTES  # size unknown
+    trace = Trace(model)
+    trace.pass_over(files[:PLAN_PROBATION_OPENS])
+    assert paths_of(model.predict(2)) == files[PLAN_PROBATION_OPENS : PLAN_PROBATION_OPENS + 2]
+    assert model.next_use(files[20]) is None
+
+
+def test_a_hint_with_a_different_order_falls_back() -> None:
+    model = AccessModel()
+    files = dataset("h", 40)
+    listed(model, "h", files)
+    model.hint(list(reversed(files)), 0.0)
+    trace = Trace(model)
+    trace.pass_over(files[:20])
+    assert model.stats()["per_job"]["h"]["order"] == "unknown"  # type: ignore[index]
+    assert paths_of(model.predict(2)) == files[20:22]
+
+
+def test_hints_ignore_other_jobs_and_empty_orders() -> None:
+    model = AccessModel()
+    listed(model, "a", dataset("a", 4))
+    listed(model, "b", dataset("b", 4))
+    model.hint([], 0.0)
+    model.hint(["a/img0003.jpg", "b/img0000.jpg", "a/img0001.jpg"], 0.0)
+    assert paths_of(model.predict(2)) == ["a/img0003.jpg", "a/img0001.jpg"]
+    assert model.current_epoch("b") == 0
+
+
+# -- several jobs ----------------------------------------------------------------
+
+
+def test_interleaved_jobs_keep_separate_epochs_and_unread_sets() -> None:
+    model = AccessModel()
+    a_files, b_files = dataset("a", 10), dataset("b", 30)
+    listed(model, "a", a_files)
+    listed(model, "b", b_files)
+    trace = Trace(model)
+    a_trace = a_files * 3
+    for step in range(30):
+        trace.open(a_trace[step])
+        trace.open(b_files[step])
+        if step == 14:
+            # b has read half its files: a's re-reads must not touch b.
+            assert model.current_epoch("a") == 1
+            assert model.current_epoch("b") == 0
+            assert model.unread("b") == set(b_files[15:])
+            assert model.unread("a") == set(a_files[5:])
+    assert model.current_epoch("a") == 2
+    assert model.current_epoch("b") == 0
+    assert model.current() == 2
+    assert model.unread("a") == set()
+    assert model.unread("b") == set()
+
+
+def test_predictions_interleave_jobs_round_robin() -> None:
+    model = AccessModel()
+    a_files, b_files = dataset("a", 10), dataset("b", 10)
+    listed(model, "a", a_files)
+    listed(model, "b", b_files)
+    trace = Trace(model)
+    trace.open(a_files[0])
+    trace.open(b_files[0])
+    predicted = paths_of(model.predict(6))
+    assert predicted == [a_files[1], b_files[1], a_files[2], b_files[2], a_files[3], b_files[3]]
+    assert len(model.predict(1000)) == 18
+
+
+def test_listing_the_mount_root_does_not_merge_jobs() -> None:
+    model = AccessModel()
+    model.listed("", {"README": 10})
+    listed(model, "a", dataset("a", 2))
+    listed(model, "b", dataset("b", 2))
+    assert model.jobs() == ["", "a", "b"]
+
+
+# -- next use and the epoch clock -------------------------------------------------
+
+
+def test_next_use_orders_files_by_the_plan_and_is_none_once_read() -> None:
+    model = AccessModel()
+    files = dataset("n", 30)
+    listed(model, "n", files)
+    order = files[:]
+    random.Random(2).shuffle(order)
+    assert model.next_use(order[0]) is None  # nothing known yet
+    model.hint(order, 0.0)
+    uses = [model.next_use(path) for path in order]
+    assert all(use is not None for use in uses)
+    assert uses == sorted(uses)  # type: ignore[type-var]
+    trace = Trace(model)
+    trace.pass_over(order[:5])
+    assert model.next_use(order[2]) is None
+    # Positions stay put as the reader advances (NextUse values must be stable).
+    assert model.next_use(order[20]) == uses[20]
+    assert model.next_use("n/unknown.jpg") is None
+    assert model.next_use("elsewhere/x.jpg") is None
+
+
+def test_the_model_is_an_epoch_clock_for_the_eviction_policy() -> None:
+    model = AccessModel()
+    policy = EpochAwarePolicy(model, model)
+    files = dataset("c", 4)
+    trace = Trace(model)
+    trace.pass_over(files)
+    policy.admitted("block-a")
+    trace.open(files[0])
+    assert model.current() == 1
+    assert policy.victim() is None  # block-a was read in epoch 0: still to come
+
+
+def test_stats_report_epochs_sizes_streams_and_hints() -> None:
+    model = AccessModel()
+    files = dataset("s", 10)
+    listed(model, "s", files)
+    trace = Trace(model)
+    trace.pass_over(files[:4])
+    stats = model.stats()
+    assert stats["epoch"] == 0
+    assert stats["jobs"] == 1
+    assert stats["working_set_files"] == 10
+    assert stats["unread_files"] == 6
+    assert stats["read_this_epoch_files"] == 4
+    assert stats["active_streams"] == 0
+    assert stats["hint_coverage"] == 0.0
+    assert model.predict(0) == []
+
+
+def test_concurrent_events_from_many_threads_keep_the_model_consistent() -> None:
+    model = AccessModel()
+    files = dataset("t", 200)
+    listed(model, "t", files)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for step in range(2000):
+                path = rng.choice(files)
+                model.opened(path, 8 * MIB, float(step))
+                model.read(path, rng.randrange(0, 8 * MIB, MIB), MIB, float(step))
+                if step % 50 == 0:
+                    model.predict(64)
+                    model.stats()
+                    model.next_use(path)
+        except BaseException as exc:  # surfaced below, in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert not model.unread("t") & model.read_this_epoch("t")
+    assert model.unread("t") | model.read_this_epoch("t") == set(files)
+
+
+# -- invariants under random events -------------------------------------------------
+
+PATHS = [f"{root}/{sub}/f{i}" for root in ("a", "b") for sub in ("x", "y") for i in range(4)]
+EVENTS = st.one_of(
+    st.tuples(st.just("open"), st.sampled_from(PATHS)),
+    st.tuples(st.just("read"), st.sampled_from(PATHS), st.integers(0, 16 * MIB), st.integers(1, 2 * MIB)),
+    st.tuples(st.just("list"), st.sampled_from(["a", "b", "a/x", "a/y", "b/x", "b/y", ""])),
+    st.tuples(st.just("hint"), st.lists(st.sampled_from([*PATHS, "a/ghost"]), max_size=12)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(EVENTS, max_size=80))
+def test_unread_and_read_this_epoch_stay_disjoint_parts_of_the_working_set(
+    events: list[tuple[object, ...]],
+) -> None:
+    model = AccessModel()
+    now = 0.0
+    epoch = 0
+    for event in events:
+        now += 1.0
+        kind = event[0]
+        if kind == "open":
+            model.opened(str(event[1]), 64 * MIB, now)
+        elif kind == "read":
+            model.read(str(event[1]), int(event[2]), int(event[3]), now)  # type: ignore[call-overload]
+        elif kind == "list":
+            directory = str(event[1])
+            prefix = directory + "/" if directory else ""
+            model.listed(directory, {p: 64 * MIB for p in PATHS if p.rsplit("/", 1)[0] + "/" == prefix})
+        else:
+            model.hint([str(path) for path in event[1]], now)  # type: ignore[union-attr]
+        for root in model.jobs():
+            unread = model.unread(root)
+            seen = model.read_this_epoch(root)
+            working = model.working_set(root)
+            assert not unread & seen
+            assert unread <= working
+            assert seen <= working
+            assert all(model.next_use(path) is None for path in seen)
+        assert model.current() >= epoch
+        epoch = model.current()
+        predicted = model.predict(5)
+        assert len(predicted) <= 5
+        assert all(p.length > 0 and p.offset >= 0 and p.distance >= 0 for p in predicted)
+    assert len(set(model.jobs())) == len(model.jobs())

@@ -1,0 +1,89 @@
+"""The prefetcher over an in-memory bucket: it fetches what the access model
+predicts, within its budget, and counts what was used."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from cachefsd.config import PrefetchSettings
+from cachefsd.prefetch.access import AccessModel
+from cachefsd.prefetch.engine import PlannedUse, Prefetcher
+from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory, joined
+
+POLL_SECONDS = 10.0
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + POLL_SECONDS
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture(name="dataset")
+def fixture_dataset() -> dict[str, bytes]:
+    return {f"train/c{i % 2}/s{i:02d}": os.urandom(BLOCK_SIZE // 2) for i in range(20)}
+
+
+@contextmanager
+def start(engine: Engine, settings: PrefetchSettings) -> Iterator[Prefetcher]:
+    prefetcher = Prefetcher(
+        AccessModel(), engine.namespace, engine.reader, settings, PlannedUse(), engine.metrics
+    )
+    prefetcher.start()
+    try:
+        yield prefetcher
+    finally:
+        prefetcher.stop()
+
+
+def walk_and_open(engine: Engine, prefetcher: Prefetcher, path: str) -> None:
+    for directory in ("train", "train/c0", "train/c1"):
+        prefetcher.listed(engine.namespace.listdir("/" + directory), directory)
+    info = engine.namespace.lookup("/" + path).info
+    assert info is not None
+    prefetcher.opened(info)
+    prefetcher.read(info, 0, info.size)
+
+
+def test_unread_files_of_a_listed_dataset_are_fetched_ahead(
+    make_engine: EngineFactory, dataset: dict[str, bytes]
+) -> None:
+    engine = make_engine(dataset)
+    with start(engine, PrefetchSettings()) as prefetcher:
+        walk_and_open(engine, prefetcher, "train/c0/s00")
+        # Every file but the one being read (its read is the events' fiction here).
+        wait_for(lambda: engine.store.get_count >= len(dataset) - 1, "every unread file to be fetched ahead")
+    gets = engine.store.get_count
+    for key, data in dataset.items():
+        handle = engine.fs.open("/" + key, os.O_RDONLY).handle
+        assert joined(engine.fs.read(handle, len(data), 0)) == data
+        engine.fs.release(handle)
+    assert engine.store.get_count == gets + 1  # every read was a hit but that of s00
+    assert engine.metrics.prefetch_issued_bytes._value.get() > 0
+
+
+def test_a_hint_is_followed_in_order_within_the_lookahead(
+    make_engine: EngineFactory, dataset: dict[str, bytes]
+) -> None:
+    engine = make_engine(dataset)
+    order = sorted(dataset, reverse=True)
+    budget = 3 * (BLOCK_SIZE // 2)
+    with start(engine, PrefetchSettings(lookahead=budget, concurrency=1)) as prefetcher:
+        accepted, unknown = prefetcher.hint([*order, "train/no-such-file"])
+        assert (accepted, unknown) == (len(order), 1)
+        wait_for(lambda: engine.store.get_count >= 3, "the first hinted files")
+        # The lookahead holds three files: nothing more is fetched until one is read.
+        assert engine.store.get_count == 3
+        assert all(engine.reader.residency(engine.namespace.lookup("/" + key).info, 0) for key in order[:3])
+        info = engine.namespace.lookup("/" + order[0]).info
+        assert info is not None
+        prefetcher.opened(info)
+        prefetcher.read(info, 0, info.size)
+        wait_for(lambda: engine.store.get_count >= 4, "the next hinted file")
+        assert engine.metrics.prefetch_used_bytes._value.get() == BLOCK_SIZE // 2
