@@ -23,7 +23,6 @@ from cachefsd.aio import LoopThread
 from cachefsd.blocks import BlockReader
 from cachefsd.cachedir import open_cache, tier_specs
 from cachefsd.chunks.cache import TieredCache
-from cachefsd.chunks.policy import ObservedEpochs
 from cachefsd.config import Settings
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.fetch import Fetcher
@@ -32,6 +31,8 @@ from cachefsd.fuse_ops import FuseOperations, serve
 from cachefsd.index import Index
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
+from cachefsd.prefetch.access import AccessModel
+from cachefsd.prefetch.engine import PlannedUse, Prefetcher
 from cachefsd.runtime import MountState, write_state
 from cachefsd.store import open_store
 from cachefsd.store.base import ObjectStore
@@ -86,7 +87,7 @@ class Engine:
     reader: BlockReader
     namespace: Namespace
     metrics: Metrics
-    epochs: ObservedEpochs
+    prefetcher: Prefetcher
 
 
 @contextmanager
@@ -94,12 +95,13 @@ def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engin
     """Open the cache (locks, reconcile), prove the source reachable, and
     build the data path; close it all on exit."""
     metrics = Metrics(CollectorRegistry())
-    epochs = ObservedEpochs()
+    model = AccessModel()
+    planned = PlannedUse()
     specs = tier_specs(settings.cache)
     io = LoopThread()
     try:
         with open_cache(
-            settings.cache.dir, specs, settings.cache.policy, epochs, metrics, lock_wait
+            settings.cache.dir, specs, settings.cache.policy, model, metrics, lock_wait, next_use=planned
         ) as opened:
             store = open_store(settings.source, settings.store, settings.fetch.attempt_timeout)
             try:
@@ -117,7 +119,8 @@ def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engin
                     settings.namespace.metadata_ttl,
                     on_version_gone=reader.release_version,
                 )
-                yield Engine(store, opened.cache, opened.index, reader, namespace, metrics, epochs)
+                prefetcher = Prefetcher(model, namespace, reader, settings.prefetch, planned, metrics)
+                yield Engine(store, opened.cache, opened.index, reader, namespace, metrics, prefetcher)
             finally:
                 with contextlib.suppress(CachefsdError):
                     io.run(store.close(), MOUNT_CHECK_SECONDS)
@@ -132,9 +135,9 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
     _check_mountpoint(mountpoint)
     with engine(settings) as parts:
         metrics_addr = _start_metrics(settings, parts.metrics.registry)
-        fs = FileSystem(
-            parts.namespace, parts.reader, os.getuid(), os.getgid(), on_open=parts.epochs.file_read
-        )
+        fs = FileSystem(parts.namespace, parts.reader, os.getuid(), os.getgid(), access=parts.prefetcher)
+        if settings.prefetch.enabled:
+            parts.prefetcher.start()
         state = write_state(
             MountState(os.getpid(), str(mountpoint), parts.store.uri, str(settings.cache.dir), metrics_addr)
         )
@@ -152,4 +155,5 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
             serve(operations, str(mountpoint), f"cachefsd:{parts.store.uri}", settings.fuse.allow_other)
             log.info("unmounted %s", mountpoint)
         finally:
+            parts.prefetcher.stop()
             state.unlink(missing_ok=True)
