@@ -26,34 +26,60 @@ log = logging.getLogger("cachefsd")
 MOUNT_READY_SECONDS = 60.0
 UNMOUNT_SECONDS = 30.0
 _POLL_SECONDS = 0.05
+# Offline-stage flags that a stage through a daemon cannot honour.
+_STAGE_CACHE_FLAGS = (
+    "config",
+    "cache_dir",
+    "cache_size",
+    "block_size",
+    "hot",
+    "hot_size",
+    "warm",
+    "warm_size",
+    "endpoint_url",
+    "region",
+    "fetch_deadline",
+)
 # Libraries that log request details at debug level; keep them quiet so no
 # header or URL can reach the log.
 _QUIET_LOGGERS = ("botocore", "aiobotocore", "boto3", "urllib3", "google", "aiohttp", "mfusepy")
 
 
-def _mount_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings tree given on the command line (flags left out are absent)."""
-    flags: dict[str, Any] = {"source": args.source, "mountpoint": args.mountpoint}
+def _put(flags: dict[str, Any], section: str, key: str, value: Any) -> None:
+    if value is not None:
+        flags.setdefault(section, {})[key] = value
 
-    def put(section: str, key: str, value: Any) -> None:
-        if value is not None:
-            flags.setdefault(section, {})[key] = value
 
-    put("cache", "dir", args.cache_dir)
-    put("cache", "size", args.cache_size)
-    put("cache", "block_size", args.block_size)
+def _data_path_flags(args: argparse.Namespace, source: str, mountpoint: Any) -> dict[str, Any]:
+    """The cache and store flags shared by ``mount`` and an offline ``stage``."""
+    flags: dict[str, Any] = {"source": source, "mountpoint": mountpoint}
+    _put(flags, "cache", "dir", args.cache_dir)
+    _put(flags, "cache", "size", args.cache_size)
+    _put(flags, "cache", "block_size", args.block_size)
     for tier in ("hot", "warm"):
         tier_dir, tier_size = getattr(args, tier), getattr(args, f"{tier}_size")
         if tier_dir is not None or tier_size is not None:
             tier_flags = {"dir": tier_dir, "size": tier_size}
             flags.setdefault("cache", {})[tier] = {k: v for k, v in tier_flags.items() if v is not None}
-    put("store", "endpoint_url", args.endpoint_url)
-    put("store", "region", args.region)
+    _put(flags, "store", "endpoint_url", args.endpoint_url)
+    _put(flags, "store", "region", args.region)
+    _put(flags, "fetch", "deadline", args.fetch_deadline)
+    return flags
+
+
+def _mount_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings tree given on the command line (flags left out are absent)."""
+    flags = _data_path_flags(args, args.source, args.mountpoint)
+
+    def put(section: str, key: str, value: Any) -> None:
+        _put(flags, section, key, value)
+
     put("namespace", "metadata_ttl", args.metadata_ttl)
-    put("fetch", "deadline", args.fetch_deadline)
     put("metrics", "addr", args.metrics_addr)
     if args.no_metrics:
         put("metrics", "enabled", False)
+    if args.no_prefetch:
+        put("prefetch", "enabled", False)
     for option in args.options:
         for name in option.split(","):
             if name == "allow_other":
@@ -213,10 +239,115 @@ def _cache_dir(args: argparse.Namespace) -> Path:
     return load_settings(args.config, {"source": ".", "mountpoint": "."}).cache.dir
 
 
+def _stage_flags(args: argparse.Namespace, source: str) -> dict[str, Any]:
+    """The settings of an offline stage: the mount's cache and store flags
+    (a mountpoint is required by the settings tree but unused here)."""
+    return _data_path_flags(args, source, ".")
+
+
+def _cmd_stage(args: argparse.Namespace, argv: list[str]) -> int:
+    from cachefsd import stage  # noqa: PLC0415 - keep `cachefsd --help` light
+    from cachefsd.control import StageRequest  # noqa: PLC0415
+
+    # Progress is drawn on stderr; library chatter (cache reconcile at info)
+    # would break the bar, so only warnings show unless asked for.
+    _configure_logging(args.log_level or "warning")
+    target = stage.resolve_target(args.target)
+    if target.mount is not None:
+        ignored = [name for name in _STAGE_CACHE_FLAGS if getattr(args, name) is not None]
+        if ignored:
+            print(
+                f"cachefsd: note: staging through the daemon of {target.mount.mountpoint}; "
+                f"its own settings apply (ignored: {', '.join('--' + n.replace('_', '-') for n in ignored)})",
+                file=sys.stderr,
+            )
+    request = StageRequest(
+        path="/" if target.mount is None else target.mount.relative,
+        include=args.include,
+        tier=args.tier,
+        check=args.check,
+    )
+    return stage.run_command(
+        target, request, lambda source: load_settings(args.config, _stage_flags(args, source)), args.json
+    )
+
+
+def _cmd_hint(args: argparse.Namespace, argv: list[str]) -> int:
+    from cachefsd import control  # noqa: PLC0415 - keep `cachefsd --help` light
+
+    mount = control.find_mount(args.mountpoint)
+    if mount is None:
+        raise CachefsdError(f"{args.mountpoint} is not a cachefsd mount")
+    try:
+        lines = args.order.read_text().splitlines()
+    except OSError as exc:
+        raise CachefsdError(f"cannot read {args.order}: {exc.strerror}") from exc
+    prefix = str(mount.mountpoint).rstrip("/") + "/"
+    order = []
+    for line in lines:
+        path = line.strip()
+        if not path:
+            continue
+        if path.startswith("/"):
+            if not path.startswith(prefix):
+                raise CachefsdError(f"{args.order}: {path} is not under {mount.mountpoint}")
+            order.append("/" + path[len(prefix) :])
+        else:
+            order.append(mount.relative.rstrip("/") + "/" + path)
+    accepted, unknown = control.client_for(mount).hint(order)
+    print(f"hinted {len(order)} paths to {mount.mountpoint}: {accepted} accepted, {unknown} unknown")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace, argv: list[str]) -> int:
     from cachefsd import demo  # noqa: PLC0415 - the demo pulls in multiprocessing and rich
 
     return demo.run(workers=args.workers, keep=args.keep)
+
+
+def _add_stage_parser(commands: Any) -> None:
+    stage_cmd = commands.add_parser(
+        "stage",
+        help="load a dataset (or part of it) into the cache before a job",
+        description=(
+            "Stage TARGET into the cache. TARGET is a path in a cachefsd mount (staged by its "
+            "daemon) or a SOURCE (s3://bucket[/prefix], gs://..., a local directory) staged into "
+            "--cache-dir in this process when no daemon uses that cache; give it the same cache "
+            "settings (--block-size, tiers) as the mount that will use it. Rerunning skips what is "
+            "cached."
+        ),
+    )
+    stage_cmd.add_argument("target", help="a path in a mount, or a SOURCE to stage offline")
+    stage_cmd.add_argument(
+        "--include",
+        help="glob on mount-relative paths: * and ? stay within a directory, ** spans directories, "
+        "a pattern without / matches file names at any depth (e.g. '*.tar', 'train/**')",
+    )
+    stage_cmd.add_argument("--tier", choices=["hot", "warm"], help="the tier to place blocks in")
+    stage_cmd.add_argument("--check", action="store_true", help="only report how much is cached, by tier")
+    stage_cmd.add_argument("--json", action="store_true", help="print the summary as JSON, no progress")
+    stage_cmd.add_argument("--config", type=Path, help="TOML settings file (offline stage)")
+    stage_cmd.add_argument("--cache-dir", help="where cached blocks and the index live (offline stage)")
+    stage_cmd.add_argument("--cache-size", help="byte capacity of the cache, e.g. 20G")
+    stage_cmd.add_argument("--block-size", help="block size: must match the mount's")
+    stage_cmd.add_argument("--hot", help="directory of the hot tier")
+    stage_cmd.add_argument("--hot-size", help="capacity of the hot tier")
+    stage_cmd.add_argument("--warm", help="directory of the warm tier")
+    stage_cmd.add_argument("--warm-size", help="capacity of the warm tier")
+    stage_cmd.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
+    stage_cmd.add_argument("--region", help="S3 region")
+    stage_cmd.add_argument("--fetch-deadline", help="how long one block may take, e.g. 30s")
+    stage_cmd.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    stage_cmd.set_defaults(handler=_cmd_stage)
+
+
+def _add_hint_parser(commands: Any) -> None:
+    hint = commands.add_parser("hint", help="tell the daemon of MOUNTPOINT the order files will be read in")
+    hint.add_argument("mountpoint", type=Path)
+    hint.add_argument(
+        "--order", type=Path, required=True, help="file with one path a line (absolute or mount-relative)"
+    )
+    hint.set_defaults(handler=_cmd_hint)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -243,6 +374,7 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--fetch-deadline", help="how long a read may wait on the store before EIO, e.g. 30s")
     mount.add_argument("--metrics-addr", help="HOST:PORT of the Prometheus endpoint (default 127.0.0.1:9468)")
     mount.add_argument("--no-metrics", action="store_true", help="serve no metrics endpoint")
+    mount.add_argument("--no-prefetch", action="store_true", help="fetch only what readers ask for")
     mount.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     mount.add_argument("--foreground", action="store_true", help="stay in the foreground (systemd)")
     mount.add_argument("-o", dest="options", action="append", default=[], help="mount options: allow_other")
@@ -263,6 +395,9 @@ def _parser() -> argparse.ArgumentParser:
         if name == "verify":
             maintenance.add_argument("--repair", action="store_true", help="drop corrupt or missing blocks")
         maintenance.set_defaults(handler=handler)
+
+    _add_stage_parser(commands)
+    _add_hint_parser(commands)
 
     demo = commands.add_parser("demo", help="mount a generated local dataset and read two shuffled epochs")
     demo.add_argument("--workers", type=int, default=4, help="reader processes")

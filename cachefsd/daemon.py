@@ -24,6 +24,7 @@ from cachefsd.blocks import BlockReader
 from cachefsd.cachedir import open_cache, tier_specs
 from cachefsd.chunks.cache import TieredCache
 from cachefsd.config import Settings
+from cachefsd.control import ControlServer, control_path
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.fetch import Fetcher
 from cachefsd.fs import FileSystem
@@ -34,6 +35,7 @@ from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import PlannedUse, Prefetcher
 from cachefsd.runtime import MountState, write_state
+from cachefsd.stage import MountHandlers
 from cachefsd.store import open_store
 from cachefsd.store.base import ObjectStore
 
@@ -138,8 +140,22 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
         fs = FileSystem(parts.namespace, parts.reader, os.getuid(), os.getgid(), access=parts.prefetcher)
         if settings.prefetch.enabled:
             parts.prefetcher.start()
+        # The control API starts before the state file names its socket, and
+        # stops before the engine closes.
+        identity = {"pid": os.getpid(), "mountpoint": str(mountpoint), "source": parts.store.uri}
+        hint = parts.prefetcher.hint if settings.prefetch.enabled else None
+        handlers = MountHandlers(parts.namespace, parts.reader, parts.cache, identity, hint)
+        control = ControlServer(control_path(mountpoint), handlers)
+        control.start()
         state = write_state(
-            MountState(os.getpid(), str(mountpoint), parts.store.uri, str(settings.cache.dir), metrics_addr)
+            MountState(
+                os.getpid(),
+                str(mountpoint),
+                parts.store.uri,
+                str(settings.cache.dir),
+                metrics_addr,
+                str(control.path),
+            )
         )
         try:
             log.info(
@@ -157,3 +173,4 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
         finally:
             parts.prefetcher.stop()
             state.unlink(missing_ok=True)
+            control.stop()

@@ -2,7 +2,7 @@
 kept off one cache directory.
 
 Each running daemon writes ``<runtime dir>/<id>.json`` (pid, mountpoint,
-source, cache dir, metrics address), where the id is derived from the
+source, cache dir, metrics address, control socket), where the id is derived from the
 mountpoint. The runtime dir is owner-only. A cache directory is held with an
 exclusive ``flock`` for the daemon's lifetime: two daemons sharing one would
 each evict the other's blocks and break the capacity bound.
@@ -44,6 +44,9 @@ class MountState:
     source: str
     cache_dir: str
     metrics_addr: str | None
+    # The Unix socket of the control API (``cachefsd.control``); None in
+    # state files written before it existed, or when it is not served.
+    control_socket: str | None = None
 
 
 def state_path(mountpoint: Path) -> Path:

@@ -50,6 +50,10 @@ PREDICTIONS_PER_ROUND = 4096
 # The thread also wakes this often without events, to retire waste and to
 # spend bandwidth tokens that have accumulated.
 IDLE_WAKE_SECONDS = 0.5
+# A block whose prefetch failed is not tried again for this long: a deleted
+# object or a failing bucket must not turn the prefetcher into a busy loop.
+# A demand read of the block is not affected.
+FAILED_RETRY_SECONDS = 30.0
 
 
 class PrefetchEvents(Protocol):
@@ -111,6 +115,7 @@ class Prefetcher:
         self._lock = threading.Lock()
         self._ahead: dict[BlockRef, _Ahead] = {}
         self._in_flight: set[BlockRef] = set()
+        self._failed: dict[BlockRef, float] = {}  # block -> when it may be tried again
         self._ahead_bytes = 0
         self._tokens = float(settings.bandwidth)
         self._tokens_at = time.monotonic()
@@ -227,6 +232,11 @@ class Prefetcher:
         with self._lock:
             if ref in self._ahead or ref in self._in_flight:
                 return True
+            retry_at = self._failed.get(ref)
+            if retry_at is not None:
+                if time.monotonic() < retry_at:
+                    return True
+                del self._failed[ref]
             if len(self._in_flight) >= self._settings.concurrency:
                 return False
             if self._ahead_bytes + nbytes > self._settings.lookahead or not self._spend_locked(nbytes):
@@ -244,6 +254,8 @@ class Prefetcher:
             fetched = self._reader.fetch_ahead(info, index)
         except CachefsdError as exc:
             log.info("prefetch of %s block %d failed: %s", info.key, index, exc)
+            with self._lock:
+                self._failed[ref] = time.monotonic() + FAILED_RETRY_SECONDS
             fetched = False
         digest = self._reader.digest(info, index) if fetched else None
         with self._lock:

@@ -214,7 +214,10 @@ def test_credentials_never_reach_logs_or_errors(
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
 
-    mount = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, "--log-level", "debug")
+    # No prefetch: gone.txt must still be uncached when it is deleted.
+    mount = mounter(
+        f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, "--log-level", "debug", "--no-prefetch"
+    )
     assert sorted(os.listdir(mount.mountpoint)) == ["a.txt", "gone.txt"]
     assert mount.path("a.txt").read_bytes() == b"a"
     s3_client.delete_object(Bucket=bucket, Key="gone.txt")

@@ -128,6 +128,7 @@ def test_stopped_server_serves_cached_files_fails_others_with_eio_then_recovers(
         outage_server.endpoint_url,
         "--fetch-deadline",
         f"{FETCH_DEADLINE_SECONDS:g}s",
+        "--no-prefetch",  # the uncached file must stay uncached
     )
     assert sorted(p.name for p in mount.path("data").iterdir()) == ["a.bin", "b.bin", "c.bin"]
     for key in ("data/a.bin", "data/b.bin"):
@@ -163,6 +164,7 @@ def test_hanging_server_fails_uncached_reads_within_deadline_and_serves_cached(
         outage_server.endpoint_url,
         "--fetch-deadline",
         f"{FETCH_DEADLINE_SECONDS:g}s",
+        "--no-prefetch",  # the uncached file must stay uncached
     )
     assert sorted(p.name for p in mount.mountpoint.iterdir()) == ["cached.bin", "uncached.bin"]
     assert mount.path("cached.bin").read_bytes() == objects["cached.bin"]

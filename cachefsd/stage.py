@@ -1,0 +1,775 @@
+"""Staging: load a dataset, or part of it, into the cache before a job.
+
+``cachefsd stage TARGET`` selects files by walking the namespace from a
+path (listing directories in parallel), keeps those whose mount-relative
+path matches ``--include``, and brings every block of them into the cache
+with a pool of workers calling ``BlockReader.fetch_ahead`` (kind
+"prefetch": demand reads of a training job running meanwhile still go
+first). A block already cached is counted and skipped before it reaches a
+worker, so a rerun after an interruption only fetches what is missing.
+``--check`` fetches nothing and reports how much of the selection is
+resident, by tier.
+
+Where it runs: through the daemon of a mount (``POST /stage`` on its
+control socket, progress streamed back) when TARGET is a path under a live
+mount, since the daemon holds the cache directory's lock; in this process
+over ``daemon.engine`` when TARGET is a source (``s3://...``, ``gs://...``,
+a local directory) and no daemon uses the cache directory.
+
+The same code stages in both places (``stage_files``) and speaks in the
+same events (dicts, sent as JSON lines by the daemon):
+
+- ``{"event": "progress", "phase": "select"|"fetch"|"check", ...counters}``
+  at least every ``PROGRESS_INTERVAL_SECONDS`` (the client's liveness signal),
+- ``{"event": "failure", "path": ..., "error": ...}`` once per failed file
+  (or directory that could not be listed),
+- and the summary the caller returns.
+
+Include patterns are matched against the mount-relative path without its
+leading slash (``train/shard-0001.tar``), with path-aware glob rules: ``*``
+and ``?`` never cross a ``/``, ``**`` matches any number of directories
+(``train/**/*.jpg``), ``[...]`` is a character class. A pattern without a
+``/`` is matched against the file name alone, at any depth, as in
+``.gitignore`` (``*.tar`` selects every tar file).
+
+Concurrency: ``stage_files`` runs on the calling thread, which alone owns
+the counters; workers only call ``fetch_ahead`` and return its result.
+``MountHandlers`` keeps its hint counters under ``_lock``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Protocol
+
+from cachefsd.control import (
+    BadRequest,
+    ControlClient,
+    MountOf,
+    Report,
+    StageRequest,
+    client_for,
+    find_mount,
+)
+from cachefsd.errors import CachefsdError, NotADirectory, ObjectNotFound
+from cachefsd.runtime import MountState, pid_alive, runtime_dir
+from cachefsd.store.base import ObjectInfo
+
+if TYPE_CHECKING:
+    from cachefsd.chunks.cache import TieredCache
+    from cachefsd.config import Settings
+    from cachefsd.namespace.tree import Namespace, Node
+
+# Parallel block fetches of one stage. Stage runs before a job, when the
+# node's link is otherwise idle: 16 GETs of 4 MiB keep a 10 Gb/s link busy
+# at S3's ~50 ms per request, and stay under the fetcher's own concurrency
+# cap (32 by default), so demand reads of a running job keep their share.
+STAGE_WORKERS = 16
+# Blocks handed to the pool at once: enough queued that no worker waits for
+# the coordinator, few enough that a million-block stage holds a bounded
+# number of futures.
+WINDOW_PER_WORKER = 4
+# Directories listed at once while selecting (an ImageNet-style tree has
+# 1000 directories; one at a time that is 1000 round trips in a row).
+LIST_WORKERS = 8
+# A progress event at least this often: the client's proof that the stage
+# is alive (control.STREAM_IDLE_SECONDS is far above it).
+PROGRESS_INTERVAL_SECONDS = 1.0
+# Without a terminal: one line this often, or whenever another
+# PLAIN_STEP_PERCENT of the bytes is done, whichever comes first.
+PLAIN_INTERVAL_SECONDS = 5.0
+PLAIN_STEP_PERCENT = 10
+# Failures kept for the final listing; a bucket gone entirely would
+# otherwise print (and hold) a line per file. The count is always exact.
+MAX_LISTED_FAILURES = 1000
+
+
+class Tree(Protocol):
+    """The namespace as staging sees it (``namespace.tree.Namespace``)."""
+
+    def lookup(self, path: str) -> Node:
+        """The node at ``path``; ``ObjectNotFound`` / ``NotADirectory`` otherwise."""
+        ...
+
+    def listdir(self, path: str) -> dict[str, ObjectInfo | None]:
+        """Name -> object, or None for a subdirectory."""
+        ...
+
+
+class Blocks(Protocol):
+    """The block cache as staging sees it (``blocks.BlockReader``)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    def residency(self, info: ObjectInfo, index: int) -> str | None:
+        """The tier holding block ``index`` of ``info``, or None."""
+        ...
+
+    def fetch_ahead(self, info: ObjectInfo, index: int, tier: str | None = None) -> bool:
+        """Cache block ``index``; True if it had to be fetched. Raises on failure."""
+        ...
+
+
+class StageCancelled(CachefsdError):
+    """The daemon is stopping; the stage was abandoned part way."""
+
+
+# -- selection ----------------------------------------------------------------
+
+
+def compile_include(pattern: str | None) -> Callable[[str], bool]:
+    """A predicate on mount-relative paths (``a/b.txt``) for ``--include``
+    (rules in the module docstring)."""
+    if pattern is None:
+        return lambda _path: True
+    pattern = pattern.lstrip("/")
+    on_name = "/" not in pattern
+    regex = re.compile(_glob_regex(pattern))
+    if on_name:
+        return lambda path: regex.fullmatch(path.rpartition("/")[2]) is not None
+    return lambda path: regex.fullmatch(path) is not None
+
+
+def _glob_regex(pattern: str) -> str:
+    out: list[str] = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and (close := pattern.find("]", i + 2)) != -1:
+            body = pattern[i + 1 : close]
+            if body.startswith("!"):
+                body = "^" + body[1:]
+            out.append("[" + body.replace("\\", "\\\\") + "]")
+            i = close + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return "".join(out)
+
+
+def normalise(path: str) -> str:
+    """``a//b/`` -> ``/a/b``; ``..`` cannot climb above the mount root."""
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if parts:
+                parts.pop()
+            continue
+        parts.append(part)
+    return "/" + "/".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Selected:
+    path: str  # mount-relative, with a leading slash
+    info: ObjectInfo
+
+
+@dataclass
+class _Counters:
+    """Everything a progress event and the summary say; the coordinating
+    thread is the only writer."""
+
+    started: float = field(default_factory=time.monotonic)
+    files_total: int = 0
+    files_done: int = 0
+    bytes_total: int = 0
+    bytes_fetched: int = 0
+    bytes_cached: int = 0
+    bytes_failed: int = 0
+    bytes_missing: int = 0  # check: not resident
+    failed: int = 0  # files and directories
+    files_failed: int = 0
+    resident: dict[str, int] = field(default_factory=dict)
+    last_report: float = field(default_factory=time.monotonic)  # a quick stage reports no "select"
+
+    @property
+    def bytes_done(self) -> int:
+        return self.bytes_fetched + self.bytes_cached + self.bytes_failed + self.bytes_missing
+
+    def event(self, phase: str) -> dict[str, Any]:
+        return {
+            "event": "progress",
+            "phase": phase,
+            "files_total": self.files_total,
+            "files_done": self.files_done,
+            "bytes_total": self.bytes_total,
+            "bytes_done": self.bytes_done,
+            "bytes_fetched": self.bytes_fetched,
+            "bytes_cached": self.bytes_cached,
+            "failed": self.failed,
+            "seconds": round(time.monotonic() - self.started, 3),
+        }
+
+
+class _Run:
+    """One stage: the counters and the reporting rhythm."""
+
+    def __init__(self, report: Report, cancelled: threading.Event | None) -> None:
+        self.report = report
+        self.cancelled = cancelled
+        self.counters = _Counters()
+
+    def fail(self, path: str, error: BaseException | str) -> None:
+        self.counters.failed += 1
+        message = error if isinstance(error, str) else _describe(error)
+        self.report({"event": "failure", "path": path, "error": message})
+
+    def tick(self, phase: str, force: bool = False) -> None:
+        """Report progress if it is time; stop if the daemon is stopping."""
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise StageCancelled("the daemon is stopping")
+        now = time.monotonic()
+        if force or now - self.counters.last_report >= PROGRESS_INTERVAL_SECONDS:
+            self.counters.last_report = now
+            self.report(self.counters.event(phase))
+
+    def until_next_tick(self) -> float:
+        elapsed = time.monotonic() - self.counters.last_report
+        return max(0.0, PROGRESS_INTERVAL_SECONDS - elapsed)
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _select(tree: Tree, request: StageRequest, run: _Run) -> list[Selected]:
+    """The files to stage, sorted by path; directories that cannot be listed
+    are reported as failures and skipped."""
+    root = normalise(request.path)
+    match = compile_include(request.include)
+    try:
+        node = tree.lookup(root)
+    except (ObjectNotFound, NotADirectory) as exc:
+        raise BadRequest(f"{root}: no such file or directory") from exc
+    selected: list[Selected] = []
+
+    def take(path: str, info: ObjectInfo) -> None:
+        if match(path[1:]):
+            selected.append(Selected(path, info))
+            run.counters.files_total += 1
+            run.counters.bytes_total += info.size
+
+    if node.info is not None:
+        take(root, node.info)
+        return selected
+    with ThreadPoolExecutor(LIST_WORKERS, thread_name_prefix="cachefsd-stage-list") as pool:
+        listing: dict[Future[dict[str, ObjectInfo | None]], str] = {pool.submit(tree.listdir, root): root}
+        try:
+            while listing:
+                done, _ = wait(listing, timeout=run.until_next_tick(), return_when=FIRST_COMPLETED)
+                for future in done:
+                    directory = listing.pop(future)
+                    try:
+                        entries = future.result()
+                    except CachefsdError as exc:
+                        run.fail(directory, exc)
+                        continue
+                    base = directory.rstrip("/")
+                    for name, info in entries.items():
+                        path = f"{base}/{name}"
+                        if info is None:
+                            listing[pool.submit(tree.listdir, path)] = path
+                        else:
+                            take(path, info)
+                run.tick("select")
+        finally:
+            for future in listing:
+                future.cancel()
+    selected.sort(key=lambda item: item.path)
+    return selected
+
+
+# -- staging --------------------------------------------------------------------
+
+
+def stage_files(
+    tree: Tree,
+    blocks: Blocks,
+    tiers: Sequence[str],
+    request: StageRequest,
+    report: Report,
+    cancelled: threading.Event | None = None,
+    workers: int = STAGE_WORKERS,
+) -> dict[str, Any]:
+    """Stage (or, with ``request.check``, measure) the selection; returns the
+    summary. ``BadRequest`` before any work for an unknown tier or path;
+    exceptions raised by ``report`` (the client hung up) stop the stage."""
+    if request.tier is not None and request.tier not in tiers:
+        raise BadRequest(f"tier {request.tier!r} is not configured (tiers: {', '.join(tiers)})")
+    run = _Run(report, cancelled)
+    files = _select(tree, request, run)
+    phase = "check" if request.check else "fetch"
+    run.tick(phase, force=True)
+    if request.check:
+        _check(blocks, files, run)
+    else:
+        _BlockFetch(blocks, request.tier, run).run(files, workers)
+    run.tick(phase, force=True)
+    counters = run.counters
+    seconds = time.monotonic() - counters.started
+    summary: dict[str, Any] = {
+        "check": request.check,
+        "files": counters.files_total,
+        "bytes": counters.bytes_total,
+        "fetched_bytes": counters.bytes_fetched,
+        "cached_bytes": counters.bytes_cached,
+        "failed": counters.failed,
+        "failed_files": counters.files_failed,
+        "seconds": round(seconds, 3),
+    }
+    if request.check:
+        summary["tiers"] = list(tiers)
+        summary["resident"] = counters.resident
+        summary["missing_bytes"] = counters.bytes_missing
+    return summary
+
+
+def _blocks_of(info: ObjectInfo, block_size: int) -> Iterator[tuple[int, int]]:
+    """(index, length) of every block of ``info``."""
+    for index in range((info.size + block_size - 1) // block_size):
+        yield index, min(block_size, info.size - index * block_size)
+
+
+def _check(blocks: Blocks, files: list[Selected], run: _Run) -> None:
+    counters = run.counters
+    for selected in files:
+        for index, length in _blocks_of(selected.info, blocks.block_size):
+            tier = blocks.residency(selected.info, index)
+            if tier is not None:
+                counters.resident[tier] = counters.resident.get(tier, 0) + length
+                counters.bytes_cached += length
+            else:
+                counters.bytes_missing += length
+        counters.files_done += 1
+        run.tick("check")
+
+
+@dataclass(slots=True)
+class _FileProgress:
+    selected: Selected
+    blocks_left: int = 0
+    failed: bool = False
+
+
+class _BlockFetch:
+    """The fetch phase: hands uncached blocks to a pool a window at a time
+    and books what comes back. Used by the coordinating thread only."""
+
+    def __init__(self, blocks: Blocks, tier: str | None, run: _Run) -> None:
+        self._blocks = blocks
+        self._tier = tier
+        self._run = run
+        self._counters = run.counters
+
+    def run(self, files: list[Selected], workers: int) -> None:
+        todo = self._pending([_FileProgress(item) for item in files])
+        window = workers * WINDOW_PER_WORKER
+        in_flight: dict[Future[bool], tuple[_FileProgress, int]] = {}
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="cachefsd-stage")
+        try:
+            exhausted = False
+            while True:
+                while not exhausted and len(in_flight) < window:
+                    task = next(todo, None)
+                    if task is None:
+                        exhausted = True
+                        break
+                    state, index, length = task
+                    future = pool.submit(self._blocks.fetch_ahead, state.selected.info, index, self._tier)
+                    in_flight[future] = (state, length)
+                    self._run.tick("fetch")
+                if not in_flight:
+                    break
+                done, _ = wait(in_flight, timeout=self._run.until_next_tick(), return_when=FIRST_COMPLETED)
+                for future in done:
+                    self._book(future, *in_flight.pop(future))
+                self._run.tick("fetch")
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _pending(self, files: list[_FileProgress]) -> Iterator[tuple[_FileProgress, int, int]]:
+        """Blocks still to fetch, in file order; cached blocks (and those of
+        files that already failed) are counted here and never queued."""
+        block_size = self._blocks.block_size
+        for state in files:
+            info = state.selected.info
+            state.blocks_left = len(range(0, info.size, block_size))
+            if state.blocks_left == 0:
+                self._counters.files_done += 1
+            for index, length in _blocks_of(info, block_size):
+                if state.failed:
+                    self._counters.bytes_failed += length
+                    self._block_done(state)
+                elif self._blocks.residency(info, index) is not None:
+                    self._counters.bytes_cached += length
+                    self._block_done(state)
+                else:
+                    yield state, index, length
+
+    def _book(self, future: Future[bool], state: _FileProgress, length: int) -> None:
+        try:
+            fetched = future.result()
+        except Exception as exc:
+            self._counters.bytes_failed += length
+            if not state.failed:
+                state.failed = True  # its other blocks are skipped, it is reported once
+                self._counters.files_failed += 1
+                self._run.fail(state.selected.path, exc)
+        else:
+            if fetched:
+                self._counters.bytes_fetched += length
+            else:
+                self._counters.bytes_cached += length
+        self._block_done(state)
+
+    def _block_done(self, state: _FileProgress) -> None:
+        state.blocks_left -= 1
+        if state.blocks_left == 0:
+            self._counters.files_done += 1
+
+
+# -- the daemon's side ------------------------------------------------------
+
+
+class MountHandlers:
+    """What a mounted daemon serves on its control socket
+    (``control.ControlHandlers``): its stats, hints handed to the
+    prefetcher, and stages run on its own data path. It lives here rather
+    than in ``control`` so that ``control`` (imported by loaders through
+    ``cachefsd.hints``) stays free of the data path."""
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        reader: Blocks,
+        cache: TieredCache,
+        mount: dict[str, Any],
+        hint: Callable[[list[str]], tuple[int, int]] | None = None,
+        extra_stats: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        """``mount``: what identifies the mount in ``/stats`` (pid, mountpoint,
+        source). ``hint``: the prefetcher's, when there is one; without it a
+        hint is only checked against the namespace and counted."""
+        self._namespace = namespace
+        self._reader = reader
+        self._cache = cache
+        self._mount = mount
+        self._hint = hint
+        self._extra_stats = extra_stats
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+        self._hints = {"received": 0, "paths": 0, "accepted": 0, "unknown": 0}
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            hints = dict(self._hints)
+        stats: dict[str, Any] = {
+            **self._mount,
+            "block_size": self._reader.block_size,
+            "tiers": [
+                {
+                    "name": tier.name,
+                    "dir": str(tier.root),
+                    "capacity_bytes": tier.capacity,
+                    "used_bytes": tier.used_bytes,
+                    "blocks": tier.block_count,
+                }
+                for tier in self._cache.tiers
+            ],
+            "hints": hints,
+        }
+        if self._extra_stats is not None:
+            stats.update(self._extra_stats())
+        return stats
+
+    def hint(self, order: list[str]) -> tuple[int, int]:
+        if self._hint is not None:
+            accepted, unknown = self._hint(order)
+        else:
+            accepted = sum(1 for path in order if self._is_file(path))
+            unknown = len(order) - accepted
+        with self._lock:
+            self._hints["received"] += 1
+            self._hints["paths"] += len(order)
+            self._hints["accepted"] += accepted
+            self._hints["unknown"] += unknown
+        return accepted, unknown
+
+    def _is_file(self, path: str) -> bool:
+        try:
+            return self._namespace.lookup(normalise(path)).info is not None
+        except CachefsdError:
+            return False
+
+    def stage(self, request: StageRequest, report: Report) -> dict[str, Any]:
+        tiers = [tier.name for tier in self._cache.tiers]
+        return stage_files(self._namespace, self._reader, tiers, request, report, self._closing)
+
+    def close(self) -> None:
+        self._closing.set()
+
+
+# -- the command's side -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where ``cachefsd stage TARGET`` runs: through ``mount``'s daemon, or
+    in this process on ``source``."""
+
+    mount: MountOf | None = None
+    source: str | None = None
+
+
+def resolve_target(target: str) -> Target:
+    """A bucket URI is a source; a path under a live mount goes through its
+    daemon; a mount whose daemon is gone is an error naming the source to
+    stage offline; any other existing directory is a local source."""
+    if "://" in target:
+        return Target(source=target)
+    mount = find_mount(target)
+    if mount is not None:
+        if not mount.live:
+            raise CachefsdError(
+                f"{mount.mountpoint} has no running daemon; stage its source into its cache instead: "
+                f"cachefsd stage {mount.state.source} --cache-dir {mount.state.cache_dir}"
+            )
+        return Target(mount=mount)
+    if not os.path.isdir(target):
+        raise CachefsdError(f"{target}: not a bucket URI, a cachefsd mount or a local directory")
+    return Target(source=os.path.abspath(target))
+
+
+def _daemon_using(cache_dir: Path) -> MountState | None:
+    """The running daemon (of this user) that holds ``cache_dir``, if any."""
+    wanted = cache_dir.resolve()
+    for state_file in runtime_dir().glob("*.json"):
+        try:
+            state = MountState(**json.loads(state_file.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        if Path(state.cache_dir).resolve() == wanted and pid_alive(state.pid):
+            return state
+    return None
+
+
+def stage_offline(settings: Settings, request: StageRequest, report: Report) -> dict[str, Any]:
+    """Stage into ``settings.cache`` from ``settings.source`` in this process."""
+    holder = _daemon_using(settings.cache.dir)
+    if holder is not None:
+        raise CachefsdError(
+            f"cache directory {settings.cache.dir} is in use by the daemon of {holder.mountpoint} "
+            f"(pid {holder.pid}); stage through the mount: cachefsd stage {holder.mountpoint}"
+        )
+    from cachefsd import daemon  # noqa: PLC0415 - the data path: only when staging offline
+
+    with daemon.engine(settings) as parts:
+        tiers = [tier.name for tier in parts.cache.tiers]
+        return stage_files(parts.namespace, parts.reader, tiers, request, report)
+
+
+def stage_through(mount: MountOf, request: StageRequest, report: Report) -> dict[str, Any]:
+    """Stage through the daemon of ``mount``, relaying its events to ``report``."""
+    client: ControlClient = client_for(mount)
+    for event in client.stage(request):
+        if event.get("event") == "summary":
+            return {key: value for key, value in event.items() if key != "event"}
+        report(event)
+    raise CachefsdError("the daemon ended the stage without a summary")  # client.stage raises first
+
+
+# -- showing it ------------------------------------------------------------------
+
+
+def human_bytes(count: float) -> str:
+    """Binary units, as cache sizes are given (``4.0 MiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def _percent(part: int, whole: int) -> float:
+    return 100.0 if whole == 0 else 100.0 * part / whole
+
+
+class ProgressView:
+    """Shows stage events: a rich progress bar on a terminal, plain lines
+    every few seconds otherwise (logs of batch jobs). Keeps the failures for
+    the final listing."""
+
+    def __init__(self, stream: IO[str] = sys.stderr, interactive: bool | None = None) -> None:
+        self._stream = stream
+        self._interactive = stream.isatty() if interactive is None else interactive
+        self.failures: list[tuple[str, str]] = []
+        self.failed = 0
+        self._last_line = 0.0
+        self._last_step = -1
+        self._phase = ""
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "failure":
+            self.failed += 1
+            if len(self.failures) < MAX_LISTED_FAILURES:
+                self.failures.append((str(event.get("path")), str(event.get("error"))))
+        elif kind == "progress":
+            if self._interactive:
+                self._show_bar(event)
+            else:
+                self._show_line(event)
+
+    def _show_bar(self, event: dict[str, Any]) -> None:
+        if self._progress is None:
+            from rich.console import Console  # noqa: PLC0415 - only on a terminal
+            from rich.progress import (  # noqa: PLC0415
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._progress = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.fields[files]}"),
+                DownloadColumn(binary_units=True),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=Console(file=self._stream),
+                transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("listing", total=None, files="")
+        phase = event["phase"]
+        files = f"{event['files_done']}/{event['files_total']} files"
+        if phase == "select":
+            self._progress.update(self._task, description="listing", files=f"{event['files_total']} files")
+            return
+        self._progress.update(
+            self._task,
+            description="checking" if phase == "check" else "staging",
+            total=max(event["bytes_total"], 1),
+            completed=event["bytes_done"] if event["bytes_total"] else 1,
+            files=files,
+        )
+
+    def _show_line(self, event: dict[str, Any]) -> None:
+        now = time.monotonic()
+        phase = event["phase"]
+        step = int(_percent(event["bytes_done"], event["bytes_total"]) // PLAIN_STEP_PERCENT)
+        new_phase = phase != self._phase
+        if not new_phase and now - self._last_line < PLAIN_INTERVAL_SECONDS and step == self._last_step:
+            return
+        self._phase, self._last_line, self._last_step = phase, now, step
+        if phase == "select":
+            line = f"listing: {event['files_total']} files, {human_bytes(event['bytes_total'])} selected"
+        else:
+            seconds = max(event["seconds"], 1e-9)
+            rate = event["bytes_fetched"] / seconds
+            line = (
+                f"{'checking' if phase == 'check' else 'staging'}: "
+                f"{_percent(event['bytes_done'], event['bytes_total']):.0f}% "
+                f"{event['files_done']}/{event['files_total']} files, "
+                f"{human_bytes(event['bytes_done'])} of {human_bytes(event['bytes_total'])}"
+            )
+            if phase == "fetch":
+                line += f", {human_bytes(rate)}/s"
+                left = event["bytes_total"] - event["bytes_done"]
+                if rate > 0 and left > 0:
+                    line += f", ETA {left / rate:.0f}s"
+        print(line, file=self._stream, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary as the command prints it."""
+    total = summary["bytes"]
+    if summary["check"]:
+        resident = summary["resident"]
+        parts = [
+            f"{tier} {human_bytes(resident.get(tier, 0))} ({_percent(resident.get(tier, 0), total):.1f}%)"
+            for tier in summary["tiers"]
+        ]
+        missing = summary["missing_bytes"]
+        parts.append(f"not cached {human_bytes(missing)} ({_percent(missing, total):.1f}%)")
+        return [
+            f"resident: {_percent(total - missing, total):.1f}% of {summary['files']} files "
+            f"({human_bytes(total)}): " + ", ".join(parts)
+        ]
+    seconds = summary["seconds"]
+    rate = summary["fetched_bytes"] / seconds if seconds > 0 else 0.0
+    staged = summary["files"] - summary["failed_files"]
+    return [
+        f"staged {staged} of {summary['files']} files ({human_bytes(total)}): "
+        f"fetched {human_bytes(summary['fetched_bytes'])}, "
+        f"already cached {human_bytes(summary['cached_bytes'])}, "
+        f"{summary['failed']} failed, in {seconds:.1f}s ({human_bytes(rate)}/s)"
+    ]
+
+
+def run_command(
+    target: Target,
+    request: StageRequest,
+    settings: Callable[[str], Settings],
+    as_json: bool,
+    interactive: bool | None = None,
+) -> int:
+    """``cachefsd stage``: run, show progress, print the summary and every
+    failure (one line each); 1 if anything failed. ``settings(source)`` builds
+    the settings for an offline stage."""
+    view = ProgressView(interactive=False if as_json else interactive)
+    try:
+        if target.mount is not None:
+            summary = stage_through(target.mount, request, view)
+        else:
+            assert target.source is not None
+            summary = stage_offline(settings(target.source), request, view)
+    finally:
+        view.close()
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        for line in summary_lines(summary):
+            print(line)
+    for path, error in view.failures:
+        print(f"failed: {path}: {error}", file=sys.stderr)
+    if view.failed > len(view.failures):
+        print(f"failed: ... and {view.failed - len(view.failures)} more", file=sys.stderr)
+    return 1 if summary["failed"] else 0

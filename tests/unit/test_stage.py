@@ -1,0 +1,181 @@
+"""Staging over the in-memory engine: selection, include globs, resumability,
+check by tier, failures named by path, and the daemon's handlers."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from typing import Any
+
+import pytest
+
+from cachefsd.control import BadRequest, StageRequest
+from cachefsd.stage import (
+    MountHandlers,
+    ProgressView,
+    StageCancelled,
+    compile_include,
+    stage_files,
+    summary_lines,
+)
+from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory
+
+OBJECTS = {
+    "train/a.tar": os.urandom(3 * BLOCK_SIZE + 5),
+    "train/b.tar": os.urandom(BLOCK_SIZE),
+    "train/sub/c.jpg": os.urandom(100),
+    "val/d.tar": os.urandom(2 * BLOCK_SIZE),
+    "empty": b"",
+}
+TOTAL = sum(len(data) for data in OBJECTS.values())
+
+
+def run(engine: Engine, **request: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    events: list[dict[str, Any]] = []
+    summary = stage_files(engine.namespace, engine.reader, ["hot"], StageRequest(**request), events.append)
+    return summary, events
+
+
+@pytest.mark.parametrize(
+    ("pattern", "path", "matches"),
+    [
+        (None, "any/thing", True),
+        ("*.tar", "train/a.tar", True),  # no slash: the file name, at any depth
+        ("*.tar", "a.tar", True),
+        ("train/*", "train/a.tar", True),
+        ("train/*", "train/sub/c.jpg", False),  # * stays within a directory
+        ("train/**", "train/sub/c.jpg", True),
+        ("train/**/*.jpg", "train/sub/c.jpg", True),
+        ("train/**/*.jpg", "train/c.jpg", True),  # **/ also matches no directory
+        ("/train/?.tar", "train/a.tar", True),  # a leading slash is the mount root
+        ("train/[ab].tar", "train/b.tar", True),
+        ("train/[!ab].tar", "train/b.tar", False),
+        ("val/*", "train/a.tar", False),
+    ],
+)
+def test_include_globs(pattern: str | None, path: str, matches: bool) -> None:
+    assert compile_include(pattern)(path) is matches
+
+
+def test_stage_fetches_everything_once_and_a_rerun_fetches_nothing(make_engine: EngineFactory) -> None:
+    engine = make_engine(OBJECTS)
+    summary, events = run(engine)
+    assert summary["files"] == len(OBJECTS)
+    assert summary["bytes"] == TOTAL
+    assert summary["fetched_bytes"] == TOTAL
+    assert summary["cached_bytes"] == 0
+    assert summary["failed"] == 0
+    assert events[-1]["event"] == "progress"
+    assert events[-1]["files_done"] == len(OBJECTS)
+    assert events[-1]["bytes_done"] == TOTAL
+
+    summary, _ = run(engine)
+    assert summary["fetched_bytes"] == 0
+    assert summary["cached_bytes"] == TOTAL
+
+    check, _ = run(engine, check=True)
+    assert check["resident"] == {"hot": TOTAL}
+    assert check["missing_bytes"] == 0
+    assert "resident: 100.0%" in summary_lines(check)[0]
+
+
+def test_check_before_staging_finds_nothing(make_engine: EngineFactory) -> None:
+    engine = make_engine(OBJECTS)
+    check, _ = run(engine, check=True)
+    assert check["resident"] == {}
+    assert check["missing_bytes"] == TOTAL
+    assert check["fetched_bytes"] == 0
+    # A check fetches nothing.
+    assert run(engine, check=True)[0]["missing_bytes"] == TOTAL
+
+
+def test_include_and_path_select_a_subset(make_engine: EngineFactory) -> None:
+    engine = make_engine(OBJECTS)
+    summary, _ = run(engine, include="*.tar")
+    assert summary["files"] == 3
+    assert summary["bytes"] == sum(len(d) for k, d in OBJECTS.items() if k.endswith(".tar"))
+    summary, _ = run(engine, path="/train", include="train/*")
+    assert summary["files"] == 2
+    summary, _ = run(engine, path="/train/sub/c.jpg")
+    assert summary["files"] == 1
+    assert summary["cached_bytes"] == 0
+
+
+def test_a_failed_file_is_named_and_the_rest_is_staged(make_engine: EngineFactory) -> None:
+    engine = make_engine(OBJECTS)
+    engine.namespace.listdir("/train")  # listed, then deleted: the stage's view is stale
+    engine.store.delete("train/a.tar")
+    summary, events = run(engine)
+    failures = [event for event in events if event["event"] == "failure"]
+    assert len(failures) == 1
+    assert failures[0]["path"] == "/train/a.tar"
+    assert "ObjectNotFound" in failures[0]["error"] or "ObjectChanged" in failures[0]["error"]
+    assert summary["failed"] == 1
+    assert summary["failed_files"] == 1
+    assert summary["fetched_bytes"] == TOTAL - len(OBJECTS["train/a.tar"])
+
+
+def test_bad_requests_are_refused_before_any_work(make_engine: EngineFactory) -> None:
+    engine = make_engine(OBJECTS)
+    with pytest.raises(BadRequest, match="tier 'warm' is not configured"):
+        run(engine, tier="warm")
+    with pytest.raises(BadRequest, match="no such file"):
+        run(engine, path="/nope")
+    assert engine.cache.used_bytes == 0
+
+
+def test_a_stopping_daemon_cancels_the_stage(make_engine: EngineFactory) -> None:
+    engine = make_engine(OBJECTS)
+    cancelled = threading.Event()
+    cancelled.set()
+    with pytest.raises(StageCancelled):
+        stage_files(engine.namespace, engine.reader, ["hot"], StageRequest(), lambda _event: None, cancelled)
+
+
+def test_mount_handlers_count_hints_and_report_tiers(make_engine: EngineFactory) -> None:
+    engine = make_engine(OBJECTS)
+    handlers = MountHandlers(engine.namespace, engine.reader, engine.cache, {"mountpoint": "/mnt"})
+    assert handlers.hint(["/train/a.tar", "val/d.tar", "/nope", "/train"]) == (2, 2)
+    handlers.stage(StageRequest(include="*.jpg"), lambda _event: None)
+    stats = handlers.stats()
+    assert stats["mountpoint"] == "/mnt"
+    assert stats["hints"] == {"received": 1, "paths": 4, "accepted": 2, "unknown": 2}
+    assert stats["tiers"][0]["name"] == "hot"
+    assert stats["tiers"][0]["blocks"] == 1
+
+
+def test_mount_handlers_pass_hints_to_the_prefetcher(make_engine: EngineFactory) -> None:
+    engine = make_engine(OBJECTS)
+    given: list[list[str]] = []
+
+    def prefetcher_hint(order: list[str]) -> tuple[int, int]:
+        given.append(order)
+        return len(order), 0
+
+    handlers = MountHandlers(
+        engine.namespace, engine.reader, engine.cache, {}, prefetcher_hint, lambda: {"prefetch": {"x": 1}}
+    )
+    assert handlers.hint(["/b", "/a"]) == (2, 0)
+    assert given == [["/b", "/a"]]
+    assert handlers.stats()["prefetch"] == {"x": 1}
+
+
+@pytest.mark.parametrize("interactive", [True, False])
+@pytest.mark.parametrize(("check", "phase"), [(True, "checking"), (False, "staging")])
+def test_progress_view_shows_progress_and_keeps_failures(
+    make_engine: EngineFactory, interactive: bool, check: bool, phase: str
+) -> None:
+    engine = make_engine(OBJECTS)
+    engine.namespace.listdir("/val")
+    engine.store.delete("val/d.tar")
+    stream = io.StringIO()
+    view = ProgressView(stream, interactive=interactive)
+    stage_files(engine.namespace, engine.reader, ["hot"], StageRequest(check=check), view)
+    view.close()
+    output = stream.getvalue()
+    assert phase in output
+    assert f"{len(OBJECTS)}/{len(OBJECTS)} files" in output
+    if not check:
+        assert view.failed == 1
+        assert view.failures[0][0] == "/val/d.tar"
