@@ -142,9 +142,10 @@ class ControlHandlers(Protocol):
         """A JSON-serialisable snapshot for ``GET /stats``."""
         ...
 
-    def hint(self, order: list[str]) -> tuple[int, int]:
+    def hint(self, order: list[str], part: tuple[int, int] | None) -> tuple[int, int]:
         """Accept the read order of mount-relative paths; returns (accepted,
-        unknown). Paths that do not exist are counted, not errors."""
+        unknown). Paths that do not exist are counted, not errors. ``part``
+        is (rank, world size) when the order is one rank's share."""
         ...
 
     def stage(self, request: StageRequest, report: Report) -> dict[str, Any]:
@@ -263,12 +264,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._error(500, f"{type(exc).__name__}: {exc}")
 
     def _hint(self, body: Any) -> None:
-        if not isinstance(body, dict) or set(body) != {"order"}:
-            raise BadRequest('expected {"order": [path, ...]}')
+        if not isinstance(body, dict) or "order" not in body or not set(body) <= {"order", "part"}:
+            raise BadRequest('expected {"order": [path, ...]} and optionally "part": [rank, world size]')
         order = body["order"]
         if not isinstance(order, list) or not all(isinstance(path, str) for path in order):
             raise BadRequest("order: expected a list of path strings")
-        accepted, unknown = self.server.owner.handlers.hint(order)
+        part = body.get("part")
+        if part is not None:
+            valid = isinstance(part, list) and len(part) == 2 and all(isinstance(n, int) for n in part)
+            if not valid or not 0 <= part[0] < part[1]:
+                raise BadRequest("part: expected [rank, world size] with 0 <= rank < world size")
+            part = (part[0], part[1])
+        accepted, unknown = self.server.owner.handlers.hint(order, part)
         self._json(200, {"accepted": accepted, "unknown": unknown})
 
     def _stage(self, body: Any) -> None:
@@ -441,8 +448,11 @@ class ControlClient:
     def stats(self) -> dict[str, Any]:
         return self._call("GET", "/stats", None, self._timeout)
 
-    def hint(self, order: list[str]) -> tuple[int, int]:
-        answer = self._call("POST", "/hint", {"order": order}, self._timeout, MAX_BODY_BYTES)
+    def hint(self, order: list[str], part: tuple[int, int] | None = None) -> tuple[int, int]:
+        body: dict[str, Any] = {"order": order}
+        if part is not None:
+            body["part"] = list(part)
+        answer = self._call("POST", "/hint", body, self._timeout, MAX_BODY_BYTES)
         return int(answer["accepted"]), int(answer["unknown"])
 
     def stage(self, request: StageRequest) -> Iterator[dict[str, Any]]:

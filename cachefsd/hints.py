@@ -100,7 +100,9 @@ class HintingSampler:
     mount), or relative to ``mountpoint`` (a mount path, or a directory in
     one). A sampler that yields batches (lists of indices) is hinted in
     flattened order. ``set_epoch`` is passed on, so a ``DistributedSampler``
-    wrapped here reshuffles as usual; each rank hints its own share."""
+    wrapped here reshuffles as usual; each rank hints its own share, tagged
+    with its rank and the world size, and the daemon merges the shares of
+    the ranks on its node into one order (they read side by side)."""
 
     def __init__(
         self,
@@ -181,12 +183,19 @@ class HintingSampler:
         self._sender = sender
         sender.start()
 
+    def _part(self) -> tuple[int, int] | None:
+        """(rank, world size) of a distributed sampler, None otherwise."""
+        rank, world = getattr(self.sampler, "rank", None), getattr(self.sampler, "num_replicas", None)
+        if isinstance(rank, int) and isinstance(world, int) and world > 1:
+            return rank, world
+        return None
+
     def _deliver(self, orders: list[tuple[MountOf, list[str]]]) -> None:
         results = []
         for mount, order in orders:
             try:
                 client: ControlClient = client_for(mount, self._timeout)
-                accepted, unknown = client.hint(order)
+                accepted, unknown = client.hint(order, self._part())
             except ControlError as exc:
                 self._warn(f"hint to {mount.mountpoint} not delivered (reads are unaffected): {exc}")
                 continue

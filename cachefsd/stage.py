@@ -469,7 +469,7 @@ class MountHandlers:
         reader: Blocks,
         cache: TieredCache,
         mount: dict[str, Any],
-        hint: Callable[[list[str]], tuple[int, int]] | None = None,
+        hint: Callable[[list[str], tuple[int, int] | None], tuple[int, int]] | None = None,
         extra_stats: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         """``mount``: what identifies the mount in ``/stats`` (pid, mountpoint,
@@ -507,9 +507,9 @@ class MountHandlers:
             stats.update(self._extra_stats())
         return stats
 
-    def hint(self, order: list[str]) -> tuple[int, int]:
+    def hint(self, order: list[str], part: tuple[int, int] | None = None) -> tuple[int, int]:
         if self._hint is not None:
-            accepted, unknown = self._hint(order)
+            accepted, unknown = self._hint(order, part)
         else:
             accepted = sum(1 for path in order if self._is_file(path))
             unknown = len(order) - accepted

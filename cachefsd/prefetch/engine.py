@@ -116,6 +116,8 @@ class Prefetcher:
         self._ahead: dict[BlockRef, _Ahead] = {}
         self._in_flight: set[BlockRef] = set()
         self._failed: dict[BlockRef, float] = {}  # block -> when it may be tried again
+        self._hint_world = 0
+        self._hint_parts: dict[int, list[str]] = {}  # rank -> its share of the epoch's order
         self._ahead_bytes = 0
         self._tokens = float(settings.bandwidth)
         self._tokens_at = time.monotonic()
@@ -161,10 +163,12 @@ class Prefetcher:
         self._model.listed(directory, files)
         self._wake.set()
 
-    def hint(self, order: list[str]) -> tuple[int, int]:
+    def hint(self, order: list[str], part: tuple[int, int] | None = None) -> tuple[int, int]:
         """Follow ``order`` (mount-relative paths) for the current epoch;
         returns (accepted, unknown). Unknown paths are dropped, not errors:
-        a stale hint costs bandwidth, never correctness."""
+        a stale hint costs bandwidth, never correctness. ``part`` (rank,
+        world size) marks one rank's share: the shares of the ranks on this
+        node are interleaved into one order, as their readers run side by side."""
         accepted = []
         for path in order:
             try:
@@ -173,9 +177,23 @@ class Prefetcher:
                 continue
             if node.info is not None:
                 accepted.append(node.info.key)
-        self._model.hint(accepted, time.monotonic())
+        self._model.hint(self._merged(accepted, part), time.monotonic())
         self._wake.set()
         return len(accepted), len(order) - len(accepted)
+
+    def _merged(self, order: list[str], part: tuple[int, int] | None) -> list[str]:
+        if part is None:
+            return order
+        rank, world = part
+        with self._lock:
+            if world != self._hint_world:
+                self._hint_world, self._hint_parts = world, {}
+            self._hint_parts[rank] = order
+            shares = [self._hint_parts[rank] for rank in sorted(self._hint_parts)]
+        merged = []
+        for position in range(max(len(share) for share in shares)):
+            merged.extend(share[position] for share in shares if position < len(share))
+        return merged
 
     # -- the prefetch thread ----------------------------------------------
 

@@ -37,6 +37,7 @@ class FakeHandlers:
 
     def __init__(self) -> None:
         self.orders: list[list[str]] = []
+        self.parts: list[tuple[int, int] | None] = []
         self.stage_requests: list[StageRequest] = []
         self.closed = threading.Event()
         self.stage_release = threading.Event()  # set by a test to let a stage finish
@@ -48,8 +49,9 @@ class FakeHandlers:
             raise RuntimeError("stats broke")
         return {"mountpoint": "/mnt", "tiers": [{"name": "hot", "used_bytes": 3}]}
 
-    def hint(self, order: list[str]) -> tuple[int, int]:
+    def hint(self, order: list[str], part: tuple[int, int] | None) -> tuple[int, int]:
         self.orders.append(order)
+        self.parts.append(part)
         known = sum(1 for path in order if not path.startswith("/missing"))
         return known, len(order) - known
 
@@ -311,3 +313,10 @@ def test_hinting_sampler_passes_batches_and_epochs_through() -> None:
     sampler.set_epoch(7)
     assert inner.epoch == 7
     assert list(sampler) == [[1, 0], [2]]
+
+
+def test_a_hint_may_carry_its_rank_and_world_size(client: ControlClient, handlers: FakeHandlers) -> None:
+    assert client.hint(["/a"], (1, 4)) == (1, 0)
+    assert handlers.parts == [(1, 4)]
+    with pytest.raises(ControlError, match="rank"):
+        client.hint(["/a"], (4, 4))

@@ -87,3 +87,18 @@ def test_a_hint_is_followed_in_order_within_the_lookahead(
         prefetcher.read(info, 0, info.size)
         wait_for(lambda: engine.store.get_count >= 4, "the next hinted file")
         assert engine.metrics.prefetch_used_bytes._value.get() == BLOCK_SIZE // 2
+
+
+def test_the_shares_of_distributed_ranks_are_merged_into_one_order(
+    make_engine: EngineFactory, dataset: dict[str, bytes]
+) -> None:
+    engine = make_engine(dataset)
+    model = AccessModel()
+    prefetcher = Prefetcher(
+        model, engine.namespace, engine.reader, PrefetchSettings(), PlannedUse(), engine.metrics
+    )
+    keys = sorted(dataset)
+    prefetcher.hint(keys[0:4], part=(0, 2))
+    prefetcher.hint(keys[4:8], part=(1, 2))
+    predicted = [prediction.path for prediction in model.predict(8)]
+    assert predicted == [keys[0], keys[4], keys[1], keys[5], keys[2], keys[6], keys[3], keys[7]]
