@@ -58,9 +58,9 @@ def block_bounds(index: int, object_size: int, block_size: int) -> tuple[int, in
 
 
 class ReadEvents(Protocol):
-    def read_done(self, nbytes: int, cold_bytes: int, stall_seconds: float) -> None:
-        """One read answered: ``cold_bytes`` of its ``nbytes`` waited
-        ``stall_seconds`` in all on the cold store."""
+    def read_done(self, served: dict[str, int], stall_seconds: float) -> None:
+        """One read answered: its bytes by where they came from (``memory``,
+        a tier's name, ``cold``); the ``cold`` ones waited ``stall_seconds``."""
         ...
 
 
@@ -155,47 +155,48 @@ class BlockReader:
         copying or hashing; every other block is read whole and verified
         first. So a block that rots on disk is caught by the next open."""
         pieces: list[Piece] = []
-        total = cold_bytes = 0
+        served: dict[str, int] = {}
         stalled = 0.0
         try:
             for index in block_range(offset, size, info.size, self._block_size):
                 start, end = block_bounds(index, info.size, self._block_size)
                 lo, hi = max(offset - start, 0), min(offset + size, end) - start
-                piece, stall = self._piece(info, index, lo, hi, verified)
+                piece, source, stall = self._piece(info, index, lo, hi, verified)
                 pieces.append(piece)
-                total += hi - lo
-                if stall is not None:
-                    cold_bytes += hi - lo
-                    stalled += stall
+                served[source] = served.get(source, 0) + hi - lo
+                stalled += stall
         except BaseException:
             close_pieces(pieces)
             raise
-        self._events.read_done(total, cold_bytes, stalled)
+        self._events.read_done(served, stalled)
         return pieces
 
     def _piece(
         self, info: ObjectInfo, index: int, lo: int, hi: int, verified: set[str]
-    ) -> tuple[Piece, float | None]:
-        """Bytes ``[lo, hi)`` of block ``index``, and how long they waited on
-        the cold store (None when they came from the cache)."""
+    ) -> tuple[Piece, str, float]:
+        """Bytes ``[lo, hi)`` of block ``index``, where they came from
+        (``memory``, a tier's name, or ``cold``), and how long they waited
+        on the cold store."""
         ref = self.ref(info, index)
         digest = self._cache.lookup(ref)
         data = self._memory.get(ref)
         if data is not None:
             if digest is not None:
                 self._cache.touch(digest)
-            return data[lo:hi], None
-        if digest is not None and digest in verified:
+            return data[lo:hi], "memory", 0.0
+        tier = None if digest is None else self._cache.tier_of(digest)
+        if digest is not None and tier is not None and digest in verified:
             span = self._span(digest, lo, hi, verified)
             if span is not None:
                 self._cache.touch(digest)
-                return span, None
+                return span, tier, 0.0
         data = None if digest is None else self._cache.read(digest)
         if data is None and self._dedup_by_etag:
             data = self._cache.adopt(ref, (info.etag, info.size))
+            tier = None if data is None else self._cache.tier_of(content_hash(data))
         if data is not None:
             self._remember(ref, content_hash(data), data, verified)
-            return data[lo:hi], None
+            return data[lo:hi], tier or "memory", 0.0
         started = time.monotonic()
         data = self._in_flight.do(
             ref,
@@ -203,7 +204,7 @@ class BlockReader:
             self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
         )
         self._remember(ref, content_hash(data), data, verified)
-        return data[lo:hi], time.monotonic() - started
+        return data[lo:hi], "cold", time.monotonic() - started
 
     def _span(self, digest: str, lo: int, hi: int, verified: set[str]) -> FileSpan | None:
         path = self._cache.raw_path(digest)

@@ -139,6 +139,18 @@ class Metrics:
         self.epoch_number = Gauge(
             "cachefsd_epoch", "Current training epoch, as the access model sees it", registry=registry
         )
+        self.served_bytes = Counter(
+            "cachefsd_served_bytes",
+            "Bytes returned to readers, by where they came from: memory, a tier (hot, warm) or cold",
+            ["tier"],
+            registry=registry,
+        )
+        self.tier_hit_ratio = Gauge(
+            "cachefsd_tier_hit_ratio",
+            "Fraction of bytes read since mount served by each place (memory, hot, warm, cold)",
+            ["tier"],
+            registry=registry,
+        )
         self.hit_ratio = Gauge(
             "cachefsd_hit_ratio",
             "Fraction of bytes read since mount that did not wait on the cold store",
@@ -148,6 +160,7 @@ class Metrics:
         self._bytes_total = 0
         self._bytes_cached = 0
         self._tier_usage: dict[str, tuple[int, int]] = {}
+        self._served: dict[str, int] = {}
         for where in ("disk", "wire"):
             self.dedup_saved_bytes.labels(where)
         for source in ("cache", "cold"):
@@ -160,17 +173,25 @@ class Metrics:
             self.fetch_errors.labels(kind)
 
     # ReadEvents
-    def read_done(self, nbytes: int, cold_bytes: int, stall_seconds: float) -> None:
+    def read_done(self, served: dict[str, int], stall_seconds: float) -> None:
+        cold_bytes = served.get("cold", 0)
+        nbytes = sum(served.values())
         self.reads.labels("cold" if cold_bytes else "cache").inc()
         self.read_bytes.labels("cache").inc(nbytes - cold_bytes)
         if cold_bytes:
             self.read_bytes.labels("cold").inc(cold_bytes)
             self.read_stall.inc(stall_seconds)
+        for source, count in served.items():
+            self.served_bytes.labels(source).inc(count)
         with self._lock:
             self._bytes_total += nbytes
             self._bytes_cached += nbytes - cold_bytes
+            for source, count in served.items():
+                self._served[source] = self._served.get(source, 0) + count
             if self._bytes_total:
                 self.hit_ratio.set(self._bytes_cached / self._bytes_total)
+                for source, count in self._served.items():
+                    self.tier_hit_ratio.labels(source).set(count / self._bytes_total)
 
     # FetchEvents
     def fetch_done(self, kind: FetchKind, seconds: float, nbytes: int) -> None:

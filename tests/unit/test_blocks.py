@@ -107,3 +107,17 @@ def test_a_verified_raw_block_is_served_from_its_file_without_copying(make_engin
     assert joined(first) == data
     # Another reader (a new open) has its blocks checked again.
     assert all(isinstance(piece, bytes) for piece in engine.reader.read(info, 0, 10, set()))
+
+
+def test_served_bytes_are_counted_by_where_they_came_from(make_engine: EngineFactory) -> None:
+    data = os.urandom(2 * BLOCK_SIZE)
+    engine = make_engine({"f": data})
+    info = engine.namespace.lookup("/f").info
+    assert info is not None
+    verified: set[str] = set()
+    joined(engine.reader.read(info, 0, len(data), verified))  # cold
+    joined(engine.reader.read(info, 0, len(data), verified))  # hot, zero-copy
+    served = engine.metrics.served_bytes
+    assert served.labels("cold")._value.get() == len(data)
+    assert served.labels("hot")._value.get() == len(data)
+    assert engine.metrics.tier_hit_ratio.labels("hot")._value.get() == 0.5
