@@ -16,7 +16,7 @@ from typing import Any
 from cachefsd import __version__
 from cachefsd.config import Settings, load_settings
 from cachefsd.errors import CachefsdError
-from cachefsd.runtime import pid_alive, read_state
+from cachefsd.runtime import notify_systemd, pid_alive, read_state
 
 log = logging.getLogger("cachefsd")
 
@@ -119,6 +119,7 @@ def _mount_foreground(settings: Settings, ready_fd: int | None) -> int:
 
     def ready() -> None:
         log.info("mount ready")
+        notify_systemd("READY=1")
         tell("ready")
 
     try:

@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -103,3 +104,17 @@ class CacheDirLock:
 
     def release(self) -> None:
         os.close(self._fd)
+
+
+def notify_systemd(state: str) -> None:
+    """Tell systemd about the service (``READY=1`` once the mount works,
+    ``STOPPING=1``) when it runs us as ``Type=notify``; a no-op otherwise.
+    The protocol is one datagram to $NOTIFY_SOCKET (sd_notify(3)); an
+    address starting with ``@`` is in the abstract namespace."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify:
+        notify.sendto(state.encode(), address)
