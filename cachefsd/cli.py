@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import select
@@ -300,6 +301,49 @@ def _cmd_hint(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _daemon_of(mountpoint: Path) -> Any:
+    """A control client for the daemon serving ``mountpoint`` (or a path in it)."""
+    from cachefsd import control  # noqa: PLC0415 - keep `cachefsd --help` light
+
+    mount = control.find_mount(mountpoint)
+    if mount is None:
+        raise CachefsdError(f"{mountpoint} is not a cachefsd mount")
+    return control.client_for(mount)
+
+
+def _cmd_stats(args: argparse.Namespace, argv: list[str]) -> int:
+    snapshot = _daemon_of(args.mountpoint).stats()
+    if args.json:
+        print(json.dumps(snapshot, indent=2))
+        return 0
+    from cachefsd import stats  # noqa: PLC0415 - rich only when drawing
+
+    stats.print_stats(snapshot)
+    return 0
+
+
+def _cmd_top(args: argparse.Namespace, argv: list[str]) -> int:
+    from cachefsd import top  # noqa: PLC0415 - rich only when drawing
+
+    interval = top.REFRESH_SECONDS if args.interval is None else args.interval
+    if interval <= 0:
+        raise CachefsdError("--interval: expected a positive number of seconds")
+    return top.run(_daemon_of(args.mountpoint), interval)
+
+
+def _add_observe_parsers(commands: Any) -> None:
+    stats_cmd = commands.add_parser(
+        "stats", help="tiers, hit ratios, fetch latency, prefetch, epochs and residency of a mount"
+    )
+    stats_cmd.add_argument("mountpoint", type=Path)
+    stats_cmd.add_argument("--json", action="store_true", help="print what the daemon's GET /stats returns")
+    stats_cmd.set_defaults(handler=_cmd_stats)
+    top_cmd = commands.add_parser("top", help="cachefsd stats, live (q or Ctrl-C quits)")
+    top_cmd.add_argument("mountpoint", type=Path)
+    top_cmd.add_argument("--interval", type=float, help="seconds between refreshes (default 1)")
+    top_cmd.set_defaults(handler=_cmd_top)
+
+
 def _cmd_demo(args: argparse.Namespace, argv: list[str]) -> int:
     from cachefsd import demo  # noqa: PLC0415 - the demo pulls in multiprocessing and rich
 
@@ -399,6 +443,7 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_stage_parser(commands)
     _add_hint_parser(commands)
+    _add_observe_parsers(commands)
 
     demo = commands.add_parser("demo", help="mount a generated local dataset and read two shuffled epochs")
     demo.add_argument("--workers", type=int, default=4, help="reader processes")

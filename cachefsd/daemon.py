@@ -10,6 +10,7 @@ failure before that is raised to the caller, which reports it in one line.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import PlannedUse, Prefetcher
 from cachefsd.runtime import MountState, write_state
 from cachefsd.stage import MountHandlers
+from cachefsd.stats import DaemonStats, Residency
 from cachefsd.store import open_store
 from cachefsd.store.base import ObjectStore
 
@@ -90,6 +92,7 @@ class Engine:
     namespace: Namespace
     metrics: Metrics
     prefetcher: Prefetcher
+    model: AccessModel
 
 
 @contextmanager
@@ -122,7 +125,7 @@ def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engin
                     on_version_gone=reader.release_version,
                 )
                 prefetcher = Prefetcher(model, namespace, reader, settings.prefetch, planned, metrics)
-                yield Engine(store, opened.cache, opened.index, reader, namespace, metrics, prefetcher)
+                yield Engine(store, opened.cache, opened.index, reader, namespace, metrics, prefetcher, model)
             finally:
                 with contextlib.suppress(CachefsdError):
                     io.run(store.close(), MOUNT_CHECK_SECONDS)
@@ -144,7 +147,16 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
         # stops before the engine closes.
         identity = {"pid": os.getpid(), "mountpoint": str(mountpoint), "source": parts.store.uri}
         hint = parts.prefetcher.hint if settings.prefetch.enabled else None
-        handlers = MountHandlers(parts.namespace, parts.reader, parts.cache, identity, hint)
+        # /stats and the metrics endpoint read the same registry; residency
+        # is one cached index query shared by both.
+        residency = Residency(
+            functools.partial(parts.index.resident_bytes_by_prefix, parts.store.uri),
+            [tier.name for tier in parts.cache.tiers],
+        )
+        parts.metrics.watch_residency(parts.store.uri, residency.rows)
+        stats = DaemonStats(parts.metrics, parts.model, residency, parts.store.uri)
+        stats.start()
+        handlers = MountHandlers(parts.namespace, parts.reader, parts.cache, identity, hint, stats.snapshot)
         control = ControlServer(control_path(mountpoint), handlers)
         control.start()
         state = write_state(
@@ -174,3 +186,4 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
             parts.prefetcher.stop()
             state.unlink(missing_ok=True)
             control.stop()
+            stats.stop()

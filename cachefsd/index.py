@@ -85,6 +85,7 @@ class IndexSchemaMismatch(Exception):
 
 class Index:
     def __init__(self, path: Path) -> None:
+        self._path = path
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -224,6 +225,37 @@ class Index:
             self._db.executemany(
                 "UPDATE blocks SET last_used=? WHERE hash=?", [(t, h) for h, t in last_used.items()]
             )
+
+    def resident_bytes_by_prefix(self, source: str) -> list[tuple[str, str, int]]:
+        """(prefix, tier, raw bytes) of the cached blocks ``source``'s keys
+        reference, where prefix is a key's first path component (``''`` for
+        keys at the root). A block shared by keys of several prefixes counts
+        for each: the question is how much of each prefix reads locally.
+
+        A full scan of ``block_refs``, so it runs on its own read-only
+        connection: WAL readers never wait on the writer, and the data path
+        never waits on this (it does not take ``_lock``). Call it every few
+        seconds at most, never per read. Raises ``sqlite3.Error``."""
+        uri = self._path.resolve().as_uri() + "?mode=ro"
+        db = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        try:
+            return [
+                (prefix, tier, int(nbytes))
+                for prefix, tier, nbytes in db.execute(
+                    """
+                    SELECT CASE WHEN instr(r.key, '/') > 0
+                                THEN substr(r.key, 1, instr(r.key, '/') - 1) ELSE '' END AS prefix,
+                           b.tier, SUM(b.raw_bytes)
+                    FROM block_refs AS r JOIN blocks AS b ON b.hash = r.hash
+                    WHERE r.source = ?
+                    GROUP BY prefix, b.tier
+                    ORDER BY prefix, b.tier
+                    """,
+                    (source,),
+                )
+            ]
+        finally:
+            db.close()
 
     # -- listings ---------------------------------------------------------
 

@@ -9,9 +9,12 @@ nothing about Prometheus.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from cachefsd.chunks.cache import DedupWhere
 from cachefsd.fetch import FetchKind
@@ -36,6 +39,36 @@ LATENCY_BUCKETS = (
     10.0,
     30.0,
 )
+
+
+# (prefix, tier, bytes): one sample of ``cachefsd_resident_bytes``.
+ResidencyRows = Callable[[], Iterable[tuple[str, str, int]]]
+
+RESIDENT_BYTES = "cachefsd_resident_bytes"
+_RESIDENT_HELP = (
+    "Raw bytes of a source's top-level prefix held by a tier (at most a bounded number of "
+    'prefixes, the rest as prefix="(other)"; refreshed every few seconds, not per read)'
+)
+
+
+class ResidencyCollector(Collector):
+    """``cachefsd_resident_bytes{source, prefix, tier}``, from rows the
+    caller computes and caches (``stats.Residency``): a scrape must not
+    scan the index, and the labels must already be bounded."""
+
+    def __init__(self, source: str, rows: ResidencyRows) -> None:
+        self._source = source
+        self._rows = rows
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """The family without samples: registering must not compute rows."""
+        yield GaugeMetricFamily(RESIDENT_BYTES, _RESIDENT_HELP, labels=["source", "prefix", "tier"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(RESIDENT_BYTES, _RESIDENT_HELP, labels=["source", "prefix", "tier"])
+        for prefix, tier, nbytes in self._rows():
+            family.add_metric([self._source, prefix, tier], nbytes)
+        yield family
 
 
 class Metrics:
@@ -171,6 +204,11 @@ class Metrics:
             self.fetch_bytes.labels(kind)
             self.fetch_retries.labels(kind)
             self.fetch_errors.labels(kind)
+
+    def watch_residency(self, source: str, rows: ResidencyRows) -> None:
+        """Export ``rows()`` as ``cachefsd_resident_bytes`` for ``source``
+        (one store a daemon, so the label stays bounded)."""
+        self.registry.register(ResidencyCollector(source, rows))
 
     # ReadEvents
     def read_done(self, served: dict[str, int], stall_seconds: float) -> None:

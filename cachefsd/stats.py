@@ -1,0 +1,575 @@
+"""What ``GET /stats`` answers, and how ``cachefsd stats`` / ``top`` show it.
+
+The daemon side (``DaemonStats``) computes its answer from the very
+samples the Prometheus endpoint exports (one ``registry.collect()``), so a
+dashboard and ``cachefsd stats`` never disagree about a counter. What a
+counter cannot say by itself is added here:
+
+- the hit ratio over the last minute: a small ring of (time, cache bytes,
+  cold bytes) samples taken every ``SAMPLE_INTERVAL_SECONDS`` (``HitRing``);
+- fetch latency quantiles, interpolated from the histogram's buckets as
+  Prometheus' ``histogram_quantile`` does (``histogram_quantile``);
+- residency: how many bytes of each top-level prefix of the source each
+  tier holds, from one index query cached for ``RESIDENCY_REFRESH_SECONDS``
+  and shared with the ``cachefsd_resident_bytes`` metric (``Residency``);
+- the access model's epochs, per job.
+
+The command side (``render``) turns that JSON into rich tables; it runs in
+the CLI, never in the daemon. The JSON schema is documented on
+``DaemonStats.snapshot``.
+
+Concurrency: ``HitRing`` and ``Residency`` each guard their state with
+their own lock; ``DaemonStats.snapshot`` is called on control-server
+threads concurrently with the sampler thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sqlite3
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from cachefsd.stage import human_bytes
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from rich.console import RenderableType
+
+    from cachefsd.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+# The ring behind the last-minute hit ratio: a sample every 5 s is fine
+# enough for a ratio people read once a refresh, and 13 samples cover the
+# minute (plus one spare so the far end stays inside the window despite
+# the sampler's jitter): a fixed 15 tuples, whatever the read rate.
+SAMPLE_INTERVAL_SECONDS = 5.0
+HIT_WINDOW_SECONDS = 60.0
+_RING_SAMPLES = int(HIT_WINDOW_SECONDS // SAMPLE_INTERVAL_SECONDS) + 2
+# Residency is a GROUP BY over every block reference (a million rows for a
+# 4 TiB cache of 4 MiB blocks, about a second of sqlite): at most once per
+# this long, whoever asks (a scrape every 15 s, ``top`` every second).
+RESIDENCY_REFRESH_SECONDS = 30.0
+# Prefixes exported (the largest by resident bytes); the rest are summed
+# under OTHER_PREFIX, so the metric's series stay bounded whatever the
+# bucket's layout (one directory per sample would otherwise be a series per
+# sample).
+MAX_RESIDENCY_PREFIXES = 50
+OTHER_PREFIX = "(other)"
+# Keys at the source's root have no first component; an empty label value
+# means "no label" to Prometheus, so they get a name of their own.
+ROOT_PREFIX = "(root)"
+FETCH_KINDS = ("demand", "prefetch", "metadata")
+# The quantiles shown for fetch latency: the median and the tail.
+QUANTILES = {"p50_seconds": 0.5, "p99_seconds": 0.99}
+
+
+# -- quantiles from histogram buckets -----------------------------------------
+
+
+def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
+    """The ``q`` quantile of a histogram given as (upper bound, cumulative
+    count) buckets, the ``+Inf`` one included, the way Prometheus'
+    ``histogram_quantile`` computes it: linear interpolation inside the
+    bucket the rank falls in, the lowest bucket starting at 0, and the
+    highest finite bound when the rank falls in ``+Inf``. None where
+    Prometheus says NaN (no observations, no ``+Inf`` bucket); ``q`` is
+    clamped to [0, 1] rather than returning infinities, which JSON lacks."""
+    ordered: list[tuple[float, float]] = []
+    for bound, count in sorted(buckets):
+        if ordered and ordered[-1][0] == bound:
+            ordered[-1] = (bound, ordered[-1][1] + count)  # coalesce duplicate bounds
+        else:
+            ordered.append((bound, count))
+    if len(ordered) < 2 or not math.isinf(ordered[-1][0]):
+        return None
+    # Counts scraped while observations land may be momentarily non-monotonic.
+    highest = 0.0
+    for position, (bound, count) in enumerate(ordered):
+        highest = max(highest, count)
+        ordered[position] = (bound, highest)
+    observations = ordered[-1][1]
+    if observations <= 0:
+        return None
+    rank = min(max(q, 0.0), 1.0) * observations
+    b = next(position for position, (_, count) in enumerate(ordered) if count >= rank)
+    if b == len(ordered) - 1:
+        return ordered[-2][0]
+    if b == 0 and ordered[0][0] <= 0:
+        return ordered[0][0]
+    start, end, count = 0.0, ordered[b][0], ordered[b][1]
+    if b > 0:
+        start = ordered[b - 1][0]
+        count -= ordered[b - 1][1]
+        rank -= ordered[b - 1][1]
+    return start + (end - start) * (rank / count)
+
+
+# -- the last-minute hit ratio ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HitSample:
+    at: float  # monotonic seconds
+    cache_bytes: float
+    cold_bytes: float
+
+
+class HitRing:
+    """A bounded ring of read-byte counter samples, for hit ratios over a
+    recent window instead of since mount (a mount that was cold an hour
+    ago and is all hits now reads 100 %, not 60 %)."""
+
+    def __init__(self, window: float = HIT_WINDOW_SECONDS, size: int = _RING_SAMPLES) -> None:
+        self._window = window
+        self._lock = threading.Lock()
+        self._samples: deque[HitSample] = deque(maxlen=size)
+
+    def add(self, at: float, cache_bytes: float, cold_bytes: float) -> None:
+        with self._lock:
+            self._samples.append(HitSample(at, cache_bytes, cold_bytes))
+
+    def ratio(self, now: float, cache_bytes: float, cold_bytes: float) -> tuple[float | None, float]:
+        """(hit ratio, seconds covered) of the bytes read between the oldest
+        sample at most ``window`` old and the counters now. The ratio is
+        None when nothing was read in that span (or there is no sample in
+        it yet): no reads is not a 0 % hit ratio."""
+        with self._lock:
+            baseline = next((s for s in self._samples if now - s.at <= self._window), None)
+        if baseline is None:
+            return None, 0.0
+        cached = cache_bytes - baseline.cache_bytes
+        total = cached + cold_bytes - baseline.cold_bytes
+        return (cached / total if total > 0 else None), now - baseline.at
+
+
+# -- residency ------------------------------------------------------------------
+
+
+def bound_prefixes(rows: Iterable[tuple[str, str, int]], limit: int) -> list[tuple[str, dict[str, int]]]:
+    """(prefix, bytes by tier) of the ``limit`` prefixes with the most
+    resident bytes, largest first, then ``OTHER_PREFIX`` summing the rest
+    (if any). Root keys (prefix ``''``) are named ``ROOT_PREFIX``."""
+    by_prefix: dict[str, dict[str, int]] = {}
+    for prefix, tier, nbytes in rows:
+        tiers = by_prefix.setdefault(prefix or ROOT_PREFIX, {})
+        tiers[tier] = tiers.get(tier, 0) + nbytes
+    ranked = sorted(by_prefix.items(), key=lambda item: (-sum(item[1].values()), item[0]))
+    kept, rest = ranked[:limit], ranked[limit:]
+    if rest:
+        other: dict[str, int] = {}
+        for _, tiers in rest:
+            for tier, nbytes in tiers.items():
+                other[tier] = other.get(tier, 0) + nbytes
+        kept.append((OTHER_PREFIX, other))
+    return kept
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencySnapshot:
+    computed_at: float | None  # monotonic; None before the first query
+    prefixes: list[tuple[str, dict[str, int]]]
+    error: str | None = None
+
+
+class Residency:
+    """How much of each top-level prefix each tier holds, recomputed at
+    most every ``refresh`` seconds and only when asked (a scrape, a stats
+    call): an idle daemon nobody watches never scans its index. A failed
+    query keeps the last answer (with the error), and is not retried
+    before ``refresh`` either."""
+
+    def __init__(
+        self,
+        query: Callable[[], list[tuple[str, str, int]]],
+        tiers: Sequence[str],
+        refresh: float = RESIDENCY_REFRESH_SECONDS,
+        limit: int = MAX_RESIDENCY_PREFIXES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._query = query
+        self.tiers = list(tiers)
+        self.refresh = refresh
+        self.limit = limit
+        self._clock = clock
+        self._lock = threading.Lock()  # also makes concurrent askers share one query
+        self._snapshot = ResidencySnapshot(None, [])
+
+    def current(self) -> ResidencySnapshot:
+        with self._lock:
+            now = self._clock()
+            at = self._snapshot.computed_at
+            if at is None or now - at >= self.refresh:
+                try:
+                    prefixes = bound_prefixes(self._query(), self.limit)
+                    self._snapshot = ResidencySnapshot(now, prefixes)
+                except sqlite3.Error as exc:
+                    log.warning("residency query failed: %s", exc)
+                    self._snapshot = ResidencySnapshot(now, self._snapshot.prefixes, str(exc))
+            return self._snapshot
+
+    def rows(self) -> list[tuple[str, str, int]]:
+        """(prefix, tier, bytes) for ``cachefsd_resident_bytes``: every
+        configured tier of every kept prefix, zeros included, so a series
+        does not vanish when its tier empties."""
+        return [
+            (prefix, tier, tiers.get(tier, 0))
+            for prefix, tiers in self.current().prefixes
+            for tier in [*self.tiers, *sorted(set(tiers) - set(self.tiers))]
+        ]
+
+
+# -- the daemon's answer --------------------------------------------------------
+
+
+class AccessStats(Protocol):
+    """The access model as stats sees it (``prefetch.access.AccessModel``)."""
+
+    def current(self) -> int: ...
+    def stats(self) -> dict[str, object]: ...
+
+
+class _Samples:
+    """One ``collect()`` of a registry, looked up by sample name and labels."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for family in registry.collect():
+            for sample in family.samples:
+                self._by_name.setdefault(sample.name, []).append((sample.labels, sample.value))
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sum of the samples of ``name`` carrying ``labels``."""
+        return sum(
+            value
+            for have, value in self._by_name.get(name, ())
+            if all(have.get(key) == wanted for key, wanted in labels.items())
+        )
+
+    def by(self, name: str, label: str, **labels: str) -> dict[str, float]:
+        """Samples of ``name`` carrying ``labels``, by the value of ``label``."""
+        found: dict[str, float] = {}
+        for have, value in self._by_name.get(name, ()):
+            if label in have and all(have.get(key) == wanted for key, wanted in labels.items()):
+                found[have[label]] = found.get(have[label], 0.0) + value
+        return found
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return part / whole if whole > 0 else None
+
+
+def _ints(values: dict[str, float]) -> dict[str, int]:
+    return {key: int(value) for key, value in sorted(values.items())}
+
+
+class DaemonStats:
+    """The daemon's ``GET /stats`` (through ``MountHandlers``' ``extra_stats``)
+    and the sampler thread behind the last-minute ratio."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        model: AccessStats,
+        residency: Residency,
+        source: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._metrics = metrics
+        self._model = model
+        self.residency = residency
+        self._source = source
+        self._clock = clock
+        self._started = clock()
+        self._ring = HitRing()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cachefsd-stats", daemon=True)
+
+    def start(self) -> None:
+        self.sample()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=SAMPLE_INTERVAL_SECONDS)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(SAMPLE_INTERVAL_SECONDS):
+            try:
+                self.sample()
+            except Exception:
+                log.exception("stats sample failed")
+
+    def sample(self) -> None:
+        """Add a ring sample, and bring the epoch gauge up to date (the
+        prefetcher does too, but only when prefetching is on). Reads only
+        the read-bytes counter, never the residency collector."""
+        self._metrics.epoch(self._model.current())
+        by_source: dict[str, float] = {}
+        for family in self._metrics.read_bytes.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    by_source[sample.labels["source"]] = sample.value
+        self._ring.add(self._clock(), by_source.get("cache", 0.0), by_source.get("cold", 0.0))
+
+    def snapshot(self) -> dict[str, Any]:
+        """The stats of this mount, beside ``MountHandlers``' own keys (pid,
+        mountpoint, source, block_size, tiers, hints). Bytes are integers,
+        ratios are 0..1 or null when nothing was measured yet::
+
+            uptime_seconds: float
+            reads: {count: {cache, cold}, bytes: {cache, cold, total},
+                    served_bytes: {memory?, <tier>..., cold?}}
+            hit_ratio: {since_mount, last_minute, last_minute_seconds,
+                        by_tier: {memory?, <tier>..., cold?}}
+            stall_seconds: float
+            fetch: {demand|prefetch|metadata: {count, bytes, retries, errors,
+                    p50_seconds, p99_seconds}}
+            prefetch: {issued_bytes, used_bytes, wasted_bytes, accuracy, waste}
+            dedup: {disk_saved_bytes, wire_saved_bytes}
+            cache: {used_bytes, capacity_bytes, promotions, demotions,
+                    evictions: {tier: n}, corrupt_blocks: {tier: n}, errors: {tier: n}}
+            epoch: {current, jobs: {job root: epoch}}
+            access: the access model's stats (prefetch.access.AccessModel.stats)
+            residency: {source, tiers: [name], age_seconds, refresh_seconds,
+                        max_prefixes, error, prefixes: [{prefix, bytes: {tier: n},
+                        total_bytes}]}
+        """
+        self._metrics.epoch(self._model.current())
+        samples = _Samples(self._metrics.registry)  # the residency collector refreshes if due
+        now = self._clock()
+        read_bytes = samples.by("cachefsd_read_bytes_total", "source")
+        cache_bytes, cold_bytes = read_bytes.get("cache", 0.0), read_bytes.get("cold", 0.0)
+        last_minute, window = self._ring.ratio(now, cache_bytes, cold_bytes)
+        issued = samples.value("cachefsd_prefetch_issued_bytes_total")
+        used = samples.value("cachefsd_prefetch_used_bytes_total")
+        wasted = samples.value("cachefsd_prefetch_wasted_bytes_total")
+        access = self._model.stats()
+        per_job = access.get("per_job", {})
+        jobs = (
+            {root: job.get("epoch") for root, job in per_job.items() if isinstance(job, dict)}
+            if isinstance(per_job, dict)
+            else {}
+        )
+        residency = self.residency.current()
+        age = None if residency.computed_at is None else round(now - residency.computed_at, 3)
+        return {
+            "uptime_seconds": round(now - self._started, 3),
+            "reads": {
+                "count": _ints(samples.by("cachefsd_reads_total", "source")),
+                "bytes": {
+                    "cache": int(cache_bytes),
+                    "cold": int(cold_bytes),
+                    "total": int(cache_bytes + cold_bytes),
+                },
+                "served_bytes": _ints(samples.by("cachefsd_served_bytes_total", "tier")),
+            },
+            "hit_ratio": {
+                "since_mount": _ratio(cache_bytes, cache_bytes + cold_bytes),
+                "last_minute": last_minute,
+                "last_minute_seconds": round(window, 3),
+                "by_tier": dict(sorted(samples.by("cachefsd_tier_hit_ratio", "tier").items())),
+            },
+            "stall_seconds": samples.value("cachefsd_read_stall_seconds_total"),
+            "fetch": {kind: self._fetch(samples, kind) for kind in FETCH_KINDS},
+            "prefetch": {
+                "issued_bytes": int(issued),
+                "used_bytes": int(used),
+                "wasted_bytes": int(wasted),
+                "accuracy": _ratio(used, issued),
+                "waste": _ratio(wasted, issued),
+            },
+            "dedup": {
+                "disk_saved_bytes": int(samples.value("cachefsd_dedup_saved_bytes_total", where="disk")),
+                "wire_saved_bytes": int(samples.value("cachefsd_dedup_saved_bytes_total", where="wire")),
+            },
+            "cache": {
+                "used_bytes": int(samples.value("cachefsd_cache_used_bytes")),
+                "capacity_bytes": int(samples.value("cachefsd_cache_capacity_bytes")),
+                "promotions": int(samples.value("cachefsd_cache_promotions_total")),
+                "demotions": int(samples.value("cachefsd_cache_demotions_total")),
+                "evictions": _ints(samples.by("cachefsd_cache_evictions_total", "tier")),
+                "corrupt_blocks": _ints(samples.by("cachefsd_cache_corrupt_blocks_total", "tier")),
+                "errors": _ints(samples.by("cachefsd_cache_errors_total", "tier")),
+            },
+            "epoch": {"current": int(samples.value("cachefsd_epoch")), "jobs": jobs},
+            "access": access,
+            "residency": {
+                "source": self._source,
+                "tiers": self.residency.tiers,
+                "age_seconds": age,
+                "refresh_seconds": self.residency.refresh,
+                "max_prefixes": self.residency.limit,
+                "error": residency.error,
+                "prefixes": [
+                    {
+                        "prefix": prefix,
+                        "bytes": dict(sorted(tiers.items())),
+                        "total_bytes": sum(tiers.values()),
+                    }
+                    for prefix, tiers in residency.prefixes
+                ],
+            },
+        }
+
+    @staticmethod
+    def _fetch(samples: _Samples, kind: str) -> dict[str, Any]:
+        buckets = [
+            (float(bound), count)
+            for bound, count in samples.by("cachefsd_fetch_seconds_bucket", "le", kind=kind).items()
+        ]
+        return {
+            "count": int(samples.value("cachefsd_fetch_seconds_count", kind=kind)),
+            "bytes": int(samples.value("cachefsd_fetch_bytes_total", kind=kind)),
+            "retries": int(samples.value("cachefsd_fetch_retries_total", kind=kind)),
+            "errors": int(samples.value("cachefsd_fetch_errors_total", kind=kind)),
+            **{name: histogram_quantile(q, buckets) for name, q in QUANTILES.items()},
+        }
+
+
+# -- showing it (the CLI's side) --------------------------------------------------
+
+
+def _percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{100 * ratio:.1f} %"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+def _uptime(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def render(stats: dict[str, Any], throughput: RenderableType | None = None) -> RenderableType:
+    """The stats JSON as tables: tiers, activity (hit ratios, latency,
+    stalls, prefetch, dedup, epochs), and residency by prefix.
+    ``throughput`` (``top``'s sparkline line) goes under the header."""
+    from rich.console import Group  # noqa: PLC0415 - the daemon never renders
+    from rich.table import Table  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
+
+    epoch = stats.get("epoch", {})
+    header = Text()
+    header.append(str(stats.get("mountpoint", "?")), style="bold")
+    header.append(f"  <-  {stats.get('source', '?')}")
+    header.append(
+        f"   pid {stats.get('pid', '?')}   up {_uptime(stats.get('uptime_seconds', 0.0))}"
+        f"   epoch {epoch.get('current', 0)}"
+    )
+    parts: list[RenderableType] = [header]
+    if throughput is not None:
+        parts.append(throughput)
+
+    tiers = Table(title="tiers", title_justify="left", expand=False)
+    for column in ("tier", "used", "capacity", "used %", "blocks"):
+        tiers.add_column(column, justify="left" if column == "tier" else "right")
+    for tier in stats.get("tiers", []):
+        capacity = tier["capacity_bytes"]
+        tiers.add_row(
+            tier["name"],
+            human_bytes(tier["used_bytes"]),
+            human_bytes(capacity),
+            _percent(tier["used_bytes"] / capacity if capacity else None),
+            str(tier["blocks"]),
+        )
+    parts.append(tiers)
+    parts.append(_activity(stats))
+
+    residency = stats.get("residency", {})
+    tier_names = list(residency.get("tiers", []))
+    resident = Table(title="resident", title_justify="left")
+    resident.add_column("prefix")
+    for name in tier_names:
+        resident.add_column(name, justify="right")
+    resident.add_column("total", justify="right")
+    for entry in residency.get("prefixes", []):
+        by_tier = entry["bytes"]
+        resident.add_row(
+            entry["prefix"],
+            *(human_bytes(by_tier.get(name, 0)) for name in tier_names),
+            human_bytes(entry["total_bytes"]),
+        )
+    if not residency.get("prefixes"):
+        resident.add_row("(nothing cached)", *("" for _ in tier_names), "")
+    parts.append(resident)
+    age = residency.get("age_seconds")
+    if age is not None:
+        note = (
+            f"bytes of each top-level prefix cached on this node, as of {age:.0f} s ago "
+            f"(refreshed at most every {residency.get('refresh_seconds', 0):.0f} s)"
+        )
+        if residency.get("error"):
+            note += f"; the last refresh failed: {residency['error']}"
+        parts.append(Text(note, style="dim"))
+    return Group(*parts)
+
+
+def _activity(stats: dict[str, Any]) -> RenderableType:
+    from rich.table import Table  # noqa: PLC0415
+
+    table = Table(title="activity", title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    hit = stats.get("hit_ratio", {})
+    reads = stats.get("reads", {})
+    read_bytes = reads.get("bytes", {})
+    fetch = stats.get("fetch", {}).get("demand", {})
+    prefetch = stats.get("prefetch", {})
+    dedup = stats.get("dedup", {})
+    epoch = stats.get("epoch", {})
+    window = hit.get("last_minute_seconds", 0.0)
+    table.add_row("hit ratio since mount", _percent(hit.get("since_mount")))
+    table.add_row(f"hit ratio last {window:.0f} s", _percent(hit.get("last_minute")))
+    table.add_row(
+        "read from cache / cold",
+        f"{human_bytes(read_bytes.get('cache', 0))} / {human_bytes(read_bytes.get('cold', 0))}",
+    )
+    served = reads.get("served_bytes", {})
+    table.add_row(
+        "served by", ", ".join(f"{name} {human_bytes(count)}" for name, count in served.items()) or "-"
+    )
+    table.add_row(
+        "fetch latency p50 / p99",
+        f"{_duration(fetch.get('p50_seconds'))} / {_duration(fetch.get('p99_seconds'))}"
+        f" ({fetch.get('count', 0)} demand GETs, {fetch.get('errors', 0)} failed)",
+    )
+    table.add_row("read stall", _duration(stats.get("stall_seconds", 0.0)))
+    table.add_row(
+        "prefetch",
+        f"issued {human_bytes(prefetch.get('issued_bytes', 0))}, "
+        f"used {human_bytes(prefetch.get('used_bytes', 0))} ({_percent(prefetch.get('accuracy'))}), "
+        f"wasted {human_bytes(prefetch.get('wasted_bytes', 0))}",
+    )
+    table.add_row(
+        "dedup saved",
+        f"disk {human_bytes(dedup.get('disk_saved_bytes', 0))}, "
+        f"wire {human_bytes(dedup.get('wire_saved_bytes', 0))}",
+    )
+    jobs = epoch.get("jobs", {})
+    per_job = ", ".join(f"{root or '/'}: {number}" for root, number in jobs.items())
+    table.add_row("epoch", f"{epoch.get('current', 0)}" + (f" ({per_job})" if per_job else ""))
+    return table
+
+
+def print_stats(stats: dict[str, Any]) -> None:
+    """``cachefsd stats`` without ``--json``."""
+    from rich.console import Console  # noqa: PLC0415
+
+    Console().print(render(stats))

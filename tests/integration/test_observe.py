@@ -1,0 +1,264 @@
+"""Observing a real mount: the metrics endpoint counts what the reads
+imply, ``cachefsd stats --json`` agrees with it (both read the same
+counters), residency reaches 100 % of a prefix that was read, and ``top``
+draws on a terminal and quits on ``q``.
+
+Prefetching is off in these mounts so that every byte the daemon fetches
+is one a test read asked for, and counters hold still between two looks.
+Every wait is bounded: a pseudo-terminal is read with ``select`` against a
+deadline, never slept on.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import random
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cachefsd.chunks.codec import HEADER_SIZE
+from cachefsd.chunks.tier import disk_bytes
+from cachefsd.testing.s3_server import S3TestServer
+from cachefsd.top import SPARK_CHARS
+from tests.integration.conftest import Mount, MountFactory, run_cli
+from tests.integration.datasets import new_bucket, put_objects
+
+KiB = 1 << 10
+BLOCK_SIZE = 64 * KiB
+# How long ``top`` may take to draw its first frames, and to exit after q.
+TOP_DRAW_SECONDS = 20.0
+TOP_EXIT_SECONDS = 10.0
+# ``top``'s refresh in the test: short, so a sparkline (which needs two
+# samples) appears within a fraction of a second.
+TOP_INTERVAL = "0.2"
+# The pseudo-terminal ``top`` draws on: large enough for every table.
+TERMINAL_ROWS, TERMINAL_COLUMNS = 60, 140
+
+
+def _dataset(seed: int, sizes: dict[str, int]) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    return {key: rng.randbytes(size) for key, size in sizes.items()}
+
+
+def _mount(mounter: MountFactory, s3_server: S3TestServer, bucket: str) -> Mount:
+    return mounter(
+        f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, "--block-size", "64K", "--no-prefetch"
+    )
+
+
+def _drop_page_cache() -> None:
+    """Drop the kernel's page cache, so the next read of a file through the
+    mount reaches the daemon (needs root, as in CI)."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def _blocks(data: bytes) -> list[bytes]:
+    return [data[start : start + BLOCK_SIZE] for start in range(0, len(data), BLOCK_SIZE)]
+
+
+def _delta(after: dict[str, float], before: dict[str, float], sample: str) -> float:
+    return after.get(sample, 0.0) - before.get(sample, 0.0)
+
+
+def _read_all(mount: Mount, objects: dict[str, bytes]) -> None:
+    for key, data in objects.items():
+        assert mount.path(key).read_bytes() == data, f"{key}: wrong bytes through the mount"
+
+
+def test_metrics_count_what_the_reads_imply(
+    s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
+) -> None:
+    # Sizes off the block grid, so the last block of each file is short.
+    objects = _dataset(1, {"train/a.bin": 3 * BLOCK_SIZE + 123, "train/b.bin": 5000, "val/c.bin": 200 * KiB})
+    bucket = new_bucket(s3_client)
+    put_objects(s3_client, bucket, objects)
+    mount = _mount(mounter, s3_server, bucket)
+    total = sum(len(data) for data in objects.values())
+    blocks = [block for data in objects.values() for block in _blocks(data)]
+
+    before = mount.metrics()
+    _read_all(mount, objects)
+    first = mount.metrics()
+    # Every byte of a first read waited on the bucket, once.
+    assert _delta(first, before, "cachefsd_read_bytes_total{source=cold}") == total
+    assert _delta(first, before, "cachefsd_read_bytes_total{source=cache}") == 0
+    assert _delta(first, before, "cachefsd_served_bytes_total{tier=cold}") == total
+    assert _delta(first, before, "cachefsd_fetch_seconds_count{kind=demand}") == len(blocks)
+    assert _delta(first, before, "cachefsd_fetch_bytes_total{kind=demand}") == total
+    assert _delta(first, before, "cachefsd_read_stall_seconds_total") > 0
+    assert first["cachefsd_hit_ratio"] == 0.0
+    # Each block is one raw frame in the hot tier, in 4 KiB allocation units.
+    used = sum(disk_bytes(HEADER_SIZE + len(block)) for block in blocks)
+    assert first["cachefsd_tier_used_bytes{tier=hot}"] == used
+    assert first["cachefsd_tier_blocks{tier=hot}"] == len(blocks)
+
+    _drop_page_cache()
+    _read_all(mount, objects)
+    again = mount.metrics()
+    # Re-read past the page cache: all of it from the hot tier, none from the bucket.
+    assert _delta(again, first, "cachefsd_read_bytes_total{source=cold}") == 0
+    assert _delta(again, first, "cachefsd_read_bytes_total{source=cache}") == total
+    assert _delta(again, first, "cachefsd_served_bytes_total{tier=hot}") == total
+    assert _delta(again, first, "cachefsd_fetch_seconds_count{kind=demand}") == 0
+    assert _delta(again, first, "cachefsd_reads_total{source=cold}") == 0
+    assert _delta(again, first, "cachefsd_reads_total{source=cache}") > 0
+    assert again["cachefsd_hit_ratio"] == 0.5
+    assert again["cachefsd_tier_used_bytes{tier=hot}"] == used
+
+
+def test_stats_json_agrees_with_the_metrics_and_shows_residency(
+    s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
+) -> None:
+    train = _dataset(2, {f"train/{i:02d}.bin": 40 * KiB + 1000 * i for i in range(6)})
+    val = _dataset(3, {"val/x.bin": 100 * KiB, "top.txt": 10})
+    bucket = new_bucket(s3_client)
+    put_objects(s3_client, bucket, {**train, **val})
+    mount = _mount(mounter, s3_server, bucket)
+
+    _read_all(mount, train)
+    _read_all(mount, train)  # a second pass over the job's files: its epoch 1
+    result = run_cli("stats", str(mount.mountpoint), "--json")
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout)
+    metrics = mount.metrics()
+
+    assert stats["source"] == f"s3://{bucket}"
+    assert stats["reads"]["bytes"]["cold"] == metrics["cachefsd_read_bytes_total{source=cold}"]
+    assert stats["reads"]["bytes"]["cache"] == metrics["cachefsd_read_bytes_total{source=cache}"]
+    assert stats["reads"]["bytes"]["cold"] == sum(len(data) for data in train.values())
+    assert stats["reads"]["served_bytes"]["cold"] == metrics["cachefsd_served_bytes_total{tier=cold}"]
+    assert stats["hit_ratio"]["since_mount"] == metrics["cachefsd_hit_ratio"]
+    assert stats["fetch"]["demand"]["count"] == metrics["cachefsd_fetch_seconds_count{kind=demand}"]
+    assert stats["fetch"]["demand"]["p50_seconds"] is not None
+    assert stats["fetch"]["demand"]["p50_seconds"] <= stats["fetch"]["demand"]["p99_seconds"]
+    assert stats["stall_seconds"] == metrics["cachefsd_read_stall_seconds_total"]
+    (hot,) = stats["tiers"]
+    assert hot["used_bytes"] == metrics["cachefsd_tier_used_bytes{tier=hot}"] > 0
+    assert hot["blocks"] == metrics["cachefsd_tier_blocks{tier=hot}"]
+    assert stats["epoch"]["current"] == metrics["cachefsd_epoch"] == 1
+    assert stats["epoch"]["jobs"]["train"] == 1
+
+    # All of train/ is resident, in the hot tier; nothing of val/ or the root.
+    train_bytes = sum(len(data) for data in train.values())
+    residency = stats["residency"]
+    assert residency["source"] == f"s3://{bucket}"
+    assert residency["prefixes"] == [
+        {"prefix": "train", "bytes": {"hot": train_bytes}, "total_bytes": train_bytes}
+    ]
+    label = f"cachefsd_resident_bytes{{prefix=train,source=s3://{bucket},tier=hot}}"
+    assert metrics[label] == train_bytes
+    assert not any(name.startswith("cachefsd_resident_bytes{prefix=val") for name in metrics)
+
+    table = run_cli("stats", str(mount.mountpoint))
+    assert table.returncode == 0, table.stderr
+    assert "tiers" in table.stdout
+    assert "train" in table.stdout
+
+
+def test_stats_of_a_path_that_is_not_a_mount_fails_in_one_line(tmp_path: Path) -> None:
+    result = run_cli("stats", str(tmp_path))
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"cachefsd: error: {tmp_path} is not a cachefsd mount"
+
+
+def _read_until(fd: int, done: Callable[[str], bool], seconds: float, seen: bytearray) -> bool:
+    """Read ``fd`` into ``seen`` until ``done(text so far)`` or the deadline."""
+    deadline = time.monotonic() + seconds
+    while not done(seen.decode(errors="replace")):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        readable, _, _ = select.select([fd], [], [], remaining)
+        if readable:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the other side has closed
+                return done(seen.decode(errors="replace"))
+            if not chunk:
+                return done(seen.decode(errors="replace"))
+            seen.extend(chunk)
+    return True
+
+
+def _drain_until_exit(fd: int, process: subprocess.Popen[bytes], seconds: float) -> int | None:
+    """Keep reading ``fd`` (a full terminal would block the writer) until
+    ``process`` exits or the deadline; its exit status, or None."""
+    deadline = time.monotonic() + seconds
+    while process.poll() is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        readable, _, _ = select.select([fd], [], [], min(remaining, 0.1))
+        if readable:
+            try:
+                os.read(fd, 65536)
+            except OSError:
+                break
+    try:
+        return process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def test_top_draws_the_tiers_and_a_sparkline_and_quits_on_q(
+    s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
+) -> None:
+    objects = _dataset(4, {"train/a.bin": 100 * KiB})
+    bucket = new_bucket(s3_client)
+    put_objects(s3_client, bucket, objects)
+    mount = _mount(mounter, s3_server, bucket)
+    _read_all(mount, objects)
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", TERMINAL_ROWS, TERMINAL_COLUMNS, 0, 0))
+    env = {
+        **os.environ,
+        "TERM": "xterm-256color",
+        "LANG": "C.UTF-8",
+        "PYTHONIOENCODING": "utf-8",
+        "COLUMNS": str(TERMINAL_COLUMNS),
+        "LINES": str(TERMINAL_ROWS),
+    }
+    top = subprocess.Popen(
+        [sys.executable, "-m", "cachefsd", "top", str(mount.mountpoint), "--interval", TOP_INTERVAL],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env=env,
+        start_new_session=True,
+    )
+    os.close(follower)
+    screen = bytearray()
+    try:
+        drawn = _read_until(
+            leader,
+            lambda text: "tiers" in text and "hot" in text and any(char in text for char in SPARK_CHARS),
+            TOP_DRAW_SECONDS,
+            screen,
+        )
+        assert drawn, (
+            f"top did not draw its tables and sparkline: {screen.decode(errors='replace')[-2000:]!r}"
+        )
+        assert top.poll() is None, "top exited on its own"
+        text = screen.decode(errors="replace")
+        assert f"s3://{bucket}" in text
+        assert "resident" in text
+        os.write(leader, b"q")
+        status = _drain_until_exit(leader, top, TOP_EXIT_SECONDS)
+        assert status == 0, f"top did not exit 0 within {TOP_EXIT_SECONDS:g}s after q (status {status})"
+    finally:
+        if top.poll() is None:
+            top.kill()
+            top.wait(timeout=TOP_EXIT_SECONDS)
+        os.close(leader)
