@@ -134,6 +134,8 @@ def run(workers: int, keep: bool) -> int:
                 console.print(f"[red]mismatched files: {bad[:5]}")
                 return 1
         console.print(table)
+        console.print(f"\n[bold]cachefsd stats {mountpoint}[/]")
+        subprocess.run([sys.executable, "-m", "cachefsd", "stats", str(mountpoint)], check=False)
         console.print(f"metrics: {metrics_url}")
     finally:
         unmount(mountpoint)

@@ -56,6 +56,9 @@ _RING_SAMPLES = int(HIT_WINDOW_SECONDS // SAMPLE_INTERVAL_SECONDS) + 2
 # 4 TiB cache of 4 MiB blocks, about a second of sqlite): at most once per
 # this long, whoever asks (a scrape every 15 s, ``top`` every second).
 RESIDENCY_REFRESH_SECONDS = 30.0
+# ``cachefsd stats`` is a person asking now: residency at most this old.
+# (``top`` calls it every second, so it is not zero.)
+STATS_RESIDENCY_MAX_AGE = 5.0
 # Prefixes exported (the largest by resident bytes); the rest are summed
 # under OTHER_PREFIX, so the metric's series stay bounded whatever the
 # bucket's layout (one directory per sample would otherwise be a series per
@@ -201,11 +204,13 @@ class Residency:
         self._lock = threading.Lock()  # also makes concurrent askers share one query
         self._snapshot = ResidencySnapshot(None, [])
 
-    def current(self) -> ResidencySnapshot:
+    def current(self, max_age: float | None = None) -> ResidencySnapshot:
+        """The residency, recomputed if older than ``max_age`` (default: the
+        refresh interval)."""
         with self._lock:
             now = self._clock()
             at = self._snapshot.computed_at
-            if at is None or now - at >= self.refresh:
+            if at is None or now - at >= (self.refresh if max_age is None else max_age):
                 try:
                     prefixes = bound_prefixes(self._query(), self.limit)
                     self._snapshot = ResidencySnapshot(now, prefixes)
@@ -358,7 +363,7 @@ class DaemonStats:
             if isinstance(per_job, dict)
             else {}
         )
-        residency = self.residency.current()
+        residency = self.residency.current(max_age=STATS_RESIDENCY_MAX_AGE)
         age = None if residency.computed_at is None else round(now - residency.computed_at, 3)
         return {
             "uptime_seconds": round(now - self._started, 3),
