@@ -21,6 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cachefsd.runtime import pid_alive, read_state
 
+# Shared test helpers with asserts of their own: rewrite them as pytest does
+# test modules, so their failures say what the values were.
+pytest.register_assert_rewrite("tests.integration.torture")
+
 MOUNT_TIMEOUT_SECONDS = 90.0
 UNMOUNT_TIMEOUT_SECONDS = 30.0
 

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import errno
 import functools
-import hashlib
 import mmap
 import os
 import random
-import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -35,6 +32,7 @@ from cachefsd.chunks.codec import HEADER_SIZE, CorruptBlock, decode
 from cachefsd.runtime import LOCK_WAIT_SECONDS
 from cachefsd.testing.s3_server import S3TestServer
 from tests.integration.conftest import Mount, MountFactory, force_unmount, free_port, run_cli
+from tests.integration.torture import KILL_ROUNDS, assert_reads_right, kill_round, metric, write_manifest
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -46,21 +44,6 @@ EIO_MARGIN_SECONDS = 7.0
 # A read served from the daemon's cache never touches the network; on a dead
 # or hanging bucket it must still be quick (far below the deadline).
 CACHED_READ_SECONDS = 2.0
-# Upper bound of any polling loop here.
-POLL_TIMEOUT_SECONDS = 60.0
-_POLL_INTERVAL_SECONDS = 0.05
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _poll(condition: Callable[[], bool], what: str, timeout: float = POLL_TIMEOUT_SECONDS) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(_POLL_INTERVAL_SECONDS)
 
 
 def _drop_page_cache() -> None:
@@ -76,11 +59,6 @@ def _new_bucket(s3_client: Any, objects: dict[str, bytes]) -> str:
     for key, body in objects.items():
         s3_client.put_object(Bucket=bucket, Key=key, Body=body)
     return bucket
-
-
-def _metric(mount: Mount, name: str) -> float:
-    """The sum of every sample of ``name`` (all label values)."""
-    return sum(value for sample, value in mount.metrics().items() if sample.partition("{")[0] == name)
 
 
 def _block_files(cache_dir: Path) -> list[Path]:
@@ -103,6 +81,19 @@ def _timed_read(path: Path) -> tuple[bytes, float]:
     return data, time.monotonic() - started
 
 
+def _mount_for_outage(mounter: MountFactory, server: S3TestServer, bucket: str) -> Mount:
+    """A mount whose fetches give up after ``FETCH_DEADLINE_SECONDS``, and
+    that never prefetches (so a file the test does not read stays uncached)."""
+    return mounter(
+        f"s3://{bucket}",
+        "--endpoint-url",
+        server.endpoint_url,
+        "--fetch-deadline",
+        f"{FETCH_DEADLINE_SECONDS:g}s",
+        "--no-prefetch",
+    )
+
+
 @pytest.fixture(name="outage_server")
 def fixture_outage_server(s3_server: S3TestServer) -> Iterator[S3TestServer]:
     """The shared S3 server, which the test may stop or slow down: it is
@@ -122,14 +113,7 @@ def test_stopped_server_serves_cached_files_fails_others_with_eio_then_recovers(
 ) -> None:
     objects = {f"data/{name}.bin": os.urandom(300 * KiB) for name in ("a", "b", "c")}
     bucket = _new_bucket(s3_client, objects)
-    mount = mounter(
-        f"s3://{bucket}",
-        "--endpoint-url",
-        outage_server.endpoint_url,
-        "--fetch-deadline",
-        f"{FETCH_DEADLINE_SECONDS:g}s",
-        "--no-prefetch",  # the uncached file must stay uncached
-    )
+    mount = _mount_for_outage(mounter, outage_server, bucket)
     assert sorted(p.name for p in mount.path("data").iterdir()) == ["a.bin", "b.bin", "c.bin"]
     for key in ("data/a.bin", "data/b.bin"):
         assert mount.path(key).read_bytes() == objects[key]
@@ -145,7 +129,7 @@ def test_stopped_server_serves_cached_files_fails_others_with_eio_then_recovers(
     assert elapsed < FETCH_DEADLINE_SECONDS + EIO_MARGIN_SECONDS, f"EIO only after {elapsed:.1f}s"
     assert mount.alive
     assert os.path.ismount(mount.mountpoint)
-    assert _metric(mount, "cachefsd_fetch_errors_total") >= 1
+    assert metric(mount, "cachefsd_fetch_errors_total") >= 1
 
     outage_server.start()
     outage_server.reset_counts()
@@ -158,14 +142,7 @@ def test_hanging_server_fails_uncached_reads_within_deadline_and_serves_cached(
 ) -> None:
     objects = {"cached.bin": os.urandom(200 * KiB), "uncached.bin": os.urandom(200 * KiB)}
     bucket = _new_bucket(s3_client, objects)
-    mount = mounter(
-        f"s3://{bucket}",
-        "--endpoint-url",
-        outage_server.endpoint_url,
-        "--fetch-deadline",
-        f"{FETCH_DEADLINE_SECONDS:g}s",
-        "--no-prefetch",  # the uncached file must stay uncached
-    )
+    mount = _mount_for_outage(mounter, outage_server, bucket)
     assert sorted(p.name for p in mount.mountpoint.iterdir()) == ["cached.bin", "uncached.bin"]
     assert mount.path("cached.bin").read_bytes() == objects["cached.bin"]
 
@@ -239,7 +216,7 @@ def test_corrupt_block_on_disk_is_refetched_after_remount(
     if corruption != "truncate_half":
         # A frame that still has its recorded size is caught by its hash on read
         # (a shorter file is already dropped by start-up's reconcile).
-        assert _metric(mount, "cachefsd_cache_corrupt_blocks_total") >= 1
+        assert metric(mount, "cachefsd_cache_corrupt_blocks_total") >= 1
     _drop_page_cache()
     assert mount.path("file.bin").read_bytes() == original
 
@@ -267,72 +244,24 @@ def test_corrupt_block_while_mounted_is_never_served(tmp_path: Path, mounter: Mo
         assert mount.path(name).read_bytes() == body
     _drop_page_cache()
     assert mount.path("target.bin").read_bytes() == original
-    assert _metric(mount, "cachefsd_cache_corrupt_blocks_total") >= 2
+    assert metric(mount, "cachefsd_cache_corrupt_blocks_total") >= 2
     assert mount.alive
 
 
 # -- kill -9 mid-read --------------------------------------------------------------------------
 
-# Reads every file of the manifest in a shuffled loop, dropping each file's
-# pages afterwards so every read reaches the daemon. Prints how many files it
-# read and the errno that stopped it; exits 2 on a wrong byte.
-_READER = r"""
-import hashlib, os, random, sys
-
-root, manifest, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
-expected = dict(line.split() for line in open(manifest))
-names = sorted(expected)
-rng = random.Random(seed)
-done = 0
-while True:
-    rng.shuffle(names)
-    for name in names:
-        try:
-            with open(os.path.join(root, name), "rb") as handle:
-                data = handle.read()
-                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError as exc:
-            print(done, exc.errno, flush=True)
-            sys.exit(0)
-        if hashlib.sha256(data).hexdigest() != expected[name]:
-            print(done, "mismatch", name, len(data), flush=True)
-            sys.exit(2)
-        done += 1
-"""
-READERS = 4
-KILL_ROUNDS = 3
-# Errors a reader may see once the daemon is gone: new requests on an aborted
-# connection fail with ENOTCONN, requests in flight with ECONNABORTED.
-DEAD_MOUNT_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED}
-READER_EXIT_SECONDS = 30.0
 # Kill once the readers got this far: files have been read whole, admissions
 # and evictions are under way, and most of the dataset is still to be fetched.
 KILL_AFTER_READ_BYTES = 8 * MiB
 KILL_AFTER_EVICTIONS = 8
 
 
-def _wait_dead(pid: int) -> None:
-    """Until ``pid`` is gone or a zombie (its parent, the CLI, has exited, so
-    it may never be reaped in a container without an init)."""
-
-    def dead() -> bool:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except FileNotFoundError:
-            return True
-        return stat.rpartition(")")[2].split()[0] == "Z"
-
-    _poll(dead, f"daemon pid {pid} to die")
-
-
-def _churning(mount: Mount, readers: list[subprocess.Popen[str]]) -> bool:
+def _churning(mount: Mount) -> bool:
     """True once the readers have read a few files and the cache has evicted
-    a few blocks under them (or a reader has stopped, which the caller reports)."""
-    if any(reader.poll() is not None for reader in readers):
-        return True
+    a few blocks under them."""
     return (
-        _metric(mount, "cachefsd_read_bytes_total") >= KILL_AFTER_READ_BYTES
-        and _metric(mount, "cachefsd_cache_evictions_total") >= KILL_AFTER_EVICTIONS
+        metric(mount, "cachefsd_read_bytes_total") >= KILL_AFTER_READ_BYTES
+        and metric(mount, "cachefsd_cache_evictions_total") >= KILL_AFTER_EVICTIONS
     )
 
 
@@ -357,48 +286,16 @@ def test_sigkill_during_heavy_reads_never_serves_wrong_bytes(
     objects = {f"shard-{i:02d}.bin": os.urandom(1 * MiB) for i in range(40)}
     bucket = _new_bucket(s3_client, objects)
     manifest = tmp_path / "manifest.txt"
-    manifest.write_text("".join(f"{name} {_sha256(body)}\n" for name, body in objects.items()))
+    write_manifest(manifest, objects)
     capacity = 12 * MiB  # under a third of the dataset: admissions keep evicting
     flags = ("--endpoint-url", s3_server.endpoint_url, "--block-size", "256K", "--cache-size", "12M")
     cache_dir = tmp_path / "cache"
+    new_mount = functools.partial(mounter, f"s3://{bucket}", *flags, cache_dir=cache_dir)
 
     for round_number in range(KILL_ROUNDS):
-        mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
-        readers = [
-            subprocess.Popen(
-                [sys.executable, "-c", _READER, str(mount.mountpoint), str(manifest), str(seed)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for seed in range(round_number * READERS, (round_number + 1) * READERS)
-        ]
-        try:
-            # Kill in the middle of the churn: blocks are being fetched,
-            # admitted and evicted, and every reader is still going.
-            _poll(functools.partial(_churning, mount, readers), "evictions under the readers")
-            assert all(reader.poll() is None for reader in readers), "a reader stopped before the kill"
-            os.kill(mount.pid, signal.SIGKILL)
-            _wait_dead(mount.pid)
-            outcomes = []
-            for reader in readers:
-                out, err = reader.communicate(timeout=READER_EXIT_SECONDS)
-                outcomes.append((reader.returncode, out.strip(), err.strip()))
-        finally:
-            for reader in readers:
-                if reader.poll() is None:
-                    reader.kill()
-                    reader.wait()
-            force_unmount(mount.mountpoint)
-        for returncode, out, err in outcomes:
-            assert returncode == 0, f"reader saw wrong bytes: {out} {err}"
-            assert int(out.split()[1]) in DEAD_MOUNT_ERRNOS, f"reader stopped by: {out}"
-
-        mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
-        for name in sorted(objects, key=lambda _: random.random()):
-            assert _sha256(mount.path(name).read_bytes()) == _sha256(objects[name]), (
-                f"{name} wrong after kill -9 number {round_number + 1}"
-            )
+        kill_round(new_mount, manifest, round_number, _churning, "evictions under the readers")
+        mount = new_mount()
+        assert_reads_right(mount, objects, f"after kill -9 number {round_number + 1}")
         mount.unmount()
 
     _check_cache_dir(cache_dir, capacity)
@@ -461,7 +358,7 @@ def test_full_cache_disk_falls_back_to_the_network(
                 assert _read_direct(mount.path(name)) == body, f"{name} wrong on a full cache disk"
         for name, body in objects.items():
             assert mount.path(name).read_bytes() == body
-        assert _metric(mount, "cachefsd_cache_errors_total") > 0
+        assert metric(mount, "cachefsd_cache_errors_total") > 0
         assert mount.alive
         mount.unmount()
     finally:

@@ -48,6 +48,29 @@ def _mount(mounter: MountFactory, s3_server: S3TestServer, bucket: str, *flags: 
     return mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, *BLOCK_FLAGS, *flags, **kwargs)
 
 
+def _seed_and_mount(
+    s3_client: Any,
+    s3_server: S3TestServer,
+    mounter: MountFactory,
+    stem: str,
+    objects: dict[str, bytes],
+    *flags: str,
+) -> tuple[str, Mount]:
+    """A new bucket holding ``objects``, and a mount of it (see ``_mount``)."""
+    bucket = new_bucket(s3_client, stem)
+    put_objects(s3_client, bucket, objects)
+    return bucket, _mount(mounter, s3_server, bucket, *flags)
+
+
+def _hint_stats(mount: Mount) -> dict[str, Any]:
+    """The daemon's hint counters, asked over its control socket."""
+    state = read_state(mount.mountpoint)
+    assert state is not None
+    assert state.control_socket is not None
+    hints: dict[str, Any] = ControlClient(state.control_socket).stats()["hints"]
+    return hints
+
+
 def _stage(*args: str) -> tuple[int, dict[str, Any], str]:
     """Run ``cachefsd stage ... --json``: exit code, summary, stderr."""
     result = run_cli("stage", *args, "--json")
@@ -66,9 +89,7 @@ def test_stage_through_the_mount_then_reads_make_no_get(
 ) -> None:
     objects = _dataset(1)
     total = sum(len(data) for data in objects.values())
-    bucket = new_bucket(s3_client, "stage")
-    put_objects(s3_client, bucket, objects)
-    mount = _mount(mounter, s3_server, bucket)
+    _, mount = _seed_and_mount(s3_client, s3_server, mounter, "stage", objects)
 
     code, before, _ = _stage(str(mount.mountpoint), "--check")
     assert code == 0
@@ -101,9 +122,7 @@ def test_include_and_subdirectory_select_a_subset(
     s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
 ) -> None:
     objects = _dataset(2)
-    bucket = new_bucket(s3_client, "include")
-    put_objects(s3_client, bucket, objects)
-    mount = _mount(mounter, s3_server, bucket)
+    _, mount = _seed_and_mount(s3_client, s3_server, mounter, "include", objects)
 
     tars = {key: data for key, data in objects.items() if key.endswith(".tar")}
     code, summary, _ = _stage(str(mount.mountpoint), "--include", "*.tar")
@@ -132,10 +151,8 @@ def test_tier_warm_places_blocks_in_the_warm_tier(
 ) -> None:
     objects = {f"shard-{i}.bin": os.urandom(100 * KiB) for i in range(4)}
     total = sum(len(data) for data in objects.values())
-    bucket = new_bucket(s3_client, "warm")
-    put_objects(s3_client, bucket, objects)
     tiers = ("--hot", str(tmp_path / "hot"), "--hot-size", "4M", "--warm", str(tmp_path / "warm"))
-    mount = _mount(mounter, s3_server, bucket, *tiers, "--warm-size", "16M")
+    _, mount = _seed_and_mount(s3_client, s3_server, mounter, "warm", objects, *tiers, "--warm-size", "16M")
 
     code, summary, _ = _stage(str(mount.mountpoint), "--tier", "warm")
     assert code == 0
@@ -180,9 +197,7 @@ def test_a_file_deleted_after_listing_fails_the_stage_by_name(
     s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
 ) -> None:
     objects = _dataset(4)
-    bucket = new_bucket(s3_client, "deleted")
-    put_objects(s3_client, bucket, objects)
-    mount = _mount(mounter, s3_server, bucket)
+    bucket, mount = _seed_and_mount(s3_client, s3_server, mounter, "deleted", objects)
     walked = list(os.walk(mount.mountpoint))  # the listings are now cached
     assert walked
     gone = "train/class_2/03.raw"
@@ -203,9 +218,7 @@ def test_a_file_deleted_after_listing_fails_the_stage_by_name(
 def test_a_mount_without_its_daemon_names_the_source(
     s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
 ) -> None:
-    bucket = new_bucket(s3_client, "dead")
-    put_objects(s3_client, bucket, {"a": b"x"})
-    mount = _mount(mounter, s3_server, bucket)
+    bucket, mount = _seed_and_mount(s3_client, s3_server, mounter, "dead", {"a": b"x"})
     os.kill(mount.pid, signal.SIGKILL)
     deadline = time.monotonic() + EXIT_WAIT_SECONDS
     while pid_alive(mount.pid) and time.monotonic() < deadline:
@@ -219,9 +232,7 @@ def test_hint_command_counts_and_wrong_hints_keep_bytes_right(
     tmp_path: Path, s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
 ) -> None:
     objects = _dataset(5)
-    bucket = new_bucket(s3_client, "hint")
-    put_objects(s3_client, bucket, objects)
-    mount = _mount(mounter, s3_server, bucket)
+    _, mount = _seed_and_mount(s3_client, s3_server, mounter, "hint", objects)
     keys = sorted(objects, reverse=True)  # not the order they will be read in
     order = tmp_path / "order.txt"
     lines = [str(mount.path(key)) for key in keys[:5]] + keys[5:] + ["no/such/file", "", "train"]
@@ -232,10 +243,7 @@ def test_hint_command_counts_and_wrong_hints_keep_bytes_right(
     assert f"{len(objects)} accepted, 2 unknown" in result.stdout
 
     _read_all(mount, dict(sorted(objects.items())))
-    state = read_state(mount.mountpoint)
-    assert state is not None
-    assert state.control_socket is not None
-    assert ControlClient(state.control_socket).stats()["hints"]["received"] >= 1
+    assert _hint_stats(mount)["received"] >= 1
 
     outside = tmp_path / "outside.txt"
     outside.write_text("/etc/passwd\n")
@@ -254,9 +262,7 @@ def test_hinting_sampler_with_a_dataloader(
     from cachefsd.hints import HintingSampler  # noqa: PLC0415
 
     objects = {key: data for key, data in _dataset(6).items() if key.startswith("train/")}
-    bucket = new_bucket(s3_client, "sampler")
-    put_objects(s3_client, bucket, objects)
-    mount = _mount(mounter, s3_server, bucket)
+    _, mount = _seed_and_mount(s3_client, s3_server, mounter, "sampler", objects)
     dataset = RawFileDataset(mount.path("train"))
     sampler = HintingSampler(
         RandomSampler(dataset, generator=torch.Generator().manual_seed(0)),
@@ -275,9 +281,6 @@ def test_hinting_sampler_with_a_dataloader(
         assert sampler.wait(30.0)
         assert [(r.sent, r.accepted, r.unknown) for r in sampler.results] == [(len(dataset), len(dataset), 0)]
 
-    state = read_state(mount.mountpoint)
-    assert state is not None
-    assert state.control_socket is not None
-    hints = ControlClient(state.control_socket).stats()["hints"]
+    hints = _hint_stats(mount)
     assert hints["received"] == 2
     assert hints["accepted"] == 2 * len(dataset)

@@ -15,16 +15,11 @@ size rounded up to the 4 KiB allocation unit. Every wait is a bounded poll.
 
 from __future__ import annotations
 
-import errno
 import functools
-import hashlib
 import os
 import random
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,28 +30,20 @@ from cachefsd.chunks.tier import disk_bytes
 from cachefsd.testing.s3_server import S3TestServer
 from tests.integration.conftest import Mount, MountFactory, force_unmount, free_port, run_cli
 from tests.integration.datasets import new_bucket, put_objects
+from tests.integration.torture import (
+    KILL_ROUNDS,
+    assert_reads_right,
+    kill_during_reads,
+    metric,
+    write_manifest,
+)
 
 KiB = 1 << 10
 MiB = 1 << 20
 
 BLOCK_SIZE = 64 * KiB
-# Upper bound of any polling loop here.
-POLL_TIMEOUT_SECONDS = 60.0
-_POLL_INTERVAL_SECONDS = 0.05
 # verify and gc on a cache in use must answer at once, not after a lock wait.
 FAIL_FAST_SECONDS = 10.0
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _poll(condition: Callable[[], bool], what: str, timeout: float = POLL_TIMEOUT_SECONDS) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(_POLL_INTERVAL_SECONDS)
 
 
 def _drop_page_cache() -> None:
@@ -66,9 +53,24 @@ def _drop_page_cache() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def _metric(mount: Mount, name: str) -> float:
-    """The sum of every sample of ``name`` (all label values)."""
-    return sum(value for sample, value in mount.metrics().items() if sample.partition("{")[0] == name)
+def _tier_flags(
+    s3_server: S3TestServer, hot: Path, hot_size: str, warm: Path, warm_size: str
+) -> tuple[str, ...]:
+    """Mount flags for the test bucket in 64 KiB blocks, with a hot and a warm tier."""
+    return (
+        "--endpoint-url",
+        s3_server.endpoint_url,
+        "--block-size",
+        "64K",
+        "--hot",
+        str(hot),
+        "--hot-size",
+        hot_size,
+        "--warm",
+        str(warm),
+        "--warm-size",
+        warm_size,
+    )
 
 
 def _block_files(tier_dir: Path) -> list[Path]:
@@ -127,20 +129,7 @@ def test_blocks_demote_to_warm_promote_on_reuse_and_never_overflow_a_tier(
     put_objects(s3_client, bucket, objects)
     hot, warm, cache_dir = tmp_path / "hot", tmp_path / "warm", tmp_path / "cache"
     tiers = {"hot": (hot, 512 * KiB), "warm": (warm, 8 * MiB)}
-    flags = (
-        "--endpoint-url",
-        s3_server.endpoint_url,
-        "--block-size",
-        "64K",
-        "--hot",
-        str(hot),
-        "--hot-size",
-        "512K",
-        "--warm",
-        str(warm),
-        "--warm-size",
-        "8M",
-    )
+    flags = _tier_flags(s3_server, hot, "512K", warm, "8M")
 
     # Pass 1: the text is read first, so it is what the hot tier gives up
     # to the warm one (and what the warm tier compresses).
@@ -148,8 +137,8 @@ def test_blocks_demote_to_warm_promote_on_reuse_and_never_overflow_a_tier(
     _read_all(mount, objects)
     _assert_within_capacity(tiers, "after the first pass")
     metrics = mount.metrics()
-    assert _metric(mount, "cachefsd_cache_demotions_total") > 0
-    assert _metric(mount, "cachefsd_cache_evictions_total") == 0, "hot + warm hold the dataset"
+    assert metric(mount, "cachefsd_cache_demotions_total") > 0
+    assert metric(mount, "cachefsd_cache_evictions_total") == 0, "hot + warm hold the dataset"
     for name, (tier_dir, capacity) in tiers.items():
         assert metrics[f"cachefsd_tier_capacity_bytes{{tier={name}}}"] == capacity
         assert metrics[f"cachefsd_tier_used_bytes{{tier={name}}}"] == _disk_bytes(tier_dir), name
@@ -181,8 +170,8 @@ def test_blocks_demote_to_warm_promote_on_reuse_and_never_overflow_a_tier(
     assert s3_server.get_object_count == 0, "the second pass went to the bucket"
     # Hits in the warm tier move up, in place of hot blocks already read
     # (the default epoch-aware policy gives up blocks read in this epoch).
-    assert _metric(mount, "cachefsd_cache_promotions_total") > 0
-    assert _metric(mount, "cachefsd_tier_read_bytes_total") >= sum(len(body) for body in objects.values())
+    assert metric(mount, "cachefsd_cache_promotions_total") > 0
+    assert metric(mount, "cachefsd_tier_read_bytes_total") >= sum(len(body) for body in objects.values())
     assert mount.metrics()["cachefsd_tier_read_bytes_total{tier=warm}"] > 0
     _assert_within_capacity(tiers, "after the second pass")
     mount.unmount()
@@ -244,38 +233,6 @@ def test_two_buckets_with_the_same_objects_share_one_cache(
 
 # -- 3. kill -9 under tier churn -------------------------------------------------------------
 
-# Reads every file of the manifest in a shuffled loop, dropping each file's
-# pages afterwards so every read reaches the daemon. Prints how many files it
-# read and the errno that stopped it; exits 2 on a wrong byte.
-_READER = r"""
-import hashlib, os, random, sys
-
-root, manifest, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
-expected = dict(line.split() for line in open(manifest))
-names = sorted(expected)
-rng = random.Random(seed)
-done = 0
-while True:
-    rng.shuffle(names)
-    for name in names:
-        try:
-            with open(os.path.join(root, name), "rb") as handle:
-                data = handle.read()
-                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError as exc:
-            print(done, exc.errno, flush=True)
-            sys.exit(0)
-        if hashlib.sha256(data).hexdigest() != expected[name]:
-            print(done, "mismatch", name, len(data), flush=True)
-            sys.exit(2)
-        done += 1
-"""
-READERS = 4
-KILL_ROUNDS = 3
-# Errors a reader may see once the daemon is gone: new requests on an aborted
-# connection fail with ENOTCONN, requests in flight with ECONNABORTED.
-DEAD_MOUNT_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED}
-READER_EXIT_SECONDS = 30.0
 # Kill once blocks are being demoted out of hot and evicted out of warm: the
 # whole dataset is more than both tiers hold, so the churn goes on until every
 # block has been fetched once.
@@ -283,26 +240,11 @@ KILL_AFTER_DEMOTIONS = 8
 KILL_AFTER_EVICTIONS = 4
 
 
-def _wait_dead(pid: int) -> None:
-    """Until ``pid`` is gone or a zombie (its parent, the CLI, has exited, so
-    it may never be reaped in a container without an init)."""
-
-    def dead() -> bool:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except FileNotFoundError:
-            return True
-        return stat.rpartition(")")[2].split()[0] == "Z"
-
-    _poll(dead, f"daemon pid {pid} to die")
-
-
-def _churning(mount: Mount, readers: list[subprocess.Popen[str]]) -> bool:
-    if any(reader.poll() is not None for reader in readers):
-        return True
+def _churning(mount: Mount) -> bool:
+    """True once the hot tier is demoting blocks and the warm one evicting them."""
     return (
-        _metric(mount, "cachefsd_cache_demotions_total") >= KILL_AFTER_DEMOTIONS
-        and _metric(mount, "cachefsd_cache_evictions_total") >= KILL_AFTER_EVICTIONS
+        metric(mount, "cachefsd_cache_demotions_total") >= KILL_AFTER_DEMOTIONS
+        and metric(mount, "cachefsd_cache_evictions_total") >= KILL_AFTER_EVICTIONS
     )
 
 
@@ -314,59 +256,19 @@ def test_sigkill_under_tier_churn_leaves_a_cache_verify_finds_clean(
     bucket = new_bucket(s3_client, "torture")
     put_objects(s3_client, bucket, objects)
     manifest = tmp_path / "manifest.txt"
-    manifest.write_text("".join(f"{name} {_sha256(body)}\n" for name, body in objects.items()))
+    write_manifest(manifest, objects)
     hot, warm, cache_dir = tmp_path / "hot", tmp_path / "warm", tmp_path / "cache"
     tiers = {"hot": (hot, 512 * KiB), "warm": (warm, 2 * MiB)}
-    flags = (
-        "--endpoint-url",
-        s3_server.endpoint_url,
-        "--block-size",
-        "64K",
-        "--hot",
-        str(hot),
-        "--hot-size",
-        "512K",
-        "--warm",
-        str(warm),
-        "--warm-size",
-        "2M",
+    flags = _tier_flags(s3_server, hot, "512K", warm, "2M")
+
+    new_mount = functools.partial(mounter, f"s3://{bucket}", *flags, cache_dir=cache_dir)
+
+    kill_during_reads(
+        new_mount, manifest, KILL_ROUNDS, _churning, "demotions and evictions under the readers"
     )
 
-    for round_number in range(KILL_ROUNDS):
-        mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
-        readers = [
-            subprocess.Popen(
-                [sys.executable, "-c", _READER, str(mount.mountpoint), str(manifest), str(seed)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for seed in range(round_number * READERS, (round_number + 1) * READERS)
-        ]
-        try:
-            _poll(functools.partial(_churning, mount, readers), "demotions and evictions under the readers")
-            assert all(reader.poll() is None for reader in readers), "a reader stopped before the kill"
-            os.kill(mount.pid, signal.SIGKILL)
-            _wait_dead(mount.pid)
-            outcomes = []
-            for reader in readers:
-                out, err = reader.communicate(timeout=READER_EXIT_SECONDS)
-                outcomes.append((reader.returncode, out.strip(), err.strip()))
-        finally:
-            for reader in readers:
-                if reader.poll() is None:
-                    reader.kill()
-                    reader.wait()
-            force_unmount(mount.mountpoint)
-        for returncode, out, err in outcomes:
-            assert returncode == 0, f"reader saw wrong bytes: {out} {err}"
-            assert int(out.split()[1]) in DEAD_MOUNT_ERRNOS, f"reader stopped by: {out}"
-
-    mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
-    for name in sorted(objects, key=lambda _: random.random()):
-        assert _sha256(mount.path(name).read_bytes()) == _sha256(objects[name]), (
-            f"{name} wrong after the kills"
-        )
+    mount = new_mount()
+    assert_reads_right(mount, objects, "after the kills")
     _assert_within_capacity(tiers, "after the kills")
     mount.unmount()
 
@@ -399,20 +301,7 @@ def test_verify_reports_damaged_blocks_and_repair_drops_them(
     bucket = new_bucket(s3_client, "verify")
     put_objects(s3_client, bucket, objects)
     hot, warm, cache_dir = tmp_path / "hot", tmp_path / "warm", tmp_path / "cache"
-    flags = (
-        "--endpoint-url",
-        s3_server.endpoint_url,
-        "--block-size",
-        "64K",
-        "--hot",
-        str(hot),
-        "--hot-size",
-        "256K",
-        "--warm",
-        str(warm),
-        "--warm-size",
-        "4M",
-    )
+    flags = _tier_flags(s3_server, hot, "256K", warm, "4M")
     mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
     _read_all(mount, objects)
     mount.unmount()
