@@ -92,12 +92,34 @@ def _mount_flags(args: argparse.Namespace) -> dict[str, Any]:
     return flags
 
 
+class LogfmtFormatter(logging.Formatter):
+    """One line per event, ``key=value`` (logfmt), so journald, Loki or
+    ``grep`` can take it apart; a traceback is folded into the line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = [
+            ("ts", self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z"),
+            ("level", record.levelname.lower()),
+            ("logger", record.name),
+            ("msg", record.getMessage()),
+        ]
+        if record.exc_info:
+            fields.append(("exc", self.formatException(record.exc_info)))
+        return " ".join(f"{key}={_logfmt_value(value)}" for key, value in fields)
+
+
+def _logfmt_value(value: str) -> str:
+    if value and not any(char in value for char in ' "=\n\\'):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
 def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    formatter = LogfmtFormatter()
+    formatter.converter = time.gmtime
+    handler.setFormatter(formatter)
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
 

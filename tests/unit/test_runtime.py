@@ -1,12 +1,15 @@
-"""systemd readiness: the sd_notify datagram."""
+"""systemd readiness (the sd_notify datagram) and the log line format."""
 
 from __future__ import annotations
 
+import logging
 import socket
+import sys
 from pathlib import Path
 
 import pytest
 
+from cachefsd.cli import LogfmtFormatter
 from cachefsd.runtime import notify_systemd
 
 
@@ -23,3 +26,18 @@ def test_ready_is_sent_to_the_notify_socket(tmp_path: Path, monkeypatch: pytest.
 def test_without_systemd_nothing_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     notify_systemd("READY=1")  # must not raise
+
+
+def test_log_lines_are_single_line_logfmt() -> None:
+    formatter = LogfmtFormatter()
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord(
+            "cachefsd.x", logging.ERROR, __file__, 1, 'bad "%s"', ("thing",), sys.exc_info()
+        )
+    line = formatter.format(record)
+    assert "\n" not in line
+    assert line.startswith("ts=")
+    assert ' level=error logger=cachefsd.x msg="bad \\"thing\\"" exc="Traceback' in line
+    assert "ValueError: boom" in line
