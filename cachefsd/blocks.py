@@ -229,6 +229,11 @@ class BlockReader:
         """The content hash cached for block ``index`` of ``info``, or None."""
         return self._cache.lookup(self.ref(info, index))
 
+    def could_cache(self, nbytes: int) -> bool:
+        """Whether the cache would keep a block fetched ahead now; fetching
+        one it would refuse only spends bandwidth."""
+        return self._cache.could_admit(nbytes)
+
     def residency(self, info: ObjectInfo, index: int) -> str | None:
         """The tier holding block ``index`` of ``info``, or None."""
         digest = self._cache.lookup(self.ref(info, index))

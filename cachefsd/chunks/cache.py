@@ -171,6 +171,10 @@ class TieredCache:
         self._events.dedup_saved("wire", len(data))
         return data
 
+    def could_admit(self, size: int) -> bool:
+        """Whether some tier would take a new block of ``size`` bytes now."""
+        return any(tier.could_admit(size) for tier in self._tiers)
+
     def tier_of(self, digest: str) -> str | None:
         tier = self._tier_holding(digest)
         return None if tier is None else tier.name

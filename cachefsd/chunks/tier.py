@@ -81,6 +81,14 @@ class Tier:
 
     # -- accounting -------------------------------------------------------
 
+    def could_admit(self, size: int) -> bool:
+        """Whether ``size`` more bytes would be taken now: there is free
+        space, or the policy has a victim to give up. Changes nothing."""
+        with self._lock:
+            return self._used + size <= self.capacity or (
+                size <= self.capacity and self._policy.victim() is not None
+            )
+
     def make_room(self, size: int, incoming: str) -> list[str]:
         """Victims whose removal leaves room for ``size`` bytes of block
         ``incoming`` (the policy may weigh it against them); they are out

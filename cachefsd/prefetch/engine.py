@@ -50,6 +50,19 @@ PREDICTIONS_PER_ROUND = 4096
 # The thread also wakes this often without events, to retire waste and to
 # spend bandwidth tokens that have accumulated.
 IDLE_WAKE_SECONDS = 0.5
+# At most this many rounds a second: a round asks the model for predictions
+# (milliseconds under its lock), and readers that open hundreds of files a
+# second do not need a new plan for each.
+MIN_ROUND_SECONDS = 0.05
+# Predictions asked for per free prefetch slot: enough to find uncached
+# blocks among the cached ones of a cache that holds most of the dataset.
+PREDICTIONS_PER_SLOT = 64
+# How far ahead the prefetcher may reach to begin with, and at least: the
+# reach then adapts (AIMD) between this and the configured lookahead,
+# shrinking when fetched blocks are thrown away unread (a cache too small for
+# the lookahead) and growing as they are read.
+INITIAL_WINDOW_BYTES = 64 << 20
+MIN_WINDOW_BYTES = 8 << 20
 # A block whose prefetch failed is not tried again for this long: a deleted
 # object or a failing bucket must not turn the prefetcher into a busy loop.
 # A demand read of the block is not affected.
@@ -116,6 +129,9 @@ class Prefetcher:
         self._ahead: dict[BlockRef, _Ahead] = {}
         self._in_flight: set[BlockRef] = set()
         self._failed: dict[BlockRef, float] = {}  # block -> when it may be tried again
+        self._window = min(settings.lookahead, INITIAL_WINDOW_BYTES)  # bytes ahead allowed now (AIMD)
+        self._epoch = 0
+        self._settled: set[str] = set()  # files found wholly cached this epoch
         self._hint_world = 0
         self._hint_parts: dict[int, list[str]] = {}  # rank -> its share of the epoch's order
         self._ahead_bytes = 0
@@ -155,6 +171,7 @@ class Prefetcher:
                     used += ahead.nbytes
                     self._planned.consumed(ahead.digest)
         if used:
+            self._grow_window(used)
             self._events.prefetch_used(used)
         self._wake.set()
 
@@ -198,46 +215,68 @@ class Prefetcher:
     # -- the prefetch thread ----------------------------------------------
 
     def _run(self) -> None:
+        retired_at = 0.0
         while not self._stopped.is_set():
             self._wake.wait(IDLE_WAKE_SECONDS)
             self._wake.clear()
             try:
-                self._events.epoch(self._model.current())
-                self._retire_waste()
-                self._issue()
+                epoch = self._model.current()
+                self._events.epoch(epoch)
+                if epoch != self._epoch:
+                    self._epoch, self._settled = epoch, set()
+                now = time.monotonic()
+                if now - retired_at >= IDLE_WAKE_SECONDS:
+                    retired_at = now
+                    self._retire_waste()
+                if self._has_budget():
+                    self._issue()
             except Exception:
                 log.exception("prefetch round failed")
+            # Rounds are paced: a round asks the model for many predictions,
+            # and completions would otherwise start one per finished GET.
+            self._stopped.wait(MIN_ROUND_SECONDS)
+
+    def _has_budget(self) -> bool:
+        with self._lock:
+            return len(self._in_flight) < self._settings.concurrency and self._ahead_bytes < self._window
 
     def _retire_waste(self) -> None:
         """Blocks fetched ahead that left the cache before anyone read them."""
         with self._lock:
-            gone = [
-                ref
-                for ref, ahead in self._ahead.items()
-                if self._reader.digest(ahead.info, ahead.index) is None
-            ]
-            wasted = 0
+            ahead = list(self._ahead.items())
+        gone = [ref for ref, block in ahead if self._reader.digest(block.info, block.index) is None]
+        wasted = 0
+        with self._lock:
             for ref in gone:
-                ahead = self._ahead.pop(ref)
-                self._ahead_bytes -= ahead.nbytes
-                self._planned.consumed(ahead.digest)
-                wasted += ahead.nbytes
+                block = self._ahead.pop(ref, None)
+                if block is not None:
+                    self._ahead_bytes -= block.nbytes
+                    self._planned.consumed(block.digest)
+                    wasted += block.nbytes
         if wasted:
+            self._shrink_window()
             self._events.prefetch_wasted(wasted)
 
     def _issue(self) -> None:
-        for prediction in self._model.predict(PREDICTIONS_PER_ROUND):
+        with self._lock:
+            free = self._settings.concurrency - len(self._in_flight)
+        for prediction in self._model.predict(min(PREDICTIONS_PER_ROUND, PREDICTIONS_PER_SLOT * free)):
             if self._stopped.is_set():
                 return
+            if prediction.path in self._settled:
+                continue
             try:
                 info = self._namespace.lookup("/" + prediction.path).info
             except CachefsdError:
                 continue
             if info is None:
                 continue
-            for index in block_range(
-                prediction.offset, prediction.length, info.size, self._reader.block_size
-            ):
+            blocks = block_range(prediction.offset, prediction.length, info.size, self._reader.block_size)
+            if all(self._reader.digest(info, index) is not None for index in blocks):
+                if prediction.offset == 0 and prediction.length >= info.size:
+                    self._settled.add(prediction.path)  # whole file cached: skip it for the rest of the epoch
+                continue
+            for index in blocks:
                 if not self._take(info, index, prediction.distance):
                     return
 
@@ -255,9 +294,7 @@ class Prefetcher:
                 if time.monotonic() < retry_at:
                     return True
                 del self._failed[ref]
-            if len(self._in_flight) >= self._settings.concurrency:
-                return False
-            if self._ahead_bytes + nbytes > self._settings.lookahead or not self._spend_locked(nbytes):
+            if not self._budget_allows_locked(nbytes):
                 return False
             if self._reader.digest(info, index) is not None:
                 self._refund_locked(nbytes)
@@ -266,6 +303,16 @@ class Prefetcher:
             position = self._opens + distance
         self._pool.submit(self._fetch, info, index, ref, nbytes, position)
         return True
+
+    def _budget_allows_locked(self, nbytes: int) -> bool:
+        """A free slot, room in the reach, a cache that would keep the block,
+        and bandwidth tokens (spent here when everything else allows)."""
+        return (
+            len(self._in_flight) < self._settings.concurrency
+            and self._ahead_bytes + nbytes <= self._window
+            and self._reader.could_cache(nbytes)
+            and self._spend_locked(nbytes)
+        )
 
     def _fetch(self, info: ObjectInfo, index: int, ref: BlockRef, nbytes: int, position: float) -> None:
         try:
@@ -286,7 +333,24 @@ class Prefetcher:
                 self._refund_locked(nbytes)
         if digest is not None:
             self._events.prefetch_issued(nbytes)
+        elif fetched:
+            # Fetched, but the cache had no room the policy would give up:
+            # the bytes crossed the network for nothing. Reach less far.
+            self._events.prefetch_wasted(nbytes)
+            self._shrink_window()
         self._wake.set()
+
+    def _shrink_window(self) -> None:
+        """Multiplicative decrease (as TCP's AIMD): halve how far ahead the
+        prefetcher reaches when what it fetched is thrown away unread."""
+        with self._lock:
+            self._window = max(MIN_WINDOW_BYTES, self._window // 2)
+
+    def _grow_window(self, nbytes: int) -> None:
+        """Additive increase: every byte fetched ahead and read earns a byte
+        of reach, up to the configured lookahead."""
+        with self._lock:
+            self._window = min(self._settings.lookahead, self._window + nbytes)
 
     def _spend_locked(self, nbytes: int) -> bool:
         rate = self._settings.bandwidth

@@ -77,10 +77,12 @@ def test_a_hint_is_followed_in_order_within_the_lookahead(
     with start(engine, PrefetchSettings(lookahead=budget, concurrency=1)) as prefetcher:
         accepted, unknown = prefetcher.hint([*order, "train/no-such-file"])
         assert (accepted, unknown) == (len(order), 1)
-        wait_for(lambda: engine.store.get_count >= 3, "the first hinted files")
+        infos = [engine.namespace.lookup("/" + key).info for key in order]
+        wait_for(
+            lambda: all(engine.reader.residency(info, 0) for info in infos[:3]), "the first hinted files"
+        )
         # The lookahead holds three files: nothing more is fetched until one is read.
         assert engine.store.get_count == 3
-        assert all(engine.reader.residency(engine.namespace.lookup("/" + key).info, 0) for key in order[:3])
         info = engine.namespace.lookup("/" + order[0]).info
         assert info is not None
         prefetcher.opened(info)
