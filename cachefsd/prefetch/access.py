@@ -26,7 +26,10 @@ The mount root itself never joins a chain of listed directories: a human
 ``ls`` of the mount would otherwise merge every job on it into one. The
 price is that a dataset whose class folders sit directly at the mount root
 is modelled as one job per folder (each still gets its own epochs, unread
-set and replayed order). A listing that makes a new root above existing
+set and replayed order) until a hint says otherwise: one hint is one
+loader's order, so a hint whose paths fall in several jobs makes their
+common directory one job (the mount root, for those class folders), which
+then also holds every path no deeper job claims. A listing that makes a new root above existing
 listing-made roots (a child listed before its parent) merges them into it.
 Roots, once made, are kept; jobs are never dropped (they are few).
 
@@ -90,6 +93,7 @@ the events, and ``_now`` is the latest event time seen.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -280,6 +284,12 @@ class _Job:
         return None
 
 
+def _common_directory(roots: list[str]) -> str:
+    """The deepest directory holding every one of several job ``roots``
+    ("" for the mount root)."""
+    return os.path.commonpath(roots) if all(roots) else ""
+
+
 def _clean(path: str) -> str:
     return path.strip("/")
 
@@ -383,6 +393,10 @@ class AccessModel:
         if not paths:
             return
         with self._lock:
+            roots = {self._root_of_locked(path) for path in paths}
+            if len(roots) > 1:
+                # One loader's order over what were guessed to be several jobs.
+                self._claim_root_locked(_common_directory(sorted(roots)))
             job = self._touch_locked(paths[0], now)
             mine = [path for path in paths if self._root_of_locked(path) == job.root]
             plan = _Plan.of(mine, HINT_MIN_MATCH, trusted=True)
@@ -525,7 +539,16 @@ class AccessModel:
                 return job
         if "/" not in path:
             return self._jobs.get("")
-        return None
+        return self._dataset_root_locked()
+
+    def _dataset_root_locked(self) -> _Job | None:
+        """The mount root's job when it is a dataset root, made by a hint
+        whose paths span several top-level directories (ImageFolder class
+        folders right under the mount): it then holds every path no deeper
+        job claims. A root job made by a plain listing (someone ran ``ls``)
+        or by a file at the root does not."""
+        job = self._jobs.get("")
+        return job if job is not None and job.made_by_listing else None
 
     def _root_of_locked(self, path: str) -> str:
         """The root of the job a FILE ``path`` belongs to or would get."""
@@ -533,6 +556,8 @@ class AccessModel:
         for directory in reversed(ancestors):
             if directory in self._jobs:
                 return directory
+        if self._dataset_root_locked() is not None:
+            return ""
         for directory in reversed(ancestors):
             if directory in self._listed:
                 return self._chain_top_locked(directory)
@@ -560,6 +585,9 @@ class AccessModel:
             job = self._jobs.get(candidate)
             if job is not None:
                 return job
+        root_job = self._dataset_root_locked()
+        if root_job is not None:
+            return root_job
         root = self._chain_top_locked(directory)
         job = self._job_locked(root, made_by_listing=True)
         prefix = root + "/"
@@ -567,6 +595,16 @@ class AccessModel:
             if other.root.startswith(prefix):
                 self._merge_locked(job, other)
         return job
+
+    def _claim_root_locked(self, root: str) -> None:
+        """A hint spans the directory ``root``: make it one job, folding in
+        the jobs that guessed smaller roots below it (one per class folder)."""
+        job = self._job_locked(root, made_by_listing=True)
+        job.made_by_listing = True  # a root job made by ``ls`` becomes a dataset root too
+        prefix = root + "/" if root else ""
+        for other in [other for other in self._jobs.values() if other is not job]:
+            if other.root.startswith(prefix) and other.root != root:
+                self._merge_locked(job, other)
 
     def _merge_locked(self, into: _Job, child: _Job) -> None:
         """Fold a job made below ``into`` (its child listed first) into it.

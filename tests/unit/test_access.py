@@ -470,14 +470,26 @@ def test_a_hint_with_a_different_order_falls_back() -> None:
     assert paths_of(model.predict(2)) == files[20:22]
 
 
-def test_hints_ignore_other_jobs_and_empty_orders() -> None:
+def test_one_hint_over_several_guessed_jobs_makes_them_one() -> None:
+    """A hint is one loader's exact order: class folders right under the
+    mount, first guessed as jobs of their own, are one dataset."""
     model = AccessModel()
     listed(model, "a", dataset("a", 4))
     listed(model, "b", dataset("b", 4))
     model.hint([], 0.0)
     model.hint(["a/img0003.jpg", "b/img0000.jpg", "a/img0001.jpg"], 0.0)
-    assert paths_of(model.predict(2)) == ["a/img0003.jpg", "a/img0001.jpg"]
-    assert model.current_epoch("b") == 0
+    assert paths_of(model.predict(3)) == ["a/img0003.jpg", "b/img0000.jpg", "a/img0001.jpg"]
+    assert model.job_of("b/img0002.jpg") == model.job_of("a/img0000.jpg") == ""
+
+
+def test_hints_of_two_jobs_stay_apart() -> None:
+    model = AccessModel()
+    listed(model, "a", dataset("a", 4))
+    listed(model, "b", dataset("b", 4))
+    model.hint(["a/img0003.jpg", "a/img0001.jpg"], 0.0)
+    model.hint(["b/img0002.jpg", "b/img0000.jpg"], 0.0)
+    assert model.jobs() == ["a", "b"]
+    assert set(paths_of(model.predict(2))) == {"a/img0003.jpg", "b/img0002.jpg"}
 
 
 # -- several jobs ----------------------------------------------------------------
