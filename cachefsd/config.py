@@ -202,9 +202,10 @@ class PrefetchSettings(_Section):
     out-of-memory kills)."""
 
     enabled: bool = True
-    # Parallel prefetch GETs. Demand reads always go first (fetch.py), and
-    # at least this many of fetch.concurrency stay free for them.
-    concurrency: int = Field(default=16, ge=1, le=512)
+    # Parallel prefetch GETs: at 20 ms a request, 24 keep a store near its
+    # request ceiling. Demand reads always go first (fetch.py), and
+    # fetch.concurrency must leave room for them.
+    concurrency: int = Field(default=24, ge=1, le=512)
     # Bytes fetched ahead and not yet read, at most: the prefetcher's whole
     # footprint in the cache. 2 GiB is a few seconds of a fast link.
     lookahead: ByteSize = Field(default=2 << 30, gt=0)

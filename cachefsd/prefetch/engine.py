@@ -53,7 +53,7 @@ IDLE_WAKE_SECONDS = 0.5
 # At most this many rounds a second: a round asks the model for predictions
 # (milliseconds under its lock), and readers that open hundreds of files a
 # second do not need a new plan for each.
-MIN_ROUND_SECONDS = 0.05
+MIN_ROUND_SECONDS = 0.02
 # Predictions asked for per free prefetch slot: enough to find uncached
 # blocks among the cached ones of a cache that holds most of the dataset.
 PREDICTIONS_PER_SLOT = 64
