@@ -57,8 +57,9 @@ _RING_SAMPLES = int(HIT_WINDOW_SECONDS // SAMPLE_INTERVAL_SECONDS) + 2
 # this long, whoever asks (a scrape every 15 s, ``top`` every second).
 RESIDENCY_REFRESH_SECONDS = 30.0
 # ``cachefsd stats`` is a person asking now: residency at most this old.
-# (``top`` calls it every second, so it is not zero.)
-STATS_RESIDENCY_MAX_AGE = 5.0
+# (``top`` asks every second; the query runs on its own connection, so even
+# a slow one over a huge cache delays only the stats answer, never a read.)
+STATS_RESIDENCY_MAX_AGE = 1.0
 # Prefixes exported (the largest by resident bytes); the rest are summed
 # under OTHER_PREFIX, so the metric's series stay bounded whatever the
 # bucket's layout (one directory per sample would otherwise be a series per
