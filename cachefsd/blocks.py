@@ -20,9 +20,8 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Protocol
 
 from cachefsd.aio import LoopThread
 from cachefsd.chunks.cache import TieredCache
@@ -84,36 +83,31 @@ def close_pieces(pieces: list[Piece]) -> None:
             os.close(piece.fd)
 
 
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
-
-
-class _ByteBudgetLru(Generic[K, V]):
-    """An LRU map bounded by the bytes its values stand for. Own lock."""
+class _MemoryBuffer:
+    """A byte-bounded LRU of decoded blocks. Own lock."""
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._lock = threading.Lock()
-        self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self._blocks: OrderedDict[BlockRef, bytes] = OrderedDict()
         self._used = 0
 
-    def get(self, key: K) -> V | None:
+    def get(self, ref: BlockRef) -> bytes | None:
         with self._lock:
-            item = self._items.get(key)
-            if item is None:
-                return None
-            self._items.move_to_end(key)
-            return item[0]
+            data = self._blocks.get(ref)
+            if data is not None:
+                self._blocks.move_to_end(ref)
+            return data
 
-    def put(self, key: K, value: V, size: int) -> None:
+    def put(self, ref: BlockRef, data: bytes) -> None:
         with self._lock:
-            if key in self._items or size > self._capacity:
+            if ref in self._blocks or len(data) > self._capacity:
                 return
-            self._items[key] = (value, size)
-            self._used += size
+            self._blocks[ref] = data
+            self._used += len(data)
             while self._used > self._capacity:
-                _, (_, evicted) = self._items.popitem(last=False)
-                self._used -= evicted
+                _, evicted = self._blocks.popitem(last=False)
+                self._used -= len(evicted)
 
 
 class BlockReader:
@@ -136,8 +130,8 @@ class BlockReader:
         self._dedup_by_etag = dedup_by_etag
         # Decoded blocks of compressed tiers, served from RAM while a reader
         # works through them in FUSE-sized pieces.
-        self._memory: _ByteBudgetLru[BlockRef, bytes] = _ByteBudgetLru(MEMORY_BUFFER_BYTES)
-        self._in_flight: SingleFlight[BlockRef, bytes] = SingleFlight()
+        self._memory = _MemoryBuffer(MEMORY_BUFFER_BYTES)
+        self._in_flight: SingleFlight[BlockRef, tuple[str, bytes]] = SingleFlight()
 
     @property
     def block_size(self) -> int:
@@ -184,46 +178,49 @@ class BlockReader:
             if digest is not None:
                 self._cache.touch(digest)
             return data[lo:hi], "memory", 0.0
-        tier = None if digest is None else self._cache.tier_of(digest)
-        if digest is not None and tier is not None and digest in verified:
+        if digest is not None and digest in verified:
             span = self._span(digest, lo, hi, verified)
             if span is not None:
-                self._cache.touch(digest)
-                return span, tier, 0.0
-        data = None if digest is None else self._cache.read(digest)
+                return span
+        placement = None if digest is None else self._cache.placement(digest)
+        data = None if digest is None or placement is None else self._cache.read(digest)
         if data is None and self._dedup_by_etag:
-            data = self._cache.adopt(ref, (info.etag, info.size))
-            tier = None if data is None else self._cache.tier_of(content_hash(data))
-        if data is not None:
-            self._remember(ref, content_hash(data), data, verified)
-            return data[lo:hi], tier or "memory", 0.0
+            adopted = self._cache.adopt(ref, (info.etag, info.size))
+            if adopted is not None:
+                digest, data = adopted
+                placement = self._cache.placement(digest)
+        if data is not None and digest is not None:
+            self._remember(ref, digest, data, placement is not None and placement.raw, verified)
+            return data[lo:hi], "memory" if placement is None else placement.tier, 0.0
         started = time.monotonic()
-        data = self._in_flight.do(
+        digest, data = self._in_flight.do(
             ref,
             lambda: self._fetch_and_admit(info, index, "demand"),
             self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
         )
-        self._remember(ref, content_hash(data), data, verified)
+        placement = self._cache.placement(digest)
+        self._remember(ref, digest, data, placement is not None and placement.raw, verified)
         return data[lo:hi], "cold", time.monotonic() - started
 
-    def _span(self, digest: str, lo: int, hi: int, verified: set[str]) -> FileSpan | None:
-        path = self._cache.raw_path(digest)
-        if path is None:
+    def _span(self, digest: str, lo: int, hi: int, verified: set[str]) -> tuple[FileSpan, str, float] | None:
+        hit = self._cache.raw_hit(digest)
+        if hit is None:
             return None
+        tier, path = hit
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:  # evicted or demoted since: take the slow path
             verified.discard(digest)
             return None
-        return FileSpan(fd, HEADER_SIZE + lo, hi - lo)
+        return FileSpan(fd, HEADER_SIZE + lo, hi - lo), tier, 0.0
 
-    def _remember(self, ref: BlockRef, digest: str, data: bytes, verified: set[str]) -> None:
-        """Keep a block's next reads cheap: raw-tier blocks by their checked
-        file, others decoded in RAM."""
-        if self._cache.raw_path(digest) is not None:
+    def _remember(self, ref: BlockRef, digest: str, data: bytes, raw: bool, verified: set[str]) -> None:
+        """Keep a block's next reads cheap: a raw block by its checked file,
+        any other decoded in RAM."""
+        if raw:
             verified.add(digest)
         else:
-            self._memory.put(ref, data, len(data))
+            self._memory.put(ref, data)
 
     def digest(self, info: ObjectInfo, index: int) -> str | None:
         """The content hash cached for block ``index`` of ``info``, or None."""
@@ -258,7 +255,8 @@ class BlockReader:
 
     def _fetch_and_admit(
         self, info: ObjectInfo, index: int, kind: FetchKind, tier: str | None = None
-    ) -> bytes:
+    ) -> tuple[str, bytes]:
+        """Fetch a block and admit it; its hash (computed once, here) and content."""
         ref = self.ref(info, index)
         start, end = block_bounds(index, info.size, self._block_size)
         data = self._io.run(
@@ -266,8 +264,9 @@ class BlockReader:
             self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
         )
         identity = (info.etag, info.size) if self._dedup_by_etag else None
-        self._cache.admit(ref, content_hash(data), data, identity, tier)
-        return data
+        digest = content_hash(data)
+        self._cache.admit(ref, digest, data, identity, tier)
+        return digest, data
 
     def release_version(self, info: ObjectInfo) -> None:
         """Free the cached blocks of a version that no longer exists."""

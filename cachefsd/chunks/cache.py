@@ -65,6 +65,12 @@ class CacheEvents(Protocol):
     def dedup_saved(self, where: DedupWhere, nbytes: int) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    tier: str
+    raw: bool  # stored as a raw frame: servable from the file without copying
+
+
 @dataclass(frozen=True)
 class VerifyReport:
     checked: int
@@ -156,10 +162,10 @@ class TieredCache:
     def lookup(self, ref: BlockRef) -> str | None:
         return self._index.lookup(ref)
 
-    def adopt(self, ref: BlockRef, identity: tuple[str, int]) -> bytes | None:
-        """The block of another object with the same content identity (etag,
-        size), now also recorded for ``ref``: a download saved. None if no
-        such block is cached."""
+    def adopt(self, ref: BlockRef, identity: tuple[str, int]) -> tuple[str, bytes] | None:
+        """The block (hash, content) of another object with the same content
+        identity (etag, size), now also recorded for ``ref``: a download
+        saved. None if no such block is cached."""
         try:
             digest = self._index.lookup_identity(*identity, ref.block)
         except sqlite3.Error:
@@ -169,7 +175,7 @@ class TieredCache:
             return None
         self.admit(ref, digest, data, identity)
         self._events.dedup_saved("wire", len(data))
-        return data
+        return digest, data
 
     def could_admit(self, size: int) -> bool:
         """Whether some tier would take a new block of ``size`` bytes now."""
@@ -179,20 +185,28 @@ class TieredCache:
         tier = self._tier_holding(digest)
         return None if tier is None else tier.name
 
+    def placement(self, digest: str) -> Placement | None:
+        """Where block ``digest`` is (one look through the tiers), or None."""
+        tier = self._tier_holding(digest)
+        return None if tier is None else Placement(tier.name, tier.codec is Codec.RAW)
+
     def touch(self, digest: str) -> None:
-        """A read served without ``read`` (from the file or from RAM): the
-        policies still have to see it."""
+        """A read served from RAM, not through ``read``: the policies still
+        have to see it."""
         tier = self._tier_holding(digest)
         if tier is not None:
             tier.accessed(digest)
 
-    def raw_path(self, digest: str) -> Path | None:
-        """The file of a block stored raw (its content follows the frame
-        header), for reads that skip Python; None if compressed or absent."""
+    def raw_hit(self, digest: str) -> tuple[str, Path] | None:
+        """For a read served straight from a raw block file (its content
+        follows the frame header, so libfuse can copy it without Python):
+        the tier's name and the file, with the hit counted by its policy.
+        None if the block is compressed or absent."""
         tier = self._tier_holding(digest)
         if tier is None or tier.codec is not Codec.RAW:
             return None
-        return tier.path_of(digest)
+        tier.accessed(digest)
+        return tier.name, tier.path_of(digest)
 
     def read(self, digest: str) -> bytes | None:
         """The verified content of block ``digest``, or None on any miss or
