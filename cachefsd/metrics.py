@@ -8,7 +8,6 @@ nothing about Prometheus.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
 
@@ -71,6 +70,65 @@ class ResidencyCollector(Collector):
         yield family
 
 
+def _by_label(metric: Counter | Gauge, label: str) -> dict[str, float]:
+    """The current value of each child of a labelled counter or gauge."""
+    return {
+        sample.labels[label]: sample.value
+        for family in metric.collect()
+        for sample in family.samples
+        if label in sample.labels and not sample.name.endswith("_created")
+    }
+
+
+class _DerivedCollector(Collector):
+    """The gauges that are functions of other metrics, computed when scraped
+    rather than on every read: hit ratios, and the cache totals over tiers."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return self._families({}, {}, {}, {})
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        metrics = self._metrics
+        return self._families(
+            _by_label(metrics.read_bytes, "source"),
+            _by_label(metrics.served_bytes, "tier"),
+            _by_label(metrics.tier_used, "tier"),
+            _by_label(metrics.tier_capacity, "tier"),
+        )
+
+    @staticmethod
+    def _families(
+        read: dict[str, float], served: dict[str, float], used: dict[str, float], capacity: dict[str, float]
+    ) -> Iterator[GaugeMetricFamily]:
+        total = sum(read.values())
+        yield GaugeMetricFamily(
+            "cachefsd_hit_ratio",
+            "Fraction of bytes read since mount that did not wait on the cold store",
+            value=read.get("cache", 0.0) / total if total else 0.0,
+        )
+        by_tier = GaugeMetricFamily(
+            "cachefsd_tier_hit_ratio",
+            "Fraction of bytes read since mount served by each place (memory, hot, warm, cold)",
+            labels=["tier"],
+        )
+        for tier, nbytes in sorted(served.items()):
+            by_tier.add_metric([tier], nbytes / total if total else 0.0)
+        yield by_tier
+        yield GaugeMetricFamily(
+            "cachefsd_cache_used_bytes",
+            "Bytes on disk used by cached blocks, all tiers",
+            value=sum(used.values()),
+        )
+        yield GaugeMetricFamily(
+            "cachefsd_cache_capacity_bytes",
+            "Byte capacity of the block cache, all tiers",
+            value=sum(capacity.values()),
+        )
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
@@ -109,12 +167,6 @@ class Metrics:
             "Requests to the cold store that failed for good (after retries, or not retryable)",
             ["kind"],
             registry=registry,
-        )
-        self.cache_used = Gauge(
-            "cachefsd_cache_used_bytes", "Bytes on disk used by cached blocks, all tiers", registry=registry
-        )
-        self.cache_capacity = Gauge(
-            "cachefsd_cache_capacity_bytes", "Byte capacity of the block cache, all tiers", registry=registry
         )
         self.tier_used = Gauge(
             "cachefsd_tier_used_bytes", "Bytes on disk used by cached blocks", ["tier"], registry=registry
@@ -178,22 +230,6 @@ class Metrics:
             ["tier"],
             registry=registry,
         )
-        self.tier_hit_ratio = Gauge(
-            "cachefsd_tier_hit_ratio",
-            "Fraction of bytes read since mount served by each place (memory, hot, warm, cold)",
-            ["tier"],
-            registry=registry,
-        )
-        self.hit_ratio = Gauge(
-            "cachefsd_hit_ratio",
-            "Fraction of bytes read since mount that did not wait on the cold store",
-            registry=registry,
-        )
-        self._lock = threading.Lock()
-        self._bytes_total = 0
-        self._bytes_cached = 0
-        self._tier_usage: dict[str, tuple[int, int]] = {}
-        self._served: dict[str, int] = {}
         for where in ("disk", "wire"):
             self.dedup_saved_bytes.labels(where)
         for source in ("cache", "cold"):
@@ -204,6 +240,7 @@ class Metrics:
             self.fetch_bytes.labels(kind)
             self.fetch_retries.labels(kind)
             self.fetch_errors.labels(kind)
+        registry.register(_DerivedCollector(self))
 
     def watch_residency(self, source: str, rows: ResidencyRows) -> None:
         """Export ``rows()`` as ``cachefsd_resident_bytes`` for ``source``
@@ -221,15 +258,6 @@ class Metrics:
             self.read_stall.inc(stall_seconds)
         for source, count in served.items():
             self.served_bytes.labels(source).inc(count)
-        with self._lock:
-            self._bytes_total += nbytes
-            self._bytes_cached += nbytes - cold_bytes
-            for source, count in served.items():
-                self._served[source] = self._served.get(source, 0) + count
-            if self._bytes_total:
-                self.hit_ratio.set(self._bytes_cached / self._bytes_total)
-                for source, count in self._served.items():
-                    self.tier_hit_ratio.labels(source).set(count / self._bytes_total)
 
     # FetchEvents
     def fetch_done(self, kind: FetchKind, seconds: float, nbytes: int) -> None:
@@ -257,10 +285,6 @@ class Metrics:
 
     # CacheEvents
     def tier_usage(self, tier: str, used_bytes: int, capacity_bytes: int, blocks: int) -> None:
-        with self._lock:
-            self._tier_usage[tier] = (used_bytes, capacity_bytes)
-            self.cache_used.set(sum(used for used, _ in self._tier_usage.values()))
-            self.cache_capacity.set(sum(capacity for _, capacity in self._tier_usage.values()))
         self.tier_used.labels(tier).set(used_bytes)
         self.tier_capacity.labels(tier).set(capacity_bytes)
         self.tier_blocks.labels(tier).set(blocks)

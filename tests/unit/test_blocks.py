@@ -90,7 +90,7 @@ def test_metrics_split_cold_and_cached_bytes(make_engine: EngineFactory) -> None
     read_bytes = engine.metrics.read_bytes
     assert read_bytes.labels("cold")._value.get() == len(data)
     assert read_bytes.labels("cache")._value.get() == len(data)
-    assert engine.metrics.hit_ratio._value.get() == 0.5
+    assert engine.metrics.registry.get_sample_value("cachefsd_hit_ratio") == 0.5
 
 
 def test_a_verified_raw_block_is_served_from_its_file_without_copying(make_engine: EngineFactory) -> None:
@@ -120,4 +120,4 @@ def test_served_bytes_are_counted_by_where_they_came_from(make_engine: EngineFac
     served = engine.metrics.served_bytes
     assert served.labels("cold")._value.get() == len(data)
     assert served.labels("hot")._value.get() == len(data)
-    assert engine.metrics.tier_hit_ratio.labels("hot")._value.get() == 0.5
+    assert engine.metrics.registry.get_sample_value("cachefsd_tier_hit_ratio", {"tier": "hot"}) == 0.5
