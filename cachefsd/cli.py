@@ -393,19 +393,29 @@ def _add_stage_parser(commands: Any) -> None:
     stage_cmd.add_argument("--tier", choices=["hot", "warm"], help="the tier to place blocks in")
     stage_cmd.add_argument("--check", action="store_true", help="only report how much is cached, by tier")
     stage_cmd.add_argument("--json", action="store_true", help="print the summary as JSON, no progress")
-    stage_cmd.add_argument("--config", type=Path, help="TOML settings file (offline stage)")
-    stage_cmd.add_argument("--cache-dir", help="where cached blocks and the index live (offline stage)")
-    stage_cmd.add_argument("--cache-size", help="byte capacity of the cache, e.g. 20G")
-    stage_cmd.add_argument("--block-size", help="block size: must match the mount's")
-    stage_cmd.add_argument("--hot", help="directory of the hot tier")
-    stage_cmd.add_argument("--hot-size", help="capacity of the hot tier")
-    stage_cmd.add_argument("--warm", help="directory of the warm tier")
-    stage_cmd.add_argument("--warm-size", help="capacity of the warm tier")
-    stage_cmd.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
-    stage_cmd.add_argument("--region", help="S3 region")
-    stage_cmd.add_argument("--fetch-deadline", help="how long one block may take, e.g. 30s")
-    stage_cmd.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    _add_data_path_arguments(stage_cmd)
     stage_cmd.set_defaults(handler=_cmd_stage)
+
+
+def _add_data_path_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cache and store flags of ``mount`` and of an offline ``stage``
+    (read back by ``_data_path_flags``)."""
+    parser.add_argument("--config", type=Path, help="TOML settings file")
+    parser.add_argument("--cache-dir", help="where the index (and, without tiers, the blocks) live")
+    parser.add_argument("--cache-size", help="byte capacity of the cache, e.g. 20G")
+    parser.add_argument(
+        "--block-size", help="block size, e.g. 4M (64K to 64M); a stage must match the mount's"
+    )
+    parser.add_argument("--hot", help="directory of the hot tier (fast local disk; raw blocks)")
+    parser.add_argument("--hot-size", help="capacity of the hot tier, e.g. 200G or 50%% of its filesystem")
+    parser.add_argument("--warm", help="directory of the warm tier (larger disk; lz4 blocks)")
+    parser.add_argument("--warm-size", help="capacity of the warm tier, e.g. 2T or 80%%")
+    parser.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
+    parser.add_argument("--region", help="S3 region")
+    parser.add_argument(
+        "--fetch-deadline", help="how long a block may wait on the store before EIO, e.g. 30s"
+    )
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 
 def _add_hint_parser(commands: Any) -> None:
@@ -427,22 +437,11 @@ def _parser() -> argparse.ArgumentParser:
     mount = commands.add_parser("mount", help="mount SOURCE on MOUNTPOINT")
     mount.add_argument("source", help="s3://bucket[/prefix], gs://bucket[/prefix], /a/dir or file:///a/dir")
     mount.add_argument("mountpoint", type=Path)
-    mount.add_argument("--config", type=Path, help="TOML settings file")
-    mount.add_argument("--cache-dir", help="where cached blocks and the index live")
-    mount.add_argument("--cache-size", help="byte capacity of the cache, e.g. 20G")
-    mount.add_argument("--block-size", help="block size, e.g. 4M (64K to 64M)")
-    mount.add_argument("--hot", help="directory of the hot tier (fast local disk; raw blocks)")
-    mount.add_argument("--hot-size", help="capacity of the hot tier, e.g. 200G or 50%% of its filesystem")
-    mount.add_argument("--warm", help="directory of the warm tier (larger disk; lz4 blocks)")
-    mount.add_argument("--warm-size", help="capacity of the warm tier, e.g. 2T or 80%%")
-    mount.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
-    mount.add_argument("--region", help="S3 region")
+    _add_data_path_arguments(mount)
     mount.add_argument("--metadata-ttl", help="how long listings and attributes are trusted, e.g. 60s, 1h")
-    mount.add_argument("--fetch-deadline", help="how long a read may wait on the store before EIO, e.g. 30s")
     mount.add_argument("--metrics-addr", help="HOST:PORT of the Prometheus endpoint (default 127.0.0.1:9468)")
     mount.add_argument("--no-metrics", action="store_true", help="serve no metrics endpoint")
     mount.add_argument("--no-prefetch", action="store_true", help="fetch only what readers ask for")
-    mount.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     mount.add_argument("--foreground", action="store_true", help="stay in the foreground (systemd)")
     mount.add_argument("-o", dest="options", action="append", default=[], help="mount options: allow_other")
     mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
