@@ -71,13 +71,16 @@ def read_state(mountpoint: Path) -> MountState | None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` still runs. A zombie does not: a daemon started by a
+    ``mount`` that has exited may never be reaped in a container without an
+    init, and its dead socket must not be taken for a live daemon."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
     except PermissionError:
         return True
-    return True
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 class CacheDirLock:

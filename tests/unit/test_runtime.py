@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from cachefsd.cli import LogfmtFormatter
-from cachefsd.runtime import notify_systemd
+from cachefsd.runtime import notify_systemd, pid_alive
 
 
 def test_ready_is_sent_to_the_notify_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -21,11 +24,6 @@ def test_ready_is_sent_to_the_notify_socket(tmp_path: Path, monkeypatch: pytest.
         monkeypatch.setenv("NOTIFY_SOCKET", address)
         notify_systemd("READY=1")
         assert systemd.recv(64) == b"READY=1"
-
-
-def test_without_systemd_nothing_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    notify_systemd("READY=1")  # must not raise
 
 
 def test_log_lines_are_single_line_logfmt() -> None:
@@ -41,3 +39,15 @@ def test_log_lines_are_single_line_logfmt() -> None:
     assert line.startswith("ts=")
     assert ' level=error logger=cachefsd.x msg="bad \\"thing\\"" exc="Traceback' in line
     assert "ValueError: boom" in line
+
+
+def test_a_zombie_is_not_a_live_daemon() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.01)
+    assert not pid_alive(child.pid)  # exited, not yet reaped
+    child.wait()
+    assert not pid_alive(child.pid)
+    assert pid_alive(os.getpid())
