@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ pytest.register_assert_rewrite("tests.integration.torture")
 
 MOUNT_TIMEOUT_SECONDS = 90.0
 UNMOUNT_TIMEOUT_SECONDS = 30.0
+# A mount reacts within milliseconds; twenty looks a second cost nothing.
+POLL_INTERVAL_SECONDS = 0.05
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -37,6 +40,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.fuse)
             if not has_fuse:
                 item.add_marker(pytest.mark.skip(reason="/dev/fuse is absent"))
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float) -> None:
+    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout:g}s: {what}")
+        time.sleep(POLL_INTERVAL_SECONDS)
+
+
+def wait_dead(pid: int, timeout: float = UNMOUNT_TIMEOUT_SECONDS) -> None:
+    wait_until(lambda: not pid_alive(pid), f"daemon pid {pid} to die", timeout)
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ import pytest
 
 from cachefsd.runtime import read_state
 from cachefsd.testing.s3_server import S3TestServer
-from tests.integration.conftest import MountFactory, free_port, run_cli
+from tests.integration.conftest import MountFactory, free_port, run_cli, wait_until
 from tests.integration.datasets import new_bucket, put_objects
 
 # A failed mount must say so well inside this (the source check is bounded
@@ -26,7 +26,6 @@ from tests.integration.datasets import new_bucket, put_objects
 FAIL_FAST_SECONDS = 20.0
 EXIT_DEADLINE_SECONDS = 30.0
 DEMO_TIMEOUT_SECONDS = 300.0
-POLL_SECONDS = 0.05
 
 
 def cli(*args: str, env: Mapping[str, str] | None = None, timeout: float = 60.0) -> tuple[int, str, str]:
@@ -40,14 +39,6 @@ def cli(*args: str, env: Mapping[str, str] | None = None, timeout: float = 60.0)
         env={**os.environ, **(env or {})},
     )
     return result.returncode, result.stdout, result.stderr
-
-
-def wait_until(condition: Any, what: str, deadline_seconds: float = EXIT_DEADLINE_SECONDS) -> None:
-    deadline = time.monotonic() + deadline_seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {deadline_seconds:g}s: {what}")
-        time.sleep(POLL_SECONDS)
 
 
 # -- mount failures --------------------------------------------------------------
@@ -161,8 +152,8 @@ def test_sigterm_unmounts_cleanly(s3_client: Any, s3_server: S3TestServer, mount
     assert mount.path("a.txt").read_bytes() == b"a"
 
     os.kill(mount.pid, signal.SIGTERM)
-    wait_until(lambda: not os.path.ismount(mount.mountpoint), "the mount goes away")
-    wait_until(lambda: not mount.alive, "the daemon exits")
+    wait_until(lambda: not os.path.ismount(mount.mountpoint), "the mount goes away", EXIT_DEADLINE_SECONDS)
+    wait_until(lambda: not mount.alive, "the daemon exits", EXIT_DEADLINE_SECONDS)
     assert read_state(mount.mountpoint) is None, "the runtime state file is removed"
     log = (mount.cache_dir / "cachefsd.log").read_text()
     assert "Traceback" not in log, log

@@ -14,16 +14,15 @@ import json
 import os
 import random
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cachefsd.control import ControlClient
-from cachefsd.runtime import pid_alive, read_state
+from cachefsd.runtime import read_state
 from cachefsd.testing.s3_server import S3TestServer
-from tests.integration.conftest import Mount, MountFactory, run_cli
+from tests.integration.conftest import Mount, MountFactory, run_cli, wait_dead
 from tests.integration.datasets import KiB, RawFileDataset, collate_list, new_bucket, put_objects
 
 BLOCK_FLAGS = ("--block-size", "64K")
@@ -220,9 +219,7 @@ def test_a_mount_without_its_daemon_names_the_source(
 ) -> None:
     bucket, mount = _seed_and_mount(s3_client, s3_server, mounter, "dead", {"a": b"x"})
     os.kill(mount.pid, signal.SIGKILL)
-    deadline = time.monotonic() + EXIT_WAIT_SECONDS
-    while pid_alive(mount.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_dead(mount.pid, EXIT_WAIT_SECONDS)
     result = run_cli("stage", str(mount.mountpoint))
     assert result.returncode != 0
     assert f"cachefsd stage s3://{bucket}" in result.stderr

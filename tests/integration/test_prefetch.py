@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import os
 import random
-import time
-from collections.abc import Callable
 from typing import Any
 
 from cachefsd.testing.s3_server import S3TestServer
-from tests.integration.conftest import Mount, MountFactory, run_cli
+from tests.integration.conftest import Mount, MountFactory, run_cli, wait_until
 from tests.integration.datasets import new_bucket, put_objects
 
 KiB = 1 << 10
-POLL_SECONDS = 30.0
+PREFETCH_WAIT_SECONDS = 30.0
 
 
 def _dataset(rng: random.Random, files: int = 40) -> dict[str, bytes]:
@@ -23,13 +21,6 @@ def _dataset(rng: random.Random, files: int = 40) -> dict[str, bytes]:
 
 def _metric(mount: Mount, name: str, labels: str = "") -> float:
     return mount.metrics().get(f"{name}{{{labels}}}" if labels else name, 0.0)
-
-
-def _wait_for(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + POLL_SECONDS
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _mount(mounter: MountFactory, s3_server: S3TestServer, bucket: str, *flags: str) -> Mount:
@@ -54,7 +45,11 @@ def test_an_epoch_read_in_the_hinted_order_is_served_from_the_cache(
     total = sum(len(data) for data in objects.values())
     # A training step takes longer than a prefetch; here the reader simply
     # starts once the prefetcher has had the head start it keeps in a run.
-    _wait_for(lambda: _metric(mount, "cachefsd_prefetch_issued_bytes_total") >= total, "the hinted files")
+    wait_until(
+        lambda: _metric(mount, "cachefsd_prefetch_issued_bytes_total") >= total,
+        "the hinted files",
+        PREFETCH_WAIT_SECONDS,
+    )
 
     for key in order:
         assert mount.path(key).read_bytes() == objects[key]
@@ -97,9 +92,10 @@ def test_a_scanned_dataset_is_prefetched_in_the_first_epoch(
     first = sorted(objects)[0]
     assert mount.path(first).read_bytes() == objects[first]
     rest = sum(len(data) for key, data in objects.items() if key != first)
-    _wait_for(
+    wait_until(
         lambda: _metric(mount, "cachefsd_prefetch_issued_bytes_total") >= rest,
         "the rest of the scanned dataset",
+        PREFETCH_WAIT_SECONDS,
     )
     demand_before = _metric(mount, "cachefsd_fetch_bytes_total", "kind=demand")
     for key in sorted(objects)[1:]:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from cachefsd.testing.s3_server import GET_OBJECT, HEAD_OBJECT, LIST, OTHER, PUT_OBJECT, S3TestServer
-from tests.integration.conftest import Mount, MountFactory
+from tests.integration.conftest import Mount, MountFactory, wait_until
 from tests.integration.datasets import (
     KiB,
     MiB,
@@ -47,7 +47,6 @@ BLOCK_FLAG = ("--block-size", "64K")
 # mount with a 1 s metadata TTL (TTL, the kernel's attribute timeout, slack
 # for a loaded 2-core machine).
 CONSISTENCY_DEADLINE_SECONDS = 10.0
-POLL_SECONDS = 0.05
 
 MountBucket = Callable[..., Mount]
 
@@ -61,14 +60,6 @@ def fixture_mount_bucket(mounter: MountFactory, s3_server: S3TestServer) -> Moun
         return mounter(source, "--endpoint-url", s3_server.endpoint_url, *flags, **kwargs)
 
     return mount
-
-
-def poll_until(condition: Callable[[], bool], deadline_seconds: float, what: str) -> None:
-    deadline = time.monotonic() + deadline_seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {deadline_seconds:g}s: {what}")
-        time.sleep(POLL_SECONDS)
 
 
 def read_or_errno(path: Path) -> bytes | int:
@@ -493,13 +484,13 @@ def test_upstream_changes_show_after_the_metadata_ttl(s3_client: Any, mount_buck
     s3_client.delete_object(Bucket=bucket, Key="doomed.bin")
     s3_client.put_object(Bucket=bucket, Key="fresh.bin", Body=b"new object")
 
-    poll_until(
+    wait_until(
         lambda: changing.stat().st_size == len(new) and read_or_errno(changing) == new,
-        CONSISTENCY_DEADLINE_SECONDS,
         "the overwritten object shows its new size and bytes",
+        CONSISTENCY_DEADLINE_SECONDS,
     )
-    poll_until(lambda: not doomed.exists(), CONSISTENCY_DEADLINE_SECONDS, "the deleted object disappears")
-    poll_until(fresh.exists, CONSISTENCY_DEADLINE_SECONDS, "the new object appears")
+    wait_until(lambda: not doomed.exists(), "the deleted object disappears", CONSISTENCY_DEADLINE_SECONDS)
+    wait_until(fresh.exists, "the new object appears", CONSISTENCY_DEADLINE_SECONDS)
     assert fresh.read_bytes() == b"new object"
     assert "doomed.bin" not in os.listdir(mount.mountpoint)
     assert mount.alive
@@ -558,7 +549,7 @@ def test_an_open_handle_never_returns_bytes_of_a_newer_version(
         return got == new
 
     try:
-        poll_until(fresh_read_is_new, CONSISTENCY_DEADLINE_SECONDS, "a fresh open reads the new version")
+        wait_until(fresh_read_is_new, "a fresh open reads the new version", CONSISTENCY_DEADLINE_SECONDS)
     finally:
         mixed = [outcome for outcome in seen if outcome.startswith("MIXED")]
         assert not mixed, f"{len(mixed)} of {len(seen)} fresh reads mixed versions, first: {mixed[0]}"

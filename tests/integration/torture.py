@@ -15,13 +15,10 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import pytest
-
-from tests.integration.conftest import Mount, force_unmount
+from tests.integration.conftest import Mount, force_unmount, wait_dead, wait_until
 
 # Reads every file of the manifest in a shuffled loop, dropping each file's
 # pages afterwards so every read reaches the daemon. Prints how many files it
@@ -57,19 +54,10 @@ DEAD_MOUNT_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED}
 READER_EXIT_SECONDS = 30.0
 # Upper bound of any polling loop here.
 POLL_TIMEOUT_SECONDS = 60.0
-_POLL_INTERVAL_SECONDS = 0.05
 
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def poll(condition: Callable[[], bool], what: str, timeout: float = POLL_TIMEOUT_SECONDS) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(_POLL_INTERVAL_SECONDS)
 
 
 def metric(mount: Mount, name: str) -> float:
@@ -80,20 +68,6 @@ def metric(mount: Mount, name: str) -> float:
 def write_manifest(manifest: Path, objects: Mapping[str, bytes]) -> None:
     """The readers' manifest: one ``name sha256`` line per object."""
     manifest.write_text("".join(f"{name} {sha256(body)}\n" for name, body in objects.items()))
-
-
-def wait_dead(pid: int) -> None:
-    """Until ``pid`` is gone or a zombie (its parent, the CLI, has exited, so
-    it may never be reaped in a container without an init)."""
-
-    def dead() -> bool:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except FileNotFoundError:
-            return True
-        return stat.rpartition(")")[2].split()[0] == "Z"
-
-    poll(dead, f"daemon pid {pid} to die")
 
 
 def kill_round(
@@ -124,7 +98,7 @@ def kill_round(
     try:
         # Kill in the middle of the churn: blocks are being fetched,
         # admitted and evicted, and every reader is still going.
-        poll(churning_or_stopped, waiting_for)
+        wait_until(churning_or_stopped, waiting_for, POLL_TIMEOUT_SECONDS)
         assert all(reader.poll() is None for reader in readers), "a reader stopped before the kill"
         os.kill(mounted.pid, signal.SIGKILL)
         wait_dead(mounted.pid)

@@ -91,7 +91,8 @@ def test_waiting_demand_requests_go_before_waiting_prefetches(io: LoopThread) ->
 
         waiting = [asyncio.ensure_future(request(f"prefetch-{i}", 1)) for i in range(3)]
         waiting.append(asyncio.ensure_future(request("demand", 0)))
-        await asyncio.sleep(0)  # let every request queue up
+        while len(slots._waiters) < len(waiting):  # until every request has queued
+            await asyncio.sleep(0)
         slots.release()
         await asyncio.gather(*waiting)
         return order
