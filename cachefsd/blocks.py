@@ -198,6 +198,8 @@ class BlockReader:
             lambda: self._fetch_and_admit(info, index, "demand"),
             self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
         )
+        # The GET may have been a prefetch's, admitted as not read yet.
+        self._cache.touch(digest)
         placement = self._cache.placement(digest)
         self._remember(ref, digest, data, placement is not None and placement.raw, verified)
         return data[lo:hi], "cold", time.monotonic() - started
@@ -226,10 +228,10 @@ class BlockReader:
         """The content hash cached for block ``index`` of ``info``, or None."""
         return self._cache.lookup(self.ref(info, index))
 
-    def could_cache(self, nbytes: int) -> bool:
-        """Whether the cache would keep a block fetched ahead now; fetching
-        one it would refuse only spends bandwidth."""
-        return self._cache.could_admit(nbytes)
+    def cache_room(self) -> int:
+        """Bytes the cache would keep of blocks fetched ahead now; fetching
+        more than that only spends bandwidth on blocks it would refuse."""
+        return self._cache.room()
 
     def residency(self, info: ObjectInfo, index: int) -> str | None:
         """The tier holding block ``index`` of ``info``, or None."""
@@ -265,7 +267,7 @@ class BlockReader:
         )
         identity = (info.etag, info.size) if self._dedup_by_etag else None
         digest = content_hash(data)
-        self._cache.admit(ref, digest, data, identity, tier)
+        self._cache.admit(ref, digest, data, identity, tier, ahead=kind == "prefetch")
         return digest, data
 
     def release_version(self, info: ObjectInfo) -> None:

@@ -177,9 +177,9 @@ class TieredCache:
         self._events.dedup_saved("wire", len(data))
         return digest, data
 
-    def could_admit(self, size: int) -> bool:
-        """Whether some tier would take a new block of ``size`` bytes now."""
-        return any(tier.could_admit(size) for tier in self._tiers)
+    def room(self) -> int:
+        """Bytes new blocks could take now, over all tiers (``Tier.room``)."""
+        return sum(tier.room() for tier in self._tiers)
 
     def tier_of(self, digest: str) -> str | None:
         tier = self._tier_holding(digest)
@@ -243,10 +243,13 @@ class TieredCache:
         data: bytes,
         identity: tuple[str, int] | None = None,
         tier: str | None = None,
+        ahead: bool = False,
     ) -> None:
         """Store ``data`` (whose hash the caller computed from the fetched
         bytes) as the content of ``ref``, in ``tier`` or the fastest tier with
-        room. Best effort: failures only log."""
+        room; ``ahead`` when no read asked for it yet (prefetch, stage), so
+        the policies do not count the admission as a read. Best effort:
+        failures only log."""
         first = 0 if tier is None else next(i for i, each in enumerate(self._tiers) if each.name == tier)
         with self._move_lock:
             holder = self._tier_holding(digest)
@@ -258,7 +261,7 @@ class TieredCache:
             for position in range(first, len(self._tiers)):
                 target = self._tiers[position]
                 try:
-                    size = self._place(position, digest, data)
+                    size = self._place(position, digest, data, ahead)
                 except NoRoom:
                     continue
                 except _DISK_ERRORS as exc:
@@ -277,7 +280,7 @@ class TieredCache:
             self._events.cache_error(stored.tier)
             self._forget(stored.hash)
 
-    def _place(self, position: int, digest: str, data: bytes) -> int:
+    def _place(self, position: int, digest: str, data: bytes, ahead: bool = False) -> int:
         """Write ``data`` into tier ``position``, demoting or evicting what
         its policy gives up for it; the frame's bytes on disk."""
         tier = self._tiers[position]
@@ -294,7 +297,7 @@ class TieredCache:
         except OSError:
             tier.delete(digest)
             raise
-        tier.add(digest, size)
+        tier.add(digest, size, ahead)
         return size
 
     def _give_up(self, position: int, victims: list[str]) -> None:

@@ -43,6 +43,10 @@ from typing import Final, Protocol
 # an early boundary count as unread, which only delays their eviction.
 MIN_EPOCH_FRACTION: Final = 0.5
 
+# The "epoch of last read" of a block fetched ahead and not read yet: before
+# every epoch, so it ranks as still to be read in the current one.
+NEVER_READ: Final = -1
+
 LRU: Final = "lru"
 TWO_RANDOM: Final = "2-random"
 MINIO: Final = "minio"
@@ -62,8 +66,9 @@ HEAP_SLACK: Final = 2
 class EvictionPolicy(Protocol):
     """Bookkeeping for one tier. Not thread-safe: the tier calls it under its lock."""
 
-    def admitted(self, block: str) -> None:
-        """``block`` entered the tier."""
+    def admitted(self, block: str, ahead: bool = False) -> None:
+        """``block`` entered the tier: just read, or, when ``ahead``, fetched
+        before anyone asked for it (prefetch, stage) and not read yet."""
         ...
 
     def accessed(self, block: str) -> None:
@@ -82,6 +87,11 @@ class EvictionPolicy(Protocol):
         victim stays resident until the tier calls ``removed``; None is also
         the answer when the policy holds no block.
         """
+        ...
+
+    def spare(self) -> int:
+        """How many residents ``victim`` would give up now for a block whose
+        next use is unknown: what a prefetcher may fill without being refused."""
         ...
 
 
@@ -121,7 +131,7 @@ class LruPolicy:
     def __contains__(self, block: object) -> bool:
         return block in self._order
 
-    def admitted(self, block: str) -> None:
+    def admitted(self, block: str, ahead: bool = False) -> None:
         self._order[block] = None
         self._order.move_to_end(block)
 
@@ -134,6 +144,9 @@ class LruPolicy:
 
     def victim(self, incoming: str | None = None) -> str | None:
         return next(iter(self._order), None)
+
+    def spare(self) -> int:
+        return len(self._order)
 
 
 class TwoRandomPolicy:
@@ -164,7 +177,7 @@ class TwoRandomPolicy:
         self._tick += 1
         self._last_read[block] = self._tick
 
-    def admitted(self, block: str) -> None:
+    def admitted(self, block: str, ahead: bool = False) -> None:
         if block not in self._index:
             self._index[block] = len(self._blocks)
             self._blocks.append(block)
@@ -197,6 +210,9 @@ class TwoRandomPolicy:
         a, b = self._blocks[first], self._blocks[second]
         return a if self._last_read[a] <= self._last_read[b] else b
 
+    def spare(self) -> int:
+        return len(self._blocks)
+
 
 class MinioPolicy:
     """CoorDL's MinIO: once full, never replace; new blocks are refused.
@@ -217,7 +233,7 @@ class MinioPolicy:
     def __contains__(self, block: object) -> bool:
         return block in self._resident
 
-    def admitted(self, block: str) -> None:
+    def admitted(self, block: str, ahead: bool = False) -> None:
         self._resident.add(block)
 
     def accessed(self, block: str) -> None:
@@ -228,6 +244,9 @@ class MinioPolicy:
 
     def victim(self, incoming: str | None = None) -> str | None:
         return None
+
+    def spare(self) -> int:
+        return 0
 
 
 class EpochAwarePolicy:
@@ -250,6 +269,10 @@ class EpochAwarePolicy:
       resident is still to be read this epoch, and the newcomer, just read,
       is the least useful block of all. Steady state is MinIO's hit ratio
       (the cached fraction), but the contents follow the working set.
+    - a block fetched ahead (prefetch, stage) has not been read: it ranks
+      with the blocks still to be read this epoch until it is. Counting its
+      admission as a read would make it the first victim of the next
+      admission, often another prefetch filling the same room.
 
     With a ``NextUse`` (exact knowledge from a loader's plan), the ranking
     becomes Belady's, with unknown next uses placed by the epoch rule:
@@ -288,8 +311,11 @@ class EpochAwarePolicy:
     def __contains__(self, block: object) -> bool:
         return block in self._epoch_of
 
-    def admitted(self, block: str) -> None:
-        self._read(block)
+    def admitted(self, block: str, ahead: bool = False) -> None:
+        if not ahead:
+            self._read(block)
+        elif block not in self._epoch_of:
+            self._settle(block, NEVER_READ)
 
     def accessed(self, block: str) -> None:
         if block in self._epoch_of:
@@ -336,11 +362,18 @@ class EpochAwarePolicy:
                 return block
             return None
 
+    def spare(self) -> int:
+        """The blocks read this epoch (an upper bound: ``victim`` re-ranks
+        any of them the plan has since given a next use)."""
+        return len(self._unknown.get(self._epochs.current(), ()))
+
     def _lookup(self, block: str) -> float | None:
         return None if self._next_use is None else self._next_use.next_use(block)
 
     def _read(self, block: str) -> None:
-        epoch = self._epochs.current()
+        self._settle(block, self._epochs.current())
+
+    def _settle(self, block: str, epoch: int) -> None:
         previous = self._epoch_of.get(block)
         if previous is not None:
             self._forget_placement(block, previous)

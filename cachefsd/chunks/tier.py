@@ -81,13 +81,14 @@ class Tier:
 
     # -- accounting -------------------------------------------------------
 
-    def could_admit(self, size: int) -> bool:
-        """Whether ``size`` more bytes would be taken now: there is free
-        space, or the policy has a victim to give up. Changes nothing."""
+    def room(self) -> int:
+        """Bytes new blocks could take now: free space plus what the policy
+        would give up, its blocks counted at the tier's mean size (exact
+        sizes would cost a sum over the victims on every call)."""
         with self._lock:
-            return self._used + size <= self.capacity or (
-                size <= self.capacity and self._policy.victim() is not None
-            )
+            spare = self._policy.spare()
+            mean = self._used // len(self._sizes) if self._sizes else 0
+            return self.capacity - self._used + spare * mean
 
     def make_room(self, size: int, incoming: str) -> list[str]:
         """Victims whose removal leaves room for ``size`` bytes of block
@@ -106,14 +107,12 @@ class Tier:
                 self._remove_locked(victim)
         return victims
 
-    def add(self, digest: str, size: int) -> None:
+    def add(self, digest: str, size: int, ahead: bool = False) -> None:
+        """Account a block just written; ``ahead`` as in ``EvictionPolicy.admitted``."""
         with self._lock:
-            self._add_locked(digest, size)
-
-    def _add_locked(self, digest: str, size: int) -> None:
-        self._sizes[digest] = size
-        self._used += size
-        self._policy.admitted(digest)
+            self._sizes[digest] = size
+            self._used += size
+            self._policy.admitted(digest, ahead)
 
     def remove(self, digest: str) -> int | None:
         """Forget ``digest``; its disk bytes, or None if it was not here."""

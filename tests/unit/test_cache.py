@@ -122,6 +122,20 @@ def test_a_policy_that_keeps_everything_sends_newcomers_to_the_next_tier(tmp_pat
         assert cache.tiers[1].block_count == 2
 
 
+def test_room_is_free_space_plus_what_the_policy_would_give_up(tmp_path: Path) -> None:
+    """What a prefetcher may fill: an LRU tier gives up everything, MinIO nothing."""
+    block = os.urandom(8192)
+    frame = disk_bytes(len(encode(block, Codec.RAW)))
+    for policy, expected in (("lru", 4 * frame), ("minio", 2 * frame)):
+        root = tmp_path / policy
+        root.mkdir()
+        with tiered(root, hot=4 * frame, hot_policy=policy) as (cache, _):
+            assert cache.room() == 4 * frame
+            admit(cache, ref("a"), block)
+            admit(cache, ref("b"), os.urandom(8192))
+            assert cache.room() == expected
+
+
 def test_an_unwritable_tier_falls_through_to_the_next(tmp_path: Path) -> None:
     with tiered(tmp_path, hot=1 << 20, warm=1 << 20) as (cache, metrics):
         data = os.urandom(5000)
