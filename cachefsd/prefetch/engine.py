@@ -11,9 +11,13 @@ Budget, whatever the number of open files:
 - at most ``concurrency`` prefetch GETs at once, and they queue behind every
   demand read in the fetcher (``fetch.PrioritySlots``);
 - at most ``lookahead`` bytes fetched ahead and not yet read;
+- at most the cache's room (``TieredCache.room``: free space plus what the
+  eviction policy would give up) in flight: a block the cache refuses on
+  arrival was fetched for nothing;
 - at most ``bandwidth`` bytes per second when set (a token bucket).
 Nothing waits on a prefetch: a demand read of a block being prefetched joins
-its GET (single-flight in ``blocks.py``), and a failed prefetch only logs.
+its GET (single-flight in ``blocks.py``; the prefetch then counts as used,
+late), and a failed prefetch only logs.
 
 Blocks fetched ahead carry their predicted use (``PlannedUse``), which the
 epoch-aware eviction policy reads: it keeps them over blocks already read
@@ -127,7 +131,11 @@ class Prefetcher:
         self._events = events
         self._lock = threading.Lock()
         self._ahead: dict[BlockRef, _Ahead] = {}
-        self._in_flight: set[BlockRef] = set()
+        self._in_flight: dict[BlockRef, int] = {}  # block -> its bytes
+        self._in_flight_bytes = 0
+        # Blocks read while their prefetch was still in flight: the reader
+        # joined the GET, so the prefetch is used (late) and plans nothing.
+        self._joined: set[BlockRef] = set()
         self._failed: dict[BlockRef, float] = {}  # block -> when it may be tried again
         self._window = min(settings.lookahead, INITIAL_WINDOW_BYTES)  # bytes ahead allowed now (AIMD)
         self._epoch = 0
@@ -165,7 +173,11 @@ class Prefetcher:
         used = 0
         with self._lock:
             for index in block_range(offset, size, info.size, self._reader.block_size):
-                ahead = self._ahead.pop(self._reader.ref(info, index), None)
+                ref = self._reader.ref(info, index)
+                if ref in self._in_flight:
+                    self._joined.add(ref)
+                    continue
+                ahead = self._ahead.pop(ref, None)
                 if ahead is not None:
                     self._ahead_bytes -= ahead.nbytes
                     used += ahead.nbytes
@@ -299,18 +311,21 @@ class Prefetcher:
             if self._reader.digest(info, index) is not None:
                 self._refund_locked(nbytes)
                 return True
-            self._in_flight.add(ref)
+            self._in_flight[ref] = nbytes
+            self._in_flight_bytes += nbytes
             position = self._opens + distance
         self._pool.submit(self._fetch, info, index, ref, nbytes, position)
         return True
 
     def _budget_allows_locked(self, nbytes: int) -> bool:
-        """A free slot, room in the reach, a cache that would keep the block,
-        and bandwidth tokens (spent here when everything else allows)."""
+        """A free slot, room in the reach, room in the cache for it and for
+        every block already in flight (a cache that refuses a block on arrival
+        wastes its GET), and bandwidth tokens (spent here when everything else
+        allows)."""
         return (
             len(self._in_flight) < self._settings.concurrency
             and self._ahead_bytes + nbytes <= self._window
-            and self._reader.could_cache(nbytes)
+            and self._in_flight_bytes + nbytes <= self._reader.cache_room()
             and self._spend_locked(nbytes)
         )
 
@@ -324,15 +339,21 @@ class Prefetcher:
             fetched = False
         digest = self._reader.digest(info, index) if fetched else None
         with self._lock:
-            self._in_flight.discard(ref)
-            if digest is not None:
+            del self._in_flight[ref]
+            self._in_flight_bytes -= nbytes
+            joined = ref in self._joined
+            self._joined.discard(ref)
+            if digest is not None and not joined:
                 self._ahead[ref] = _Ahead(info, index, digest, nbytes)
                 self._ahead_bytes += nbytes
                 self._planned.plan(digest, position)
-            else:
+            elif digest is None:
                 self._refund_locked(nbytes)
         if digest is not None:
             self._events.prefetch_issued(nbytes)
+            if joined:
+                self._grow_window(nbytes)
+                self._events.prefetch_used(nbytes)
         elif fetched:
             # Fetched, but the cache had no room the policy would give up:
             # the bytes crossed the network for nothing. Reach less far.

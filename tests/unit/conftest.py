@@ -14,7 +14,7 @@ from cachefsd.aio import LoopThread
 from cachefsd.blocks import BlockReader, FileSpan, Piece
 from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.codec import Codec
-from cachefsd.chunks.policy import LruPolicy
+from cachefsd.chunks.policy import EvictionPolicy, LruPolicy
 from cachefsd.chunks.tier import Tier
 from cachefsd.config import FetchSettings, PrefetchSettings
 from cachefsd.fetch import Fetcher
@@ -80,7 +80,7 @@ def fixture_io() -> Iterator[LoopThread]:
 
 @pytest.fixture(name="make_engine")
 def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactory]:
-    """``make_engine(objects, capacity=..., cache_dir=...)`` builds the whole
+    """``make_engine(objects, capacity=..., cache_dir=..., policy=...)`` builds the whole
     read path over a ``MemoryStore``; indexes are closed at teardown."""
     indexes: list[Index] = []
 
@@ -90,6 +90,7 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         cache_dir: Path | None = None,
         store: MemoryStore | None = None,
         ttl: float = 60.0,
+        policy: EvictionPolicy | None = None,
     ) -> Engine:
         store = store or MemoryStore(objects or {})
         faulty = FaultyStore(store)
@@ -99,7 +100,7 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         indexes.append(index)
         metrics = Metrics(CollectorRegistry())
         cache = TieredCache(
-            [Tier("hot", cache_dir / "hot", capacity, Codec.RAW, LruPolicy())], index, metrics
+            [Tier("hot", cache_dir / "hot", capacity, Codec.RAW, policy or LruPolicy())], index, metrics
         )
         cache.reconcile()
         fetcher = Fetcher(faulty, FAST_FETCH, metrics)

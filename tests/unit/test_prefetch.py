@@ -10,6 +10,9 @@ from contextlib import contextmanager
 
 import pytest
 
+from cachefsd.chunks.codec import Codec, encode
+from cachefsd.chunks.policy import MinioPolicy
+from cachefsd.chunks.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import PlannedUse, Prefetcher
@@ -104,3 +107,45 @@ def test_the_shares_of_distributed_ranks_are_merged_into_one_order(
     prefetcher.hint(keys[4:8], part=(1, 2))
     predicted = [prediction.path for prediction in model.predict(8)]
     assert predicted == [keys[0], keys[4], keys[1], keys[5], keys[2], keys[6], keys[3], keys[7]]
+
+
+def test_a_read_that_joins_a_prefetch_in_flight_counts_it_used_not_wasted(
+    make_engine: EngineFactory, dataset: dict[str, bytes]
+) -> None:
+    engine = make_engine(dataset)
+    key = sorted(dataset)[0]
+    info = engine.namespace.lookup("/" + key).info
+    assert info is not None
+    planned = PlannedUse()
+    settings = PrefetchSettings(concurrency=1)
+    prefetcher = Prefetcher(AccessModel(), engine.namespace, engine.reader, settings, planned, engine.metrics)
+    engine.faulty.faults.latency_seconds = 0.3
+    calls = engine.faulty.calls
+    prefetcher.start()
+    try:
+        prefetcher.hint([key])
+        wait_for(lambda: engine.faulty.calls > calls, "the prefetch GET to start")
+        prefetcher.opened(info)
+        prefetcher.read(info, 0, info.size)  # before the block lands, as the FUSE read does
+        assert joined(engine.reader.read(info, 0, info.size, set())) == dataset[key]
+        wait_for(lambda: engine.metrics.prefetch_used_bytes._value.get() == info.size, "the join to count")
+    finally:
+        prefetcher.stop()
+    assert engine.store.get_count == 1
+    assert engine.metrics.prefetch_wasted_bytes._value.get() == 0
+    digest = engine.reader.digest(info, 0)
+    assert digest is not None
+    assert planned.next_use(digest) is None  # read: nothing left planned
+
+
+def test_no_more_is_fetched_ahead_than_the_cache_would_keep(
+    make_engine: EngineFactory, dataset: dict[str, bytes]
+) -> None:
+    """Two blocks of room, a policy that gives up nothing, eight slots: two GETs, none wasted."""
+    frame = disk_bytes(len(encode(bytes(BLOCK_SIZE // 2), Codec.RAW)))
+    engine = make_engine(dataset, capacity=2 * frame, policy=MinioPolicy())
+    with start(engine, PrefetchSettings(concurrency=8)) as prefetcher:
+        prefetcher.hint(sorted(dataset))
+        wait_for(lambda: engine.cache.used_bytes == 2 * frame, "the cache to fill")
+    assert engine.store.get_count == 2
+    assert engine.metrics.prefetch_wasted_bytes._value.get() == 0
