@@ -43,10 +43,6 @@ from typing import Final, Protocol
 # an early boundary count as unread, which only delays their eviction.
 MIN_EPOCH_FRACTION: Final = 0.5
 
-# The "epoch of last read" of a block fetched ahead and not read yet: before
-# every epoch, so it ranks as still to be read in the current one.
-NEVER_READ: Final = -1
-
 LRU: Final = "lru"
 TWO_RANDOM: Final = "2-random"
 MINIO: Final = "minio"
@@ -255,9 +251,14 @@ class EpochAwarePolicy:
     Each block remembers the epoch of its last read (admission counts: a
     block is admitted because it was just read). A block read in the current
     epoch will, under once-per-epoch sampling, not be needed again until the
-    next epoch; a block last read in an earlier epoch is still to come. So:
+    next epoch; a block last read in the previous epoch is still to come; a
+    block read in neither has left the working set (a finished job, a
+    dataset no longer used). So:
 
-    - a victim is taken from the blocks read in the current epoch, the one
+    - stale blocks (last read before the previous epoch) go first, oldest
+      first: without this rule an abandoned dataset would hold its space
+      forever;
+    - then a victim is taken from the blocks read in the current epoch, the one
       whose last read is the EARLIEST in the epoch first. Under independent
       per-epoch shuffles every such block is equally useless until the next
       epoch, so the choice costs nothing there, and "earliest" protects the
@@ -265,28 +266,30 @@ class EpochAwarePolicy:
       FUSE reads, and a sample's block is often read again shortly (packed
       shards, several crops). Choosing the most recent one instead would
       evict a block in the middle of its read;
-    - when no resident was read this epoch, admission is refused: every
-      resident is still to be read this epoch, and the newcomer, just read,
-      is the least useful block of all. Steady state is MinIO's hit ratio
-      (the cached fraction), but the contents follow the working set.
-    - a block fetched ahead (prefetch, stage) has not been read: it ranks
-      with the blocks still to be read this epoch until it is. Counting its
-      admission as a read would make it the first victim of the next
-      admission, often another prefetch filling the same room.
+    - when every resident was last read in the previous epoch, admission is
+      refused: each is still to be read this epoch, and the newcomer, just
+      read, is the least useful block of all. Steady state is MinIO's hit
+      ratio (the cached fraction), but the contents follow the working set.
+    - a block fetched ahead (prefetch, stage) has not been read: it ranks as
+      if last read in the previous epoch, due in this one, until it is read
+      (or goes stale unread). Counting its admission as a read would make it
+      the first victim of the next admission, often another prefetch filling
+      the same room.
 
     With a ``NextUse`` (exact knowledge from a loader's plan), the ranking
     becomes Belady's, with unknown next uses placed by the epoch rule:
 
-    1. read this epoch, next use unknown: farthest; evicted first, earliest
-       read first, as above;
+    1. stale or read this epoch, next use unknown: farthest; evicted first,
+       in that order, as above;
     2. next use known: farthest first, evicted only if ``incoming`` is given
        with a known next use that is strictly sooner (otherwise refuse);
-    3. not read this epoch, next use unknown: due this epoch; never evicted.
+    3. last read in the previous epoch, next use unknown: due this epoch;
+       never evicted.
 
     Next uses are cached in a max-heap when a block is read, when
     ``next_use_changed`` is called, or when a rank-1 block turns out to have
-    one; ``victim`` re-checks the top entry, so stale values cost a re-push,
-    never a wrong answer about residency.
+    one; ``victim`` re-checks the top entry, so outdated values cost a
+    re-push, never a wrong answer about residency.
     """
 
     def __init__(self, epochs: EpochClock, next_use: NextUse | None = None) -> None:
@@ -315,7 +318,7 @@ class EpochAwarePolicy:
         if not ahead:
             self._read(block)
         elif block not in self._epoch_of:
-            self._settle(block, NEVER_READ)
+            self._settle(block, self._epochs.current() - 1)
 
     def accessed(self, block: str) -> None:
         if block in self._epoch_of:
@@ -330,21 +333,22 @@ class EpochAwarePolicy:
     def next_use_changed(self, block: str) -> None:
         """The plan changed ``block``'s next use without a read; re-rank it. O(log n)."""
         epoch = self._epoch_of.get(block)
-        if epoch is not None:
-            self._forget_placement(block, epoch)
-            self._place(block, epoch)
+        if epoch is None or (block not in self._known and self._lookup(block) is None):
+            return  # not here, or still unplanned: it keeps its place in the read order
+        self._forget_placement(block, epoch)
+        self._place(block, epoch)
 
     def victim(self, incoming: str | None = None) -> str | None:
         current = self._epochs.current()
         while True:
-            done = self._unknown.get(current)
-            if done:
-                block = next(iter(done))
+            epoch = self._evictable_epoch(current)
+            if epoch is not None:
+                block = next(iter(self._unknown[epoch]))
                 if self._lookup(block) is None:
                     return block
                 # The plan now knows this block: rank it by its next use.
-                self._forget_placement(block, current)
-                self._place(block, current)
+                self._forget_placement(block, epoch)
+                self._place(block, epoch)
                 continue
             if not self._heap:
                 return None
@@ -363,9 +367,18 @@ class EpochAwarePolicy:
             return None
 
     def spare(self) -> int:
-        """The blocks read this epoch (an upper bound: ``victim`` re-ranks
-        any of them the plan has since given a next use)."""
-        return len(self._unknown.get(self._epochs.current(), ()))
+        """The stale blocks and those read this epoch (an upper bound:
+        ``victim`` re-ranks any of them the plan has since given a next use)."""
+        current = self._epochs.current()
+        return sum(len(group) for epoch, group in self._unknown.items() if epoch != current - 1)
+
+    def _evictable_epoch(self, current: int) -> int | None:
+        """The group ``victim`` takes from: the stalest, else this epoch's.
+        O(groups), and there is one group per epoch that still has residents."""
+        oldest = min(self._unknown, default=None)
+        if oldest is not None and oldest < current - 1:
+            return oldest
+        return current if current in self._unknown else None
 
     def _lookup(self, block: str) -> float | None:
         return None if self._next_use is None else self._next_use.next_use(block)

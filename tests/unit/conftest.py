@@ -100,7 +100,9 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         indexes.append(index)
         metrics = Metrics(CollectorRegistry())
         cache = TieredCache(
-            [Tier("hot", cache_dir / "hot", capacity, Codec.RAW, policy or LruPolicy())], index, metrics
+            [Tier("hot", cache_dir / "hot", capacity, Codec.RAW, LruPolicy() if policy is None else policy)],
+            index,
+            metrics,
         )
         cache.reconcile()
         fetcher = Fetcher(faulty, FAST_FETCH, metrics)

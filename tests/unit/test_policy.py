@@ -151,10 +151,28 @@ def test_epoch_aware_keeps_a_block_fetched_ahead_until_it_is_read() -> None:
     assert (policy.victim("new"), policy.spare()) == ("a", 1)
     policy.removed("a")
     assert (policy.victim("new"), policy.spare()) == (None, 0)  # not read yet: protected
-    clock.epoch = 1
-    assert policy.victim("new") is None  # still not read: due in this epoch too
     policy.accessed("ahead")
     assert (policy.victim("new"), policy.spare()) == ("ahead", 1)
+
+
+def test_epoch_aware_evicts_what_left_the_working_set_first() -> None:
+    clock = FakeClock()
+    policy = EpochAwarePolicy(clock)
+    fill(policy, "old", "kept")
+    clock.epoch = 1
+    policy.accessed("kept")
+    policy.admitted("ahead", ahead=True)
+    fill(policy, "now")
+    clock.epoch = 2  # "old" was read in neither epoch 1 nor 2, nor "ahead"
+    policy.accessed("now")
+    assert policy.spare() == 3
+    assert policy.victim("new") == "old"
+    policy.removed("old")
+    assert policy.victim("new") == "ahead"
+    policy.removed("ahead")
+    assert policy.victim("new") == "now"  # then what this epoch has read; "kept" is due
+    policy.removed("now")
+    assert policy.victim("new") is None
 
 
 def test_epoch_aware_rereads_move_a_block_to_the_back() -> None:
@@ -362,7 +380,7 @@ def test_policy_bookkeeping_matches_a_reference(
             read_in[block] = clock.epoch
         elif operation == "ahead":
             resident.append(block)
-            read_in[block] = -1  # not read yet
+            read_in[block] = clock.epoch - 1  # not read yet: due this epoch
         elif operation == "remove" and block in resident:
             resident.remove(block)
         elif operation in ("victim", "evict"):
@@ -390,15 +408,19 @@ def check_choice(
     elif name == "minio":
         assert chosen is None
     elif name == "epoch-aware":
-        candidates = [block for block in resident if read_in[block] == now]
+        stale = [block for block in resident if read_in[block] < now - 1]
+        oldest = min((read_in[block] for block in stale), default=None)
+        candidates = [block for block in stale if read_in[block] == oldest] or [
+            block for block in resident if read_in[block] == now
+        ]
         assert chosen == (candidates[0] if candidates else None)
 
 
 def check_spare(name: str, spare: int, resident: list[str], read_in: dict[str, int], now: int) -> None:
     """How many blocks each policy says it would give up for an unplanned newcomer."""
-    read_this_epoch = sum(1 for block in resident if read_in[block] == now)
-    expected = {"lru": len(resident), "2-random": len(resident), "minio": 0, "epoch-aware": read_this_epoch}
+    evictable = sum(1 for block in resident if read_in[block] != now - 1)  # stale or read this epoch
+    expected = {"lru": len(resident), "2-random": len(resident), "minio": 0, "epoch-aware": evictable}
     if name in expected:
         assert spare == expected[name]
     else:  # with a plan, an upper bound: blocks the plan has since placed are re-ranked lazily
-        assert spare <= read_this_epoch
+        assert spare <= evictable
