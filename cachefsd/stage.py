@@ -8,7 +8,10 @@ with a pool of workers calling ``BlockReader.fetch_ahead`` (kind
 first). A block already cached is counted and skipped before it reaches a
 worker, so a rerun after an interruption only fetches what is missing.
 ``--check`` fetches nothing and reports how much of the selection is
-resident, by tier.
+resident, by tier. A selection larger than the cache is not an error to
+hide: staging stops at the first block the cache refuses (fetching more
+would only spend bandwidth), and the summary says how much of the selection
+the cache does not hold at the end.
 
 Where it runs: through the daemon of a mount (``POST /stage`` on its
 control socket, progress streamed back) when TARGET is a path under a live
@@ -201,6 +204,7 @@ class _Counters:
     bytes_cached: int = 0
     bytes_failed: int = 0
     bytes_missing: int = 0  # check: not resident
+    bytes_skipped: int = 0  # not fetched: the cache was found full
     failed: int = 0  # files and directories
     files_failed: int = 0
     resident: dict[str, int] = field(default_factory=dict)
@@ -208,7 +212,13 @@ class _Counters:
 
     @property
     def bytes_done(self) -> int:
-        return self.bytes_fetched + self.bytes_cached + self.bytes_failed + self.bytes_missing
+        return (
+            self.bytes_fetched
+            + self.bytes_cached
+            + self.bytes_failed
+            + self.bytes_missing
+            + self.bytes_skipped
+        )
 
     def event(self, phase: str) -> dict[str, Any]:
         return {
@@ -346,6 +356,16 @@ def stage_files(
         summary["tiers"] = list(tiers)
         summary["resident"] = counters.resident
         summary["missing_bytes"] = counters.bytes_missing
+    else:
+        # Counted at the end: a cache smaller than the selection refuses
+        # blocks (epoch-aware, MinIO) or evicts earlier ones (LRU).
+        resident = sum(
+            length
+            for selected in files
+            for index, length in _blocks_of(selected.info, blocks.block_size)
+            if blocks.residency(selected.info, index) is not None
+        )
+        summary["unkept_bytes"] = max(0, counters.bytes_total - counters.bytes_failed - resident)
     return summary
 
 
@@ -385,23 +405,26 @@ class _BlockFetch:
         self._tier = tier
         self._run = run
         self._counters = run.counters
+        # A fetched block the cache refused: it is full of blocks its policy
+        # keeps, so fetching the rest would only spend bandwidth.
+        self._cache_full = False
 
     def run(self, files: list[Selected], workers: int) -> None:
         todo = self._pending([_FileProgress(item) for item in files])
         window = workers * WINDOW_PER_WORKER
-        in_flight: dict[Future[bool], tuple[_FileProgress, int]] = {}
+        in_flight: dict[Future[bool], tuple[_FileProgress, int, int]] = {}
         pool = ThreadPoolExecutor(workers, thread_name_prefix="cachefsd-stage")
         try:
             exhausted = False
             while True:
-                while not exhausted and len(in_flight) < window:
+                while not exhausted and not self._cache_full and len(in_flight) < window:
                     task = next(todo, None)
                     if task is None:
                         exhausted = True
                         break
                     state, index, length = task
                     future = pool.submit(self._blocks.fetch_ahead, state.selected.info, index, self._tier)
-                    in_flight[future] = (state, length)
+                    in_flight[future] = (state, index, length)
                     self._run.tick("fetch")
                 if not in_flight:
                     break
@@ -409,6 +432,9 @@ class _BlockFetch:
                 for future in done:
                     self._book(future, *in_flight.pop(future))
                 self._run.tick("fetch")
+            for state, _, length in todo:  # left when the cache was found full
+                self._counters.bytes_skipped += length
+                self._block_done(state)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -431,7 +457,7 @@ class _BlockFetch:
                 else:
                     yield state, index, length
 
-    def _book(self, future: Future[bool], state: _FileProgress, length: int) -> None:
+    def _book(self, future: Future[bool], state: _FileProgress, index: int, length: int) -> None:
         try:
             fetched = future.result()
         except Exception as exc:
@@ -443,6 +469,8 @@ class _BlockFetch:
         else:
             if fetched:
                 self._counters.bytes_fetched += length
+                if self._blocks.residency(state.selected.info, index) is None:
+                    self._cache_full = True
             else:
                 self._counters.bytes_cached += length
         self._block_done(state)
@@ -736,12 +764,19 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     seconds = summary["seconds"]
     rate = summary["fetched_bytes"] / seconds if seconds > 0 else 0.0
     staged = summary["files"] - summary["failed_files"]
-    return [
+    lines = [
         f"staged {staged} of {summary['files']} files ({human_bytes(total)}): "
         f"fetched {human_bytes(summary['fetched_bytes'])}, "
         f"already cached {human_bytes(summary['cached_bytes'])}, "
         f"{summary['failed']} failed, in {seconds:.1f}s ({human_bytes(rate)}/s)"
     ]
+    unkept = summary["unkept_bytes"]
+    if unkept:
+        lines.append(
+            f"not staged: {human_bytes(unkept)} ({_percent(unkept, total):.1f}%) of the selection, "
+            "the cache is full (a larger cache, or a narrower --include)"
+        )
+    return lines
 
 
 def run_command(
@@ -752,7 +787,8 @@ def run_command(
     interactive: bool | None = None,
 ) -> int:
     """``cachefsd stage``: run, show progress, print the summary and every
-    failure (one line each); 1 if anything failed. ``settings(source)`` builds
+    failure (one line each); 1 if anything failed or did not fit in the
+    cache. ``settings(source)`` builds
     the settings for an offline stage."""
     view = ProgressView(interactive=False if as_json else interactive)
     try:
@@ -772,4 +808,4 @@ def run_command(
         print(f"failed: {path}: {error}", file=sys.stderr)
     if view.failed > len(view.failures):
         print(f"failed: ... and {view.failed - len(view.failures)} more", file=sys.stderr)
-    return 1 if summary["failed"] else 0
+    return 1 if summary["failed"] or summary.get("unkept_bytes") else 0

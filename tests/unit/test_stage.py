@@ -10,6 +10,9 @@ from typing import Any
 
 import pytest
 
+from cachefsd.chunks.codec import Codec, encode
+from cachefsd.chunks.policy import LruPolicy, MinioPolicy
+from cachefsd.chunks.tier import disk_bytes
 from cachefsd.control import BadRequest, StageRequest
 from cachefsd.stage import (
     MountHandlers,
@@ -78,6 +81,26 @@ def test_stage_fetches_everything_once_and_a_rerun_fetches_nothing(make_engine: 
     assert check["resident"] == {"hot": TOTAL}
     assert check["missing_bytes"] == 0
     assert "resident: 100.0%" in summary_lines(check)[0]
+
+
+@pytest.mark.parametrize("policy", [MinioPolicy, LruPolicy])
+def test_a_selection_larger_than_the_cache_is_reported_not_hidden(
+    make_engine: EngineFactory, policy: type[MinioPolicy | LruPolicy]
+) -> None:
+    """Ten blocks into room for four: a refusing policy stops the stage at
+    the first refusal, an evicting one churns; both end with six blocks
+    reported as not staged."""
+    objects = {f"shard-{index}": os.urandom(BLOCK_SIZE) for index in range(10)}
+    frame = disk_bytes(len(encode(bytes(BLOCK_SIZE), Codec.RAW)))
+    engine = make_engine(objects, capacity=4 * frame, policy=policy())
+    events: list[dict[str, Any]] = []
+    summary = stage_files(engine.namespace, engine.reader, ["hot"], StageRequest(), events.append, workers=1)
+    assert summary["unkept_bytes"] == 6 * BLOCK_SIZE
+    assert summary["failed"] == 0
+    assert events[-1]["bytes_done"] == 10 * BLOCK_SIZE  # the progress bar ends at 100 %
+    if policy is MinioPolicy:
+        assert engine.store.get_count < 10  # stopped fetching once the cache refused
+    assert "not staged: 384.0 KiB (60.0%)" in summary_lines(summary)[1]
 
 
 def test_check_before_staging_finds_nothing(make_engine: EngineFactory) -> None:
