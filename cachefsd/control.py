@@ -499,6 +499,10 @@ class ControlClient:
         headers = {"Content-Type": "application/json"} if data is not None else {}
         try:
             connection.request(method, path, body=data, headers=headers)
+        except (BrokenPipeError, ConnectionResetError):
+            # The daemon answered and closed before reading the whole body
+            # (a refusal, e.g. 413): its answer is still there to be read.
+            pass
         except OSError as exc:
             connection.close()
             raise ControlError(
