@@ -190,7 +190,13 @@ class BlockReader:
                 digest, data = adopted
                 placement = self._cache.placement(digest)
         if data is not None and digest is not None:
-            self._remember(ref, digest, data, placement is not None and placement.raw, verified)
+            raw = placement is not None and placement.raw
+            self._remember(ref, digest, data, raw, verified)
+            # Just verified, and its file is in the page cache: serve it from
+            # there too, sparing two copies of the piece.
+            span = self._span(digest, lo, hi, verified) if raw else None
+            if span is not None:
+                return span
             return data[lo:hi], "memory" if placement is None else placement.tier, 0.0
         started = time.monotonic()
         digest, data = self._in_flight.do(

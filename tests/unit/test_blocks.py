@@ -105,8 +105,20 @@ def test_a_verified_raw_block_is_served_from_its_file_without_copying(make_engin
     assert all(isinstance(piece, FileSpan) for piece in second)
     assert joined(second) == data[100 : 100 + BLOCK_SIZE]
     assert joined(first) == data
-    # Another reader (a new open) has its blocks checked again.
-    assert all(isinstance(piece, bytes) for piece in engine.reader.read(info, 0, 10, set()))
+    # Another reader (a new open) has its blocks checked again: rot is caught, not served.
+    digest = engine.reader.digest(info, 0)
+    assert digest is not None
+    hit = engine.cache.raw_hit(digest)
+    assert hit is not None
+    rotten = bytearray(hit[1].read_bytes())
+    rotten[-1] ^= 0xFF
+    hit[1].write_bytes(bytes(rotten))
+    assert joined(engine.reader.read(info, 0, 10, set())) == data[:10]
+    assert engine.store.get_count == 3  # the rotten block was fetched again
+    # A block checked by a first read is served from its file at once.
+    pieces = engine.reader.read(info, BLOCK_SIZE, 10, set())
+    assert all(isinstance(piece, FileSpan) for piece in pieces)
+    assert joined(pieces) == data[BLOCK_SIZE : BLOCK_SIZE + 10]
 
 
 def test_served_bytes_are_counted_by_where_they_came_from(make_engine: EngineFactory) -> None:
