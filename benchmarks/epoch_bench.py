@@ -40,9 +40,10 @@ land. A contender that fails to mount prints its error; the run goes on.
 
 Each contender starts from an empty cache, and every cache is sized at each
 ``--cache-fractions`` share (default 100 % and 50 %) of the dataset's
-footprint: its bytes plus ``CACHE_SLACK_PER_FILE`` per file for a tool's
-per-file overhead (cachefsd's block frame header, rclone's metadata), so
-that "100 %" really holds the dataset.
+footprint: its bytes plus ``CACHE_SLACK_PER_MIB`` for every started MiB of
+every file, for a tool's overhead per file or per block (cachefsd frames
+each block with a header and a file rounds up to 4 KiB; rclone keeps
+metadata per file), so that "100 %" really holds the dataset.
 
 Before every epoch the kernel page cache is dropped (``drop_caches``, root),
 as when the dataset is far larger than RAM; otherwise a 24 GiB machine keeps
@@ -147,9 +148,10 @@ CLASSES = 20
 SIZE_SPREAD = 0.5
 UPLOAD_THREADS = 16
 READ_CHUNK = 1 << 20
-# Per-file allowance in the cache size for a tool's own overhead (cachefsd
-# frames a block with a header, so a 128 KiB sample takes 132 KiB on disk).
-CACHE_SLACK_PER_FILE = 4096
+# Allowance in the cache size for a tool's own overhead, per started MiB of
+# a file: cachefsd frames each block (1 MiB or more) with a header and a
+# file rounds up to 4 KiB, so a 128 KiB sample takes 132 KiB on disk.
+CACHE_SLACK_PER_MIB = 4096
 
 # -- bounds on every wait -------------------------------------------------------
 
@@ -330,6 +332,7 @@ class Dataset:
     relatives: list[str]  # paths under the dataset root, e.g. class_03/img_00042.bin
     total_bytes: int
     local_root: Path
+    sizes: list[int]  # bytes of each file, in the order of ``relatives``
 
 
 def make_dataset(files: int, mean_bytes: int, local: Path, client: Any) -> Dataset:
@@ -351,12 +354,12 @@ def make_dataset(files: int, mean_bytes: int, local: Path, client: Any) -> Datas
 
     with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
         list(pool.map(put, samples))
-    return Dataset([s[0] for s in samples], sum(s[1] for s in samples), local)
+    return Dataset([s[0] for s in samples], sum(s[1] for s in samples), local, [s[1] for s in samples])
 
 
 def dataset_footprint(dataset: Dataset) -> int:
-    """What "100 %" of a cache means: the bytes plus a per-file allowance."""
-    return dataset.total_bytes + CACHE_SLACK_PER_FILE * len(dataset.relatives)
+    """What "100 %" of a cache means: the bytes plus an allowance per started MiB."""
+    return dataset.total_bytes + sum(CACHE_SLACK_PER_MIB * (1 + size // (1 << 20)) for size in dataset.sizes)
 
 
 def calibrate_moto(client: Any, dataset: Dataset, network: Network) -> dict[str, float]:
