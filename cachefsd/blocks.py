@@ -234,21 +234,35 @@ class BlockReader:
         """The content hash cached for block ``index`` of ``info``, or None."""
         return self._cache.lookup(self.ref(info, index))
 
-    def cache_room(self) -> int:
-        """Bytes the cache would keep of blocks fetched ahead now; fetching
-        more than that only spends bandwidth on blocks it would refuse."""
-        return self._cache.room()
+    def cache_room(self, next_use: float | None = None) -> int:
+        """Bytes the cache would keep of blocks fetched ahead now (planned to
+        be read at ``next_use``, if known); fetching more than that only
+        spends bandwidth on blocks it would refuse."""
+        return self._cache.room(next_use)
+
+    def plan(self, info: ObjectInfo, index: int, position: float) -> str | None:
+        """Plan cached block ``index`` of ``info`` to be read next at
+        ``position``; its hash, or None if it is not cached."""
+        digest = self._cache.lookup(self.ref(info, index))
+        return digest if digest is not None and self._cache.plan(digest, position) else None
+
+    def unplan(self, digest: str) -> None:
+        """Block ``digest`` is no longer planned (read, or the plan changed)."""
+        self._cache.unplan(digest)
 
     def residency(self, info: ObjectInfo, index: int) -> str | None:
         """The tier holding block ``index`` of ``info``, or None."""
         digest = self._cache.lookup(self.ref(info, index))
         return None if digest is None else self._cache.tier_of(digest)
 
-    def fetch_ahead(self, info: ObjectInfo, index: int, tier: str | None = None) -> bool:
+    def fetch_ahead(
+        self, info: ObjectInfo, index: int, tier: str | None = None, next_use: float | None = None
+    ) -> bool:
         """Bring block ``index`` of ``info`` into the cache before anyone
-        reads it (prefetch, stage); True if it had to be fetched. Shares the
-        GET of a demand read of the same block, and never waits in line
-        before one (kind "prefetch")."""
+        reads it (prefetch, stage), planned to be read at ``next_use`` if
+        known; True if it had to be fetched. Shares the GET of a demand read
+        of the same block, and never waits in line before one (kind
+        "prefetch")."""
         if self.residency(info, index) is not None:
             return False
         ref = self.ref(info, index)
@@ -256,13 +270,18 @@ class BlockReader:
             return False
         self._in_flight.do(
             ref,
-            lambda: self._fetch_and_admit(info, index, "prefetch", tier),
+            lambda: self._fetch_and_admit(info, index, "prefetch", tier, next_use),
             self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
         )
         return True
 
     def _fetch_and_admit(
-        self, info: ObjectInfo, index: int, kind: FetchKind, tier: str | None = None
+        self,
+        info: ObjectInfo,
+        index: int,
+        kind: FetchKind,
+        tier: str | None = None,
+        next_use: float | None = None,
     ) -> tuple[str, bytes]:
         """Fetch a block and admit it; its hash (computed once, here) and content."""
         ref = self.ref(info, index)
@@ -273,7 +292,7 @@ class BlockReader:
         )
         identity = (info.etag, info.size) if self._dedup_by_etag else None
         digest = content_hash(data)
-        self._cache.admit(ref, digest, data, identity, tier, ahead=kind == "prefetch")
+        self._cache.admit(ref, digest, data, identity, tier, ahead=kind == "prefetch", next_use=next_use)
         return digest, data
 
     def release_version(self, info: ObjectInfo) -> None:

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from cachefsd.chunks.cache import CacheEvents, TieredCache, VerifyReport
 from cachefsd.chunks.codec import Codec
-from cachefsd.chunks.policy import LRU, EpochClock, NextUse, ObservedEpochs, make_policy
+from cachefsd.chunks.policy import LRU, EpochClock, ObservedEpochs, PlannedUse, make_policy
 from cachefsd.chunks.tier import Tier
 from cachefsd.config import CacheSettings, resolve_tier_size
 from cachefsd.errors import CachefsdError, ConfigError
@@ -85,10 +85,11 @@ def open_cache(
     epochs: EpochClock,
     events: CacheEvents,
     lock_wait: float | None = None,
-    next_use: NextUse | None = None,
+    planned: PlannedUse | None = None,
 ) -> Iterator[OpenCache]:
     """Lock, open and reconcile a cache. ``specs`` None means the layout
-    recorded by the last daemon (for maintenance commands)."""
+    recorded by the last daemon (for maintenance commands); ``planned`` is
+    the prefetcher's plan, which the epoch-aware policy reads."""
     try:
         cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
@@ -114,11 +115,11 @@ def open_cache(
                 Path(spec.dir),
                 spec.capacity,
                 _CODECS[spec.codec],
-                make_policy(policy, epochs, rng),
+                make_policy(policy, epochs, rng, planned),
             )
             for spec in specs
         ]
-        cache = TieredCache(tiers, index, events)
+        cache = TieredCache(tiers, index, events, planned)
         cache.reconcile()
         yield OpenCache(index, cache)
         cache.save_recency()

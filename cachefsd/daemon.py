@@ -24,6 +24,7 @@ from cachefsd.aio import LoopThread
 from cachefsd.blocks import BlockReader
 from cachefsd.cachedir import open_cache, tier_specs
 from cachefsd.chunks.cache import TieredCache
+from cachefsd.chunks.policy import PlannedUse
 from cachefsd.config import Settings
 from cachefsd.control import ControlServer, control_path
 from cachefsd.errors import CachefsdError, ConfigError
@@ -34,7 +35,7 @@ from cachefsd.index import Index
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import AccessModel
-from cachefsd.prefetch.engine import PlannedUse, Prefetcher
+from cachefsd.prefetch.engine import Prefetcher
 from cachefsd.runtime import MountState, write_state
 from cachefsd.stage import MountHandlers
 from cachefsd.stats import DaemonStats, Residency
@@ -106,7 +107,7 @@ def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engin
     io = LoopThread()
     try:
         with open_cache(
-            settings.cache.dir, specs, settings.cache.policy, model, metrics, lock_wait, next_use=planned
+            settings.cache.dir, specs, settings.cache.policy, model, metrics, lock_wait, planned
         ) as opened:
             store = open_store(settings.source, settings.store, settings.fetch.attempt_timeout)
             try:
@@ -124,7 +125,7 @@ def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engin
                     settings.namespace.metadata_ttl,
                     on_version_gone=reader.release_version,
                 )
-                prefetcher = Prefetcher(model, namespace, reader, settings.prefetch, planned, metrics)
+                prefetcher = Prefetcher(model, namespace, reader, settings.prefetch, metrics)
                 yield Engine(store, opened.cache, opened.index, reader, namespace, metrics, prefetcher, model)
             finally:
                 with contextlib.suppress(CachefsdError):

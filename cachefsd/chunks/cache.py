@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from cachefsd.chunks.codec import Codec, CorruptBlock, decode, encode
+from cachefsd.chunks.policy import PlannedUse
 from cachefsd.chunks.tier import NoRoom, Tier, disk_bytes
 from cachefsd.index import BlockRef, Index, StoredBlock
 
@@ -79,8 +80,11 @@ class VerifyReport:
 
 
 class TieredCache:
-    def __init__(self, tiers: list[Tier], index: Index, events: CacheEvents) -> None:
+    def __init__(
+        self, tiers: list[Tier], index: Index, events: CacheEvents, planned: PlannedUse | None = None
+    ) -> None:
         self._tiers = tiers
+        self._planned = planned  # the plan the tiers' policies read, if any
         self._by_name = {tier.name: tier for tier in tiers}
         self._index = index
         self._events = events
@@ -177,9 +181,28 @@ class TieredCache:
         self._events.dedup_saved("wire", len(data))
         return digest, data
 
-    def room(self) -> int:
+    def room(self, incoming_use: float | None = None) -> int:
         """Bytes new blocks could take now, over all tiers (``Tier.room``)."""
-        return sum(tier.room() for tier in self._tiers)
+        return sum(tier.room(incoming_use) for tier in self._tiers)
+
+    def plan(self, digest: str, position: float) -> bool:
+        """Plan resident block ``digest`` to be read next at ``position``;
+        False if it is not cached (or the cache keeps no plans)."""
+        tier = self._tier_holding(digest)
+        if tier is None or self._planned is None:
+            return False
+        self._planned.plan(digest, position)
+        tier.replanned(digest)
+        return True
+
+    def unplan(self, digest: str) -> None:
+        """Block ``digest`` is no longer planned (read, or the plan changed)."""
+        if self._planned is None:
+            return
+        self._planned.consumed(digest)
+        tier = self._tier_holding(digest)
+        if tier is not None:
+            tier.replanned(digest)
 
     def tier_of(self, digest: str) -> str | None:
         tier = self._tier_holding(digest)
@@ -244,12 +267,16 @@ class TieredCache:
         identity: tuple[str, int] | None = None,
         tier: str | None = None,
         ahead: bool = False,
+        next_use: float | None = None,
     ) -> None:
         """Store ``data`` (whose hash the caller computed from the fetched
         bytes) as the content of ``ref``, in ``tier`` or the fastest tier with
         room; ``ahead`` when no read asked for it yet (prefetch, stage), so
-        the policies do not count the admission as a read. Best effort:
-        failures only log."""
+        the policies do not count the admission as a read, and ``next_use``
+        when a plan says when it will be (the policies weigh it against the
+        residents' plans). Best effort: failures only log."""
+        if next_use is not None and self._planned is not None:
+            self._planned.plan(digest, next_use)
         first = 0 if tier is None else next(i for i, each in enumerate(self._tiers) if each.name == tier)
         with self._move_lock:
             holder = self._tier_holding(digest)
@@ -361,9 +388,11 @@ class TieredCache:
     # -- removal --------------------------------------------------------
 
     def _drop(self, digest: str, tier: Tier | None) -> None:
-        """Delete a block's row, then its file; best effort. If the row cannot
-        be deleted the file goes anyway: a row naming a missing file is a miss
-        on read, and start-up drops it."""
+        """Delete a block's row, then its file, and its plan; best effort. If
+        the row cannot be deleted the file goes anyway: a row naming a
+        missing file is a miss on read, and start-up drops it."""
+        if self._planned is not None:
+            self._planned.consumed(digest)
         try:
             self._index.remove_block(digest)
         except sqlite3.Error as exc:

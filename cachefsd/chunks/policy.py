@@ -21,13 +21,16 @@ Every operation is O(1) or O(log n) (amortised): a tier can hold millions of
 blocks and calls the policy under its lock. Policies are tolerant of the
 tier's bookkeeping order: ``admitted`` of a resident block counts as a read,
 ``accessed`` and ``removed`` of a block the policy does not hold are no-ops.
-Nothing here does I/O, starts threads or locks: the caller serialises.
+Policies do no I/O, start no threads and take no locks: the tier calls them
+under its own. ``PlannedUse``, shared by the prefetcher and the tiers, has
+its own lock.
 """
 
 from __future__ import annotations
 
 import heapq
 import random
+import threading
 from collections import OrderedDict
 from typing import Final, Protocol
 
@@ -50,6 +53,10 @@ EPOCH_AWARE: Final = "epoch-aware"
 POLICY_NAMES: Final = (LRU, TWO_RANDOM, MINIO, EPOCH_AWARE)
 # Training epochs are the workload this daemon exists for; see the module docstring.
 DEFAULT_POLICY: Final = EPOCH_AWARE
+
+# ``spare`` counts planned residents up to this many: enough room for every
+# prefetch in flight, in a walk bounded whatever the size of the tier.
+SPARE_COUNT_LIMIT: Final = 1024
 
 # Rebuild the next-use heap when it holds more than this many entries per
 # live one. Each re-read or re-rank of a block with a known next use leaves
@@ -85,9 +92,15 @@ class EvictionPolicy(Protocol):
         """
         ...
 
-    def spare(self) -> int:
+    def spare(self, incoming_use: float | None = None) -> int:
         """How many residents ``victim`` would give up now for a block whose
-        next use is unknown: what a prefetcher may fill without being refused."""
+        next use is ``incoming_use`` (None: unknown): what a prefetcher may
+        fill without being refused. May stop counting past ``SPARE_COUNT_LIMIT``
+        planned residents."""
+        ...
+
+    def next_use_changed(self, block: str) -> None:
+        """The plan changed ``block``'s next use without a read."""
         ...
 
 
@@ -112,6 +125,32 @@ class NextUse(Protocol):
     def next_use(self, block: str) -> float | None:
         """When ``block`` is read next, or None if unknown."""
         ...
+
+
+class PlannedUse:
+    """The daemon's ``NextUse``: the position (on the prefetcher's count of
+    opens) at which a block is planned to be read next, for blocks fetched
+    ahead and for residents a loader's hint places; None for any other.
+    Positions are absolute so that blocks planned at different times compare
+    correctly. The prefetcher plans; the cache records a plan before it
+    admits the block, so the policies weigh a newcomer against the residents."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._planned: dict[str, float] = {}
+
+    def plan(self, block: str, position: float) -> None:
+        with self._lock:
+            self._planned[block] = position
+
+    def consumed(self, block: str) -> None:
+        """Read, or no longer planned: the policies find out lazily."""
+        with self._lock:
+            self._planned.pop(block, None)
+
+    def next_use(self, block: str) -> float | None:
+        with self._lock:
+            return self._planned.get(block)
 
 
 class LruPolicy:
@@ -141,8 +180,11 @@ class LruPolicy:
     def victim(self, incoming: str | None = None) -> str | None:
         return next(iter(self._order), None)
 
-    def spare(self) -> int:
+    def spare(self, incoming_use: float | None = None) -> int:
         return len(self._order)
+
+    def next_use_changed(self, block: str) -> None:
+        """LRU ignores plans."""
 
 
 class TwoRandomPolicy:
@@ -206,8 +248,11 @@ class TwoRandomPolicy:
         a, b = self._blocks[first], self._blocks[second]
         return a if self._last_read[a] <= self._last_read[b] else b
 
-    def spare(self) -> int:
+    def spare(self, incoming_use: float | None = None) -> int:
         return len(self._blocks)
+
+    def next_use_changed(self, block: str) -> None:
+        """2-random ignores plans."""
 
 
 class MinioPolicy:
@@ -241,8 +286,11 @@ class MinioPolicy:
     def victim(self, incoming: str | None = None) -> str | None:
         return None
 
-    def spare(self) -> int:
+    def spare(self, incoming_use: float | None = None) -> int:
         return 0
+
+    def next_use_changed(self, block: str) -> None:
+        """MinIO ignores plans."""
 
 
 class EpochAwarePolicy:
@@ -366,11 +414,34 @@ class EpochAwarePolicy:
                 return block
             return None
 
-    def spare(self) -> int:
+    def spare(self, incoming_use: float | None = None) -> int:
         """The stale blocks and those read this epoch (an upper bound:
-        ``victim`` re-ranks any of them the plan has since given a next use)."""
+        ``victim`` re-ranks any of them the plan has since given a next use),
+        plus, for a newcomer with a known next use, the planned residents
+        due after it."""
         current = self._epochs.current()
-        return sum(len(group) for epoch, group in self._unknown.items() if epoch != current - 1)
+        unplanned = sum(len(group) for epoch, group in self._unknown.items() if epoch != current - 1)
+        return unplanned + (0 if incoming_use is None else self._planned_after(incoming_use))
+
+    def _planned_after(self, when: float) -> int:
+        """Residents planned for after ``when``, counted up to
+        ``SPARE_COUNT_LIMIT``. They sit at the top of the max-heap (no entry
+        is later than its parent), so the walk visits only them and their
+        direct children, plus the outdated entries among them."""
+        count = visited = 0
+        pending = [0]
+        while pending and count < SPARE_COUNT_LIMIT and visited < HEAP_SLACK * 2 * SPARE_COUNT_LIMIT:
+            position = pending.pop()
+            if position >= len(self._heap):
+                continue
+            visited += 1
+            negative, entry, block = self._heap[position]
+            if -negative <= when:
+                continue
+            if self._known.get(block) == (-negative, entry):
+                count += 1
+            pending.extend((2 * position + 1, 2 * position + 2))
+        return count
 
     def _evictable_epoch(self, current: int) -> int | None:
         """The group ``victim`` takes from: the stalest, else this epoch's.

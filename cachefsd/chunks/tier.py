@@ -81,12 +81,13 @@ class Tier:
 
     # -- accounting -------------------------------------------------------
 
-    def room(self) -> int:
-        """Bytes new blocks could take now: free space plus what the policy
-        would give up, its blocks counted at the tier's mean size (exact
-        sizes would cost a sum over the victims on every call)."""
+    def room(self, incoming_use: float | None = None) -> int:
+        """Bytes new blocks (to be read next at ``incoming_use``, if known)
+        could take now: free space plus what the policy would give up, its
+        blocks counted at the tier's mean size (exact sizes would cost a sum
+        over the victims on every call)."""
         with self._lock:
-            spare = self._policy.spare()
+            spare = self._policy.spare(incoming_use)
             mean = self._used // len(self._sizes) if self._sizes else 0
             return self.capacity - self._used + spare * mean
 
@@ -126,6 +127,12 @@ class Tier:
         self._used -= size
         self._policy.removed(digest)
         return size
+
+    def replanned(self, digest: str) -> None:
+        """The plan changed the block's next use: let the policy re-rank it."""
+        with self._lock:
+            if digest in self._sizes:
+                self._policy.next_use_changed(digest)
 
     def accessed(self, digest: str) -> None:
         with self._lock:

@@ -435,6 +435,26 @@ class AccessModel:
                 sources = alive
         return out
 
+    def planned(self) -> list[tuple[str, float]]:
+        """Every file a trusted plan (hint, replay) places and its job has not
+        opened this epoch, with its distance (files to be opened before it),
+        over all jobs. O(plan lengths): for planning what is already cached,
+        once per plan, not per round."""
+        out: list[tuple[str, float]] = []
+        with self._lock:
+            for job in self._jobs.values():
+                plan = job.plan()
+                if plan is None:
+                    continue
+                opens = len(job.order)
+                placed: set[str] = set()
+                for position in range(plan.low, len(plan.order)):
+                    path = plan.order[position]
+                    if path not in job.seen and path not in placed:
+                        placed.add(path)
+                        out.append((path, float(max(0, position - opens))))
+        return out
+
     def next_use(self, path: str) -> float | None:
         """The position on the job's open counter at which ``path`` is
         predicted to be opened next this epoch (see the module docstring's

@@ -19,10 +19,12 @@ Nothing waits on a prefetch: a demand read of a block being prefetched joins
 its GET (single-flight in ``blocks.py``; the prefetch then counts as used,
 late), and a failed prefetch only logs.
 
-Blocks fetched ahead carry their predicted use (``PlannedUse``), which the
-epoch-aware eviction policy reads: it keeps them over blocks already read
-this epoch. A block fetched ahead that leaves the cache unread counts as
-waste; one that is read counts as used.
+Blocks fetched ahead carry their predicted use, which the cache records
+(``chunks.policy.PlannedUse``) before admitting them; with a hint, the
+cached blocks of the hinted files are planned too. The epoch-aware policy
+then ranks by Belady: a block needed sooner evicts one planned for later,
+and blocks already read this epoch go first. A block fetched ahead that
+leaves the cache unread counts as waste; one that is read counts as used.
 
 Concurrency: ``_lock`` guards ``_ahead``, ``_ahead_bytes`` and the token
 bucket; the model has its own lock. Lock order: this lock, then the model's.
@@ -80,29 +82,6 @@ class PrefetchEvents(Protocol):
     def epoch(self, number: int) -> None: ...
 
 
-class PlannedUse:
-    """``NextUse`` for the eviction policies: the predicted position of the
-    next read of a block fetched ahead, in opens since mount; None for any
-    other block. Positions are absolute so that blocks planned at different
-    times compare correctly."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._planned: dict[str, float] = {}
-
-    def plan(self, digest: str, position: float) -> None:
-        with self._lock:
-            self._planned[digest] = position
-
-    def consumed(self, digest: str) -> None:
-        with self._lock:
-            self._planned.pop(digest, None)
-
-    def next_use(self, block: str) -> float | None:
-        with self._lock:
-            return self._planned.get(block)
-
-
 @dataclass
 class _Ahead:
     """A block fetched ahead and not yet read."""
@@ -120,14 +99,12 @@ class Prefetcher:
         namespace: Namespace,
         reader: BlockReader,
         settings: PrefetchSettings,
-        planned: PlannedUse,
         events: PrefetchEvents,
     ) -> None:
         self._model = model
         self._namespace = namespace
         self._reader = reader
         self._settings = settings
-        self._planned = planned
         self._events = events
         self._lock = threading.Lock()
         self._ahead: dict[BlockRef, _Ahead] = {}
@@ -140,6 +117,10 @@ class Prefetcher:
         self._window = min(settings.lookahead, INITIAL_WINDOW_BYTES)  # bytes ahead allowed now (AIMD)
         self._epoch = 0
         self._settled: set[str] = set()  # files found wholly cached this epoch
+        # Cached blocks a hint places, planned in the cache; replanned when a
+        # hint arrives (``_replan``), unplanned as they are read.
+        self._resident_plans: set[str] = set()
+        self._replan = False
         self._hint_world = 0
         self._hint_parts: dict[int, list[str]] = {}  # rank -> its share of the epoch's order
         self._ahead_bytes = 0
@@ -171,6 +152,7 @@ class Prefetcher:
     def read(self, info: ObjectInfo, offset: int, size: int) -> None:
         self._model.read(info.key, offset, size, time.monotonic())
         used = 0
+        read_plans: list[str] = []
         with self._lock:
             for index in block_range(offset, size, info.size, self._reader.block_size):
                 ref = self._reader.ref(info, index)
@@ -181,7 +163,14 @@ class Prefetcher:
                 if ahead is not None:
                     self._ahead_bytes -= ahead.nbytes
                     used += ahead.nbytes
-                    self._planned.consumed(ahead.digest)
+                    read_plans.append(ahead.digest)
+                elif self._resident_plans:
+                    digest = self._reader.digest(info, index)
+                    if digest in self._resident_plans:
+                        self._resident_plans.discard(digest)
+                        read_plans.append(digest)
+        for digest in read_plans:  # before the read itself, which re-ranks it as read
+            self._reader.unplan(digest)
         if used:
             self._grow_window(used)
             self._events.prefetch_used(used)
@@ -207,6 +196,8 @@ class Prefetcher:
             if node.info is not None:
                 accepted.append(node.info.key)
         self._model.hint(self._merged(accepted, part), time.monotonic())
+        with self._lock:
+            self._replan = True
         self._wake.set()
         return len(accepted), len(order) - len(accepted)
 
@@ -240,6 +231,10 @@ class Prefetcher:
                 if now - retired_at >= IDLE_WAKE_SECONDS:
                     retired_at = now
                     self._retire_waste()
+                with self._lock:
+                    replan, self._replan = self._replan, False
+                if replan:
+                    self._plan_residents()
                 if self._has_budget():
                     self._issue()
             except Exception:
@@ -252,6 +247,31 @@ class Prefetcher:
         with self._lock:
             return len(self._in_flight) < self._settings.concurrency and self._ahead_bytes < self._window
 
+    def _plan_residents(self) -> None:
+        """Tell the cache when each cached block of a hinted file will be
+        read, so that the eviction policy gives up the residents read last
+        (Belady) to make room for blocks read sooner. Without this, every
+        resident of a full cache counts as due this epoch, and nothing is
+        fetched ahead until reads free room. Once per hint: O(its length)."""
+        with self._lock:
+            opens = self._opens
+        planned: set[str] = set()
+        for path, distance in self._model.planned():
+            try:
+                info = self._namespace.lookup("/" + path).info
+            except CachefsdError:
+                continue
+            if info is None:
+                continue
+            for index in block_range(0, info.size, info.size, self._reader.block_size):
+                digest = self._reader.plan(info, index, opens + distance)
+                if digest is not None:
+                    planned.add(digest)
+        with self._lock:
+            stale, self._resident_plans = self._resident_plans - planned, planned
+        for digest in stale:
+            self._reader.unplan(digest)
+
     def _retire_waste(self) -> None:
         """Blocks fetched ahead that left the cache before anyone read them."""
         with self._lock:
@@ -263,7 +283,6 @@ class Prefetcher:
                 block = self._ahead.pop(ref, None)
                 if block is not None:
                     self._ahead_bytes -= block.nbytes
-                    self._planned.consumed(block.digest)
                     wasted += block.nbytes
         if wasted:
             self._shrink_window()
@@ -306,32 +325,32 @@ class Prefetcher:
                 if time.monotonic() < retry_at:
                     return True
                 del self._failed[ref]
-            if not self._budget_allows_locked(nbytes):
+            position = self._opens + distance
+            if not self._budget_allows_locked(nbytes, position):
                 return False
             if self._reader.digest(info, index) is not None:
                 self._refund_locked(nbytes)
                 return True
             self._in_flight[ref] = nbytes
             self._in_flight_bytes += nbytes
-            position = self._opens + distance
         self._pool.submit(self._fetch, info, index, ref, nbytes, position)
         return True
 
-    def _budget_allows_locked(self, nbytes: int) -> bool:
+    def _budget_allows_locked(self, nbytes: int, position: float) -> bool:
         """A free slot, room in the reach, room in the cache for it and for
-        every block already in flight (a cache that refuses a block on arrival
-        wastes its GET), and bandwidth tokens (spent here when everything else
-        allows)."""
+        every block already in flight, counting residents planned for after
+        ``position`` (a cache that refuses a block on arrival wastes its GET),
+        and bandwidth tokens (spent here when everything else allows)."""
         return (
             len(self._in_flight) < self._settings.concurrency
             and self._ahead_bytes + nbytes <= self._window
-            and self._in_flight_bytes + nbytes <= self._reader.cache_room()
+            and self._in_flight_bytes + nbytes <= self._reader.cache_room(position)
             and self._spend_locked(nbytes)
         )
 
     def _fetch(self, info: ObjectInfo, index: int, ref: BlockRef, nbytes: int, position: float) -> None:
         try:
-            fetched = self._reader.fetch_ahead(info, index)
+            fetched = self._reader.fetch_ahead(info, index, next_use=position)
         except CachefsdError as exc:
             log.info("prefetch of %s block %d failed: %s", info.key, index, exc)
             with self._lock:
@@ -346,12 +365,12 @@ class Prefetcher:
             if digest is not None and not joined:
                 self._ahead[ref] = _Ahead(info, index, digest, nbytes)
                 self._ahead_bytes += nbytes
-                self._planned.plan(digest, position)
             elif digest is None:
                 self._refund_locked(nbytes)
         if digest is not None:
             self._events.prefetch_issued(nbytes)
             if joined:
+                self._reader.unplan(digest)
                 self._grow_window(nbytes)
                 self._events.prefetch_used(nbytes)
         elif fetched:

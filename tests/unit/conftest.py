@@ -14,7 +14,7 @@ from cachefsd.aio import LoopThread
 from cachefsd.blocks import BlockReader, FileSpan, Piece
 from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.codec import Codec
-from cachefsd.chunks.policy import EvictionPolicy, LruPolicy
+from cachefsd.chunks.policy import EvictionPolicy, LruPolicy, PlannedUse
 from cachefsd.chunks.tier import Tier
 from cachefsd.config import FetchSettings, PrefetchSettings
 from cachefsd.fetch import Fetcher
@@ -23,7 +23,7 @@ from cachefsd.index import Index
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import AccessModel
-from cachefsd.prefetch.engine import PlannedUse, Prefetcher
+from cachefsd.prefetch.engine import Prefetcher
 from cachefsd.store.faulty import FaultyStore
 from cachefsd.store.memory import MemoryStore
 
@@ -80,7 +80,7 @@ def fixture_io() -> Iterator[LoopThread]:
 
 @pytest.fixture(name="make_engine")
 def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactory]:
-    """``make_engine(objects, capacity=..., cache_dir=..., policy=...)`` builds the whole
+    """``make_engine(objects, capacity=..., cache_dir=..., policy=..., planned=...)`` builds the whole
     read path over a ``MemoryStore``; indexes are closed at teardown."""
     indexes: list[Index] = []
 
@@ -91,6 +91,7 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         store: MemoryStore | None = None,
         ttl: float = 60.0,
         policy: EvictionPolicy | None = None,
+        planned: PlannedUse | None = None,
     ) -> Engine:
         store = store or MemoryStore(objects or {})
         faulty = FaultyStore(store)
@@ -103,13 +104,14 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
             [Tier("hot", cache_dir / "hot", capacity, Codec.RAW, LruPolicy() if policy is None else policy)],
             index,
             metrics,
+            planned,
         )
         cache.reconcile()
         fetcher = Fetcher(faulty, FAST_FETCH, metrics)
         reader = BlockReader(store.uri, BLOCK_SIZE, cache, fetcher, io, metrics, dedup_by_etag=True)
         clock = Clock()
         namespace = Namespace(faulty, fetcher, io, index, ttl, reader.release_version, clock)
-        prefetcher = Prefetcher(AccessModel(), namespace, reader, PrefetchSettings(), PlannedUse(), metrics)
+        prefetcher = Prefetcher(AccessModel(), namespace, reader, PrefetchSettings(), metrics)
         fs = FileSystem(namespace, reader, uid=0, gid=0, access=prefetcher)
         return Engine(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir)
 

@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from cachefsd.cachedir import TierSpec, open_cache
 from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.codec import Codec, content_hash, decode, encode
-from cachefsd.chunks.policy import LruPolicy, MinioPolicy
+from cachefsd.chunks.policy import LruPolicy, MinioPolicy, ObservedEpochs, PlannedUse
 from cachefsd.chunks.tier import Tier, disk_bytes
 from cachefsd.index import BlockRef, Index
 from cachefsd.metrics import Metrics
@@ -134,6 +135,27 @@ def test_room_is_free_space_plus_what_the_policy_would_give_up(tmp_path: Path) -
             admit(cache, ref("a"), block)
             admit(cache, ref("b"), os.urandom(8192))
             assert cache.room() == expected
+
+
+def test_an_opened_cache_ranks_by_the_plan(tmp_path: Path) -> None:
+    """``open_cache`` hands the plan to the epoch-aware policy: a block
+    planned sooner evicts the one planned latest."""
+    block = os.urandom(8192)
+    frame = disk_bytes(len(encode(block, Codec.RAW)))
+    (tmp_path / "hot").mkdir()
+    spec = TierSpec("hot", str(tmp_path / "hot"), 2 * frame, "raw")
+    planned, epochs = PlannedUse(), ObservedEpochs()
+    metrics = Metrics(CollectorRegistry())
+    with open_cache(tmp_path, [spec], "epoch-aware", epochs, metrics, planned=planned) as opened:
+        cache = opened.cache
+        late, later = os.urandom(8192), os.urandom(8192)
+        cache.admit(ref("late"), content_hash(late), late, ahead=True, next_use=10.0)
+        cache.admit(ref("later"), content_hash(later), later, ahead=True, next_use=20.0)
+        soon = os.urandom(8192)
+        cache.admit(ref("soon"), content_hash(soon), soon, ahead=True, next_use=1.0)
+        assert [read(cache, ref(key)) is not None for key in ("soon", "late", "later")] == [True, True, False]
+        cache.admit(ref("unplanned"), content_hash(block), block, ahead=True)
+        assert read(cache, ref("unplanned")) is None  # due blocks are kept over it
 
 
 def test_an_unwritable_tier_falls_through_to_the_next(tmp_path: Path) -> None:

@@ -203,6 +203,20 @@ def test_epoch_aware_with_plan_evicts_farthest_only_for_a_sooner_newcomer() -> N
     assert policy.victim("later") is None
 
 
+def test_epoch_aware_spare_counts_residents_planned_after_the_newcomer() -> None:
+    clock, oracle = FakeClock(), PlanOracle()
+    policy = EpochAwarePolicy(clock, oracle)
+    oracle.plan = {f"p{use}": float(use) for use in range(10)}
+    fill(policy, *oracle.plan)
+    clock.epoch = 1  # nothing read this epoch: only the plan can free room
+    assert policy.spare() == 0
+    assert policy.spare(incoming_use=6.5) == 3  # p7, p8, p9
+    assert policy.spare(incoming_use=20.0) == 0
+    oracle.plan["p9"] = 1.0  # outdated heap entries are not counted
+    policy.next_use_changed("p9")
+    assert policy.spare(incoming_use=6.5) == 2
+
+
 def test_epoch_aware_plan_changes_are_seen() -> None:
     clock, oracle = FakeClock(), PlanOracle()
     policy = EpochAwarePolicy(clock, oracle)

@@ -11,11 +11,11 @@ from contextlib import contextmanager
 import pytest
 
 from cachefsd.chunks.codec import Codec, encode
-from cachefsd.chunks.policy import MinioPolicy
+from cachefsd.chunks.policy import EpochAwarePolicy, MinioPolicy, PlannedUse
 from cachefsd.chunks.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
 from cachefsd.prefetch.access import AccessModel
-from cachefsd.prefetch.engine import PlannedUse, Prefetcher
+from cachefsd.prefetch.engine import Prefetcher
 from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory, joined
 
 POLL_SECONDS = 10.0
@@ -35,9 +35,7 @@ def fixture_dataset() -> dict[str, bytes]:
 
 @contextmanager
 def start(engine: Engine, settings: PrefetchSettings) -> Iterator[Prefetcher]:
-    prefetcher = Prefetcher(
-        AccessModel(), engine.namespace, engine.reader, settings, PlannedUse(), engine.metrics
-    )
+    prefetcher = Prefetcher(AccessModel(), engine.namespace, engine.reader, settings, engine.metrics)
     prefetcher.start()
     try:
         yield prefetcher
@@ -99,9 +97,7 @@ def test_the_shares_of_distributed_ranks_are_merged_into_one_order(
 ) -> None:
     engine = make_engine(dataset)
     model = AccessModel()
-    prefetcher = Prefetcher(
-        model, engine.namespace, engine.reader, PrefetchSettings(), PlannedUse(), engine.metrics
-    )
+    prefetcher = Prefetcher(model, engine.namespace, engine.reader, PrefetchSettings(), engine.metrics)
     keys = sorted(dataset)
     prefetcher.hint(keys[0:4], part=(0, 2))
     prefetcher.hint(keys[4:8], part=(1, 2))
@@ -112,13 +108,13 @@ def test_the_shares_of_distributed_ranks_are_merged_into_one_order(
 def test_a_read_that_joins_a_prefetch_in_flight_counts_it_used_not_wasted(
     make_engine: EngineFactory, dataset: dict[str, bytes]
 ) -> None:
-    engine = make_engine(dataset)
+    planned = PlannedUse()
+    engine = make_engine(dataset, planned=planned)
     key = sorted(dataset)[0]
     info = engine.namespace.lookup("/" + key).info
     assert info is not None
-    planned = PlannedUse()
     settings = PrefetchSettings(concurrency=1)
-    prefetcher = Prefetcher(AccessModel(), engine.namespace, engine.reader, settings, planned, engine.metrics)
+    prefetcher = Prefetcher(AccessModel(), engine.namespace, engine.reader, settings, engine.metrics)
     engine.faulty.faults.latency_seconds = 0.3
     calls = engine.faulty.calls
     prefetcher.start()
@@ -148,4 +144,29 @@ def test_no_more_is_fetched_ahead_than_the_cache_would_keep(
         prefetcher.hint(sorted(dataset))
         wait_for(lambda: engine.cache.used_bytes == 2 * frame, "the cache to fill")
     assert engine.store.get_count == 2
+    assert engine.metrics.prefetch_wasted_bytes._value.get() == 0
+
+
+def test_with_a_hint_a_full_cache_gives_up_what_is_read_last_for_what_is_read_first(
+    make_engine: EngineFactory, dataset: dict[str, bytes]
+) -> None:
+    """Belady: the cache holds the last four files of the hinted order, all
+    still to be read; the first four evict them, latest first."""
+    model, planned = AccessModel(), PlannedUse()
+    frame = disk_bytes(len(encode(bytes(BLOCK_SIZE // 2), Codec.RAW)))
+    policy = EpochAwarePolicy(model, planned)
+    engine = make_engine(dataset, capacity=4 * frame, policy=policy, planned=planned)
+    order = sorted(dataset)[:8]
+    infos = [engine.namespace.lookup("/" + key).info for key in order]
+    assert all(info is not None for info in infos)
+    for info in infos[4:]:
+        assert engine.reader.fetch_ahead(info, 0)  # cached, not read yet: due this epoch
+    prefetcher = Prefetcher(model, engine.namespace, engine.reader, PrefetchSettings(), engine.metrics)
+    prefetcher.start()
+    try:
+        prefetcher.hint(order)
+        wait_for(lambda: all(engine.reader.residency(info, 0) for info in infos[:4]), "the first four files")
+    finally:
+        prefetcher.stop()
+    assert [engine.reader.residency(info, 0) is not None for info in infos] == [True] * 4 + [False] * 4
     assert engine.metrics.prefetch_wasted_bytes._value.get() == 0
