@@ -227,6 +227,7 @@ class Prefetcher:
                 self._events.epoch(epoch)
                 if epoch != self._epoch:
                     self._epoch, self._settled = epoch, set()
+                    self._unplan_epoch()
                 now = time.monotonic()
                 if now - retired_at >= IDLE_WAKE_SECONDS:
                     retired_at = now
@@ -246,6 +247,16 @@ class Prefetcher:
     def _has_budget(self) -> bool:
         with self._lock:
             return len(self._in_flight) < self._settings.concurrency and self._ahead_bytes < self._window
+
+    def _unplan_epoch(self) -> None:
+        """A new epoch voids the last one's plans: a block planned and never
+        read would otherwise stay protected by its old, early position. It
+        ranks again as not yet read, and goes stale if it stays unread."""
+        with self._lock:
+            digests = self._resident_plans | {block.digest for block in self._ahead.values()}
+            self._resident_plans = set()
+        for digest in digests:
+            self._reader.unplan(digest)
 
     def _plan_residents(self) -> None:
         """Tell the cache when each cached block of a hinted file will be

@@ -170,3 +170,31 @@ def test_with_a_hint_a_full_cache_gives_up_what_is_read_last_for_what_is_read_fi
         prefetcher.stop()
     assert [engine.reader.residency(info, 0) is not None for info in infos] == [True] * 4 + [False] * 4
     assert engine.metrics.prefetch_wasted_bytes._value.get() == 0
+
+
+def test_a_new_epoch_voids_the_plans_of_blocks_never_read(
+    make_engine: EngineFactory, dataset: dict[str, bytes]
+) -> None:
+    planned = PlannedUse()
+    engine = make_engine(dataset, planned=planned)
+    model = AccessModel()
+    prefetcher = Prefetcher(model, engine.namespace, engine.reader, PrefetchSettings(), engine.metrics)
+    keys = sorted(dataset)
+    ahead = engine.namespace.lookup("/" + keys[0]).info
+    other = engine.namespace.lookup("/" + keys[5]).info
+    assert ahead is not None
+    assert other is not None
+    prefetcher.start()
+    try:
+        prefetcher.hint([keys[0]])
+        wait_for(lambda: engine.reader.residency(ahead, 0) is not None, "the hinted file")
+        digest = engine.reader.digest(ahead, 0)
+        assert digest is not None
+        wait_for(lambda: planned.next_use(digest) is not None, "its plan")
+        for _ in range(2):  # a re-read ends the first epoch
+            prefetcher.opened(other)
+            prefetcher.read(other, 0, other.size)
+        wait_for(lambda: planned.next_use(digest) is None, "the plan to be voided")
+    finally:
+        prefetcher.stop()
+    assert model.current() == 1
