@@ -17,8 +17,10 @@ policy below hits f too while still letting the cache follow a changing
 working set. ``benchmarks/policy_sim.py`` replays shuffled epochs through
 every policy here and against Belady's offline optimum.
 
-Every operation is O(1) or O(log n) (amortised): a tier can hold millions of
-blocks and calls the policy under its lock. Policies are tolerant of the
+Every operation is O(1) or O(log n) (amortised), plus, for the epoch-aware
+policy, O(epochs that still have residents) and a bounded heap walk in
+``spare``: a tier can hold millions of blocks and calls the policy under
+its lock. Policies are tolerant of the
 tier's bookkeeping order: ``admitted`` of a resident block counts as a read,
 ``accessed`` and ``removed`` of a block the policy does not hold are no-ops.
 Policies do no I/O, start no threads and take no locks: the tier calls them
