@@ -183,6 +183,11 @@ class BlockReader:
             if span is not None:
                 return span
         placement = None if digest is None else self._cache.placement(digest)
+        if digest is not None and placement is not None and placement.raw and self._cache.verify_raw(digest):
+            verified.add(digest)  # checked for this reader: served from its file from now on
+            span = self._span(digest, lo, hi, verified)
+            if span is not None:
+                return span
         data = None if digest is None or placement is None else self._cache.read(digest)
         if data is None and self._dedup_by_etag:
             adopted = self._cache.adopt(ref, (info.etag, info.size))
@@ -190,13 +195,7 @@ class BlockReader:
                 digest, data = adopted
                 placement = self._cache.placement(digest)
         if data is not None and digest is not None:
-            raw = placement is not None and placement.raw
-            self._remember(ref, digest, data, raw, verified)
-            # Just verified, and its file is in the page cache: serve it from
-            # there too, sparing two copies of the piece.
-            span = self._span(digest, lo, hi, verified) if raw else None
-            if span is not None:
-                return span
+            self._remember(ref, digest, data, placement is not None and placement.raw, verified)
             return data[lo:hi], "memory" if placement is None else placement.tier, 0.0
         started = time.monotonic()
         digest, data = self._in_flight.do(

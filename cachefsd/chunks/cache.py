@@ -34,12 +34,12 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
-from cachefsd.chunks.codec import Codec, CorruptBlock, decode, encode
+from cachefsd.chunks.codec import Codec, CorruptBlock, check_raw, decode, encode
 from cachefsd.chunks.policy import PlannedUse
 from cachefsd.chunks.tier import NoRoom, Tier, disk_bytes
 from cachefsd.index import BlockRef, Index, StoredBlock
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 _DISK_ERRORS = (OSError, sqlite3.Error)
 
 DedupWhere = Literal["disk", "wire"]
+T = TypeVar("T")
 
 
 class CacheEvents(Protocol):
@@ -85,6 +86,9 @@ class TieredCache:
     ) -> None:
         self._tiers = tiers
         self._planned = planned  # the plan the tiers' policies read, if any
+        # Per thread, a frame buffer for ``verify_raw``: a block checked on
+        # every open costs no allocation (at most a block per FUSE thread).
+        self._buffers = threading.local()
         self._by_name = {tier.name: tier for tier in tiers}
         self._index = index
         self._events = events
@@ -237,25 +241,47 @@ class TieredCache:
         tier = self._tier_holding(digest)
         if tier is None:
             return None
-        try:
-            data = decode(tier.read(digest), digest)
-        except FileNotFoundError:
-            self._forget(digest)
-            return None
-        except CorruptBlock as exc:
-            log.warning("dropping corrupt block %s from the %s tier: %s", digest, tier.name, exc)
-            self._events.block_corrupt(tier.name)
-            self._forget(digest)
-            return None
-        except OSError as exc:
-            log.warning("cannot read block %s from the %s tier: %s", digest, tier.name, exc)
-            self._events.cache_error(tier.name)
+        data = self._checked(tier, digest, lambda: decode(tier.read(digest), digest))
+        if data is None:
             return None
         tier.accessed(digest)
         self._events.tier_read(tier.name, len(data))
         if tier is not self._tiers[0]:
             self._promote(digest, data, tier)
         return data
+
+    def verify_raw(self, digest: str) -> bool:
+        """Whether raw block ``digest`` is intact, checked where it lies (no
+        copy of its content), so that a reader can be served from its file.
+        A corrupt or vanished block is dropped, as by ``read``."""
+        tier = self._tier_holding(digest)
+        if tier is None or tier.codec is not Codec.RAW:
+            return False
+        size = tier.size_of(digest) or 0  # bytes on disk: at least the file's
+        buffer = getattr(self._buffers, "frame", None)
+        if buffer is None or len(buffer) < size:
+            buffer = self._buffers.frame = bytearray(size)
+        length = self._checked(tier, digest, lambda: check_raw(tier.read_into(digest, buffer), digest))
+        if length is None:
+            return False
+        self._events.tier_read(tier.name, length)
+        return True
+
+    def _checked(self, tier: Tier, digest: str, load: Callable[[], T]) -> T | None:
+        """``load()``, a read of block ``digest`` from ``tier``; None, and
+        the block dropped if it is gone or corrupt, on failure."""
+        try:
+            return load()
+        except FileNotFoundError:
+            self._forget(digest)
+        except CorruptBlock as exc:
+            log.warning("dropping corrupt block %s from the %s tier: %s", digest, tier.name, exc)
+            self._events.block_corrupt(tier.name)
+            self._forget(digest)
+        except OSError as exc:
+            log.warning("cannot read block %s from the %s tier: %s", digest, tier.name, exc)
+            self._events.cache_error(tier.name)
+        return None
 
     # -- admission and movement -------------------------------------------
 

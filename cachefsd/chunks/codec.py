@@ -59,8 +59,8 @@ def encode(data: bytes, codec: Codec = Codec.RAW) -> bytes:
     return header + payload
 
 
-def decode(frame: bytes, expected_hash: str) -> bytes:
-    """The content of ``frame``, verified against its header and ``expected_hash``."""
+def _payload(frame: bytes | memoryview, expected_hash: str) -> tuple[int, int, memoryview]:
+    """(codec, raw length, payload) of ``frame`` once its header is checked."""
     if len(frame) < HEADER_SIZE:
         raise CorruptBlock("short header")
     magic, version, codec, _, raw_length, payload_length, digest = _HEADER.unpack_from(frame)
@@ -71,6 +71,23 @@ def decode(frame: bytes, expected_hash: str) -> bytes:
     payload = memoryview(frame)[HEADER_SIZE:]
     if len(payload) != payload_length:
         raise CorruptBlock(f"payload is {len(payload)} bytes, header says {payload_length}")
+    return codec, raw_length, payload
+
+
+def check_raw(frame: bytes | memoryview, expected_hash: str) -> int:
+    """Verify a raw frame where it lies, without copying its content (a
+    reader is then served from the file); the content's length."""
+    codec, raw_length, payload = _payload(frame, expected_hash)
+    if codec != Codec.RAW:
+        raise CorruptBlock(f"codec {codec} where a raw frame was expected")
+    if len(payload) != raw_length or content_hash(payload) != expected_hash:
+        raise CorruptBlock("content does not match its hash")
+    return raw_length
+
+
+def decode(frame: bytes, expected_hash: str) -> bytes:
+    """The content of ``frame``, verified against its header and ``expected_hash``."""
+    codec, raw_length, payload = _payload(frame, expected_hash)
     if codec == Codec.RAW:
         data = bytes(payload)
     elif codec == Codec.LZ4:

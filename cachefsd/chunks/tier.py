@@ -162,6 +162,16 @@ class Tier:
         with open(self.path_of(digest), "rb") as block_file:
             return block_file.read()
 
+    def read_into(self, digest: str, buffer: bytearray) -> memoryview:
+        """The frame, read into ``buffer`` (at least the file's size): no
+        allocation, and no page faults on a buffer already used."""
+        view = memoryview(buffer)
+        filled = 0
+        with open(self.path_of(digest), "rb", buffering=0) as block_file:
+            while filled < len(view) and (count := block_file.readinto(view[filled:])):
+                filled += count
+        return view[:filled]
+
     def delete(self, digest: str) -> None:
         self.path_of(digest).unlink(missing_ok=True)
 

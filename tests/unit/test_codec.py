@@ -13,6 +13,7 @@ from cachefsd.chunks.codec import (
     HEADER_SIZE,
     Codec,
     CorruptBlock,
+    check_raw,
     content_hash,
     decode,
     encode,
@@ -73,6 +74,17 @@ def test_damage_is_detected(damage: object) -> None:
     frame = encode(b"some block content" * 100, Codec.LZ4)
     with pytest.raises(CorruptBlock):
         decode(damage(frame), content_hash(b"some block content" * 100))  # type: ignore[operator]
+    raw = encode(b"some block content" * 100, Codec.RAW)
+    with pytest.raises(CorruptBlock):
+        check_raw(memoryview(damage(raw)), content_hash(b"some block content" * 100))  # type: ignore[operator]
+
+
+def test_a_raw_frame_is_checked_in_place() -> None:
+    content = random.Random(3).randbytes(5000)
+    frame = bytearray(encode(content, Codec.RAW))
+    assert check_raw(memoryview(frame), content_hash(content)) == len(content)
+    with pytest.raises(CorruptBlock, match="where a raw frame was expected"):
+        check_raw(encode(b"abc" * 1000, Codec.LZ4), content_hash(b"abc" * 1000))
 
 
 def test_a_frame_under_the_wrong_name_is_rejected() -> None:
