@@ -146,8 +146,9 @@ class BlockReader:
 
         ``verified`` holds the raw-tier blocks this reader (an open file)
         has already had checked: those are served from their file without
-        copying or hashing; every other block is read whole and verified
-        first. So a block that rots on disk is caught by the next open."""
+        copying or hashing; a raw block not in it is hashed where it lies
+        first, then served the same way, and a compressed one is decoded
+        and verified. So a block that rots on disk is caught by the next open."""
         pieces: list[Piece] = []
         served: dict[str, int] = {}
         stalled = 0.0
@@ -178,16 +179,11 @@ class BlockReader:
             if digest is not None:
                 self._cache.touch(digest)
             return data[lo:hi], "memory", 0.0
-        if digest is not None and digest in verified:
+        if digest is not None:
             span = self._span(digest, lo, hi, verified)
             if span is not None:
                 return span
         placement = None if digest is None else self._cache.placement(digest)
-        if digest is not None and placement is not None and placement.raw and self._cache.verify_raw(digest):
-            verified.add(digest)  # checked for this reader: served from its file from now on
-            span = self._span(digest, lo, hi, verified)
-            if span is not None:
-                return span
         data = None if digest is None or placement is None else self._cache.read(digest)
         if data is None and self._dedup_by_etag:
             adopted = self._cache.adopt(ref, (info.etag, info.size))
@@ -210,9 +206,13 @@ class BlockReader:
         return data[lo:hi], "cold", time.monotonic() - started
 
     def _span(self, digest: str, lo: int, hi: int, verified: set[str]) -> tuple[FileSpan, str, float] | None:
-        hit = self._cache.raw_hit(digest)
+        """The piece straight from a raw block's file, the block checked first
+        unless this reader already had it checked; None for a compressed,
+        absent or corrupt block."""
+        hit = self._cache.raw_hit(digest, check=digest not in verified)
         if hit is None:
             return None
+        verified.add(digest)
         tier, path = hit
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

@@ -86,7 +86,7 @@ class TieredCache:
     ) -> None:
         self._tiers = tiers
         self._planned = planned  # the plan the tiers' policies read, if any
-        # Per thread, a frame buffer for ``verify_raw``: a block checked on
+        # Per thread, a frame buffer for ``raw_hit``: a block checked on
         # every open costs no allocation (at most a block per FUSE thread).
         self._buffers = threading.local()
         self._by_name = {tier.name: tier for tier in tiers}
@@ -224,14 +224,25 @@ class TieredCache:
         if tier is not None:
             tier.accessed(digest)
 
-    def raw_hit(self, digest: str) -> tuple[str, Path] | None:
+    def raw_hit(self, digest: str, check: bool) -> tuple[str, Path] | None:
         """For a read served straight from a raw block file (its content
         follows the frame header, so libfuse can copy it without Python):
         the tier's name and the file, with the hit counted by its policy.
-        None if the block is compressed or absent."""
+        With ``check``, the frame is verified where it lies first (no copy
+        of its content). None if the block is compressed, absent, or found
+        corrupt (then dropped, as by ``read``)."""
         tier = self._tier_holding(digest)
         if tier is None or tier.codec is not Codec.RAW:
             return None
+        if check:
+            size = tier.size_of(digest) or 0  # bytes on disk: at least the file's
+            buffer = getattr(self._buffers, "frame", None)
+            if buffer is None or len(buffer) < size:
+                buffer = self._buffers.frame = bytearray(size)
+            length = self._checked(tier, digest, lambda: check_raw(tier.read_into(digest, buffer), digest))
+            if length is None:
+                return None
+            self._events.tier_read(tier.name, length)
         tier.accessed(digest)
         return tier.name, tier.path_of(digest)
 
@@ -249,23 +260,6 @@ class TieredCache:
         if tier is not self._tiers[0]:
             self._promote(digest, data, tier)
         return data
-
-    def verify_raw(self, digest: str) -> bool:
-        """Whether raw block ``digest`` is intact, checked where it lies (no
-        copy of its content), so that a reader can be served from its file.
-        A corrupt or vanished block is dropped, as by ``read``."""
-        tier = self._tier_holding(digest)
-        if tier is None or tier.codec is not Codec.RAW:
-            return False
-        size = tier.size_of(digest) or 0  # bytes on disk: at least the file's
-        buffer = getattr(self._buffers, "frame", None)
-        if buffer is None or len(buffer) < size:
-            buffer = self._buffers.frame = bytearray(size)
-        length = self._checked(tier, digest, lambda: check_raw(tier.read_into(digest, buffer), digest))
-        if length is None:
-            return False
-        self._events.tier_read(tier.name, length)
-        return True
 
     def _checked(self, tier: Tier, digest: str, load: Callable[[], T]) -> T | None:
         """``load()``, a read of block ``digest`` from ``tier``; None, and
