@@ -20,7 +20,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from cachefsd.chunks.cache import CacheEvents, TieredCache, VerifyReport
+from cachefsd.chunks.cache import CacheEvents, Damage, TieredCache, VerifyReport
 from cachefsd.chunks.codec import Codec
 from cachefsd.chunks.policy import LRU, EpochClock, ObservedEpochs, PlannedUse, make_policy
 from cachefsd.chunks.tier import Tier
@@ -75,6 +75,7 @@ def _open_index(cache_dir: Path) -> Index:
 class OpenCache:
     index: Index
     cache: TieredCache
+    dropped: Damage  # what reconciling on opening found broken and dropped
 
 
 @contextmanager
@@ -120,28 +121,35 @@ def open_cache(
             for spec in specs
         ]
         cache = TieredCache(tiers, index, events, planned)
-        cache.reconcile()
-        yield OpenCache(index, cache)
+        dropped = cache.reconcile()
+        yield OpenCache(index, cache, dropped)
         cache.save_recency()
 
 
 @contextmanager
-def _maintenance(cache_dir: Path) -> Iterator[TieredCache]:
+def _maintenance(cache_dir: Path) -> Iterator[OpenCache]:
     """The cache as the last daemon laid it out, for an offline command:
     it never waits for a running daemon, and its metrics go nowhere."""
     with open_cache(
         cache_dir, None, LRU, ObservedEpochs(), Metrics(CollectorRegistry()), lock_wait=_NO_WAIT
     ) as opened:
-        yield opened.cache
+        yield opened
 
 
 def verify(cache_dir: Path, repair: bool) -> VerifyReport:
-    with _maintenance(cache_dir) as cache:
-        return cache.verify(repair)
+    """Every block checked, counting the damage that opening the cache
+    already found and dropped (a missing file, a file of the wrong size)."""
+    with _maintenance(cache_dir) as opened:
+        found, dropped = opened.cache.verify(repair), opened.dropped
+        return VerifyReport(
+            found.checked + len(dropped.corrupt) + len(dropped.missing),
+            dropped.corrupt + found.corrupt,
+            dropped.missing + found.missing,
+        )
 
 
 def gc(cache_dir: Path) -> list[Tier]:
     """Reconcile (orphans, unreferenced blocks, over-capacity tiers) and
     return the tiers as they are after it."""
-    with _maintenance(cache_dir) as cache:
-        return cache.tiers
+    with _maintenance(cache_dir) as opened:
+        return opened.cache.tiers

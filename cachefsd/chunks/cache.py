@@ -80,6 +80,15 @@ class VerifyReport:
     missing: list[str]
 
 
+@dataclass(frozen=True)
+class Damage:
+    """Blocks ``reconcile`` dropped: a row whose file is of the wrong size
+    (corrupt) or gone (missing)."""
+
+    corrupt: list[str]
+    missing: list[str]
+
+
 class TieredCache:
     def __init__(
         self, tiers: list[Tier], index: Index, events: CacheEvents, planned: PlannedUse | None = None
@@ -93,11 +102,6 @@ class TieredCache:
         self._index = index
         self._events = events
         self._move_lock = threading.Lock()
-        # Damage ``reconcile`` found and dropped at start-up (a row whose file
-        # is missing, or of the wrong size), so that ``verify`` on a freshly
-        # opened cache still reports it.
-        self._missing_at_start: list[str] = []
-        self._corrupt_at_start: list[str] = []
 
     @property
     def tiers(self) -> list[Tier]:
@@ -119,9 +123,11 @@ class TieredCache:
 
     # -- start-up -------------------------------------------------------
 
-    def reconcile(self) -> None:
+    def reconcile(self) -> Damage:
         """Make files, index and accounting agree after whatever happened
-        last time, and trim every tier to its (possibly new) capacity."""
+        last time, and trim every tier to its (possibly new) capacity; the
+        damage found on the way (dropped, as the rest)."""
+        damage = Damage([], [])
         on_disk = {tier.name: tier.files() for tier in self._tiers}
         garbage = set(self._index.unreferenced())
         stored = self._index.blocks()  # least recently used first
@@ -139,9 +145,9 @@ class TieredCache:
             ):
                 if tier is not None and block.hash not in garbage:
                     if file_size is None:
-                        self._missing_at_start.append(block.hash)
+                        damage.missing.append(block.hash)
                     elif disk_bytes(file_size) != block.disk_bytes:
-                        self._corrupt_at_start.append(block.hash)
+                        damage.corrupt.append(block.hash)
                 self._drop(block.hash, tier)
                 continue
             used[block.tier] += block.disk_bytes
@@ -156,6 +162,7 @@ class TieredCache:
                 orphans += 1
         log.info("cache reconciled: %d blocks kept, %d orphan files removed", len(kept), orphans)
         self._report_usage()
+        return damage
 
     def save_recency(self) -> None:
         """Persist the order of use so eviction order survives a restart."""
@@ -447,11 +454,10 @@ class TieredCache:
 
     def verify(self, repair: bool) -> VerifyReport:
         """Check every block's frame and hash; with ``repair``, drop the bad
-        ones (they are fetched again on their next read). Damage found by
-        the start-up ``reconcile`` is reported too (it was dropped then)."""
-        corrupt, self._corrupt_at_start = self._corrupt_at_start, []
-        missing, self._missing_at_start = self._missing_at_start, []
-        checked = len(corrupt) + len(missing)
+        ones (they are fetched again on their next read)."""
+        corrupt: list[str] = []
+        missing: list[str] = []
+        checked = 0
         for digest, tier in self._stored():
             checked += 1
             try:
