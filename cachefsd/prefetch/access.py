@@ -7,9 +7,9 @@ does not shuffle, shards read in sequence), and large files (tar shards,
 arrow or numpy files) front to back. The model is fed every directory
 listing, open and read (path, offset, size, time) and answers four
 questions: which files are still to be read this epoch (``unread``), what is
-read next (``predict``, for the prefetcher), when a file is read next
-(``next_use``, for eviction), and which epoch it is (``current``, an
-``EpochClock``).
+read next (``predict``, for the prefetcher), when each file a trusted
+plan places is read next (``planned``, which the prefetcher hands to the
+eviction policy), and which epoch it is (``current``, an ``EpochClock``).
 
 Jobs. Several jobs may read different prefixes of one mount, so every piece
 of state below is kept per job, and a job is named by its root directory.
@@ -70,13 +70,11 @@ the opens it has seen came at about the position it predicted (within
 wrong or stale hint costs the bandwidth of a few predictions, nothing else.
 ``predict`` interleaves jobs round-robin, one prediction each in turn.
 
-Units. ``Prediction.distance`` counts FILES: the number of other files the
-job is predicted to open before this one is needed (0: needed now, as for a
-stream's next window). ``next_use`` returns a POSITION instead: the value
-the job's open counter (its number of first-opens since it was first seen)
-will have when the path is opened. Positions do not change as the reader
-advances, only when the plan changes, which is what ``NextUse`` requires
-(an eviction policy caches them); distance = position - counter now.
+Units. ``Prediction.distance`` and the distances of ``planned`` count FILES:
+the number of other files the job is predicted to open before this one is
+needed (0: needed now, as for a stream's next window). The prefetcher turns
+them into positions on its own count of opens, which do not move as the
+reader advances (what an eviction policy caching them needs).
 
 Cost: every event is O(depth of the path) (which is O(1) in practice); an
 epoch boundary copies the working set once per epoch (a dict copy, about
@@ -263,9 +261,6 @@ class _Job:
     # First opens of this epoch, in order.
     order: list[str] = field(default_factory=list)
     epoch: int = 0
-    # First opens since the job was made (all epochs): the ``next_use`` axis.
-    clock: int = 0
-    epoch_start_clock: int = 0
     previous_size: int | None = None
     replay: _Plan | None = None
     hint: _Plan | None = None
@@ -455,22 +450,6 @@ class AccessModel:
                         out.append((path, float(max(0, position - opens))))
         return out
 
-    def next_use(self, path: str) -> float | None:
-        """The position on the job's open counter at which ``path`` is
-        predicted to be opened next this epoch (see the module docstring's
-        Units); None if it was already opened this epoch or no trusted plan
-        (hint or replay) places it."""
-        path = _clean(path)
-        with self._lock:
-            job = self._existing_job_locked(path)
-            if job is None or path in job.seen:
-                return None
-            plan = job.plan()
-            if plan is None:
-                return None
-            planned = plan.index.get(path)
-            return None if planned is None else float(job.epoch_start_clock + planned)
-
     def current(self) -> int:
         """``EpochClock``: the highest epoch of any job. Never decreases (job
         epochs only grow, jobs are never dropped); with one job it is that
@@ -639,7 +618,6 @@ class AccessModel:
             if path not in into.seen:
                 into.seen[path] = len(into.order)
                 into.order.append(path)
-                into.clock += 1
         for path, size in child.working.items():
             if path not in into.seen:
                 into.unread[path] = size
@@ -679,7 +657,6 @@ class AccessModel:
             job.previous_size = len(job.order)
         job.epoch += 1
         self._max_epoch = max(self._max_epoch, job.epoch)
-        job.epoch_start_clock = job.clock
         job.order = []
         job.seen = {}
         job.unread = job.working.copy()
@@ -690,7 +667,6 @@ class AccessModel:
         job.order.append(path)
         job.seen[path] = position
         job.unread.pop(path, None)
-        job.clock += 1
         if job.hint is not None:
             job.hint.observe(position, path)
         if job.replay is not None:

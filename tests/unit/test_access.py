@@ -385,7 +385,7 @@ def test_a_shuffled_loader_is_not_replayed() -> None:
     trace.pass_over(first)
     trace.pass_over(second[:50])
     assert model.stats()["per_job"]["shuf"]["order"] == "unknown"  # type: ignore[index]
-    assert model.next_use(second[60]) is None
+    assert second[60] not in dict(model.planned())
     unread_in_listing_order = [path for path in files if path not in set(second[:50])]
     assert paths_of(model.predict(5)) == unread_in_listing_order[:5]
 
@@ -456,7 +456,7 @@ def test_a_hint_of_unknown_paths_costs_bandwidth_then_falls_back() -> None:
     trace = Trace(model)
     trace.pass_over(files[:PLAN_PROBATION_OPENS])
     assert paths_of(model.predict(2)) == files[PLAN_PROBATION_OPENS : PLAN_PROBATION_OPENS + 2]
-    assert model.next_use(files[20]) is None
+    assert files[20] not in dict(model.planned())
 
 
 def test_a_hint_with_a_different_order_falls_back() -> None:
@@ -542,29 +542,29 @@ def test_listing_the_mount_root_does_not_merge_jobs() -> None:
 # -- next use and the epoch clock -------------------------------------------------
 
 
-def test_next_use_orders_files_by_the_plan_and_is_none_once_read() -> None:
+def test_planned_orders_files_by_the_plan_and_drops_them_once_read() -> None:
     model = AccessModel()
     files = dataset("n", 30)
     listed(model, "n", files)
     order = files[:]
     random.Random(2).shuffle(order)
-    assert model.next_use(order[0]) is None  # nothing known yet
+    assert model.planned() == []  # nothing known yet
     model.hint(order, 0.0)
-    uses = [model.next_use(path) for path in order]
-    assert all(use is not None for use in uses)
-    assert uses == sorted(uses)  # type: ignore[type-var]
+    planned = model.planned()
+    assert [path for path, _ in planned] == order
+    assert [distance for _, distance in planned] == sorted(distance for _, distance in planned)
     trace = Trace(model)
     trace.pass_over(order[:5])
-    assert model.next_use(order[2]) is None
-    # Positions stay put as the reader advances (NextUse values must be stable).
-    assert model.next_use(order[20]) == uses[20]
-    assert model.next_use("n/unknown.jpg") is None
-    assert model.next_use("elsewhere/x.jpg") is None
+    distances = dict(model.planned())
+    assert order[2] not in distances
+    # Distance + opens stays put as the reader advances (the prefetcher's positions are stable).
+    assert distances[order[20]] == dict(planned)[order[20]] - 5
+    assert "n/unknown.jpg" not in distances
 
 
 def test_the_model_is_an_epoch_clock_for_the_eviction_policy() -> None:
     model = AccessModel()
-    policy = EpochAwarePolicy(model, model)
+    policy = EpochAwarePolicy(model)
     files = dataset("c", 4)
     trace = Trace(model)
     trace.pass_over(files)
@@ -607,7 +607,7 @@ def test_concurrent_events_from_many_threads_keep_the_model_consistent() -> None
                 if step % 50 == 0:
                     model.predict(64)
                     model.stats()
-                    model.next_use(path)
+                    model.planned()
         except BaseException as exc:  # surfaced below, in the test thread
             errors.append(exc)
 
@@ -660,7 +660,7 @@ def test_unread_and_read_this_epoch_stay_disjoint_parts_of_the_working_set(
             assert not unread & seen
             assert unread <= working
             assert seen <= working
-            assert all(model.next_use(path) is None for path in seen)
+            assert not seen & {path for path, _ in model.planned()}
         assert model.current() >= epoch
         epoch = model.current()
         predicted = model.predict(5)
