@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachefsd.runtime import pid_alive, read_state
+from tests.polling import wait_until
 
 # Shared test helpers with asserts of their own: rewrite them as pytest does
 # test modules, so their failures say what the values were.
@@ -28,8 +28,6 @@ pytest.register_assert_rewrite("tests.integration.torture")
 
 MOUNT_TIMEOUT_SECONDS = 90.0
 UNMOUNT_TIMEOUT_SECONDS = 30.0
-# A mount reacts within milliseconds; twenty looks a second cost nothing.
-POLL_INTERVAL_SECONDS = 0.05
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -40,15 +38,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.fuse)
             if not has_fuse:
                 item.add_marker(pytest.mark.skip(reason="/dev/fuse is absent"))
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float) -> None:
-    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout:g}s: {what}")
-        time.sleep(POLL_INTERVAL_SECONDS)
 
 
 def wait_dead(pid: int, timeout: float = UNMOUNT_TIMEOUT_SECONDS) -> None:

@@ -18,8 +18,9 @@ import pytest
 
 from cachefsd.runtime import read_state
 from cachefsd.testing.s3_server import S3TestServer
-from tests.integration.conftest import MountFactory, free_port, run_cli, wait_until
+from tests.integration.conftest import MountFactory, free_port, run_cli
 from tests.integration.datasets import new_bucket, put_objects
+from tests.polling import wait_until
 
 # A failed mount must say so well inside this (the source check is bounded
 # by a 5 s connect timeout and a 15 s mount check).

@@ -8,8 +8,9 @@ import random
 from typing import Any
 
 from cachefsd.testing.s3_server import S3TestServer
-from tests.integration.conftest import Mount, MountFactory, run_cli, wait_until
+from tests.integration.conftest import Mount, MountFactory, run_cli
 from tests.integration.datasets import new_bucket, put_objects
+from tests.polling import wait_until
 
 KiB = 1 << 10
 PREFETCH_WAIT_SECONDS = 30.0

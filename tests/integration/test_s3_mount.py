@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from cachefsd.testing.s3_server import GET_OBJECT, HEAD_OBJECT, LIST, OTHER, PUT_OBJECT, S3TestServer
-from tests.integration.conftest import Mount, MountFactory, wait_until
+from tests.integration.conftest import Mount, MountFactory
 from tests.integration.datasets import (
     KiB,
     MiB,
@@ -39,6 +39,7 @@ from tests.integration.datasets import (
     sha256,
     walk_files,
 )
+from tests.polling import wait_until
 
 # The smallest block size the daemon accepts: multi-block files stay small.
 BLOCK = 64 * KiB

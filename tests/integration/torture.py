@@ -18,7 +18,8 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from tests.integration.conftest import Mount, force_unmount, wait_dead, wait_until
+from tests.integration.conftest import Mount, force_unmount, wait_dead
+from tests.polling import wait_until
 
 # Reads every file of the manifest in a shuffled loop, dropping each file's
 # pages afterwards so every read reaches the daemon. Prints how many files it

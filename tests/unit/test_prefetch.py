@@ -4,7 +4,6 @@ predicts, within its budget, and counts what was used."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -16,16 +15,14 @@ from cachefsd.chunks.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import Prefetcher
+from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory, joined
 
 POLL_SECONDS = 10.0
 
 
 def wait_for(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + POLL_SECONDS
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
+    wait_until(condition, what, POLL_SECONDS)
 
 
 @pytest.fixture(name="dataset")

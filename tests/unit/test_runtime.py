@@ -7,13 +7,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from cachefsd.cli import LogfmtFormatter
 from cachefsd.runtime import notify_systemd, pid_alive
+from tests.polling import wait_until
 
 
 def test_ready_is_sent_to_the_notify_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -43,10 +43,11 @@ def test_log_lines_are_single_line_logfmt() -> None:
 
 def test_a_zombie_is_not_a_live_daemon() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
-        assert time.monotonic() < deadline, "the child never exited"
-        time.sleep(0.01)
+    wait_until(
+        lambda: Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z",
+        "the child to exit",
+        10,
+    )
     assert not pid_alive(child.pid)  # exited, not yet reaped
     child.wait()
     assert not pid_alive(child.pid)

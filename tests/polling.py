@@ -1,0 +1,20 @@
+"""The one way tests wait: poll a condition, bounded, never a bare sleep."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+# Short enough for in-process conditions, long enough not to spin on a mount.
+POLL_INTERVAL_SECONDS = 0.01
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float) -> None:
+    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout:g}s: {what}")
+        time.sleep(POLL_INTERVAL_SECONDS)
