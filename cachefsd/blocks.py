@@ -233,11 +233,12 @@ class BlockReader:
         """The content hash cached for block ``index`` of ``info``, or None."""
         return self._cache.lookup(self.ref(info, index))
 
-    def cache_room(self, next_use: float | None = None) -> int:
+    def cache_room(self, next_use: float | None = None, wanted: int | None = None) -> int:
         """Bytes the cache would keep of blocks fetched ahead now (planned to
-        be read at ``next_use``, if known); fetching more than that only
-        spends bandwidth on blocks it would refuse."""
-        return self._cache.room(next_use)
+        be read at ``next_use``, if known), counted until ``wanted`` bytes
+        are found; fetching more than that only spends bandwidth on blocks
+        it would refuse."""
+        return self._cache.room(next_use, wanted)
 
     def plan(self, info: ObjectInfo, index: int, position: float) -> str | None:
         """Plan cached block ``index`` of ``info`` to be read next at

@@ -192,9 +192,9 @@ class TieredCache:
         self._events.dedup_saved("wire", len(data))
         return digest, data
 
-    def room(self, incoming_use: float | None = None) -> int:
+    def room(self, incoming_use: float | None = None, wanted: int | None = None) -> int:
         """Bytes new blocks could take now, over all tiers (``Tier.room``)."""
-        return sum(tier.room(incoming_use) for tier in self._tiers)
+        return sum(tier.room(incoming_use, wanted) for tier in self._tiers)
 
     def plan(self, digest: str, position: float) -> bool:
         """Plan resident block ``digest`` to be read next at ``position``;

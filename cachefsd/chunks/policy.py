@@ -56,8 +56,8 @@ POLICY_NAMES: Final = (LRU, TWO_RANDOM, MINIO, EPOCH_AWARE)
 # Training epochs are the workload this daemon exists for; see the module docstring.
 DEFAULT_POLICY: Final = EPOCH_AWARE
 
-# ``spare`` counts planned residents up to this many: enough room for every
-# prefetch in flight, in a walk bounded whatever the size of the tier.
+# ``spare`` counts planned residents up to this many unless told how many
+# are enough: a walk bounded whatever the size of the tier.
 SPARE_COUNT_LIMIT: Final = 1024
 
 # Rebuild the next-use heap when it holds more than this many entries per
@@ -94,11 +94,11 @@ class EvictionPolicy(Protocol):
         """
         ...
 
-    def spare(self, incoming_use: float | None = None) -> int:
+    def spare(self, incoming_use: float | None = None, enough: int = SPARE_COUNT_LIMIT) -> int:
         """How many residents ``victim`` would give up now for a block whose
         next use is ``incoming_use`` (None: unknown): what a prefetcher may
-        fill without being refused. May stop counting past ``SPARE_COUNT_LIMIT``
-        planned residents."""
+        fill without being refused. May stop counting planned residents once
+        it has found ``enough``."""
         ...
 
     def next_use_changed(self, block: str) -> None:
@@ -182,7 +182,7 @@ class LruPolicy:
     def victim(self, incoming: str | None = None) -> str | None:
         return next(iter(self._order), None)
 
-    def spare(self, incoming_use: float | None = None) -> int:
+    def spare(self, incoming_use: float | None = None, enough: int = SPARE_COUNT_LIMIT) -> int:
         return len(self._order)
 
     def next_use_changed(self, block: str) -> None:
@@ -250,7 +250,7 @@ class TwoRandomPolicy:
         a, b = self._blocks[first], self._blocks[second]
         return a if self._last_read[a] <= self._last_read[b] else b
 
-    def spare(self, incoming_use: float | None = None) -> int:
+    def spare(self, incoming_use: float | None = None, enough: int = SPARE_COUNT_LIMIT) -> int:
         return len(self._blocks)
 
     def next_use_changed(self, block: str) -> None:
@@ -288,7 +288,7 @@ class MinioPolicy:
     def victim(self, incoming: str | None = None) -> str | None:
         return None
 
-    def spare(self, incoming_use: float | None = None) -> int:
+    def spare(self, incoming_use: float | None = None, enough: int = SPARE_COUNT_LIMIT) -> int:
         return 0
 
     def next_use_changed(self, block: str) -> None:
@@ -416,23 +416,25 @@ class EpochAwarePolicy:
                 return block
             return None
 
-    def spare(self, incoming_use: float | None = None) -> int:
+    def spare(self, incoming_use: float | None = None, enough: int = SPARE_COUNT_LIMIT) -> int:
         """The stale blocks and those read this epoch (an upper bound:
         ``victim`` re-ranks any of them the plan has since given a next use),
         plus, for a newcomer with a known next use, the planned residents
         due after it."""
         current = self._epochs.current()
         unplanned = sum(len(group) for epoch, group in self._unknown.items() if epoch != current - 1)
-        return unplanned + (0 if incoming_use is None else self._planned_after(incoming_use))
+        if incoming_use is None or unplanned >= enough:
+            return unplanned
+        return unplanned + self._planned_after(incoming_use, enough - unplanned)
 
-    def _planned_after(self, when: float) -> int:
-        """Residents planned for after ``when``, counted up to
-        ``SPARE_COUNT_LIMIT``. They sit at the top of the max-heap (no entry
-        is later than its parent), so the walk visits only them and their
-        direct children, plus the outdated entries among them."""
+    def _planned_after(self, when: float, enough: int) -> int:
+        """Residents planned for after ``when``, counted up to ``enough``.
+        They sit at the top of the max-heap (no entry is later than its
+        parent), so the walk visits only them and their direct children,
+        plus the outdated entries among them."""
         count = visited = 0
         pending = [0]
-        while pending and count < SPARE_COUNT_LIMIT and visited < HEAP_SLACK * 2 * SPARE_COUNT_LIMIT:
+        while pending and count < enough and visited < HEAP_SLACK * 2 * enough:
             position = pending.pop()
             if position >= len(self._heap):
                 continue

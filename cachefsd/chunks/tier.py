@@ -81,15 +81,20 @@ class Tier:
 
     # -- accounting -------------------------------------------------------
 
-    def room(self, incoming_use: float | None = None) -> int:
+    def room(self, incoming_use: float | None = None, wanted: int | None = None) -> int:
         """Bytes new blocks (to be read next at ``incoming_use``, if known)
         could take now: free space plus what the policy would give up, its
         blocks counted at the tier's mean size (exact sizes would cost a sum
-        over the victims on every call)."""
+        over the victims on every call). With ``wanted``, the count may stop
+        once that many bytes are found: the caller holds this tier's lock
+        for as long as the policy counts."""
         with self._lock:
-            spare = self._policy.spare(incoming_use)
+            free = self.capacity - self._used
             mean = self._used // len(self._sizes) if self._sizes else 0
-            return self.capacity - self._used + spare * mean
+            if wanted is None or not mean:
+                return free + self._policy.spare(incoming_use) * mean
+            enough = max(0, -(-(wanted - free) // mean))
+            return free + self._policy.spare(incoming_use, enough) * mean
 
     def make_room(self, size: int, incoming: str) -> list[str]:
         """Victims whose removal leaves room for ``size`` bytes of block

@@ -352,10 +352,11 @@ class Prefetcher:
         every block already in flight, counting residents planned for after
         ``position`` (a cache that refuses a block on arrival wastes its GET),
         and bandwidth tokens (spent here when everything else allows)."""
+        needed = self._in_flight_bytes + nbytes
         return (
             len(self._in_flight) < self._settings.concurrency
             and self._ahead_bytes + nbytes <= self._window
-            and self._in_flight_bytes + nbytes <= self._reader.cache_room(position)
+            and needed <= self._reader.cache_room(position, wanted=needed)
             and self._spend_locked(nbytes)
         )
 

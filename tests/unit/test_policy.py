@@ -211,6 +211,7 @@ def test_epoch_aware_spare_counts_residents_planned_after_the_newcomer() -> None
     clock.epoch = 1  # nothing read this epoch: only the plan can free room
     assert policy.spare() == 0
     assert policy.spare(incoming_use=6.5) == 3  # p7, p8, p9
+    assert policy.spare(incoming_use=6.5, enough=2) == 2  # the walk stops once it has found enough
     assert policy.spare(incoming_use=20.0) == 0
     oracle.plan["p9"] = 1.0  # outdated heap entries are not counted
     policy.next_use_changed("p9")
