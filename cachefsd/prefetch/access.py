@@ -64,6 +64,11 @@ Predictions, per job, in priority order:
    of the previous epoch's order;
 4. the unread files of the epoch in listing order: "unread, order unknown".
 
+Files the prefetcher reports ``satisfied`` (wholly cached) are left out of
+2-4 until they are opened or the epoch ends: with the whole dataset cached,
+a round would otherwise rebuild thousands of useless predictions (tens of
+times a second, holding the GIL that every FUSE request needs).
+
 A plan (hint or replay) is trusted while at least a threshold fraction of
 the opens it has seen came at about the position it predicted (within
 ``_slack``); an untrusted plan is ignored and the next source is used, so a
@@ -249,13 +254,18 @@ class _Job:
     made_by_listing: bool
     # Working set: path -> size (-1 unknown), in listing / first-seen order.
     working: dict[str, int] = field(default_factory=dict)
-    # Working-set files not opened this epoch -> size, in working-set order.
-    # A plain dict, not an OrderedDict: the per-epoch reset is a copy of
-    # ``working`` (about 30 ms per million files, against 400 ms to build an
-    # OrderedDict under the lock), and iterating past the holes that reads
-    # leave costs about 1 ms per million in the worst case (a reader in
-    # listing order, late in the epoch).
+    # Working-set files not opened this epoch -> size, in working-set order,
+    # but for those in ``satisfied``. A plain dict, not an OrderedDict: the
+    # per-epoch reset is a copy of ``working`` (about 30 ms per million
+    # files, against 400 ms to build an OrderedDict under the lock), and
+    # iterating past the holes that reads leave costs about 1 ms per million
+    # in the worst case (a reader in listing order, late in the epoch).
     unread: dict[str, int] = field(default_factory=dict)
+    # Files not opened this epoch that need nothing fetched (the prefetcher
+    # found them cached) -> size: out of ``unread`` so that predictions do
+    # not go over them again every round, which with a cache holding the
+    # whole dataset is every file, every round.
+    satisfied: dict[str, int] = field(default_factory=dict)
     # Opened this epoch: path -> its position in ``order``.
     seen: dict[str, int] = field(default_factory=dict)
     # First opens of this epoch, in order.
@@ -269,6 +279,9 @@ class _Job:
     # a listing alone may be a human's ``ls``.
     engaged: bool = False
     last_event: float = float("-inf")
+
+    def unread_count(self) -> int:
+        return len(self.unread) + len(self.satisfied)
 
     def plan(self) -> _Plan | None:
         """The order to follow now: a trusted hint, else a trusted replay."""
@@ -380,6 +393,16 @@ class AccessModel:
             while len(job.streams) > MAX_STREAMS_PER_JOB:
                 job.streams.popitem(last=False)
 
+    def satisfied(self, path: str) -> None:
+        """``path`` needs nothing fetched (it is cached): stop predicting it
+        until its job opens it or starts a new epoch."""
+        path = _clean(path)
+        with self._lock:
+            job = self._existing_job_locked(path)
+            if job is None or path in job.seen:
+                return
+            job.satisfied[path] = job.unread.pop(path, job.working.get(path, -1))
+
     def hint(self, order: list[str], now: float) -> None:
         """The exact order of the current (or next) epoch of the job that
         ``order[0]`` belongs to; replaces that job's previous hint. Paths of
@@ -481,7 +504,7 @@ class AccessModel:
         """Working-set files of ``job_path``'s job not opened this epoch. O(working set)."""
         with self._lock:
             job = self._existing_job_locked(_clean(job_path))
-            return set() if job is None else set(job.unread)
+            return set() if job is None else set(job.unread) | set(job.satisfied)
 
     def read_this_epoch(self, job_path: str) -> set[str]:
         """Files ``job_path``'s job opened this epoch. O(files opened)."""
@@ -511,7 +534,7 @@ class AccessModel:
                 "epoch": self._max_epoch,
                 "jobs": len(jobs),
                 "working_set_files": sum(len(job.working) for job in jobs),
-                "unread_files": sum(len(job.unread) for job in jobs),
+                "unread_files": sum(job.unread_count() for job in jobs),
                 "read_this_epoch_files": opens,
                 "active_streams": sum(self._live_streams_locked(job) for job in jobs),
                 "hint_coverage": hinted / opens if opens else 0.0,
@@ -619,7 +642,7 @@ class AccessModel:
                 into.seen[path] = len(into.order)
                 into.order.append(path)
         for path, size in child.working.items():
-            if path not in into.seen:
+            if path not in into.seen and path not in into.satisfied:
                 into.unread[path] = size
         for path in into.seen:
             into.unread.pop(path, None)
@@ -660,6 +683,7 @@ class AccessModel:
         job.order = []
         job.seen = {}
         job.unread = job.working.copy()
+        job.satisfied = {}
         job.hint = hint
 
     def _first_open_locked(self, job: _Job, path: str) -> None:
@@ -667,6 +691,7 @@ class AccessModel:
         job.order.append(path)
         job.seen[path] = position
         job.unread.pop(path, None)
+        job.satisfied.pop(path, None)
         if job.hint is not None:
             job.hint.observe(position, path)
         if job.replay is not None:
@@ -705,12 +730,12 @@ class AccessModel:
             stop = min(len(order), plan.low + PLAN_SCAN_FACTOR * limit)
             for position in range(plan.low, stop):
                 path = order[position]
-                if path in job.seen or path in emitted:
+                if path in job.seen or path in job.satisfied or path in emitted:
                     continue
                 emitted.add(path)
                 yield self._file_prediction_locked(job, path, float(max(0, position - opens)))
         # Unread, order unknown: under a random order the expected wait is half the rest.
-        expected = max(0.0, (len(job.unread) - 1) / 2)
+        expected = max(0.0, (job.unread_count() - 1) / 2)
         for path in job.unread:
             if path not in emitted:
                 yield self._file_prediction_locked(job, path, expected)
@@ -721,7 +746,7 @@ class AccessModel:
         return {
             "epoch": job.epoch,
             "working_set_files": len(job.working),
-            "unread_files": len(job.unread),
+            "unread_files": job.unread_count(),
             "read_this_epoch_files": len(job.order),
             "order": source,
             "hint_files": 0 if job.hint is None else len(job.hint.order),

@@ -116,7 +116,6 @@ class Prefetcher:
         self._failed: dict[BlockRef, float] = {}  # block -> when it may be tried again
         self._window = min(settings.lookahead, INITIAL_WINDOW_BYTES)  # bytes ahead allowed now (AIMD)
         self._epoch = 0
-        self._settled: set[str] = set()  # files found wholly cached this epoch
         # Cached blocks a hint places, planned in the cache; replanned when a
         # hint arrives (``_replan``), unplanned as they are read.
         self._resident_plans: set[str] = set()
@@ -226,7 +225,7 @@ class Prefetcher:
                 epoch = self._model.current()
                 self._events.epoch(epoch)
                 if epoch != self._epoch:
-                    self._epoch, self._settled = epoch, set()
+                    self._epoch = epoch
                     self._unplan_epoch()
                 now = time.monotonic()
                 if now - retired_at >= IDLE_WAKE_SECONDS:
@@ -305,8 +304,6 @@ class Prefetcher:
         for prediction in self._model.predict(min(PREDICTIONS_PER_ROUND, PREDICTIONS_PER_SLOT * free)):
             if self._stopped.is_set():
                 return
-            if prediction.path in self._settled:
-                continue
             try:
                 info = self._namespace.lookup("/" + prediction.path).info
             except CachefsdError:
@@ -316,7 +313,7 @@ class Prefetcher:
             blocks = block_range(prediction.offset, prediction.length, info.size, self._reader.block_size)
             if all(self._reader.digest(info, index) is not None for index in blocks):
                 if prediction.offset == 0 and prediction.length >= info.size:
-                    self._settled.add(prediction.path)  # whole file cached: skip it for the rest of the epoch
+                    self._model.satisfied(prediction.path)
                 continue
             for index in blocks:
                 if not self._take(info, index, prediction.distance):

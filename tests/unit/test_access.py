@@ -248,6 +248,24 @@ def test_listing_predicts_unread_files_from_the_first_open() -> None:
     assert model.current_epoch("train") == 0
 
 
+def test_satisfied_files_stay_unread_but_are_not_predicted_until_the_next_epoch() -> None:
+    model = AccessModel()
+    files = dataset("s", 6)
+    listed(model, "s", files)
+    order = files[::-1]
+    model.hint(order, 0.0)
+    for path in (files[1], files[4]):
+        model.satisfied(path)
+    predicted = paths_of(model.predict(100))
+    assert predicted == [path for path in order if path not in (files[1], files[4])]
+    assert model.unread("s") == set(files)
+    assert model.stats()["per_job"]["s"]["unread_files"] == 6  # type: ignore[index]
+    trace = Trace(model)
+    trace.pass_over(order)
+    trace.open(files[0])  # a new epoch: every file is a candidate again
+    assert set(paths_of(model.predict(100))) == set(files) - {files[0]}
+
+
 def test_an_idle_job_predicts_nothing() -> None:
     model = AccessModel()
     listed(model, "old", dataset("old", 5))
