@@ -42,10 +42,29 @@ FUSE_MAIN_LOOP_ENDED = 8
 P = ParamSpec("P")
 R = TypeVar("R")
 
+_worker = threading.local()
+
+
+def _keep_thread_state() -> None:
+    """Give the calling libfuse worker thread a Python thread state for good.
+
+    libfuse's workers are C threads: for each callback ctypes creates a
+    thread state and deletes it on return, and with it the state's frame
+    stack, an mmap'd chunk whose munmap stops every other CPU to flush its
+    TLB. That was four mmap/munmap pairs for every small file read (LOOKUP,
+    OPEN, READ, RELEASE) and a third of the daemon's CPU. One extra
+    ``PyGILState_Ensure``, never released, keeps the state (and this
+    thread-local) alive. libfuse >= 3.12 never retires its workers (at
+    most 10 by default), so this holds at most that many states."""
+    if not getattr(_worker, "kept", False):
+        ctypes.pythonapi.PyGILState_Ensure()
+        _worker.kept = True
+
 
 def _translated(operation: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(operation)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        _keep_thread_state()
         try:
             return operation(*args, **kwargs)
         except CachefsdError as exc:
