@@ -211,14 +211,10 @@ class BlockReader:
         absent or corrupt block."""
         hit = self._cache.raw_hit(digest, check=digest not in verified)
         if hit is None:
+            verified.discard(digest)  # evicted or demoted since: take the slow path
             return None
         verified.add(digest)
-        tier, path = hit
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:  # evicted or demoted since: take the slow path
-            verified.discard(digest)
-            return None
+        tier, fd = hit
         return FileSpan(fd, HEADER_SIZE + lo, hi - lo), tier, 0.0
 
     def _remember(self, ref: BlockRef, digest: str, data: bytes, raw: bool, verified: set[str]) -> None:

@@ -31,12 +31,12 @@ but the tiers' own. Lock order: ``_move_lock``, a tier's lock, the index's.
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
 from cachefsd.chunks.codec import Codec, CorruptBlock, check_raw, decode, encode
@@ -231,27 +231,32 @@ class TieredCache:
         if tier is not None:
             tier.accessed(digest)
 
-    def raw_hit(self, digest: str, check: bool) -> tuple[str, Path] | None:
+    def raw_hit(self, digest: str, check: bool) -> tuple[str, int] | None:
         """For a read served straight from a raw block file (its content
         follows the frame header, so libfuse can copy it without Python):
-        the tier's name and the file, with the hit counted by its policy.
-        With ``check``, the frame is verified where it lies first (no copy
-        of its content). None if the block is compressed, absent, or found
-        corrupt (then dropped, as by ``read``)."""
+        the tier's name and an open descriptor of the file, which the caller
+        closes, with the hit counted by its policy. With ``check``, the
+        frame is verified where it lies first (no copy of its content).
+        None if the block is compressed, absent, or found corrupt (then
+        dropped, as by ``read``)."""
         tier = self._tier_holding(digest)
         if tier is None or tier.codec is not Codec.RAW:
+            return None
+        fd = self._checked(tier, digest, lambda: tier.open(digest))
+        if fd is None:
             return None
         if check:
             size = tier.size_of(digest) or 0  # bytes on disk: at least the file's
             buffer = getattr(self._buffers, "frame", None)
             if buffer is None or len(buffer) < size:
                 buffer = self._buffers.frame = bytearray(size)
-            length = self._checked(tier, digest, lambda: check_raw(tier.read_into(digest, buffer), digest))
+            length = self._checked(tier, digest, lambda: check_raw(tier.read_into(fd, buffer), digest))
             if length is None:
+                os.close(fd)
                 return None
             self._events.tier_read(tier.name, length)
         tier.accessed(digest)
-        return tier.name, tier.path_of(digest)
+        return tier.name, fd
 
     def read(self, digest: str) -> bytes | None:
         """The verified content of block ``digest``, or None on any miss or
