@@ -246,6 +246,15 @@ class BlockReader:
         """Block ``digest`` is no longer planned (read, or the plan changed)."""
         self._cache.unplan(digest)
 
+    def warm(self, info: ObjectInfo, index: int) -> bool:
+        """Start loading cached block ``index`` of ``info`` from the cache
+        disk into the page cache; False if it is not cached."""
+        digest = self._cache.lookup(self.ref(info, index))
+        if digest is None:
+            return False
+        self._cache.warm(digest)
+        return True
+
     def residency(self, info: ObjectInfo, index: int) -> str | None:
         """The tier holding block ``index`` of ``info``, or None."""
         digest = self._cache.lookup(self.ref(info, index))

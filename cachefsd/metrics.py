@@ -221,6 +221,11 @@ class Metrics:
             "Bytes fetched ahead that left the cache before anyone read them",
             registry=registry,
         )
+        self.prefetch_warmed_bytes = Counter(
+            "cachefsd_prefetch_warmed_bytes",
+            "Bytes of cached files a plan places next, read from the cache disk into RAM ahead of their read",
+            registry=registry,
+        )
         self.epoch_number = Gauge(
             "cachefsd_epoch", "Current training epoch, as the access model sees it", registry=registry
         )
@@ -279,6 +284,9 @@ class Metrics:
 
     def prefetch_wasted(self, nbytes: int) -> None:
         self.prefetch_wasted_bytes.inc(nbytes)
+
+    def prefetch_warmed(self, nbytes: int) -> None:
+        self.prefetch_warmed_bytes.inc(nbytes)
 
     def epoch(self, number: int) -> None:
         self.epoch_number.set(number)

@@ -231,6 +231,16 @@ class TieredCache:
         if tier is not None:
             tier.accessed(digest)
 
+    def warm(self, digest: str) -> None:
+        """Have block ``digest`` read from disk into RAM ahead of its read;
+        not a read itself, so the policies do not see it."""
+        tier = self._tier_holding(digest)
+        if tier is not None:
+            try:
+                tier.warm(digest)
+            except OSError as exc:
+                log.warning("cannot warm block %s in the %s tier: %s", digest, tier.name, exc)
+
     def raw_hit(self, digest: str, check: bool) -> tuple[str, int] | None:
         """For a read served straight from a raw block file (its content
         follows the frame header, so libfuse can copy it without Python):

@@ -188,12 +188,15 @@ STATS_MAX_JOBS: Final = 32
 class Prediction:
     """A byte range predicted to be read: ``[offset, offset + length)`` of
     ``path``, clipped by the consumer to the object's size. ``distance`` is
-    the number of other files the job is predicted to open first (0: now)."""
+    the number of other files the job is predicted to open first (0: now);
+    ``planned`` when it comes from a plan (hint or replay), which places the
+    file exactly, rather than from the unread set, which only estimates."""
 
     path: str
     offset: int
     length: int
     distance: float
+    planned: bool = False
 
 
 @dataclass
@@ -709,10 +712,10 @@ class AccessModel:
     def _live_streams_locked(self, job: _Job) -> int:
         return sum(1 for stream in job.streams.values() if self._stream_live_locked(stream))
 
-    def _file_prediction_locked(self, job: _Job, path: str, distance: float) -> Prediction:
+    def _file_prediction_locked(self, job: _Job, path: str, distance: float, planned: bool) -> Prediction:
         size = job.working.get(path, -1)
         length = FILE_PREDICTION_BYTES if size < 0 else min(size, FILE_PREDICTION_BYTES)
-        return Prediction(path, 0, length, distance)
+        return Prediction(path, 0, length, distance, planned)
 
     def _job_predictions_locked(self, job: _Job, limit: int) -> Iterator[Prediction]:
         """One job's predictions, nearest first. Consumed under the lock."""
@@ -733,12 +736,12 @@ class AccessModel:
                 if path in job.seen or path in job.satisfied or path in emitted:
                     continue
                 emitted.add(path)
-                yield self._file_prediction_locked(job, path, float(max(0, position - opens)))
+                yield self._file_prediction_locked(job, path, float(max(0, position - opens)), planned=True)
         # Unread, order unknown: under a random order the expected wait is half the rest.
         expected = max(0.0, (job.unread_count() - 1) / 2)
         for path in job.unread:
             if path not in emitted:
-                yield self._file_prediction_locked(job, path, expected)
+                yield self._file_prediction_locked(job, path, expected, planned=False)
 
     def _job_stats_locked(self, job: _Job) -> dict[str, object]:
         plan = job.plan()

@@ -13,6 +13,7 @@ from cachefsd.chunks.codec import Codec, encode
 from cachefsd.chunks.policy import EpochAwarePolicy, MinioPolicy, PlannedUse
 from cachefsd.chunks.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
+from cachefsd.prefetch import engine as engine_module
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import Prefetcher
 from tests.polling import wait_until
@@ -195,3 +196,47 @@ def test_a_new_epoch_voids_the_plans_of_blocks_never_read(
     finally:
         prefetcher.stop()
     assert model.current() == 1
+
+
+def test_with_a_hint_cached_files_are_warmed_nearest_first_within_the_budget(
+    make_engine: EngineFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hinted files already cached are read into the page cache as their
+    turn nears: three files' worth ahead of the reader, one more per file opened."""
+    file_bytes = BLOCK_SIZE // 2
+    monkeypatch.setattr(engine_module, "WARM_AHEAD_BYTES", 3 * file_bytes)
+    engine = make_engine(dataset)
+    order = sorted(dataset, reverse=True)
+    infos = [engine.namespace.lookup("/" + key).info for key in order]
+    for info in infos:
+        assert info is not None
+        engine.reader.fetch_ahead(info, 0)
+    warmed = engine.metrics.prefetch_warmed_bytes._value.get
+    with start(engine, PrefetchSettings()) as prefetcher:
+        prefetcher.hint(order)
+        wait_for(lambda: warmed() == 3 * file_bytes, "the first three hinted files to be warmed")
+        assert infos[0] is not None
+        prefetcher.opened(infos[0])
+        prefetcher.read(infos[0], 0, file_bytes)
+        wait_for(lambda: warmed() == 4 * file_bytes, "one more file to be warmed")
+        assert warmed() == 4 * file_bytes
+    assert engine.store.get_count == len(dataset)  # warming fetches nothing
+
+
+def test_without_a_plan_nothing_is_warmed(make_engine: EngineFactory, dataset: dict[str, bytes]) -> None:
+    """The unread set has no order: a cached file's turn is anyone's guess."""
+    engine = make_engine(dataset)
+    for key in dataset:
+        info = engine.namespace.lookup("/" + key).info
+        assert info is not None
+        engine.reader.fetch_ahead(info, 0)
+    model = AccessModel()
+    prefetcher = Prefetcher(model, engine.namespace, engine.reader, PrefetchSettings(), engine.metrics)
+    prefetcher.start()
+    try:
+        walk_and_open(engine, prefetcher, "train/c0/s00")
+        # Once the prefetcher has found every unread file cached, the model predicts none.
+        wait_for(lambda: model.predict(100) == [], "the prefetcher to go over the unread files")
+    finally:
+        prefetcher.stop()
+    assert engine.metrics.prefetch_warmed_bytes._value.get() == 0
