@@ -179,19 +179,13 @@ class Tier:
         end): each call into the kernel gives up the GIL, and getting it back
         is a wait behind every other FUSE thread."""
         view = memoryview(buffer)
-        filled = 0
-        while filled < len(view):
-            count = os.preadv(fd, [view[filled:]], filled)
-            filled += count
-            if count == 0 or filled < len(view):
-                break
-        return view[:filled]
+        return view[: os.preadv(fd, [view], 0)]
 
     def warm(self, digest: str) -> None:
         """Start reading block ``digest`` into the page cache (no wait): a
         read soon after finds it in RAM. A block gone meanwhile is skipped."""
         try:
-            fd = os.open(self.path_of(digest), os.O_RDONLY | os.O_CLOEXEC)
+            fd = self.open(digest)
         except FileNotFoundError:
             return
         try:

@@ -206,14 +206,7 @@ class Prefetcher:
         a stale hint costs bandwidth, never correctness. ``part`` (rank,
         world size) marks one rank's share: the shares of the ranks on this
         node are interleaved into one order, as their readers run side by side."""
-        accepted = []
-        for path in order:
-            try:
-                node = self._namespace.lookup("/" + path.lstrip("/"))
-            except CachefsdError:
-                continue
-            if node.info is not None:
-                accepted.append(node.info.key)
+        accepted = [info.key for path in order if (info := self._file_info(path)) is not None]
         self._model.hint(self._merged(accepted, part), time.monotonic())
         with self._lock:
             self._replan = True
@@ -285,14 +278,10 @@ class Prefetcher:
         (Belady) to make room for blocks read sooner. Without this, every
         resident of a full cache counts as due this epoch, and nothing is
         fetched ahead until reads free room. Once per hint: O(its length)."""
-        with self._lock:
-            opens = self._opens
+        opens = self._opens_now()
         planned: set[str] = set()
         for path, distance in self._model.planned():
-            try:
-                info = self._namespace.lookup("/" + path).info
-            except CachefsdError:
-                continue
+            info = self._file_info(path)
             if info is None:
                 continue
             for index in block_range(0, info.size, info.size, self._reader.block_size):
@@ -327,10 +316,7 @@ class Prefetcher:
         for prediction in self._model.predict(min(PREDICTIONS_PER_ROUND, PREDICTIONS_PER_SLOT * free)):
             if self._stopped.is_set():
                 return
-            try:
-                info = self._namespace.lookup("/" + prediction.path).info
-            except CachefsdError:
-                continue
+            info = self._file_info(prediction.path)
             if info is None:
                 continue
             blocks = block_range(prediction.offset, prediction.length, info.size, self._reader.block_size)
@@ -347,18 +333,14 @@ class Prefetcher:
     def _warm(self) -> None:
         """Warm the planned cached files read next, nearest first, while
         fewer than ``WARM_AHEAD_BYTES`` of those warmed are still unopened."""
-        with self._lock:
-            opens = self._opens
+        opens = self._opens_now()
         while self._warmed and self._warmed[0][0] < opens:
             self._warmed_bytes -= self._warmed.popleft()[1]
         while self._to_warm and self._warmed_bytes < WARM_AHEAD_BYTES and not self._stopped.is_set():
             position, path = heapq.heappop(self._to_warm)
             if position < opens:
                 continue  # its turn has come: warming now would only race the read
-            try:
-                info = self._namespace.lookup("/" + path).info
-            except CachefsdError:
-                continue
+            info = self._file_info(path)
             if info is None:
                 continue
             for index in block_range(0, info.size, info.size, self._reader.block_size):
@@ -366,6 +348,18 @@ class Prefetcher:
             self._warmed.append((position, info.size))
             self._warmed_bytes += info.size
             self._events.prefetch_warmed(info.size)
+
+    def _file_info(self, path: str) -> ObjectInfo | None:
+        """The object at mount-relative ``path``; None for a directory or a
+        path that is gone (a stale prediction or hint, not an error)."""
+        try:
+            return self._namespace.lookup("/" + path.lstrip("/")).info
+        except CachefsdError:
+            return None
+
+    def _opens_now(self) -> int:
+        with self._lock:
+            return self._opens
 
     def _take(self, info: ObjectInfo, index: int, distance: float) -> bool:
         """Submit block ``index`` of ``info`` if it needs fetching and the
