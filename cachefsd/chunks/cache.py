@@ -229,7 +229,15 @@ class TieredCache:
         have to see it."""
         tier = self._tier_holding(digest)
         if tier is not None:
-            tier.accessed(digest)
+            self._read_from(tier, digest)
+
+    def _read_from(self, tier: Tier, digest: str) -> None:
+        """Count a read of block ``digest`` in ``tier``: it ends the block's
+        plan (it was planned to be read next; now it has been), and its
+        policy ranks it as read."""
+        if self._planned is not None:
+            self._planned.consumed(digest)
+        tier.accessed(digest)
 
     def warm(self, digest: str) -> None:
         """Have block ``digest`` read from disk into RAM ahead of its read;
@@ -265,7 +273,7 @@ class TieredCache:
                 os.close(fd)
                 return None
             self._events.tier_read(tier.name, length)
-        tier.accessed(digest)
+        self._read_from(tier, digest)
         return tier.name, fd
 
     def read(self, digest: str) -> bytes | None:
@@ -277,7 +285,7 @@ class TieredCache:
         data = self._checked(tier, digest, lambda: decode(tier.read(digest), digest))
         if data is None:
             return None
-        tier.accessed(digest)
+        self._read_from(tier, digest)
         self._events.tier_read(tier.name, len(data))
         if tier is not self._tiers[0]:
             self._promote(digest, data, tier)
@@ -339,6 +347,11 @@ class TieredCache:
                     continue
                 self._record(ref, StoredBlock(digest, target.name, size, len(data), time.time()), identity)
                 break
+            else:
+                # No tier took it: a plan left behind would rank the block,
+                # when some later read admits it, by a position long past.
+                if self._planned is not None:
+                    self._planned.consumed(digest)
         self._report_usage()
 
     def _record(self, ref: BlockRef, stored: StoredBlock, identity: tuple[str, int] | None) -> None:

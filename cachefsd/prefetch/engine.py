@@ -132,7 +132,7 @@ class Prefetcher:
         self._window = min(settings.lookahead, INITIAL_WINDOW_BYTES)  # bytes ahead allowed now (AIMD)
         self._epoch = 0
         # Cached blocks a hint places, planned in the cache; replanned when a
-        # hint arrives (``_replan``), unplanned as they are read.
+        # hint arrives (``_replan``). A read ends a block's plan in the cache.
         self._resident_plans: set[str] = set()
         self._replan = False
         self._hint_world = 0
@@ -171,7 +171,6 @@ class Prefetcher:
     def read(self, info: ObjectInfo, offset: int, size: int) -> None:
         self._model.read(info.key, offset, size, time.monotonic())
         used = 0
-        read_plans: list[str] = []
         with self._lock:
             for index in block_range(offset, size, info.size, self._reader.block_size):
                 ref = self._reader.ref(info, index)
@@ -182,14 +181,6 @@ class Prefetcher:
                 if ahead is not None:
                     self._ahead_bytes -= ahead.nbytes
                     used += ahead.nbytes
-                    read_plans.append(ahead.digest)
-                elif self._resident_plans:
-                    digest = self._reader.digest(info, index)
-                    if digest in self._resident_plans:
-                        self._resident_plans.discard(digest)
-                        read_plans.append(digest)
-        for digest in read_plans:  # before the read itself, which re-ranks it as read
-            self._reader.unplan(digest)
         if used:
             self._grow_window(used)
             self._events.prefetch_used(used)
@@ -421,7 +412,6 @@ class Prefetcher:
         if digest is not None:
             self._events.prefetch_issued(nbytes)
             if joined:
-                self._reader.unplan(digest)
                 self._grow_window(nbytes)
                 self._events.prefetch_used(nbytes)
         elif fetched:

@@ -63,6 +63,13 @@ def ref(key: str, block: int = 0) -> BlockRef:
     return BlockRef("src", key, "etag", block)
 
 
+def resident(cache: TieredCache, ref: BlockRef) -> bool:
+    """Whether ``ref``'s block is cached, without reading it (a read would
+    end its plan and rank it as read)."""
+    digest = cache.lookup(ref)
+    return digest is not None and cache.tier_of(digest) is not None
+
+
 def test_admitted_block_reads_back_from_owner_only_files(tmp_path: Path) -> None:
     with tiered(tmp_path, 1 << 20) as (cache, _):
         admit(cache, ref("k"), b"x" * 5000)
@@ -153,9 +160,9 @@ def test_an_opened_cache_ranks_by_the_plan(tmp_path: Path) -> None:
         cache.admit(ref("later"), content_hash(later), later, ahead=True, next_use=20.0)
         soon = os.urandom(8192)
         cache.admit(ref("soon"), content_hash(soon), soon, ahead=True, next_use=1.0)
-        assert [read(cache, ref(key)) is not None for key in ("soon", "late", "later")] == [True, True, False]
+        assert [resident(cache, ref(key)) for key in ("soon", "late", "later")] == [True, True, False]
         cache.admit(ref("unplanned"), content_hash(block), block, ahead=True)
-        assert read(cache, ref("unplanned")) is None  # due blocks are kept over it
+        assert not resident(cache, ref("unplanned"))  # due blocks are kept over it
 
 
 def test_an_unwritable_tier_falls_through_to_the_next(tmp_path: Path) -> None:
@@ -264,3 +271,25 @@ def test_capacities_are_never_exceeded_and_reads_are_exact(
                 for block in (root / tier.name / "blocks").rglob("*"):
                     if block.is_file():
                         decode(block.read_bytes(), block.name)  # every frame on disk is whole and named right
+
+
+def test_a_read_ends_a_blocks_plan_and_a_refused_block_keeps_none(tmp_path: Path) -> None:
+    block = os.urandom(8192)
+    frame = disk_bytes(len(encode(block, Codec.RAW)))
+    (tmp_path / "hot").mkdir()
+    spec = TierSpec("hot", str(tmp_path / "hot"), frame, "raw")
+    planned = PlannedUse()
+    metrics = Metrics(CollectorRegistry())
+    with open_cache(tmp_path, [spec], "epoch-aware", ObservedEpochs(), metrics, planned=planned) as opened:
+        cache = opened.cache
+        digest = content_hash(block)
+        cache.admit(ref("planned"), digest, block, ahead=True, next_use=5.0)
+        assert planned.next_use(digest) == 5.0
+        hit = cache.raw_hit(digest, check=True)
+        assert hit is not None
+        os.close(hit[1])
+        assert planned.next_use(digest) is None
+        too_big = os.urandom(2 * 8192)
+        cache.admit(ref("too big"), content_hash(too_big), too_big, ahead=True, next_use=6.0)
+        assert not resident(cache, ref("too big"))
+        assert planned.next_use(content_hash(too_big)) is None
