@@ -239,7 +239,7 @@ class BlockReader:
     def plan(self, info: ObjectInfo, index: int, position: float) -> str | None:
         """Plan cached block ``index`` of ``info`` to be read next at
         ``position``; its hash, or None if it is not cached."""
-        digest = self._cache.lookup(self.ref(info, index))
+        digest = self.digest(info, index)
         return digest if digest is not None and self._cache.plan(digest, position) else None
 
     def unplan(self, digest: str) -> None:
@@ -249,7 +249,7 @@ class BlockReader:
     def warm(self, info: ObjectInfo, index: int) -> bool:
         """Start loading cached block ``index`` of ``info`` from the cache
         disk into the page cache; False if it is not cached."""
-        digest = self._cache.lookup(self.ref(info, index))
+        digest = self.digest(info, index)
         if digest is None:
             return False
         self._cache.warm(digest)
@@ -257,7 +257,7 @@ class BlockReader:
 
     def residency(self, info: ObjectInfo, index: int) -> str | None:
         """The tier holding block ``index`` of ``info``, or None."""
-        digest = self._cache.lookup(self.ref(info, index))
+        digest = self.digest(info, index)
         return None if digest is None else self._cache.tier_of(digest)
 
     def fetch_ahead(

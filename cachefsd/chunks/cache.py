@@ -264,7 +264,10 @@ class TieredCache:
         if fd is None:
             return None
         if check:
-            size = tier.size_of(digest) or 0  # bytes on disk: at least the file's
+            size = tier.size_of(digest)  # bytes on disk: at least the file's
+            if size is None:  # evicted or moved since it was found: a miss
+                os.close(fd)
+                return None
             buffer = getattr(self._buffers, "frame", None)
             if buffer is None or len(buffer) < size:
                 buffer = self._buffers.frame = bytearray(size)
@@ -297,11 +300,11 @@ class TieredCache:
         try:
             return load()
         except FileNotFoundError:
-            self._forget(digest)
+            self._lost(tier, digest)
         except CorruptBlock as exc:
             log.warning("dropping corrupt block %s from the %s tier: %s", digest, tier.name, exc)
             self._events.block_corrupt(tier.name)
-            self._forget(digest)
+            self._lost(tier, digest)
         except OSError as exc:
             log.warning("cannot read block %s from the %s tier: %s", digest, tier.name, exc)
             self._events.cache_error(tier.name)
@@ -458,6 +461,15 @@ class TieredCache:
             except OSError as exc:
                 log.warning("cannot delete block file %s: %s", digest, exc)
                 self._events.cache_error(tier.name)
+
+    def _lost(self, tier: Tier, digest: str) -> None:
+        """Block ``digest``'s file in ``tier`` is gone or bad: drop the block,
+        unless ``tier`` no longer holds it. Then it was moved (its copy in
+        the next tier is good) or evicted since the reader found it there,
+        and the read is only a miss."""
+        if tier.remove(digest) is not None:
+            self._drop(digest, tier)
+            self._report_usage()
 
     def _forget(self, digest: str) -> None:
         tier = self._tier_holding(digest)
