@@ -16,6 +16,7 @@ from cachefsd.config import PrefetchSettings
 from cachefsd.prefetch import engine as engine_module
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import Prefetcher
+from cachefsd.store.base import ObjectInfo
 from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory, joined
 
@@ -121,6 +122,7 @@ def test_a_read_that_joins_a_prefetch_in_flight_counts_it_used_not_wasted(
         wait_for(lambda: engine.faulty.calls > calls, "the prefetch GET to start")
         prefetcher.opened(info)
         prefetcher.read(info, 0, info.size)  # before the block lands, as the FUSE read does
+        assert engine.store.get_count == 0  # the prefetch's GET is still in flight: this read joins it
         assert joined(engine.reader.read(info, 0, info.size, set())) == dataset[key]
         wait_for(lambda: engine.metrics.prefetch_used_bytes._value.get() == info.size, "the join to count")
     finally:
@@ -149,7 +151,8 @@ def test_with_a_hint_a_full_cache_gives_up_what_is_read_last_for_what_is_read_fi
     make_engine: EngineFactory, dataset: dict[str, bytes]
 ) -> None:
     """Belady: the cache holds the last four files of the hinted order, all
-    still to be read; the first four evict them, latest first."""
+    still to be read; the first four evict them, latest first. One fetch at
+    a time, so that each eviction can be seen."""
     model, planned = AccessModel(), PlannedUse()
     frame = disk_bytes(len(encode(bytes(BLOCK_SIZE // 2), Codec.RAW)))
     policy = EpochAwarePolicy(model, planned)
@@ -159,11 +162,17 @@ def test_with_a_hint_a_full_cache_gives_up_what_is_read_last_for_what_is_read_fi
     assert all(info is not None for info in infos)
     for info in infos[4:]:
         assert engine.reader.fetch_ahead(info, 0)  # cached, not read yet: due this epoch
-    prefetcher = Prefetcher(model, engine.namespace, engine.reader, PrefetchSettings(), engine.metrics)
+    prefetcher = Prefetcher(
+        model, engine.namespace, engine.reader, PrefetchSettings(concurrency=1), engine.metrics
+    )
     prefetcher.start()
     try:
         prefetcher.hint(order)
-        wait_for(lambda: all(engine.reader.residency(info, 0) for info in infos[:4]), "the first four files")
+        for turn, info in enumerate(infos[:4]):
+            wait_for(lambda info=info: engine.reader.residency(info, 0) is not None, f"hinted file {turn}")
+            kept = [engine.reader.residency(each, 0) is not None for each in infos[4:]]
+            assert kept == sorted(kept, reverse=True)  # only ever the latest went
+            assert kept.count(False) > turn
     finally:
         prefetcher.stop()
     assert [engine.reader.residency(info, 0) is not None for info in infos] == [True] * 4 + [False] * 4
@@ -212,14 +221,23 @@ def test_with_a_hint_cached_files_are_warmed_nearest_first_within_the_budget(
         assert info is not None
         engine.reader.fetch_ahead(info, 0)
     warmed = engine.metrics.prefetch_warmed_bytes._value.get
+    warm = engine.reader.warm
+    warmed_keys: list[str] = []
+
+    def recorded_warm(info: ObjectInfo, index: int) -> bool:
+        warmed_keys.append(info.key)
+        return warm(info, index)
+
+    monkeypatch.setattr(engine.reader, "warm", recorded_warm)
     with start(engine, PrefetchSettings()) as prefetcher:
         prefetcher.hint(order)
         wait_for(lambda: warmed() == 3 * file_bytes, "the first three hinted files to be warmed")
+        assert warmed_keys == order[:3]
         assert infos[0] is not None
         prefetcher.opened(infos[0])
         prefetcher.read(infos[0], 0, file_bytes)
         wait_for(lambda: warmed() == 4 * file_bytes, "one more file to be warmed")
-        assert warmed() == 4 * file_bytes
+        assert warmed_keys == order[:4]
     assert engine.store.get_count == len(dataset)  # warming fetches nothing
 
 
