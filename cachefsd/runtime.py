@@ -76,7 +76,7 @@ def pid_alive(pid: int) -> bool:
     init, and its dead socket must not be taken for a live daemon."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or exiting as it was read
         return False
     except PermissionError:
         return True

@@ -770,7 +770,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"already cached {human_bytes(summary['cached_bytes'])}, "
         f"{summary['failed']} failed, in {seconds:.1f}s ({human_bytes(rate)}/s)"
     ]
-    unkept = summary["unkept_bytes"]
+    unkept = summary.get("unkept_bytes", 0)
     if unkept:
         lines.append(
             f"not staged: {human_bytes(unkept)} ({_percent(unkept, total):.1f}%) of the selection, "
