@@ -147,7 +147,8 @@ CLASSES = 20
 # for the 128 KiB default): a fixed size would hide per-size effects.
 SIZE_SPREAD = 0.5
 UPLOAD_THREADS = 16
-READ_CHUNK = 1 << 20
+MIB = 1 << 20
+READ_CHUNK = MIB
 # Allowance in the cache size for a tool's own overhead, per started MiB of
 # a file: cachefsd frames each block (1 MiB or more) with a header and a
 # file rounds up to 4 KiB, so a 128 KiB sample takes 132 KiB on disk.
@@ -330,9 +331,12 @@ def s3_client(max_connections: int = UPLOAD_THREADS) -> Any:
 @dataclass(frozen=True)
 class Dataset:
     relatives: list[str]  # paths under the dataset root, e.g. class_03/img_00042.bin
-    total_bytes: int
     local_root: Path
     sizes: list[int]  # bytes of each file, in the order of ``relatives``
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes)
 
 
 def make_dataset(files: int, mean_bytes: int, local: Path, client: Any) -> Dataset:
@@ -354,12 +358,13 @@ def make_dataset(files: int, mean_bytes: int, local: Path, client: Any) -> Datas
 
     with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
         list(pool.map(put, samples))
-    return Dataset([s[0] for s in samples], sum(s[1] for s in samples), local, [s[1] for s in samples])
+    return Dataset([s[0] for s in samples], local, [s[1] for s in samples])
 
 
 def dataset_footprint(dataset: Dataset) -> int:
     """What "100 %" of a cache means: the bytes plus an allowance per started MiB."""
-    return dataset.total_bytes + sum(CACHE_SLACK_PER_MIB * (1 + size // (1 << 20)) for size in dataset.sizes)
+    started_mib = sum(max(1, -(-size // MIB)) for size in dataset.sizes)
+    return dataset.total_bytes + CACHE_SLACK_PER_MIB * started_mib
 
 
 def calibrate_moto(client: Any, dataset: Dataset, network: Network) -> dict[str, float]:
@@ -755,8 +760,8 @@ def start_s3fs(variant: Variant, ctx: Context, cache_bytes: int, run_dir: Path) 
         # the whole dataset needs no cap (an earlier run at 100 % through it
         # got ENOSPC reads when the disk's free space shrank meanwhile).
         stats = os.statvfs(cache_dir)
-        free_mb = stats.f_bavail * stats.f_frsize // (1 << 20)
-        cap_mb = -(-cache_bytes // (1 << 20))
+        free_mb = stats.f_bavail * stats.f_frsize // MIB
+        cap_mb = -(-cache_bytes // MIB)
         cap.append(f"ensure_diskfree={max(1, free_mb - cap_mb)}")
         # At start s3fs insists on room for one parallel multipart transfer
         # (multipart_size x parallel_count, 10 MB x 5) beyond ensure_diskfree;
