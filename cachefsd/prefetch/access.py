@@ -465,15 +465,8 @@ class AccessModel:
         with self._lock:
             for job in self._jobs.values():
                 plan = job.plan()
-                if plan is None:
-                    continue
-                opens = len(job.order)
-                placed: set[str] = set()
-                for position in range(plan.low, len(plan.order)):
-                    path = plan.order[position]
-                    if path not in job.seen and path not in placed:
-                        placed.add(path)
-                        out.append((path, float(max(0, position - opens))))
+                if plan is not None:
+                    out.extend(self._placements_locked(job, plan, len(plan.order)))
         return out
 
     def current(self) -> int:
@@ -724,24 +717,32 @@ class AccessModel:
                 length = stream.window if stream.size < 0 else min(stream.window, stream.size - stream.end)
                 yield Prediction(path, stream.end, length, 0.0)
         emitted: set[str] = set()
-        opens = len(job.order)
         plan = job.plan()
         if plan is not None:
             order = plan.order
             while plan.low < len(order) and order[plan.low] in job.seen:
                 plan.low += 1
             stop = min(len(order), plan.low + PLAN_SCAN_FACTOR * limit)
-            for position in range(plan.low, stop):
-                path = order[position]
-                if path in job.seen or path in job.satisfied or path in emitted:
-                    continue
-                emitted.add(path)
-                yield self._file_prediction_locked(job, path, float(max(0, position - opens)), planned=True)
+            for path, distance in self._placements_locked(job, plan, stop):
+                if path not in job.satisfied:
+                    emitted.add(path)
+                    yield self._file_prediction_locked(job, path, distance, planned=True)
         # Unread, order unknown: under a random order the expected wait is half the rest.
         expected = max(0.0, (job.unread_count() - 1) / 2)
         for path in job.unread:
             if path not in emitted:
                 yield self._file_prediction_locked(job, path, expected, planned=False)
+
+    def _placements_locked(self, job: _Job, plan: _Plan, stop: int) -> Iterator[tuple[str, float]]:
+        """The files ``plan`` places between its low mark and ``stop`` that
+        ``job`` has not opened this epoch, each once, with its distance."""
+        opens = len(job.order)
+        placed: set[str] = set()
+        for position in range(plan.low, stop):
+            path = plan.order[position]
+            if path not in job.seen and path not in placed:
+                placed.add(path)
+                yield path, float(max(0, position - opens))
 
     def _job_stats_locked(self, job: _Job) -> dict[str, object]:
         plan = job.plan()
