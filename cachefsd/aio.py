@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from cachefsd.errors import DeadlineExceeded
+from cachefsd.errors import DeadlineExceeded, StoreError
 
 T = TypeVar("T")
 
@@ -26,6 +26,7 @@ class LoopThread:
 
     def __init__(self, name: str = "cachefsd-io") -> None:
         self._loop = uvloop.new_event_loop()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -40,7 +41,13 @@ class LoopThread:
     def run(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run ``coroutine`` on the loop and wait at most ``timeout`` seconds.
 
-        On timeout the coroutine is cancelled and ``DeadlineExceeded`` raised."""
+        On timeout the coroutine is cancelled and ``DeadlineExceeded`` raised.
+        Once the loop is stopped (the daemon is exiting), ``StoreError`` at
+        once: a prefetch thread still running would otherwise wait out its
+        timeout, and hold up the exit, on a loop that answers nothing."""
+        if self._stopped:
+            coroutine.close()
+            raise StoreError("the daemon is stopping: no more requests to the store")
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         try:
             return future.result(timeout)
@@ -49,5 +56,6 @@ class LoopThread:
             raise DeadlineExceeded(f"no answer within {timeout:g}s") from None
 
     def stop(self) -> None:
+        self._stopped = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)

@@ -9,7 +9,7 @@ import pytest
 
 from cachefsd.aio import LoopThread
 from cachefsd.config import FetchSettings
-from cachefsd.errors import AccessDenied, DeadlineExceeded, ObjectChanged
+from cachefsd.errors import AccessDenied, DeadlineExceeded, ObjectChanged, StoreError
 from cachefsd.fetch import Fetcher, PrioritySlots
 from cachefsd.store.faulty import Faults, FaultyStore
 from cachefsd.store.memory import MemoryStore
@@ -54,6 +54,17 @@ def test_a_hanging_store_fails_within_the_deadline(io: LoopThread) -> None:
         io.run(fetcher.get_range("k", 0, 5, etag(store, io)), 10)
     assert time.monotonic() - started < FAST_FETCH.deadline + 1
     assert events.failed == 1
+
+
+def test_a_stopped_loop_refuses_requests_at_once() -> None:
+    """What a prefetch thread still running meets while the daemon exits:
+    an error now, not a wait for an answer that never comes."""
+    io = LoopThread()
+    io.stop()
+    request = asyncio.sleep(0, "answer")
+    with pytest.raises(StoreError, match="stopping"):
+        io.run(request, 60)
+    assert request.cr_frame is None  # closed, not left never awaited
 
 
 @pytest.mark.parametrize("error", [AccessDenied, ObjectChanged])
