@@ -496,6 +496,11 @@ class AccessModel:
         with self._lock:
             return list(self._jobs)
 
+    def epochs(self) -> dict[str, int]:
+        """Every job root -> its epoch: one job's new pass says nothing of another's."""
+        with self._lock:
+            return {root: job.epoch for root, job in self._jobs.items()}
+
     def unread(self, job_path: str) -> set[str]:
         """Working-set files of ``job_path``'s job not opened this epoch. O(working set)."""
         with self._lock:

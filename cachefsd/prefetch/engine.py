@@ -130,9 +130,10 @@ class Prefetcher:
         self._joined: set[BlockRef] = set()
         self._failed: dict[BlockRef, float] = {}  # block -> when it may be tried again
         self._window = min(settings.lookahead, INITIAL_WINDOW_BYTES)  # bytes ahead allowed now (AIMD)
-        self._epoch = 0
-        # Cached blocks a hint places, planned in the cache; replanned when a
-        # hint arrives (``_replan``). A read ends a block's plan in the cache.
+        self._epochs: dict[str, int] = {}  # prefetch thread only: job root -> its epoch
+        # Cached blocks a plan places, planned in the cache; replanned when a
+        # hint arrives (``_replan``) or a job starts an epoch. A read ends a
+        # block's plan in the cache.
         self._resident_plans: set[str] = set()
         self._replan = False
         self._hint_world = 0
@@ -226,19 +227,17 @@ class Prefetcher:
             self._wake.wait(IDLE_WAKE_SECONDS)
             self._wake.clear()
             try:
-                epoch = self._model.current()
-                self._events.epoch(epoch)
-                if epoch != self._epoch:
-                    self._epoch = epoch
-                    self._unplan_epoch()
-                    self._to_warm, self._warmed, self._warmed_bytes = [], deque(), 0
+                turned = self._turned_jobs()
+                if turned:
+                    self._void_plans(turned)
+                self._events.epoch(self._model.current())
                 now = time.monotonic()
                 if now - retired_at >= IDLE_WAKE_SECONDS:
                     retired_at = now
                     self._retire_waste()
                 with self._lock:
                     replan, self._replan = self._replan, False
-                if replan:
+                if replan or turned:
                     self._plan_residents()
                 if self._has_budget():
                     self._issue()
@@ -253,22 +252,37 @@ class Prefetcher:
         with self._lock:
             return len(self._in_flight) < self._settings.concurrency and self._ahead_bytes < self._window
 
-    def _unplan_epoch(self) -> None:
-        """A new epoch voids the last one's plans: a block planned and never
-        read would otherwise stay protected by its old, early position. It
-        ranks again as not yet read, and goes stale if it stays unread."""
+    def _turned_jobs(self) -> set[str]:
+        """Roots of the jobs that started a new epoch since the last round."""
+        epochs = self._model.epochs()
+        turned = {root for root, epoch in epochs.items() if epoch != self._epochs.get(root, 0)}
+        self._epochs = epochs
+        return turned
+
+    def _void_plans(self, turned: set[str]) -> None:
+        """A job's new epoch voids the plans of its last: a block planned and
+        never read would otherwise stay protected by its old, early position.
+        It ranks again as not yet read, and goes stale if it stays unread.
+        Here the blocks fetched ahead and the files to warm of those jobs
+        are dropped; the caller then replans every job's cached blocks
+        (``_plan_residents``), so other jobs' plans stand."""
         with self._lock:
-            digests = self._resident_plans | {block.digest for block in self._ahead.values()}
-            self._resident_plans = set()
-        for digest in digests:
-            self._reader.unplan(digest)
+            ahead = [(block.info.key, block.digest) for block in self._ahead.values()]
+        for key, digest in ahead:
+            if self._model.job_of(key) in turned:
+                self._reader.unplan(digest)
+        self._to_warm = [entry for entry in self._to_warm if self._model.job_of(entry[1]) not in turned]
+        heapq.heapify(self._to_warm)
+        # What was warmed for a voided plan stops counting against the budget.
+        self._warmed, self._warmed_bytes = deque(), 0
 
     def _plan_residents(self) -> None:
-        """Tell the cache when each cached block of a hinted file will be
-        read, so that the eviction policy gives up the residents read last
-        (Belady) to make room for blocks read sooner. Without this, every
-        resident of a full cache counts as due this epoch, and nothing is
-        fetched ahead until reads free room. Once per hint: O(its length)."""
+        """Tell the cache when each cached block of a file a plan (hint,
+        replay) places will be read, so that the eviction policy gives up
+        the residents read last (Belady) to make room for blocks read sooner.
+        Without this, every resident of a full cache counts as due this
+        epoch, and nothing is fetched ahead until reads free room. Once per
+        hint or new epoch: O(the plans' lengths)."""
         opens = self._opens_now()
         planned: set[str] = set()
         for path, distance in self._model.planned():

@@ -207,6 +207,42 @@ def test_a_new_epoch_voids_the_plans_of_blocks_never_read(
     assert model.current() == 1
 
 
+def test_one_jobs_new_epoch_keeps_the_plans_of_another(
+    make_engine: EngineFactory, dataset: dict[str, bytes]
+) -> None:
+    """Two jobs on one mount, c0 hinted and c1 not (each folder listed on
+    its own): c1 starting its next epoch says nothing about c0's, whose
+    cached blocks stay planned."""
+    planned = PlannedUse()
+    engine = make_engine(dataset, planned=planned)
+    model = AccessModel()
+    prefetcher = Prefetcher(model, engine.namespace, engine.reader, PrefetchSettings(), engine.metrics)
+    hinted = [key for key in sorted(dataset) if key.startswith("train/c0/")]
+    first = engine.namespace.lookup("/" + hinted[0]).info
+    unhinted = [key for key in sorted(dataset) if key.startswith("train/c1/")]
+    others = [engine.namespace.lookup("/" + key).info for key in unhinted]
+    assert first is not None
+    epoch = engine.metrics.epoch_number._value.get
+    for directory in ("train/c0", "train/c1"):
+        prefetcher.listed(engine.namespace.listdir("/" + directory), directory)
+    prefetcher.start()
+    try:
+        prefetcher.hint(hinted)
+        wait_for(lambda: engine.reader.residency(first, 0) is not None, "the first hinted file")
+        digest = engine.reader.digest(first, 0)
+        assert digest is not None
+        wait_for(lambda: planned.next_use(digest) is not None, "its plan")
+        for info in [*others, others[0]]:  # c1 read through, then again: its next epoch
+            assert info is not None
+            prefetcher.opened(info)
+            prefetcher.read(info, 0, info.size)
+        wait_for(lambda: epoch() == 1, "the prefetcher to see c1's new epoch")
+        assert model.current_epoch("train/c0") == 0
+        assert planned.next_use(digest) is not None
+    finally:
+        prefetcher.stop()
+
+
 def test_with_a_hint_cached_files_are_warmed_nearest_first_within_the_budget(
     make_engine: EngineFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
