@@ -919,7 +919,7 @@ def add_daemon_metrics(row: dict[str, Any], before: dict[str, float], after: dic
     row["daemon_read_bytes"] = {"cache": cache, "cold": cold}
     row["daemon_fetch_bytes"] = metric_delta(before, after, "cachefsd_fetch_bytes_total")
     row["daemon_stall_s"] = metric_delta(before, after, "cachefsd_read_stall_seconds_total")
-    for what in ("issued", "used", "wasted"):
+    for what in ("issued", "used", "wasted", "warmed"):
         row[f"daemon_prefetch_{what}_bytes"] = metric_delta(
             before, after, f"cachefsd_prefetch_{what}_bytes_total"
         )
