@@ -360,10 +360,7 @@ def stage_files(
         # Counted at the end: a cache smaller than the selection refuses
         # blocks (epoch-aware, MinIO) or evicts earlier ones (LRU).
         resident = sum(
-            length
-            for selected in files
-            for index, length in _blocks_of(selected.info, blocks.block_size)
-            if blocks.residency(selected.info, index) is not None
+            length for selected in files for tier, length in _residency(blocks, selected) if tier is not None
         )
         summary["unkept_bytes"] = max(0, counters.bytes_total - counters.bytes_failed - resident)
     return summary
@@ -375,11 +372,16 @@ def _blocks_of(info: ObjectInfo, block_size: int) -> Iterator[tuple[int, int]]:
         yield index, min(block_size, info.size - index * block_size)
 
 
+def _residency(blocks: Blocks, selected: Selected) -> Iterator[tuple[str | None, int]]:
+    """(tier holding it or None, length) of every block of ``selected``."""
+    for index, length in _blocks_of(selected.info, blocks.block_size):
+        yield blocks.residency(selected.info, index), length
+
+
 def _check(blocks: Blocks, files: list[Selected], run: _Run) -> None:
     counters = run.counters
     for selected in files:
-        for index, length in _blocks_of(selected.info, blocks.block_size):
-            tier = blocks.residency(selected.info, index)
+        for tier, length in _residency(blocks, selected):
             if tier is not None:
                 counters.resident[tier] = counters.resident.get(tier, 0) + length
                 counters.bytes_cached += length
