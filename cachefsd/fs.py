@@ -108,6 +108,12 @@ class FileSystem:
         if info is None:
             raise IsADirectory(path)
         self._access.opened(info)
+        if info.size <= self._reader.block_size:
+            # A sample file: the kernel's READ of it follows this reply.
+            # Loading its block from the cache disk now overlaps that disk
+            # read with the round trip (and with other readers' requests).
+            # A larger file's first read may not be at offset 0 (a footer).
+            self._reader.warm(info, 0)
         with self._lock:
             handle = next(self._next_handle)
             self._handles[handle] = info

@@ -8,6 +8,7 @@ import stat
 import pytest
 
 from cachefsd.errors import BadFileHandle, IsADirectory, ObjectChanged, ObjectNotFound, ReadOnly
+from cachefsd.store.base import ObjectInfo
 from tests.unit.conftest import BLOCK_SIZE, EngineFactory, joined
 
 
@@ -93,3 +94,28 @@ def test_a_new_version_opened_beside_an_old_one_bypasses_the_page_cache(make_eng
     after = engine.fs.open("/f", os.O_RDONLY)
     assert not after.keep_cache
     assert not after.direct_io
+
+
+def test_opening_a_cached_sample_starts_loading_its_block(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file of one block is read whole right after its open: its block
+    file is warmed then, so that the cache disk's read overlaps the round
+    trip. A larger file's first read may be anywhere (a footer): not warmed."""
+    engine = make_engine({"sample": os.urandom(BLOCK_SIZE), "shard": os.urandom(2 * BLOCK_SIZE)})
+    for key, blocks in (("sample", 1), ("shard", 2)):
+        info = engine.namespace.lookup("/" + key).info
+        assert info is not None
+        for index in range(blocks):
+            assert engine.reader.fetch_ahead(info, index)
+    warm = engine.reader.warm
+    warmed: list[tuple[str, int, bool]] = []
+
+    def recorded_warm(info: ObjectInfo, index: int) -> bool:
+        warmed.append((info.key, index, warm(info, index)))
+        return warmed[-1][2]
+
+    monkeypatch.setattr(engine.reader, "warm", recorded_warm)
+    for key in ("sample", "shard"):
+        engine.fs.release(engine.fs.open("/" + key, os.O_RDONLY).handle)
+    assert warmed == [("sample", 0, True)]
