@@ -15,7 +15,7 @@ from cachefsd.chunks.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
 from cachefsd.prefetch import engine as engine_module
 from cachefsd.prefetch.access import AccessModel
-from cachefsd.prefetch.engine import Prefetcher
+from cachefsd.prefetch.engine import Prefetcher, Reach
 from cachefsd.store.base import ObjectInfo
 from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory, joined
@@ -294,3 +294,28 @@ def test_without_a_plan_nothing_is_warmed(make_engine: EngineFactory, dataset: d
     finally:
         prefetcher.stop()
     assert engine.metrics.prefetch_warmed_bytes._value.get() == 0
+
+
+def test_the_reach_grows_by_what_is_used_up_to_its_limit() -> None:
+    reach = Reach(initial=100, floor=10, limit=250)
+    reach.used(60)
+    assert reach.bytes == 160
+    reach.used(200)
+    assert reach.bytes == 250
+
+
+def test_a_burst_of_waste_halves_the_reach_once_until_a_reach_is_used_again() -> None:
+    """As TCP halves its window once per round trip, not once per lost packet."""
+    reach = Reach(initial=400, floor=30, limit=1000)
+    for _ in range(5):  # an epoch's start: block after block thrown away
+        reach.wasted()
+    assert reach.bytes == 200
+    reach.used(150)  # less than the reach after the cut: still the same burst
+    reach.wasted()
+    assert reach.bytes == 350
+    reach.used(50)  # a reach's worth (200) used since the cut: waste counts again
+    reach.wasted()
+    assert reach.bytes == 200
+    low = Reach(initial=40, floor=30, limit=1000)
+    low.wasted()
+    assert low.bytes == 30  # never below the floor
