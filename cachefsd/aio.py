@@ -20,13 +20,18 @@ from cachefsd.errors import DeadlineExceeded, StoreError
 
 T = TypeVar("T")
 
+_STOPPING = "the daemon is stopping: no more requests to the store"
+
 
 class LoopThread:
     """A uvloop event loop running in a daemon thread until ``stop``."""
 
     def __init__(self, name: str = "cachefsd-io") -> None:
         self._loop = uvloop.new_event_loop()
+        self._lock = threading.Lock()
+        # Guarded by _lock: once stopped, no request waits on the loop.
         self._stopped = False
+        self._pending: set[concurrent.futures.Future[Any]] = set()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -42,20 +47,32 @@ class LoopThread:
         """Run ``coroutine`` on the loop and wait at most ``timeout`` seconds.
 
         On timeout the coroutine is cancelled and ``DeadlineExceeded`` raised.
-        Once the loop is stopped (the daemon is exiting), ``StoreError`` at
-        once: a prefetch thread still running would otherwise wait out its
-        timeout, and hold up the exit, on a loop that answers nothing."""
-        if self._stopped:
-            coroutine.close()
-            raise StoreError("the daemon is stopping: no more requests to the store")
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        Once the loop is stopping (the daemon is exiting), ``StoreError`` at
+        once, for a request already waiting as for a new one: a prefetch
+        thread would otherwise wait out its timeout, and hold up the exit,
+        on a loop that answers nothing."""
+        with self._lock:
+            if self._stopped:
+                coroutine.close()
+                raise StoreError(_STOPPING)
+            future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+            self._pending.add(future)
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise DeadlineExceeded(f"no answer within {timeout:g}s") from None
+        except concurrent.futures.CancelledError:
+            raise StoreError(_STOPPING) from None
+        finally:
+            with self._lock:
+                self._pending.discard(future)
 
     def stop(self) -> None:
-        self._stopped = True
+        with self._lock:
+            self._stopped = True
+            pending = list(self._pending)
+        for future in pending:
+            future.cancel()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)

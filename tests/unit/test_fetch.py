@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -65,6 +66,30 @@ def test_a_stopped_loop_refuses_requests_at_once() -> None:
     with pytest.raises(StoreError, match="stopping"):
         io.run(request, 60)
     assert request.cr_frame is None  # closed, not left never awaited
+
+
+def test_a_request_waiting_when_the_loop_stops_fails_at_once() -> None:
+    io = LoopThread()
+    started = threading.Event()
+    failures: list[Exception] = []
+
+    async def unanswered() -> None:
+        started.set()
+        await asyncio.sleep(3600)
+
+    def request() -> None:
+        try:
+            io.run(unanswered(), 60)
+        except StoreError as exc:
+            failures.append(exc)
+
+    waiting = threading.Thread(target=request)
+    waiting.start()
+    assert started.wait(5)
+    io.stop()
+    waiting.join(10)  # not the request's 60 s
+    assert not waiting.is_alive()
+    assert [type(failure) for failure in failures] == [StoreError]
 
 
 @pytest.mark.parametrize("error", [AccessDenied, ObjectChanged])
