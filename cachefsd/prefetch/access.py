@@ -190,13 +190,17 @@ class Prediction:
     ``path``, clipped by the consumer to the object's size. ``distance`` is
     the number of other files the job is predicted to open first (0: now);
     ``planned`` when it comes from a plan (hint or replay), which places the
-    file exactly, rather than from the unread set, which only estimates."""
+    file exactly, rather than from the unread set, which only estimates.
+    ``job`` and ``epoch`` say whose pass it belongs to: a consumer that
+    keeps predictions across rounds drops them when that job turns."""
 
     path: str
     offset: int
     length: int
     distance: float
     planned: bool = False
+    job: str = field(default="", compare=False)
+    epoch: int = field(default=0, compare=False)
 
 
 @dataclass
@@ -331,6 +335,7 @@ class AccessModel:
         self._listed: set[str] = set()
         self._now = float("-inf")
         self._max_epoch = 0
+        self._turns: dict[str, int] = {}  # job root -> epoch, started since ``take_turns``
 
     # -- events ------------------------------------------------------------
 
@@ -496,10 +501,12 @@ class AccessModel:
         with self._lock:
             return list(self._jobs)
 
-    def epochs(self) -> dict[str, int]:
-        """Every job root -> its epoch: one job's new pass says nothing of another's."""
+    def take_turns(self) -> dict[str, int]:
+        """The jobs that started an epoch since the last call -> their epoch
+        now: one job's new pass says nothing of another's."""
         with self._lock:
-            return {root: job.epoch for root, job in self._jobs.items()}
+            turns, self._turns = self._turns, {}
+            return turns
 
     def unread(self, job_path: str) -> set[str]:
         """Working-set files of ``job_path``'s job not opened this epoch. O(working set)."""
@@ -636,6 +643,8 @@ class AccessModel:
         and hint are dropped (they were orders of a part of the job).
         """
         del self._jobs[child.root]
+        if self._turns.pop(child.root, None) is not None:
+            self._turns[into.root] = max(into.epoch, child.epoch)
         for path, size in child.working.items():
             into.working.setdefault(path, size)
         for path in child.order:
@@ -681,6 +690,7 @@ class AccessModel:
             job.previous_size = len(job.order)
         job.epoch += 1
         self._max_epoch = max(self._max_epoch, job.epoch)
+        self._turns[job.root] = job.epoch
         job.order = []
         job.seen = {}
         job.unread = job.working.copy()
@@ -713,14 +723,14 @@ class AccessModel:
     def _file_prediction_locked(self, job: _Job, path: str, distance: float, planned: bool) -> Prediction:
         size = job.working.get(path, -1)
         length = FILE_PREDICTION_BYTES if size < 0 else min(size, FILE_PREDICTION_BYTES)
-        return Prediction(path, 0, length, distance, planned)
+        return Prediction(path, 0, length, distance, planned, job.root, job.epoch)
 
     def _job_predictions_locked(self, job: _Job, limit: int) -> Iterator[Prediction]:
         """One job's predictions, nearest first. Consumed under the lock."""
         for path, stream in reversed(job.streams.items()):
             if self._stream_live_locked(stream):
                 length = stream.window if stream.size < 0 else min(stream.window, stream.size - stream.end)
-                yield Prediction(path, stream.end, length, 0.0)
+                yield Prediction(path, stream.end, length, 0.0, job=job.root, epoch=job.epoch)
         emitted: set[str] = set()
         plan = job.plan()
         if plan is not None:

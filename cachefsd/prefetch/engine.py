@@ -20,10 +20,11 @@ its GET (single-flight in ``blocks.py``; the prefetch then counts as used,
 late), and a failed prefetch only logs.
 
 Blocks fetched ahead carry their predicted use, which the cache records
-(``chunks.policy.PlannedUse``) before admitting them; with a hint, the
-cached blocks of the hinted files are planned too. The epoch-aware policy
-then ranks by Belady: a block needed sooner evicts one planned for later,
-and blocks already read this epoch go first. A block fetched ahead that
+(``chunks.policy.PlannedUse``) before admitting them; with a plan (a hint,
+or a replay the model trusts), the cached blocks of the files it places are
+planned too, when a hint arrives and whenever a job starts an epoch. The
+epoch-aware policy then ranks by Belady: a block needed sooner evicts one
+planned for later, and blocks already read this epoch go first. A block fetched ahead that
 leaves the cache unread counts as waste; one that is read counts as used.
 
 With a plan (hint or replay), files already cached are warmed as their
@@ -110,28 +111,36 @@ class _Ahead:
 class Reach:
     """How many bytes the prefetcher may hold fetched ahead and not yet
     read: AIMD, as TCP's congestion window. Every byte fetched ahead and
-    read earns a byte of reach, up to ``limit``; blocks thrown away unread
-    (a cache too small for the reach) halve it, down to ``floor``, but at
-    most once per reach's worth of bytes used (the reach after the cut),
-    as TCP halves at most once per round trip. Waste comes in bursts: at an epoch's start a full
+    read earns a byte of reach, up to ``limit``; bytes thrown away unread
+    (a cache too small for the reach) halve it, down to ``floor``.
+
+    As TCP halves at most once per window of data, a cut is followed by a
+    recovery: until a reach's worth of bytes (the reach after the cut) has
+    left the ahead set, read or thrown away, waste cuts nothing more and
+    reads earn nothing. Waste comes in bursts: at an epoch's start a full
     cache has no room until reads free some, and halving once per wasted
-    block took the reach from 260 MB to the floor in a second, which then
-    held a 50 % cache to 73 % hits for the epoch instead of 83-85 %."""
+    block took the reach from 260 MB to the floor within a second, which
+    held a 50 % cache to 73 % hits for the epoch instead of 84-86 %.
+    Persistent waste still halves the reach once per recovery, down to the
+    floor. Not thread-safe: the prefetcher calls it under its lock."""
 
     def __init__(self, initial: int, floor: int, limit: int) -> None:
         self._floor = floor
         self._limit = limit
         self.bytes = initial
-        self._unheeded = 0  # bytes to be used before waste is heeded again
+        self._recovering = 0  # bytes still to leave the ahead set before the next cut
 
     def used(self, nbytes: int) -> None:
-        self.bytes = min(self._limit, self.bytes + nbytes)
-        self._unheeded = max(0, self._unheeded - nbytes)
+        recovered = min(nbytes, self._recovering)
+        self._recovering -= recovered
+        self.bytes = min(self._limit, self.bytes + nbytes - recovered)
 
-    def wasted(self) -> None:
-        if not self._unheeded:
-            self.bytes = max(self._floor, self.bytes // 2)
-            self._unheeded = self.bytes
+    def wasted(self, nbytes: int) -> None:
+        if self._recovering:
+            self._recovering = max(0, self._recovering - nbytes)
+            return
+        self.bytes = max(self._floor, self.bytes // 2)
+        self._recovering = self.bytes
 
 
 class Prefetcher:
@@ -157,7 +166,7 @@ class Prefetcher:
         self._joined: set[BlockRef] = set()
         self._failed: dict[BlockRef, float] = {}  # block -> when it may be tried again
         self._reach = Reach(min(settings.lookahead, INITIAL_REACH_BYTES), MIN_REACH_BYTES, settings.lookahead)
-        self._epochs: dict[str, int] = {}  # prefetch thread only: job root -> its epoch
+        self._job_epochs: dict[str, int] = {}  # prefetch thread only: root -> epoch, of jobs that turned
         # Cached blocks a plan places, planned in the cache; replanned when a
         # hint arrives (``_replan``) or a job starts an epoch. A read ends a
         # block's plan in the cache.
@@ -169,10 +178,11 @@ class Prefetcher:
         self._tokens = float(settings.bandwidth)
         self._tokens_at = time.monotonic()
         self._opens = 0
-        # Prefetch thread only: planned cached files to warm, by position
-        # (a heap), and those warmed and not opened yet, in order.
-        self._to_warm: list[tuple[float, str]] = []
-        self._warmed: deque[tuple[float, int]] = deque()
+        # Prefetch thread only: planned cached files to warm, by position (a
+        # heap of position, path, job, epoch), and those warmed and not
+        # opened yet, in order (position, bytes, job, epoch).
+        self._to_warm: list[tuple[float, str, str, int]] = []
+        self._warmed: deque[tuple[float, int, str, int]] = deque()
         self._warmed_bytes = 0
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -209,7 +219,8 @@ class Prefetcher:
                 if ahead is not None:
                     self._ahead_bytes -= ahead.nbytes
                     used += ahead.nbytes
-            self._reach.used(used)
+            if used:
+                self._reach.used(used)
         if used:
             self._events.prefetch_used(used)
         self._wake.set()
@@ -254,9 +265,10 @@ class Prefetcher:
             self._wake.wait(IDLE_WAKE_SECONDS)
             self._wake.clear()
             try:
-                turned = self._turned_jobs()
-                if turned:
-                    self._void_plans(turned)
+                turns = self._model.take_turns()
+                if turns:
+                    self._job_epochs.update(turns)
+                    self._void_plans(turns)
                 self._events.epoch(self._model.current())
                 now = time.monotonic()
                 if now - retired_at >= IDLE_WAKE_SECONDS:
@@ -264,7 +276,7 @@ class Prefetcher:
                     self._retire_waste()
                 with self._lock:
                     replan, self._replan = self._replan, False
-                if replan or turned:
+                if replan or turns:
                     self._plan_residents()
                 if self._has_budget():
                     self._issue()
@@ -279,29 +291,26 @@ class Prefetcher:
         with self._lock:
             return len(self._in_flight) < self._settings.concurrency and self._ahead_bytes < self._reach.bytes
 
-    def _turned_jobs(self) -> set[str]:
-        """Roots of the jobs that started a new epoch since the last round."""
-        epochs = self._model.epochs()
-        turned = {root for root, epoch in epochs.items() if epoch != self._epochs.get(root, 0)}
-        self._epochs = epochs
-        return turned
-
-    def _void_plans(self, turned: set[str]) -> None:
+    def _void_plans(self, turns: dict[str, int]) -> None:
         """A job's new epoch voids the plans of its last: a block planned and
         never read would otherwise stay protected by its old, early position.
         It ranks again as not yet read, and goes stale if it stays unread.
-        Here the blocks fetched ahead and the files to warm of those jobs
-        are dropped; the caller then replans every job's cached blocks
-        (``_plan_residents``), so other jobs' plans stand."""
+        Here the blocks those jobs fetched ahead are unplanned, and what was
+        warmed for their last pass stops counting against the budget (files
+        still queued to warm are dropped as they come up, ``_stale``); the
+        caller then replans every job's cached blocks (``_plan_residents``),
+        so other jobs' plans stand."""
         with self._lock:
             ahead = [(block.info.key, block.digest) for block in self._ahead.values()]
         for key, digest in ahead:
-            if self._model.job_of(key) in turned:
+            if self._model.job_of(key) in turns:
                 self._reader.unplan(digest)
-        self._to_warm = [entry for entry in self._to_warm if self._model.job_of(entry[1]) not in turned]
-        heapq.heapify(self._to_warm)
-        # What was warmed for a voided plan stops counting against the budget.
-        self._warmed, self._warmed_bytes = deque(), 0
+        self._warmed = deque(entry for entry in self._warmed if not self._stale(entry[2], entry[3]))
+        self._warmed_bytes = sum(entry[1] for entry in self._warmed)
+
+    def _stale(self, job: str, epoch: int) -> bool:
+        """A prediction of ``job`` made in ``epoch``, which it has since left."""
+        return epoch < self._job_epochs.get(job, epoch)
 
     def _plan_residents(self) -> None:
         """Tell the cache when each cached block of a file a plan (hint,
@@ -338,7 +347,7 @@ class Prefetcher:
                     self._ahead_bytes -= block.nbytes
                     wasted += block.nbytes
             if wasted:
-                self._reach.wasted()
+                self._reach.wasted(wasted)
         if wasted:
             self._events.prefetch_wasted(wasted)
 
@@ -357,7 +366,10 @@ class Prefetcher:
                 if prediction.offset == 0 and prediction.length >= info.size:
                     self._model.satisfied(prediction.path)
                     if prediction.planned:
-                        heapq.heappush(self._to_warm, (opens + prediction.distance, prediction.path))
+                        heapq.heappush(
+                            self._to_warm,
+                            (opens + prediction.distance, prediction.path, prediction.job, prediction.epoch),
+                        )
                 continue
             for index in blocks:
                 if not self._take(info, index, prediction.distance):
@@ -370,15 +382,15 @@ class Prefetcher:
         while self._warmed and self._warmed[0][0] < opens:
             self._warmed_bytes -= self._warmed.popleft()[1]
         while self._to_warm and self._warmed_bytes < WARM_AHEAD_BYTES and not self._stopped.is_set():
-            position, path = heapq.heappop(self._to_warm)
-            if position < opens:
-                continue  # its turn has come: warming now would only race the read
+            position, path, job, epoch = heapq.heappop(self._to_warm)
+            if position < opens or self._stale(job, epoch):
+                continue  # its turn has come (warming now would only race the read), or its pass is over
             info = self._file_info(path)
             if info is None:
                 continue
             for index in block_range(0, info.size, info.size, self._reader.block_size):
                 self._reader.warm(info, index)
-            self._warmed.append((position, info.size))
+            self._warmed.append((position, info.size, job, epoch))
             self._warmed_bytes += info.size
             self._events.prefetch_warmed(info.size)
 
@@ -456,7 +468,7 @@ class Prefetcher:
                 if fetched:
                     # Fetched, but the cache had no room the policy would give
                     # up: the bytes crossed the network for nothing.
-                    self._reach.wasted()
+                    self._reach.wasted(nbytes)
         if digest is not None:
             self._events.prefetch_issued(nbytes)
             if joined:

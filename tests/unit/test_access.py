@@ -156,6 +156,24 @@ def test_epoch_zero_without_listing_ends_at_any_reopen() -> None:
     assert model.current_epoch("nolist") == 1
 
 
+def test_turns_name_the_jobs_that_started_an_epoch_once() -> None:
+    """What the prefetcher asks each round: which jobs began a new pass."""
+    model = AccessModel()
+    first, second = dataset("a/b", 10), dataset("c", 10)
+    listed(model, "a/b", first)
+    listed(model, "c", second)
+    trace = Trace(model)
+    trace.pass_over(first)
+    trace.pass_over(second)
+    assert model.take_turns() == {}
+    trace.open(second[0])
+    assert model.take_turns() == {"c": 1}
+    assert model.take_turns() == {}
+    trace.open(first[0])
+    listed(model, "a", [])  # before the turn is taken, a parent's job absorbs a/b's
+    assert model.take_turns() == {"a": 1}
+
+
 def test_early_reread_does_not_end_the_epoch() -> None:
     model = AccessModel()
     files = dataset("d", 20)

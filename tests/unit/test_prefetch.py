@@ -208,7 +208,7 @@ def test_a_new_epoch_voids_the_plans_of_blocks_never_read(
 
 
 def test_one_jobs_new_epoch_keeps_the_plans_of_another(
-    make_engine: EngineFactory, dataset: dict[str, bytes]
+    make_engine: EngineFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two jobs on one mount, c0 hinted and c1 not (each folder listed on
     its own): c1 starting its next epoch says nothing about c0's, whose
@@ -223,6 +223,14 @@ def test_one_jobs_new_epoch_keeps_the_plans_of_another(
     others = [engine.namespace.lookup("/" + key).info for key in unhinted]
     assert first is not None
     epoch = engine.metrics.epoch_number._value.get
+    unplan = engine.reader.unplan
+    unplanned: list[str] = []
+
+    def recorded_unplan(digest: str) -> None:
+        unplanned.append(digest)
+        unplan(digest)
+
+    monkeypatch.setattr(engine.reader, "unplan", recorded_unplan)
     for directory in ("train/c0", "train/c1"):
         prefetcher.listed(engine.namespace.listdir("/" + directory), directory)
     prefetcher.start()
@@ -239,6 +247,7 @@ def test_one_jobs_new_epoch_keeps_the_plans_of_another(
         wait_for(lambda: epoch() == 1, "the prefetcher to see c1's new epoch")
         assert model.current_epoch("train/c0") == 0
         assert planned.next_use(digest) is not None
+        assert digest not in unplanned  # kept, not voided and planned again
     finally:
         prefetcher.stop()
 
@@ -304,18 +313,31 @@ def test_the_reach_grows_by_what_is_used_up_to_its_limit() -> None:
     assert reach.bytes == 250
 
 
-def test_a_burst_of_waste_halves_the_reach_once_until_a_reach_is_used_again() -> None:
-    """As TCP halves its window once per round trip, not once per lost packet."""
+def test_a_burst_of_waste_halves_the_reach_once() -> None:
+    """As TCP halves its window once per window of data, not once per lost
+    packet: until a reach's worth has left the ahead set after a cut, waste
+    cuts nothing more and reads earn nothing."""
     reach = Reach(initial=400, floor=30, limit=1000)
     for _ in range(5):  # an epoch's start: block after block thrown away
-        reach.wasted()
+        reach.wasted(10)
     assert reach.bytes == 200
-    reach.used(150)  # less than the reach after the cut: still the same burst
-    reach.wasted()
-    assert reach.bytes == 350
-    reach.used(50)  # a reach's worth (200) used since the cut: waste counts again
-    reach.wasted()
+    reach.used(100)  # with the 40 wasted, 140 of the 200 have left: recovering
+    reach.wasted(10)
     assert reach.bytes == 200
-    low = Reach(initial=40, floor=30, limit=1000)
-    low.wasted()
-    assert low.bytes == 30  # never below the floor
+    reach.used(100)  # recovered after 50 of these; the other 50 earn reach
+    assert reach.bytes == 250
+    reach.wasted(10)
+    assert reach.bytes == 125
+
+
+def test_persistent_waste_takes_the_reach_to_its_floor() -> None:
+    """A cache too small for the reach: one block read for nine thrown away."""
+    reach = Reach(initial=1 << 30, floor=8 << 20, limit=2 << 30)
+    for _ in range(10_000):
+        reach.used(1 << 20)
+        for _ in range(9):
+            reach.wasted(1 << 20)
+    assert reach.bytes == 8 << 20
+    reach.used(1 << 20)
+    reach.wasted(0)
+    assert reach.bytes == 8 << 20  # never below it
