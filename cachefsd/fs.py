@@ -108,11 +108,13 @@ class FileSystem:
         if info is None:
             raise IsADirectory(path)
         self._access.opened(info)
-        if info.size <= self._reader.block_size:
-            # A sample file: the kernel's READ of it follows this reply.
-            # Loading its block from the cache disk now overlaps that disk
-            # read with the round trip (and with other readers' requests).
-            # A larger file's first read may not be at offset 0 (a footer).
+        if 0 < info.size <= self._reader.block_size:
+            # A sample file: unless the kernel still holds its pages, its
+            # READ follows this reply. Loading its block from the cache disk
+            # now overlaps that disk read with the round trip (and with the
+            # other readers' requests); when the pages are held, it costs a
+            # few system calls on a block file already in RAM. A larger
+            # file's first read may not be at offset 0 (a footer).
             self._reader.warm(info, 0)
         with self._lock:
             handle = next(self._next_handle)
