@@ -108,6 +108,7 @@ class Fetcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._settings.deadline
         attempts = 0
+        cause: Exception | None = None
         while True:
             remaining = deadline - loop.time()
             started = time.monotonic()
@@ -122,9 +123,11 @@ class Fetcher:
                 if not exc.retryable:
                     self._events.fetch_failed(kind)
                     raise
-                cause: Exception = exc
-            except TimeoutError as exc:
                 cause = exc
+            except TimeoutError as exc:
+                # An error the store gave says more than a timeout, which may
+                # only be the deadline cutting the last attempt short.
+                cause = cause or exc
             attempts += 1
             # Full jitter (AWS architecture blog): spreads retries of many
             # readers that failed together, so they do not retry in lockstep.

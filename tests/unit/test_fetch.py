@@ -114,6 +114,25 @@ def test_a_short_read_is_retried_then_fails(io: LoopThread) -> None:
         io.run(fetcher.get_range("k", 5, 20, etag(store, io)), 10)
 
 
+def test_giving_up_names_the_stores_last_error_not_a_timeout(io: LoopThread) -> None:
+    """A bucket that failed, then stopped answering: the timeouts that follow
+    (the last one perhaps only the deadline cutting it short) say less."""
+    fetcher, _, _ = setup(Faults())
+    calls = 0
+
+    async def attempt() -> bytes:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise StoreError("connection reset by the bucket")
+        await asyncio.Event().wait()
+        return b""
+
+    with pytest.raises(DeadlineExceeded, match="connection reset by the bucket"):
+        io.run(fetcher.call("k", attempt, "demand"), 10)
+    assert calls > 1
+
+
 def test_waiting_demand_requests_go_before_waiting_prefetches(io: LoopThread) -> None:
     async def scenario() -> list[str]:
         slots = PrioritySlots(1)
