@@ -365,7 +365,8 @@ class DaemonStats:
             else {}
         )
         residency = self.residency.current(max_age=STATS_RESIDENCY_MAX_AGE)
-        age = None if residency.computed_at is None else round(now - residency.computed_at, 3)
+        # Computed after ``now`` was read when it was out of date: 0 s old, not -0.
+        age = None if residency.computed_at is None else round(max(0.0, now - residency.computed_at), 3)
         return {
             "uptime_seconds": round(now - self._started, 3),
             "reads": {

@@ -327,6 +327,14 @@ def test_snapshot_agrees_with_the_registry(index: Index) -> None:
     index.close()
 
 
+def test_a_residency_computed_for_the_snapshot_is_not_negative_seconds_old(index: Index) -> None:
+    """It is computed after the snapshot's clock was read: "as of 0 s ago", not "-0"."""
+    residency = Residency(lambda: index.resident_bytes_by_prefix("s3://bucket/data"), ["hot"])
+    stats = DaemonStats(Metrics(CollectorRegistry()), FakeModel(), residency, "s3://bucket/data")
+    assert f"{stats.snapshot()['residency']['age_seconds']:.0f}" == "0"
+    index.close()
+
+
 # -- showing it ---------------------------------------------------------------------
 
 
