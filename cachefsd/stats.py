@@ -531,7 +531,15 @@ def render(stats: dict[str, Any], throughput: RenderableType | None = None) -> R
 def _activity(stats: dict[str, Any]) -> RenderableType:
     from rich.table import Table  # noqa: PLC0415
 
-    table = Table(title="activity", title_justify="left", show_header=False)
+    # Said on every screen: after a fully cached epoch the hit ratio can
+    # read 0 %, because the kernel served the reads without asking.
+    table = Table(
+        title="activity",
+        title_justify="left",
+        show_header=False,
+        caption="reads the kernel answers from its page cache never reach the daemon and are not counted",
+        caption_justify="left",
+    )
     table.add_column("what")
     table.add_column("value")
     hit = stats.get("hit_ratio", {})
