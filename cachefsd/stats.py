@@ -220,6 +220,10 @@ class Residency:
                     self._snapshot = ResidencySnapshot(now, self._snapshot.prefixes, str(exc))
             return self._snapshot
 
+    def age(self, snapshot: ResidencySnapshot) -> float | None:
+        """Seconds since ``snapshot`` was computed, on the clock that stamped it."""
+        return None if snapshot.computed_at is None else self._clock() - snapshot.computed_at
+
     def rows(self) -> list[tuple[str, str, int]]:
         """(prefix, tier, bytes) for ``cachefsd_resident_bytes``: every
         configured tier of every kept prefix, zeros included, so a series
@@ -365,8 +369,7 @@ class DaemonStats:
             else {}
         )
         residency = self.residency.current(max_age=STATS_RESIDENCY_MAX_AGE)
-        # Computed after ``now`` was read when it was out of date: 0 s old, not -0.
-        age = None if residency.computed_at is None else round(max(0.0, now - residency.computed_at), 3)
+        age = self.residency.age(residency)
         return {
             "uptime_seconds": round(now - self._started, 3),
             "reads": {
@@ -411,7 +414,7 @@ class DaemonStats:
             "residency": {
                 "source": self._source,
                 "tiers": self.residency.tiers,
-                "age_seconds": age,
+                "age_seconds": None if age is None else round(age, 3),
                 "refresh_seconds": self.residency.refresh,
                 "max_prefixes": self.residency.limit,
                 "error": residency.error,
