@@ -24,8 +24,9 @@ Blocks fetched ahead carry their predicted use, which the cache records
 or a replay the model trusts), the cached blocks of the files it places are
 planned too, when a hint arrives and whenever a job starts an epoch. The
 epoch-aware policy then ranks by Belady: a block needed sooner evicts one
-planned for later, and blocks already read this epoch go first. A block fetched ahead that
-leaves the cache unread counts as waste; one that is read counts as used.
+planned for later, and blocks already read this epoch go first. A block
+fetched ahead that leaves the cache unread counts as waste; one that is
+read counts as used.
 
 With a plan (hint or replay), files already cached are warmed as their
 turn nears: their block files are read from the cache disk into the page
@@ -35,7 +36,8 @@ the cache disk either. A dataset larger than RAM is read from the cache
 disk every epoch; without this, each small file's read waits for it.
 
 Concurrency: ``_lock`` guards ``_ahead``, ``_ahead_bytes``, the reach and
-the token bucket; the model has its own lock. Lock order: this lock, then the model's.
+the token bucket; the model has its own lock. Lock order: this lock, then
+the model's.
 """
 
 from __future__ import annotations
@@ -166,7 +168,6 @@ class Prefetcher:
         self._joined: set[BlockRef] = set()
         self._failed: dict[BlockRef, float] = {}  # block -> when it may be tried again
         self._reach = Reach(min(settings.lookahead, INITIAL_REACH_BYTES), MIN_REACH_BYTES, settings.lookahead)
-        self._job_epochs: dict[str, int] = {}  # prefetch thread only: root -> epoch, of jobs that turned
         # Cached blocks a plan places, planned in the cache; replanned when a
         # hint arrives (``_replan``) or a job starts an epoch. A read ends a
         # block's plan in the cache.
@@ -267,7 +268,6 @@ class Prefetcher:
             try:
                 turns = self._model.take_turns()
                 if turns:
-                    self._job_epochs.update(turns)
                     self._void_plans(turns)
                 self._events.epoch(self._model.current())
                 now = time.monotonic()
@@ -310,7 +310,7 @@ class Prefetcher:
 
     def _stale(self, job: str, epoch: int) -> bool:
         """A prediction of ``job`` made in ``epoch``, which it has since left."""
-        return epoch < self._job_epochs.get(job, epoch)
+        return epoch < self._model.current_epoch(job)
 
     def _plan_residents(self) -> None:
         """Tell the cache when each cached block of a file a plan (hint,
