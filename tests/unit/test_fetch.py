@@ -83,7 +83,7 @@ def test_a_request_waiting_when_the_loop_stops_fails_at_once() -> None:
         except StoreError as exc:
             failures.append(exc)
 
-    waiting = threading.Thread(target=request)
+    waiting = threading.Thread(target=request, daemon=True)
     waiting.start()
     assert started.wait(5)
     io.stop()
