@@ -56,7 +56,7 @@ from cachefsd.config import PrefetchSettings
 from cachefsd.errors import CachefsdError
 from cachefsd.index import BlockRef
 from cachefsd.namespace.tree import Namespace
-from cachefsd.prefetch.access import AccessModel
+from cachefsd.prefetch.access import AccessModel, Prediction
 from cachefsd.store.base import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class _Ahead:
     index: int
     digest: str
     nbytes: int
+    job: str  # root of the job whose prediction fetched it
 
 
 class Reach:
@@ -301,10 +302,9 @@ class Prefetcher:
         caller then replans every job's cached blocks (``_plan_residents``),
         so other jobs' plans stand."""
         with self._lock:
-            ahead = [(block.info.key, block.digest) for block in self._ahead.values()]
-        for key, digest in ahead:
-            if self._model.job_of(key) in turns:
-                self._reader.unplan(digest)
+            voided = [block.digest for block in self._ahead.values() if block.job in turns]
+        for digest in voided:
+            self._reader.unplan(digest)
         self._warmed = deque(entry for entry in self._warmed if not self._stale(entry[2], entry[3]))
         self._warmed_bytes = sum(entry[1] for entry in self._warmed)
 
@@ -372,7 +372,7 @@ class Prefetcher:
                         )
                 continue
             for index in blocks:
-                if not self._take(info, index, prediction.distance):
+                if not self._take(info, index, prediction):
                     return
 
     def _warm(self) -> None:
@@ -406,7 +406,7 @@ class Prefetcher:
         with self._lock:
             return self._opens
 
-    def _take(self, info: ObjectInfo, index: int, distance: float) -> bool:
+    def _take(self, info: ObjectInfo, index: int, prediction: Prediction) -> bool:
         """Submit block ``index`` of ``info`` if it needs fetching and the
         budget allows; False when the budget is spent (stop this round)."""
         ref = self._reader.ref(info, index)
@@ -420,7 +420,7 @@ class Prefetcher:
                 if time.monotonic() < retry_at:
                     return True
                 del self._failed[ref]
-            position = self._opens + distance
+            position = self._opens + prediction.distance
             if not self._budget_allows_locked(nbytes, position):
                 return False
             if self._reader.digest(info, index) is not None:
@@ -428,7 +428,7 @@ class Prefetcher:
                 return True
             self._in_flight[ref] = nbytes
             self._in_flight_bytes += nbytes
-        self._pool.submit(self._fetch, info, index, ref, nbytes, position)
+        self._pool.submit(self._fetch, info, index, ref, nbytes, position, prediction.job)
         return True
 
     def _budget_allows_locked(self, nbytes: int, position: float) -> bool:
@@ -444,7 +444,9 @@ class Prefetcher:
             and self._spend_locked(nbytes)
         )
 
-    def _fetch(self, info: ObjectInfo, index: int, ref: BlockRef, nbytes: int, position: float) -> None:
+    def _fetch(
+        self, info: ObjectInfo, index: int, ref: BlockRef, nbytes: int, position: float, job: str
+    ) -> None:
         try:
             fetched = self._reader.fetch_ahead(info, index, next_use=position)
         except CachefsdError as exc:
@@ -459,7 +461,7 @@ class Prefetcher:
             joined = ref in self._joined
             self._joined.discard(ref)
             if digest is not None and not joined:
-                self._ahead[ref] = _Ahead(info, index, digest, nbytes)
+                self._ahead[ref] = _Ahead(info, index, digest, nbytes, job)
                 self._ahead_bytes += nbytes
             elif digest is not None:
                 self._reach.used(nbytes)
