@@ -246,13 +246,14 @@ class BlockReader:
         """Block ``digest`` is no longer planned (read, or the plan changed)."""
         self._cache.unplan(digest)
 
-    def warm(self, info: ObjectInfo, index: int) -> bool:
+    def warm(self, info: ObjectInfo, index: int, hold: bool = False) -> bool:
         """Start loading cached block ``index`` of ``info`` from the cache
-        disk into the page cache; False if it is not cached."""
+        disk into the page cache; False if it is not cached. With ``hold``
+        its read is due next and reuses the descriptor (``Tier.warm``)."""
         digest = self.digest(info, index)
         if digest is None:
             return False
-        self._cache.warm(digest)
+        self._cache.warm(digest, hold)
         return True
 
     def residency(self, info: ObjectInfo, index: int) -> str | None:

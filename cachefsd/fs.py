@@ -115,7 +115,7 @@ class FileSystem:
             # other readers' requests); when the pages are held, it costs a
             # few system calls on a block file already in RAM. A larger
             # file's first read may not be at offset 0 (a footer).
-            self._reader.warm(info, 0)
+            self._reader.warm(info, 0, hold=True)
         with self._lock:
             handle = next(self._next_handle)
             self._handles[handle] = info

@@ -239,13 +239,14 @@ class TieredCache:
             self._planned.consumed(digest)
         tier.accessed(digest)
 
-    def warm(self, digest: str) -> None:
+    def warm(self, digest: str, hold: bool = False) -> None:
         """Have block ``digest`` read from disk into RAM ahead of its read;
-        not a read itself, so the policies do not see it."""
+        not a read itself, so the policies do not see it. ``hold`` as in
+        ``Tier.warm``: the read is due next."""
         tier = self._tier_holding(digest)
         if tier is not None:
             try:
-                tier.warm(digest)
+                tier.warm(digest, hold)
             except OSError as exc:
                 log.warning("cannot warm block %s in the %s tier: %s", digest, tier.name, exc)
 

@@ -19,10 +19,16 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from cachefsd.chunks.codec import Codec
 from cachefsd.chunks.policy import EvictionPolicy
+
+# Descriptors held from a warm for the read that follows it (``open``). One
+# whose read never comes (the kernel still had the file's pages) is closed
+# once this many later holds have pushed it out.
+HELD_DESCRIPTORS = 64
 
 # Files occupy whole filesystem blocks; 4 KiB is the allocation unit of
 # ext4 and xfs as formatted by default.
@@ -55,6 +61,7 @@ class Tier:
         self._lock = threading.Lock()
         self._sizes: dict[str, int] = {}  # hash -> disk bytes
         self._used = 0
+        self._held: OrderedDict[str, int] = OrderedDict()  # hash -> descriptor, guarded by _lock
         for directory in (self._blocks_dir, self._tmp_dir):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
 
@@ -169,6 +176,10 @@ class Tier:
 
     def open(self, digest: str) -> int:
         """A read-only descriptor of block ``digest``'s file; the caller closes it."""
+        with self._lock:
+            fd = self._held.pop(digest, None)
+        if fd is not None:
+            return fd
         return os.open(self.path_of(digest), os.O_RDONLY | os.O_CLOEXEC)
 
     @staticmethod
@@ -181,19 +192,38 @@ class Tier:
         view = memoryview(buffer)
         return view[: os.preadv(fd, [view], 0)]
 
-    def warm(self, digest: str) -> None:
+    def warm(self, digest: str, hold: bool = False) -> None:
         """Start reading block ``digest`` into the page cache (no wait): a
-        read soon after finds it in RAM. A block gone meanwhile is skipped."""
+        read soon after finds it in RAM. A block gone meanwhile is skipped.
+        With ``hold``, the read is due next: its ``open`` gets this
+        descriptor instead of walking the cache's directories again."""
         try:
             fd = self.open(digest)
         except FileNotFoundError:
             return
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        finally:
+        except OSError:
             os.close(fd)
+            raise
+        if not hold:
+            os.close(fd)
+            return
+        with self._lock:
+            released = [old] if (old := self._held.pop(digest, None)) is not None else []
+            self._held[digest] = fd
+            if len(self._held) > HELD_DESCRIPTORS:
+                released.append(self._held.popitem(last=False)[1])
+        for old_fd in released:
+            os.close(old_fd)
 
     def delete(self, digest: str) -> None:
+        """Remove the block's file; a descriptor held for it is closed, so
+        its disk space is freed now, within the tier's capacity."""
+        with self._lock:
+            fd = self._held.pop(digest, None)
+        if fd is not None:
+            os.close(fd)
         self.path_of(digest).unlink(missing_ok=True)
 
     def files(self) -> dict[str, int]:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
@@ -17,7 +18,7 @@ from cachefsd.cachedir import TierSpec, open_cache
 from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.codec import Codec, content_hash, decode, encode
 from cachefsd.chunks.policy import LruPolicy, MinioPolicy, ObservedEpochs, PlannedUse
-from cachefsd.chunks.tier import Tier, disk_bytes
+from cachefsd.chunks.tier import HELD_DESCRIPTORS, Tier, disk_bytes
 from cachefsd.index import BlockRef, Index
 from cachefsd.metrics import Metrics
 
@@ -102,6 +103,54 @@ def test_corrupt_block_is_dropped_not_served(tmp_path: Path) -> None:
         assert cache.lookup(ref("k")) is None
         assert metrics.corrupt_blocks.labels("hot")._value.get() == 1
         assert cache.used_bytes == 0
+
+
+def written(tier: Tier, data: bytes) -> str:
+    digest = content_hash(data)
+    tier.write(digest, encode(data))
+    return digest
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_held_warm_hands_its_descriptor_to_the_next_open(tmp_path: Path) -> None:
+    """Once the path is gone only a descriptor opened before can read the
+    block: the open after a held warm gets that one, once; a plain warm
+    holds nothing."""
+    tier = Tier("hot", tmp_path, 1 << 20, Codec.RAW, LruPolicy())
+    data = os.urandom(5000)
+    digest = written(tier, data)
+    path, away = tier.path_of(digest), tmp_path / "away"
+    tier.warm(digest)
+    path.rename(away)
+    with pytest.raises(FileNotFoundError):
+        tier.open(digest)
+    away.rename(path)
+    tier.warm(digest, hold=True)
+    path.rename(away)
+    fd = tier.open(digest)
+    try:
+        assert decode(os.pread(fd, 1 << 20, 0), digest) == data
+    finally:
+        os.close(fd)
+    with pytest.raises(FileNotFoundError):
+        tier.open(digest)
+
+
+def test_held_descriptors_are_bounded_and_closed_with_their_block(tmp_path: Path) -> None:
+    """A held warm whose read never comes (the kernel had the pages) must
+    not pile up descriptors, nor keep an evicted block's disk space."""
+    tier = Tier("hot", tmp_path, 1 << 30, Codec.RAW, LruPolicy())
+    digests = [written(tier, os.urandom(100)) for _ in range(HELD_DESCRIPTORS + 8)]
+    before = open_descriptors()
+    for digest in digests:
+        tier.warm(digest, hold=True)
+    assert open_descriptors() == before + HELD_DESCRIPTORS
+    for digest in digests:
+        tier.delete(digest)
+    assert open_descriptors() == before
 
 
 def test_a_full_hot_tier_demotes_to_warm_and_a_warm_hit_promotes(tmp_path: Path) -> None:

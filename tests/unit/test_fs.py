@@ -109,13 +109,13 @@ def test_opening_a_cached_sample_starts_loading_its_block(
         for index in range(blocks):
             assert engine.reader.fetch_ahead(info, index)
     warm = engine.reader.warm
-    warmed: list[tuple[str, int, bool]] = []
+    warmed: list[tuple[str, int, bool, bool]] = []
 
-    def recorded_warm(info: ObjectInfo, index: int) -> bool:
-        warmed.append((info.key, index, warm(info, index)))
-        return warmed[-1][2]
+    def recorded_warm(info: ObjectInfo, index: int, hold: bool = False) -> bool:
+        warmed.append((info.key, index, hold, warm(info, index, hold)))
+        return warmed[-1][3]
 
     monkeypatch.setattr(engine.reader, "warm", recorded_warm)
     for key in ("sample", "shard"):
         engine.fs.release(engine.fs.open("/" + key, os.O_RDONLY).handle)
-    assert warmed == [("sample", 0, True)]
+    assert warmed == [("sample", 0, True, True)]
