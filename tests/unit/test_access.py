@@ -54,6 +54,13 @@ def listed(model: AccessModel, directory: str, paths: list[str], size: int = SMA
     model.listed(directory, dict.fromkeys(paths, size))
 
 
+def listed_dataset(model: AccessModel, root: str, count: int) -> list[str]:
+    """``count`` files in ``root``, listed to the model as a loader's scan would."""
+    files = dataset(root, count)
+    listed(model, root, files)
+    return files
+
+
 def shuffled_epochs(paths: list[str], count: int, rng: random.Random) -> list[list[str]]:
     """``count`` shuffled orders; each epoch starts with a file read early in
     the one before, so its first open is unambiguously a new pass."""
@@ -120,8 +127,7 @@ def test_a_deeper_listing_under_a_fallback_job_joins_it() -> None:
 
 def test_sequential_epochs_end_at_the_first_reopen() -> None:
     model = AccessModel()
-    files = dataset("seq", 20)
-    listed(model, "seq", files)
+    files = listed_dataset(model, "seq", 20)
     trace = Trace(model)
     trace.pass_over(files)
     assert model.current_epoch("seq") == 0
@@ -137,8 +143,7 @@ def test_sequential_epochs_end_at_the_first_reopen() -> None:
 
 def test_shuffled_epochs_are_detected() -> None:
     model = AccessModel()
-    files = dataset("shuf", 100)
-    listed(model, "shuf", files)
+    files = listed_dataset(model, "shuf", 100)
     trace = Trace(model)
     for number, order in enumerate(shuffled_epochs(files, 4, random.Random(7))):
         trace.open(order[0])
@@ -176,8 +181,7 @@ def test_turns_name_the_jobs_that_started_an_epoch_once() -> None:
 
 def test_early_reread_does_not_end_the_epoch() -> None:
     model = AccessModel()
-    files = dataset("d", 20)
-    listed(model, "d", files)
+    files = listed_dataset(model, "d", 20)
     trace = Trace(model)
     trace.pass_over(files[:5])
     trace.open(files[0])  # 5 of 20 read: a re-read, not a new pass
@@ -187,8 +191,7 @@ def test_early_reread_does_not_end_the_epoch() -> None:
 
 def test_reopening_a_file_just_opened_is_a_peek_not_a_boundary() -> None:
     model = AccessModel()
-    files = dataset("d", 64)
-    listed(model, "d", files)
+    files = listed_dataset(model, "d", 64)
     trace = Trace(model)
     trace.pass_over(files[:40])
     trace.open(files[39])  # opened 1 open ago: a loader peeking twice
@@ -199,8 +202,7 @@ def test_reopening_a_file_just_opened_is_a_peek_not_a_boundary() -> None:
 
 def test_many_reads_after_one_open_count_once() -> None:
     model = AccessModel()
-    files = dataset("d", 4)
-    listed(model, "d", files)
+    files = listed_dataset(model, "d", 4)
     model.opened(files[0], 4 * KIB, 1.0)
     for offset in range(0, 4 * KIB, KIB):
         model.read(files[0], offset, KIB, 1.0)
@@ -211,8 +213,7 @@ def test_many_reads_after_one_open_count_once() -> None:
 def test_distributed_share_ends_epochs_once_the_epoch_size_is_known() -> None:
     """A node reads a different quarter of the dataset each epoch."""
     model = AccessModel()
-    files = dataset("ddp", 400)
-    listed(model, "ddp", files)
+    files = listed_dataset(model, "ddp", 400)
     trace = Trace(model)
     rng = random.Random(3)
     shares = [rng.sample(files, 100) for _ in range(6)]
@@ -228,8 +229,7 @@ def test_distributed_share_ends_epochs_once_the_epoch_size_is_known() -> None:
 
 def test_unread_shrinks_during_an_epoch_and_resets_at_the_next() -> None:
     model = AccessModel()
-    files = dataset("u", 10)
-    listed(model, "u", files)
+    files = listed_dataset(model, "u", 10)
     trace = Trace(model)
     assert model.unread("u") == set(files)
     trace.pass_over(files[:3])
@@ -242,8 +242,7 @@ def test_unread_shrinks_during_an_epoch_and_resets_at_the_next() -> None:
 
 def test_a_file_opened_without_listing_joins_the_working_set() -> None:
     model = AccessModel()
-    files = dataset("w", 3)
-    listed(model, "w", files)
+    files = listed_dataset(model, "w", 3)
     trace = Trace(model)
     trace.open("w/late.jpg")
     assert "w/late.jpg" in model.working_set("w")
@@ -268,8 +267,7 @@ def test_listing_predicts_unread_files_from_the_first_open() -> None:
 
 def test_satisfied_files_stay_unread_but_are_not_predicted_until_the_next_epoch() -> None:
     model = AccessModel()
-    files = dataset("s", 6)
-    listed(model, "s", files)
+    files = listed_dataset(model, "s", 6)
     order = files[::-1]
     model.hint(order, 0.0)
     for path in (files[1], files[4]):
@@ -379,8 +377,7 @@ def test_small_files_and_idle_streams_are_not_streamed() -> None:
 
 def test_an_unshuffled_loader_order_is_replayed_from_the_current_position() -> None:
     model = AccessModel()
-    files = dataset("fixed", 50)
-    listed(model, "fixed", files)
+    files = listed_dataset(model, "fixed", 50)
     order = files[:]
     random.Random(1).shuffle(order)  # fixed, but not the listing order
     trace = Trace(model)
@@ -400,8 +397,7 @@ def test_an_unshuffled_loader_order_is_replayed_from_the_current_position() -> N
 
 def test_replay_needs_some_evidence_in_the_first_repeated_epoch() -> None:
     model = AccessModel()
-    files = dataset("fixed", 50)
-    listed(model, "fixed", files)
+    files = listed_dataset(model, "fixed", 50)
     order = list(reversed(files))
     trace = Trace(model)
     trace.pass_over(order)
@@ -414,8 +410,7 @@ def test_replay_needs_some_evidence_in_the_first_repeated_epoch() -> None:
 
 def test_a_shuffled_loader_is_not_replayed() -> None:
     model = AccessModel()
-    files = dataset("shuf", 200)
-    listed(model, "shuf", files)
+    files = listed_dataset(model, "shuf", 200)
     trace = Trace(model)
     first, second = shuffled_epochs(files, 2, random.Random(11))
     trace.pass_over(first)
@@ -431,8 +426,7 @@ def test_a_shuffled_loader_is_not_replayed() -> None:
 
 def test_a_hint_is_followed_exactly_from_the_reader_position() -> None:
     model = AccessModel()
-    files = dataset("h", 40)
-    listed(model, "h", files)
+    files = listed_dataset(model, "h", 40)
     order = files[:]
     random.Random(5).shuffle(order)
     model.hint(order, 0.0)
@@ -452,8 +446,7 @@ def test_a_hint_is_followed_exactly_from_the_reader_position() -> None:
 
 def test_a_new_hint_starts_a_new_epoch() -> None:
     model = AccessModel()
-    files = dataset("h", 40)
-    listed(model, "h", files)
+    files = listed_dataset(model, "h", 40)
     trace = Trace(model)
     trace.pass_over(files)
     second = list(reversed(files))
@@ -467,8 +460,7 @@ def test_a_new_hint_starts_a_new_epoch() -> None:
 
 def test_a_hint_arriving_just_after_the_pass_began_joins_the_epoch() -> None:
     model = AccessModel()
-    files = dataset("h", 64)
-    listed(model, "h", files)
+    files = listed_dataset(model, "h", 64)
     trace = Trace(model)
     trace.pass_over(files)
     order = files[1:] + files[:1]
@@ -483,8 +475,7 @@ def test_a_hint_arriving_just_after_the_pass_began_joins_the_epoch() -> None:
 
 def test_a_hint_of_unknown_paths_costs_bandwidth_then_falls_back() -> None:
     model = AccessModel()
-    files = dataset("h", 40)
-    listed(model, "h", files)
+    files = listed_dataset(model, "h", 40)
     ghosts = [f"h/ghost{i}.jpg" for i in range(40)]
     model.hint(ghosts, 0.0)
     assert paths_of(model.predict(2)) == ghosts[:2]
@@ -497,8 +488,7 @@ def test_a_hint_of_unknown_paths_costs_bandwidth_then_falls_back() -> None:
 
 def test_a_hint_with_a_different_order_falls_back() -> None:
     model = AccessModel()
-    files = dataset("h", 40)
-    listed(model, "h", files)
+    files = listed_dataset(model, "h", 40)
     model.hint(list(reversed(files)), 0.0)
     trace = Trace(model)
     trace.pass_over(files[:20])
@@ -580,8 +570,7 @@ def test_listing_the_mount_root_does_not_merge_jobs() -> None:
 
 def test_planned_orders_files_by_the_plan_and_drops_them_once_read() -> None:
     model = AccessModel()
-    files = dataset("n", 30)
-    listed(model, "n", files)
+    files = listed_dataset(model, "n", 30)
     order = files[:]
     random.Random(2).shuffle(order)
     assert model.planned() == []  # nothing known yet
@@ -612,8 +601,7 @@ def test_the_model_is_an_epoch_clock_for_the_eviction_policy() -> None:
 
 def test_stats_report_epochs_sizes_streams_and_hints() -> None:
     model = AccessModel()
-    files = dataset("s", 10)
-    listed(model, "s", files)
+    files = listed_dataset(model, "s", 10)
     trace = Trace(model)
     trace.pass_over(files[:4])
     stats = model.stats()
@@ -629,8 +617,7 @@ def test_stats_report_epochs_sizes_streams_and_hints() -> None:
 
 def test_concurrent_events_from_many_threads_keep_the_model_consistent() -> None:
     model = AccessModel()
-    files = dataset("t", 200)
-    listed(model, "t", files)
+    files = listed_dataset(model, "t", 200)
     errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
