@@ -56,10 +56,12 @@ _RING_SAMPLES = int(HIT_WINDOW_SECONDS // SAMPLE_INTERVAL_SECONDS) + 2
 # 4 TiB cache of 4 MiB blocks, about a second of sqlite): at most once per
 # this long, whoever asks (a scrape every 15 s, ``top`` every second).
 RESIDENCY_REFRESH_SECONDS = 30.0
-# ``cachefsd stats`` is a person asking now: residency at most this old.
-# (``top`` asks every second; the query runs on its own connection, so even
-# a slow one over a huge cache delays only the stats answer, never a read.)
-STATS_RESIDENCY_MAX_AGE = 1.0
+# ``cachefsd stats`` is a person asking now: residency is counted for the
+# answer, never reused from a scrape a moment before the cache filled (which
+# showed "nothing cached" beside a full tier). ``top`` asks every second; the
+# query runs on its own connection, so even a slow one over a huge cache
+# delays only the stats answer, never a read.
+STATS_RESIDENCY_MAX_AGE = 0.0
 # Prefixes exported (the largest by resident bytes); the rest are summed
 # under OTHER_PREFIX, so the metric's series stay bounded whatever the
 # bucket's layout (one directory per sample would otherwise be a series per
@@ -521,10 +523,9 @@ def render(stats: dict[str, Any], throughput: RenderableType | None = None) -> R
     parts.append(resident)
     age = residency.get("age_seconds")
     if age is not None:
-        note = (
-            f"bytes of each top-level prefix cached on this node, as of {age:.0f} s ago "
-            f"(refreshed at most every {residency.get('refresh_seconds', 0):.0f} s)"
-        )
+        note = "bytes of each top-level prefix cached on this node"
+        if age >= 1:  # a slow count over a huge cache
+            note += f", as of {age:.0f} s ago"
         if residency.get("error"):
             note += f"; the last refresh failed: {residency['error']}"
         parts.append(Text(note, style="dim"))

@@ -335,6 +335,19 @@ def test_a_residency_computed_for_the_snapshot_is_not_negative_seconds_old(index
     index.close()
 
 
+def test_stats_count_residency_afresh_after_a_scrape() -> None:
+    """A scrape a moment before the cache filled must not make ``cachefsd
+    stats`` say nothing is cached beside a full tier."""
+    rows: list[tuple[str, str, int]] = []
+    residency = Residency(lambda: list(rows), ["hot"])
+    stats = DaemonStats(Metrics(CollectorRegistry()), FakeModel(), residency, "s3://bucket/data")
+    assert residency.current().prefixes == []  # the scrape
+    rows.append(("train", "hot", 4096))
+    assert stats.snapshot()["residency"]["prefixes"] == [
+        {"prefix": "train", "bytes": {"hot": 4096}, "total_bytes": 4096}
+    ]
+
+
 # -- showing it ---------------------------------------------------------------------
 
 
