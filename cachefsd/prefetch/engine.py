@@ -195,9 +195,11 @@ class Prefetcher:
         self._thread.start()
 
     def stop(self) -> None:
+        """Also for a prefetcher never started (``--no-prefetch``)."""
         self._stopped.set()
         self._wake.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- events from the filesystem -------------------------------------

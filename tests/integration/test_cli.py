@@ -171,18 +171,22 @@ def test_unmount_of_a_path_that_is_not_mounted_fails_clearly(tmp_path: Path) -> 
     _assert_one_line_failure(status, stdout, stderr, 0.0, "not mounted")
 
 
-def test_unmount_returns_after_the_daemon_exits(
-    s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
+@pytest.mark.parametrize("flags", [(), ("--no-prefetch",)], ids=["default", "no-prefetch"])
+def test_unmount_returns_after_the_daemon_exits_cleanly(
+    flags: tuple[str, ...], s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
 ) -> None:
     bucket = new_bucket(s3_client)
     put_objects(s3_client, bucket, {"a.txt": b"a"})
-    mount = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url)
+    mount = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, *flags)
     assert mount.path("a.txt").read_bytes() == b"a"
 
     result = run_cli("unmount", str(mount.mountpoint))
     assert result.returncode == 0, result.stderr
     assert not mount.alive, "unmount returned before the daemon exited"
     assert not os.path.ismount(mount.mountpoint)
+    assert read_state(mount.mountpoint) is None, "the runtime state file is removed"
+    log = (mount.cache_dir / "cachefsd.log").read_text()
+    assert "Traceback" not in log, log
     # The cache directory is free again: a new mount of it succeeds at once.
     again = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, cache_dir=mount.cache_dir)
     assert again.path("a.txt").read_bytes() == b"a"
