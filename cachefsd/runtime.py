@@ -57,10 +57,27 @@ def state_path(mountpoint: Path) -> Path:
 
 def write_state(state: MountState) -> Path:
     path = state_path(Path(state.mountpoint))
+    _remove_dead_states(keep=path)
     temp = path.with_suffix(".tmp")
     temp.write_text(json.dumps(asdict(state)))
     temp.replace(path)
     return path
+
+
+def _remove_dead_states(keep: Path) -> None:
+    """Remove the state files and control sockets of daemons that died
+    without cleaning up (kill -9, OOM): each would otherwise stay in the
+    runtime directory for good."""
+    for path in runtime_dir().glob("*.json"):
+        if path == keep:
+            continue
+        try:
+            pid = json.loads(path.read_text())["pid"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(pid, int) and not pid_alive(pid):
+            path.unlink(missing_ok=True)
+            path.with_suffix(".sock").unlink(missing_ok=True)
 
 
 def read_state(mountpoint: Path) -> MountState | None:

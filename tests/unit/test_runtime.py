@@ -1,4 +1,5 @@
-"""systemd readiness (the sd_notify datagram) and the log line format."""
+"""systemd readiness (the sd_notify datagram), the log line format, and
+runtime state files."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cachefsd.cli import LogfmtFormatter
-from cachefsd.runtime import notify_systemd, pid_alive
+from cachefsd.runtime import MountState, notify_systemd, pid_alive, read_state, write_state
 from tests.polling import wait_until
 
 
@@ -52,3 +53,26 @@ def test_a_zombie_is_not_a_live_daemon() -> None:
     child.wait()
     assert not pid_alive(child.pid)
     assert pid_alive(os.getpid())
+
+
+def test_writing_a_state_removes_those_of_dead_daemons(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon killed with -9 leaves its state file and socket behind; the
+    next mount clears them, and leaves live daemons' alone."""
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # the runtime directory under XDG_RUNTIME_DIR
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    def state(pid: int, name: str) -> MountState:
+        return MountState(pid, str(tmp_path / name), "file:///data", str(tmp_path / "cache"), None)
+
+    dead_path = write_state(state(dead.pid, "dead"))
+    dead_path.with_suffix(".sock").touch()
+    live_path = write_state(state(os.getpid(), "live"))
+    write_state(state(os.getpid(), "new"))
+    assert not dead_path.exists()
+    assert not dead_path.with_suffix(".sock").exists()
+    assert live_path.exists()
+    assert read_state(tmp_path / "new") is not None
