@@ -181,7 +181,13 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
             operations = FuseOperations(
                 fs, str(mountpoint), settings.namespace.metadata_ttl, settings.cache.block_size, ready
             )
-            serve(operations, str(mountpoint), f"cachefsd:{parts.store.uri}", settings.fuse.allow_other)
+            serve(
+                operations,
+                str(mountpoint),
+                f"cachefsd:{parts.store.uri}",
+                settings.fuse.allow_other,
+                settings.fetch.concurrency,
+            )
             log.info("unmounted %s", mountpoint)
         finally:
             parts.prefetcher.stop()

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 # fuse_main()'s return code when its session loop ended with an error (helper.c).
 FUSE_MAIN_LOOP_ENDED = 8
+# libfuse workers beyond those that may all be waiting on GETs (``serve``).
+SPARE_WORKERS = 8
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -55,7 +57,8 @@ def _keep_thread_state() -> None:
     OPEN, READ, RELEASE) and a third of the daemon's CPU. One extra
     ``PyGILState_Ensure``, never released, keeps the state (and this
     thread-local) alive. libfuse >= 3.12 never retires its workers (at
-    most 10 by default), so this holds at most that many states."""
+    most ``max_threads``, see ``serve``), so this holds at most that many
+    states."""
     if not getattr(_worker, "kept", False):
         ctypes.pythonapi.PyGILState_Ensure()
         _worker.kept = True
@@ -337,15 +340,27 @@ class FuseOperations(mfusepy.Operations):
         self._fs.refuse_write(path)
 
 
-def serve(operations: FuseOperations, mountpoint: str, fsname: str, allow_other: bool) -> None:
+def serve(
+    operations: FuseOperations, mountpoint: str, fsname: str, allow_other: bool, cold_reads: int
+) -> None:
     """Mount and serve until unmounted (or SIGTERM/SIGINT, which libfuse
-    turns into a clean unmount). Blocks the calling thread."""
+    turns into a clean unmount). Blocks the calling thread.
+
+    A read that waits on the network holds its libfuse worker until the
+    block arrives, so the workers bound how many reads are in flight:
+    ``cold_reads`` of them (the fetch concurrency), plus spares that serve
+    lookups and cached reads meanwhile. libfuse's own default is 10, which
+    made a loader with 16 workers wait in two waves on a cold epoch."""
     options: dict[str, Any] = {
         "foreground": True,
         "ro": True,
         "default_permissions": True,
         "fsname": fsname.replace(",", "_"),
         "subtype": "cachefsd",
+        "max_threads": cold_reads + SPARE_WORKERS,
+        # Never retire an idle worker (libfuse's default too, but left
+        # unset, 3.14 logs "Ignoring invalid max threads value 4294967295").
+        "max_idle_threads": cold_reads + SPARE_WORKERS,
     }
     if allow_other:
         options["allow_other"] = True

@@ -99,6 +99,8 @@ class S3TestServer:
         self._app = DomainDispatcherApplication(create_backend_app)
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
+        self._in_flight: Counter[str] = Counter()  # requests being answered, by kind
+        self._peak_in_flight: Counter[str] = Counter()
         self._connections: set[socket.socket] = set()
         self._server: BaseWSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -130,9 +132,15 @@ class S3TestServer:
         with self._lock:
             return self._counts[TOTAL]
 
+    def peak_in_flight(self, kind: str) -> int:
+        """The most requests of ``kind`` answered at once since the last reset."""
+        with self._lock:
+            return self._peak_in_flight[kind]
+
     def reset_counts(self) -> None:
         with self._lock:
             self._counts.clear()
+            self._peak_in_flight = self._in_flight.copy()
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -182,10 +190,16 @@ class S3TestServer:
         with self._lock:
             self._counts[kind] += 1
             self._counts[TOTAL] += 1
-        latency = self.latency_seconds
-        if latency > 0:
-            time.sleep(latency)
-        return self._app(environ, start_response)
+            self._in_flight[kind] += 1
+            self._peak_in_flight[kind] = max(self._peak_in_flight[kind], self._in_flight[kind])
+        try:
+            latency = self.latency_seconds
+            if latency > 0:
+                time.sleep(latency)
+            return self._app(environ, start_response)
+        finally:
+            with self._lock:
+                self._in_flight[kind] -= 1
 
     def _handler_class(self) -> type[MotoRequestHandler]:
         """A request handler that registers its connection with this server,

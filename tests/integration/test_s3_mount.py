@@ -170,6 +170,29 @@ def test_threads_and_processes_read_at_once(s3_client: Any, mount_bucket: MountB
         )
 
 
+def test_a_cold_read_for_every_loader_worker_is_in_flight_at_once(
+    s3_client: Any, s3_server: S3TestServer, mount_bucket: MountBucket
+) -> None:
+    """A loader with 16 workers on a cold epoch: each read waits on a GET
+    and holds a libfuse worker meanwhile, so there must be a worker for
+    each (libfuse's default of 10 made the other six wait a round trip)."""
+    readers = 16
+    bucket = new_bucket(s3_client)
+    objects = seeded(12, {f"cold/{index}.bin": 10 * KiB for index in range(readers)})
+    put_objects(s3_client, bucket, objects)
+    mount = mount_bucket(bucket, "--no-prefetch")
+    assert len(os.listdir(mount.path("cold"))) == readers  # listed before any GET
+    s3_server.reset_counts()
+    s3_server.latency_seconds = 1.0  # every GET stays in flight while the others arrive
+    try:
+        with ThreadPoolExecutor(readers) as pool:
+            got = list(pool.map(lambda key: mount.path(key).read_bytes(), objects))
+    finally:
+        s3_server.latency_seconds = 0.0
+    assert got == list(objects.values())
+    assert s3_server.peak_in_flight(GET_OBJECT) == readers
+
+
 def test_mmap_returns_exact_bytes(s3_client: Any, mount_bucket: MountBucket) -> None:
     bucket = new_bucket(s3_client)
     data = seeded(5, {"weights.bin": 5 * BLOCK + 1234})["weights.bin"]
