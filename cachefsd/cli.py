@@ -474,6 +474,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Whatever a command creates (cache files, the index, the log, runtime
+    # state) is owner-only: the log and the index name every key read.
+    os.umask(0o077)
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     try:

@@ -136,7 +136,6 @@ def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engin
 
 def run(settings: Settings, ready: Callable[[], None]) -> None:
     """Mount ``settings.source`` and serve until unmounted."""
-    os.umask(0o077)  # cache files and runtime state are owner-only
     mountpoint = settings.mountpoint.resolve()
     _check_mountpoint(mountpoint)
     with engine(settings) as parts:

@@ -172,6 +172,8 @@ def test_offline_stage_fills_the_cache_a_later_mount_reads(
     bucket = new_bucket(s3_client, "offline")
     put_objects(s3_client, bucket, objects)
     cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    cache_dir.chmod(0o755)  # made by the user, world-readable
     source = f"s3://{bucket}"
     offline = (source, "--endpoint-url", s3_server.endpoint_url, "--cache-dir", str(cache_dir), *BLOCK_FLAGS)
 
@@ -184,6 +186,9 @@ def test_offline_stage_fills_the_cache_a_later_mount_reads(
     s3_server.reset_counts()
     _read_all(mount, objects)
     assert s3_server.get_object_count == 0, s3_server.counts()
+    # The index and the log name every key: what either run made is owner-only.
+    readable = [str(path) for path in cache_dir.rglob("*") if path.stat().st_mode & 0o077]
+    assert readable == []
 
     # The daemon now holds the cache: an offline stage is refused in one line.
     result = run_cli("stage", *offline)
