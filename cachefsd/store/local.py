@@ -23,7 +23,10 @@ def _info(key: str, st: os.stat_result) -> ObjectInfo:
 
 class LocalStore:
     """Serves the files under ``root``. Symlinks are followed only when their
-    target stays inside ``root``; anything else is invisible."""
+    target stays inside ``root``, and a link to a directory only when it
+    does not lead back to a directory above it (``latest -> v2`` is shown,
+    ``sub/up -> ..`` is not: it would make the tree endless for ``find``,
+    ``du`` or a loader's scan); anything else is invisible."""
 
     def __init__(self, root: Path) -> None:
         self._root = root.resolve()
@@ -70,7 +73,9 @@ class LocalStore:
             key = prefix + entry.name
             try:
                 if entry.is_symlink():
-                    self._path(key)  # refuses links that leave the root
+                    target = self._path(key)  # refuses links that leave the root
+                    if target.is_dir() and self._leads_back(prefix, target):
+                        continue
                 st = os.stat(entry.path)
             except (OSError, ObjectNotFound):
                 continue
@@ -79,6 +84,14 @@ class LocalStore:
             elif stat.S_ISREG(st.st_mode):
                 objects.append(_info(key, st))
         return Listing(objects=tuple(objects), prefixes=tuple(prefixes))
+
+    def _leads_back(self, directory: str, target: Path) -> bool:
+        """Whether ``target`` is where ``directory`` (a listed prefix) or a
+        directory above it really is. Comparing with each ancestor's real
+        path, not just the root, also ends loops made of several links
+        (``a/x -> b``, ``b/y -> a``) after one turn."""
+        parts = [part for part in directory.split("/") if part]
+        return any(self._root.joinpath(*parts[:depth]).resolve() == target for depth in range(len(parts) + 1))
 
     async def head(self, key: str) -> ObjectInfo:
         return await asyncio.to_thread(self._head, key)

@@ -602,6 +602,36 @@ def test_local_refuses_keys_outside_the_root(local_root: Path, key: str) -> None
     _run_alone(body)
 
 
+def test_local_lists_directory_links_unless_they_lead_back_up(tmp_path: Path) -> None:
+    """``latest -> v2`` is a view of a dataset; ``sub/up -> ..`` and a pair
+    of links into each other would make every scan of the mount endless."""
+    root = tmp_path / "root"
+    for directory in ("v2", "sub", "a", "b"):
+        (root / directory).mkdir(parents=True)
+    (root / "v2" / "x.bin").write_bytes(b"x")
+    (root / "latest").symlink_to("v2")
+    (root / "sub" / "up").symlink_to("..")
+    (root / "a" / "to-b").symlink_to("../b")
+    (root / "b" / "to-a").symlink_to("../a")
+    store = LocalStore(root)
+
+    def walk() -> list[str]:
+        """Every key and prefix below the root, breadth first; fails if endless."""
+        found: list[str] = []
+        pending = [""]
+        while pending:
+            assert len(found) < 100, f"an endless tree: {found[-5:]}"
+            prefix = pending.pop(0)
+            listing = _run_alone(lambda: store.list(prefix))  # noqa: B023 - awaited at once
+            found += [info.key for info in listing.objects] + list(listing.prefixes)
+            pending += listing.prefixes
+        return sorted(found)
+
+    assert walk() == sorted(
+        ["a/", "b/", "latest/", "sub/", "v2/", "latest/x.bin", "v2/x.bin", "a/to-b/", "b/to-a/"]
+    )
+
+
 def test_local_does_not_list_symlinks_leaving_the_root(local_root: Path) -> None:
     listing = _run_alone(lambda: LocalStore(local_root).list(""))
 
