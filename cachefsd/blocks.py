@@ -16,6 +16,7 @@ cached adopts its blocks without a GET (``dedup_by_etag``).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -26,6 +27,7 @@ from typing import Protocol
 from cachefsd.aio import LoopThread
 from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.codec import HEADER_SIZE, content_hash
+from cachefsd.errors import DeadlineExceeded, StoreError
 from cachefsd.fetch import Fetcher, FetchKind
 from cachefsd.index import BlockRef
 from cachefsd.singleflight import SingleFlight
@@ -39,6 +41,15 @@ MEMORY_BUFFER_BYTES = 64 << 20
 # Margin on top of the fetch deadline for the FUSE thread's own wait, so the
 # fetcher's DeadlineExceeded (with its cause) arrives before the bridge's.
 BRIDGE_MARGIN_SECONDS = 2.0
+
+# The next read of a block whose fetch gave up at its deadline this recently
+# fails at once instead of waiting out another deadline: the kernel retries a
+# failed read-ahead straight away with a read of its own, which made one
+# read() on a dead bucket take twice the deadline. Only that one read: a
+# retry by the reader itself gets a fetch of its own.
+GIVEN_UP_SECONDS = 2.0
+
+log = logging.getLogger(__name__)
 
 
 def block_range(offset: int, size: int, object_size: int, block_size: int) -> range:
@@ -132,6 +143,8 @@ class BlockReader:
         # works through them in FUSE-sized pieces.
         self._memory = _MemoryBuffer(MEMORY_BUFFER_BYTES)
         self._in_flight: SingleFlight[BlockRef, tuple[str, bytes]] = SingleFlight()
+        self._given_up: dict[BlockRef, tuple[float, DeadlineExceeded]] = {}  # guarded by _given_up_lock
+        self._given_up_lock = threading.Lock()
 
     @property
     def block_size(self) -> int:
@@ -194,9 +207,10 @@ class BlockReader:
             self._remember(ref, digest, data, placement is not None and placement.raw, verified)
             return data[lo:hi], "memory" if placement is None else placement.tier, 0.0
         started = time.monotonic()
+        self._fail_if_given_up(ref, started)
         digest, data = self._in_flight.do(
             ref,
-            lambda: self._fetch_and_admit(info, index, "demand"),
+            lambda: self._fetch_on_demand(info, index, ref),
             self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
         )
         # The GET may have been a prefetch's, admitted as not read yet.
@@ -204,6 +218,30 @@ class BlockReader:
         placement = self._cache.placement(digest)
         self._remember(ref, digest, data, placement is not None and placement.raw, verified)
         return data[lo:hi], "cold", time.monotonic() - started
+
+    def _fetch_on_demand(self, info: ObjectInfo, index: int, ref: BlockRef) -> tuple[str, bytes]:
+        """A read's fetch (its readers share it): a failure is logged once
+        here, as FUSE only returns an errno, and a give-up is remembered."""
+        try:
+            return self._fetch_and_admit(info, index, "demand")
+        except StoreError as exc:
+            log.warning("read of %s block %d failed: %s", info.key, index, exc)
+            if isinstance(exc, DeadlineExceeded):
+                now = time.monotonic()
+                with self._given_up_lock:
+                    self._given_up = {
+                        block: entry
+                        for block, entry in self._given_up.items()
+                        if now - entry[0] < GIVEN_UP_SECONDS
+                    }
+                    self._given_up[ref] = (now, exc)
+            raise
+
+    def _fail_if_given_up(self, ref: BlockRef, now: float) -> None:
+        with self._given_up_lock:
+            entry = self._given_up.pop(ref, None)
+        if entry is not None and now - entry[0] < GIVEN_UP_SECONDS:
+            raise DeadlineExceeded(f"{entry[1]} ({now - entry[0]:.1f}s ago, not retried yet)")
 
     def _span(self, digest: str, lo: int, hi: int, verified: set[str]) -> tuple[FileSpan, str, float] | None:
         """The piece straight from a raw block's file, the block checked first

@@ -151,6 +151,11 @@ def test_hanging_server_fails_uncached_reads_within_deadline_and_serves_cached(
     elapsed = _read_expecting_eio(mount.path("uncached.bin"))
     assert elapsed < FETCH_DEADLINE_SECONDS + EIO_MARGIN_SECONDS, f"EIO only after {elapsed:.1f}s"
     assert mount.alive
+    # One read, one wait: the kernel's retry of its failed read-ahead is
+    # refused at once, not given a deadline of its own. And the log says why.
+    assert metric(mount, "cachefsd_fetch_errors_total") == 1
+    log = (mount.cache_dir / "cachefsd.log").read_text()
+    assert "read of uncached.bin block 0 failed: uncached.bin: gave up after" in log, log
 
     _drop_page_cache()
     data, elapsed = _timed_read(mount.path("cached.bin"))
