@@ -51,7 +51,8 @@ class AccessEvents(Protocol):
 class OpenFile:
     handle: int
     keep_cache: bool  # the kernel's cached pages of this path are of this version
-    direct_io: bool  # another version is open: stay out of the shared page cache
+    direct_io: bool  # stay out of the page cache: another version is open, or the size is stale
+    stale_size: bool = False  # the kernel holds another version's attributes: invalidate them
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +80,21 @@ class FileSystem:
         self._uid = uid
         self._gid = gid
         self._mounted_at = time.time()
-        # _lock guards the three maps below.
+        # _lock guards the maps below.
         self._lock = threading.Lock()
         self._handles: dict[int, ObjectInfo] = {}
         self._verified: dict[int, set[str]] = {}  # handle -> raw blocks checked for it
         self._open_versions: dict[str, Counter[str]] = {}  # key -> etag -> open handles
         self._page_cache_version: dict[str, str] = {}  # key -> etag the kernel may hold pages of
+        self._attribute_version: dict[str, str] = {}  # key -> etag whose size the kernel was last given
         self._next_handle = itertools.count(1)
 
     def getattr(self, path: str) -> Attributes:
         node = self._namespace.lookup(path)
         if node.info is None:
             return Attributes(DIR_MODE, 0, self._mounted_at, self._uid, self._gid, nlink=2)
+        with self._lock:
+            self._attribute_version[node.info.key] = node.info.etag
         return Attributes(FILE_MODE, node.info.size, node.info.mtime, self._uid, self._gid, nlink=1)
 
     def readdir(self, path: str) -> list[tuple[str, int]]:
@@ -123,8 +127,15 @@ class FileSystem:
             open_versions = self._open_versions.setdefault(info.key, Counter())
             other_version_open = any(etag != info.etag for etag in open_versions)
             open_versions[info.etag] += 1
-            if other_version_open:
-                return OpenFile(handle, keep_cache=False, direct_io=True)
+            # The kernel keeps a size for the metadata TTL, counted from its
+            # own lookup, while our listing may have expired (or been dropped
+            # by ObjectChanged) sooner: then it still has the old version's
+            # size, would cut this one's reads there or pad them with zeros
+            # up to it. Its attributes are invalidated, and this handle reads
+            # around the page cache, which clamps reads to the stale size.
+            stale_size = self._attribute_version.get(info.key, info.etag) != info.etag
+            if other_version_open or stale_size:
+                return OpenFile(handle, keep_cache=False, direct_io=True, stale_size=stale_size)
             keep_cache = self._page_cache_version.get(info.key) == info.etag
             self._page_cache_version[info.key] = info.etag
         return OpenFile(handle, keep_cache=keep_cache, direct_io=False)

@@ -82,6 +82,10 @@ def _translated(operation: Callable[P, R]) -> Callable[P, R]:
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_libfuse = ctypes.CDLL(_LIBFUSE3)
+_libfuse.fuse_get_context.restype = ctypes.POINTER(mfusepy.fuse_context)
+_libfuse.fuse_invalidate_path.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_libfuse.fuse_invalidate_path.restype = ctypes.c_int
 _libc.malloc.restype = ctypes.c_void_p
 _libc.malloc.argtypes = [ctypes.c_size_t]
 
@@ -174,6 +178,16 @@ def _close_spans(done: Callable[[int, float], bool]) -> None:
         os.close(fd)
 
 
+def _invalidate_attributes(path: str) -> None:
+    """Have the kernel drop the attributes (and pages) it holds for
+    ``path``, so its next stat asks us. Safe inside OPEN: the opener holds
+    no page lock of the file while it waits for our reply."""
+    fuse = _libfuse.fuse_get_context().contents.fuse
+    result = _libfuse.fuse_invalidate_path(fuse, os.fsencode(path))
+    if result < 0:  # not in libfuse's node table: the kernel holds nothing
+        log.debug("no kernel attributes of %s to invalidate: %s", path, os.strerror(-result))
+
+
 def _set_read_ahead(mountpoint: str, nbytes: int) -> None:
     """Let the kernel read ahead ``nbytes`` of a file being read in order.
 
@@ -261,6 +275,8 @@ class FuseOperations(mfusepy.Operations):
     @_translated
     def open(self, path: str, fi: Any) -> int:
         opened = self._fs.open(path, fi.flags)
+        if opened.stale_size:
+            _invalidate_attributes(path)
         fi.fh, fi.keep_cache, fi.direct_io = opened.handle, opened.keep_cache, opened.direct_io
         return 0
 

@@ -580,6 +580,46 @@ def test_an_open_handle_never_returns_bytes_of_a_newer_version(
     assert mount.alive
 
 
+@pytest.mark.parametrize("new_blocks", [40, 3], ids=["grows", "shrinks"])
+def test_a_new_version_is_read_whole_at_its_own_size(
+    new_blocks: int, s3_client: Any, mount_bucket: MountBucket
+) -> None:
+    """The kernel keeps a file's size for the metadata TTL. When the daemon
+    learns of a new version sooner (here a read of the old one finds it
+    changed; or its listing expires before the kernel's copy), a fresh open
+    must still read exactly the new bytes and report the new size, neither
+    cut at the old size nor padded with zeros up to it."""
+    bucket = new_bucket(s3_client)
+    old = seeded(13, {"f.bin": 16 * BLOCK})["f.bin"]
+    new = seeded(14, {"f.bin": new_blocks * BLOCK + 5})["f.bin"]
+    put_objects(s3_client, bucket, {"f.bin": old})
+    mount = mount_bucket(bucket, *BLOCK_FLAG, "--no-prefetch")  # the default, long metadata TTL
+    path = mount.path("f.bin")
+    assert path.stat().st_size == len(old)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, BLOCK, 0) == old[:BLOCK]
+        s3_client.put_object(Bucket=bucket, Key="f.bin", Body=new)
+        with pytest.raises(OSError, match="Input/output error") as raised:
+            os.pread(fd, BLOCK, 8 * BLOCK)  # not cached: its GET finds the new version
+        assert raised.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    got = b"".join(chunks)
+    assert (len(got), got == new) == (len(new), True)
+    assert size == len(new)
+    assert path.stat().st_size == len(new)
+
+
 # -- cache -----------------------------------------------------------------------
 
 

@@ -119,3 +119,24 @@ def test_opening_a_cached_sample_starts_loading_its_block(
     for key in ("sample", "shard"):
         engine.fs.release(engine.fs.open("/" + key, os.O_RDONLY).handle)
     assert warmed == [("sample", 0, True, True)]
+
+
+def test_a_version_whose_size_the_kernel_lacks_is_opened_around_the_page_cache(
+    make_engine: EngineFactory,
+) -> None:
+    """The kernel keeps the size getattr gave it for its own TTL; our listing
+    may expire sooner. An open of the newer version then tells the kernel to
+    drop that size and reads around the page cache, which clamps to it."""
+    engine = make_engine({"f": b"short"}, ttl=5)
+    assert engine.fs.getattr("/f").size == 5
+    engine.store.put("f", b"a longer version")
+    engine.clock.now += 6
+    stale = engine.fs.open("/f", os.O_RDONLY)
+    assert (stale.stale_size, stale.direct_io, stale.keep_cache) == (True, True, False)
+    assert joined(engine.fs.read(stale.handle, 100, 0)) == b"a longer version"
+    engine.fs.release(stale.handle)
+    # Once invalidated, the kernel's next stat asks again, and learns the size.
+    assert engine.fs.getattr("/f").size == 16
+    fresh = engine.fs.open("/f", os.O_RDONLY)
+    assert (fresh.stale_size, fresh.direct_io) == (False, False)
+    engine.fs.release(fresh.handle)
