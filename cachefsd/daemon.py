@@ -10,6 +10,7 @@ failure before that is raised to the caller, which reports it in one line.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -36,7 +37,7 @@ from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import Prefetcher
-from cachefsd.runtime import MountState, write_state
+from cachefsd.runtime import MountState, pid_alive, read_state, write_state
 from cachefsd.stage import MountHandlers
 from cachefsd.stats import DaemonStats, Residency
 from cachefsd.store import open_store
@@ -53,6 +54,17 @@ def _check_mountpoint(mountpoint: Path) -> None:
     if not mountpoint.is_dir():
         raise ConfigError(f"mountpoint: {mountpoint} is not a directory")
     if os.path.ismount(mountpoint):
+        try:
+            os.statvfs(mountpoint)
+        except OSError as exc:
+            if exc.errno == errno.ENOTCONN:  # a FUSE mount whose daemon was killed
+                raise ConfigError(
+                    f"mountpoint: {mountpoint} is still mounted by a daemon that died; "
+                    f"`cachefsd unmount {mountpoint}` clears it"
+                ) from exc
+        state = read_state(mountpoint)
+        if state is not None and pid_alive(state.pid):
+            raise ConfigError(f"mountpoint: {mountpoint} is already mounted by cachefsd (pid {state.pid})")
         raise ConfigError(f"mountpoint: {mountpoint} is already a mount point")
     if any(mountpoint.iterdir()):
         raise ConfigError(f"mountpoint: {mountpoint} is not empty")

@@ -143,6 +143,39 @@ def test_mount_on_a_bad_mountpoint_fails(
         assert (mountpoint / "already-here.txt").read_text() == "user data"
 
 
+def test_a_second_mount_on_a_mountpoint_says_what_holds_it(
+    tmp_path: Path, s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
+) -> None:
+    """A live daemon is named; one killed with -9 leaves a dead mount, and the
+    error says how to clear it (the remount after clearing it works)."""
+    bucket = new_bucket(s3_client)
+    put_objects(s3_client, bucket, {"a.txt": b"a"})
+    mount = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url)
+
+    def mount_again() -> str:
+        started = time.monotonic()
+        status, stdout, stderr = cli(
+            "mount",
+            f"s3://{bucket}",
+            str(mount.mountpoint),
+            "--cache-dir",
+            str(tmp_path / "other-cache"),
+            "--no-metrics",
+            "--endpoint-url",
+            s3_server.endpoint_url,
+        )
+        return _assert_one_line_failure(status, stdout, stderr, time.monotonic() - started, "mountpoint")
+
+    assert f"already mounted by cachefsd (pid {mount.pid})" in mount_again()
+    os.kill(mount.pid, signal.SIGKILL)
+    wait_until(lambda: not mount.alive, "the daemon dies", EXIT_DEADLINE_SECONDS)
+    assert f"daemon that died; `cachefsd unmount {mount.mountpoint}` clears it" in mount_again()
+    result = run_cli("unmount", str(mount.mountpoint))
+    assert result.returncode == 0, result.stderr
+    again = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, cache_dir=mount.cache_dir)
+    assert again.path("a.txt").read_bytes() == b"a"
+
+
 # -- stopping --------------------------------------------------------------------
 
 
