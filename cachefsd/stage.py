@@ -789,9 +789,9 @@ def run_command(
     interactive: bool | None = None,
 ) -> int:
     """``cachefsd stage``: run, show progress, print the summary and every
-    failure (one line each); 1 if anything failed or did not fit in the
-    cache. ``settings(source)`` builds
-    the settings for an offline stage."""
+    failure (one line each); 1 if anything failed, did not fit in the
+    cache, or nothing was selected. ``settings(source)`` builds the
+    settings for an offline stage."""
     view = ProgressView(interactive=False if as_json else interactive)
     try:
         if target.mount is not None:
@@ -803,9 +803,15 @@ def run_command(
         view.close()
     if as_json:
         print(json.dumps(summary))
-    else:
+    elif summary["files"]:
         for line in summary_lines(summary):
             print(line)
+    if not summary["files"]:
+        # Most likely a mistyped --include or path: a job staged on it would
+        # start cold, so this is a failure, not "100 % of 0 files".
+        matching = f" matching --include {request.include!r}" if request.include else ""
+        print(f"cachefsd: nothing selected: no file under {request.path}{matching}", file=sys.stderr)
+        return 1
     for path, error in view.failures:
         print(f"failed: {path}: {error}", file=sys.stderr)
     if view.failed > len(view.failures):

@@ -140,6 +140,12 @@ def test_include_and_subdirectory_select_a_subset(
     assert rest["files"] == 16
     assert rest["resident"] == {}
 
+    # A glob that matches nothing (a typo) fails, checked or staged, and says so.
+    for check in ((), ("--check",)):
+        result = run_cli("stage", str(mount.mountpoint), "--include", "*.jpeg", *check)
+        assert result.returncode == 1, result.stdout
+        assert "nothing selected: no file under / matching --include '*.jpeg'" in result.stderr
+
     s3_server.reset_counts()
     _read_all(mount, {**tars, **class_1})
     assert s3_server.get_object_count == 0
