@@ -62,6 +62,7 @@ class Tier:
         self._sizes: dict[str, int] = {}  # hash -> disk bytes
         self._used = 0
         self._held: OrderedDict[str, int] = OrderedDict()  # hash -> descriptor, guarded by _lock
+        self._deletions = 0  # guarded by _lock; a warm holds nothing across one
         for directory in (self._blocks_dir, self._tmp_dir):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
 
@@ -196,7 +197,10 @@ class Tier:
         """Start reading block ``digest`` into the page cache (no wait): a
         read soon after finds it in RAM. A block gone meanwhile is skipped.
         With ``hold``, the read is due next: its ``open`` gets this
-        descriptor instead of walking the cache's directories again."""
+        descriptor instead of walking the cache's directories again (a
+        compressed block is read by path and decoded: nothing to hold)."""
+        with self._lock:
+            deletions = self._deletions
         try:
             fd = self.open(digest)
         except FileNotFoundError:
@@ -206,14 +210,16 @@ class Tier:
         except OSError:
             os.close(fd)
             raise
-        if not hold:
-            os.close(fd)
-            return
-        with self._lock:
-            released = [old] if (old := self._held.pop(digest, None)) is not None else []
-            self._held[digest] = fd
-            if len(self._held) > HELD_DESCRIPTORS:
-                released.append(self._held.popitem(last=False)[1])
+        released = [fd]
+        if hold and self.codec is Codec.RAW:
+            with self._lock:
+                # A block deleted since the open may be gone, or written
+                # anew as another file: this descriptor must not outlive it.
+                if self._deletions == deletions:
+                    released = [old] if (old := self._held.pop(digest, None)) is not None else []
+                    self._held[digest] = fd
+                    if len(self._held) > HELD_DESCRIPTORS:
+                        released.append(self._held.popitem(last=False)[1])
         for old_fd in released:
             os.close(old_fd)
 
@@ -221,6 +227,7 @@ class Tier:
         """Remove the block's file; a descriptor held for it is closed, so
         its disk space is freed now, within the tier's capacity."""
         with self._lock:
+            self._deletions += 1
             fd = self._held.pop(digest, None)
         if fd is not None:
             os.close(fd)

@@ -153,6 +153,30 @@ def test_held_descriptors_are_bounded_and_closed_with_their_block(tmp_path: Path
     assert open_descriptors() == before
 
 
+def test_a_warm_holds_nothing_it_should_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a block deleted while it was being warmed (evicted, or dropped as
+    corrupt and written anew), and not a compressed one, which is read by
+    path and decoded."""
+    raw = Tier("hot", tmp_path / "hot", 1 << 20, Codec.RAW, LruPolicy())
+    compressed = Tier("warm", tmp_path / "warm", 1 << 20, Codec.LZ4, LruPolicy())
+    data = os.urandom(5000)
+    digest = written(raw, data)
+    written(compressed, data)
+    before = open_descriptors()
+    compressed.warm(digest, hold=True)
+    assert open_descriptors() == before
+
+    advise = os.posix_fadvise
+
+    def deleted_meanwhile(fd: int, offset: int, length: int, advice: int) -> None:
+        raw.delete(digest)
+        advise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", deleted_meanwhile)
+    raw.warm(digest, hold=True)
+    assert open_descriptors() == before
+
+
 def test_a_full_hot_tier_demotes_to_warm_and_a_warm_hit_promotes(tmp_path: Path) -> None:
     block = disk_bytes(40 + len(COMPRESSIBLE))
     with tiered(tmp_path, hot=2 * block, warm=1 << 20) as (cache, metrics):
