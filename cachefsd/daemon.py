@@ -106,6 +106,7 @@ class Engine:
     metrics: Metrics
     prefetcher: Prefetcher
     model: AccessModel
+    fs: FileSystem
 
 
 @contextmanager
@@ -135,10 +136,14 @@ def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engin
                     io,
                     opened.index,
                     settings.namespace.metadata_ttl,
-                    on_version_gone=reader.release_version,
+                    # fs is built below, before any listing is refreshed.
+                    on_version_gone=lambda info: fs.version_gone(info),  # noqa: PLW0108
                 )
                 prefetcher = Prefetcher(model, namespace, reader, settings.prefetch, metrics)
-                yield Engine(store, opened.cache, opened.index, reader, namespace, metrics, prefetcher, model)
+                fs = FileSystem(namespace, reader, os.getuid(), os.getgid(), access=prefetcher)
+                yield Engine(
+                    store, opened.cache, opened.index, reader, namespace, metrics, prefetcher, model, fs
+                )
             finally:
                 with contextlib.suppress(CachefsdError):
                     io.run(store.close(), MOUNT_CHECK_SECONDS)
@@ -152,7 +157,6 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
     _check_mountpoint(mountpoint)
     with engine(settings) as parts:
         metrics_addr = _start_metrics(settings, parts.metrics.registry)
-        fs = FileSystem(parts.namespace, parts.reader, os.getuid(), os.getgid(), access=parts.prefetcher)
         if settings.prefetch.enabled:
             parts.prefetcher.start()
         # The control API starts before the state file names its socket, and
@@ -190,7 +194,7 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
                 metrics_addr,
             )
             operations = FuseOperations(
-                fs, str(mountpoint), settings.namespace.metadata_ttl, settings.cache.block_size, ready
+                parts.fs, str(mountpoint), settings.namespace.metadata_ttl, settings.cache.block_size, ready
             )
             serve(
                 operations,

@@ -52,7 +52,9 @@ class OpenFile:
     handle: int
     keep_cache: bool  # the kernel's cached pages of this path are of this version
     direct_io: bool  # stay out of the page cache: another version is open, or the size is stale
-    stale_size: bool = False  # the kernel holds another version's attributes: invalidate them
+    # The kernel may hold an older version's size: drop its attributes now
+    # (only when no other handle of the path is open, see ``open``).
+    invalidate_attributes: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +88,9 @@ class FileSystem:
         self._verified: dict[int, set[str]] = {}  # handle -> raw blocks checked for it
         self._open_versions: dict[str, Counter[str]] = {}  # key -> etag -> open handles
         self._page_cache_version: dict[str, str] = {}  # key -> etag the kernel may hold pages of
-        self._attribute_version: dict[str, str] = {}  # key -> etag whose size the kernel was last given
+        # key -> etag of a version replaced while the kernel may still hold
+        # its size; until a getattr gives the kernel the new one.
+        self._replaced: dict[str, str] = {}
         self._next_handle = itertools.count(1)
 
     def getattr(self, path: str) -> Attributes:
@@ -94,7 +98,8 @@ class FileSystem:
         if node.info is None:
             return Attributes(DIR_MODE, 0, self._mounted_at, self._uid, self._gid, nlink=2)
         with self._lock:
-            self._attribute_version[node.info.key] = node.info.etag
+            if self._replaced.get(node.info.key, node.info.etag) != node.info.etag:
+                del self._replaced[node.info.key]  # the kernel now has the new size
         return Attributes(FILE_MODE, node.info.size, node.info.mtime, self._uid, self._gid, nlink=1)
 
     def readdir(self, path: str) -> list[tuple[str, int]]:
@@ -131,11 +136,18 @@ class FileSystem:
             # own lookup, while our listing may have expired (or been dropped
             # by ObjectChanged) sooner: then it still has the old version's
             # size, would cut this one's reads there or pad them with zeros
-            # up to it. Its attributes are invalidated, and this handle reads
-            # around the page cache, which clamps reads to the stale size.
-            stale_size = self._attribute_version.get(info.key, info.etag) != info.etag
+            # up to it. This handle reads around the page cache, which clamps
+            # reads to that size, and the kernel drops its attributes, so the
+            # next stat learns the new size. Dropping them waits for the
+            # file's pages being read in, so only when no other handle is
+            # open: a read-ahead waiting on a GET could hold that for a
+            # whole fetch deadline, and this libfuse worker with it.
+            stale_size = self._replaced.get(info.key, info.etag) != info.etag
             if other_version_open or stale_size:
-                return OpenFile(handle, keep_cache=False, direct_io=True, stale_size=stale_size)
+                alone = sum(open_versions.values()) == 1
+                return OpenFile(
+                    handle, keep_cache=False, direct_io=True, invalidate_attributes=stale_size and alone
+                )
             keep_cache = self._page_cache_version.get(info.key) == info.etag
             self._page_cache_version[info.key] = info.etag
         return OpenFile(handle, keep_cache=keep_cache, direct_io=False)
@@ -151,7 +163,18 @@ class FileSystem:
             return self._reader.read(info, offset, size, verified)
         except ObjectChanged:
             self._namespace.invalidate(info.key)
+            self._size_may_be_stale(info)
             raise
+
+    def version_gone(self, info: ObjectInfo) -> None:
+        """A refreshed listing shows ``info`` overwritten or deleted: its
+        blocks are released, and the kernel may still hold its size."""
+        self._reader.release_version(info)
+        self._size_may_be_stale(info)
+
+    def _size_may_be_stale(self, info: ObjectInfo) -> None:
+        with self._lock:
+            self._replaced[info.key] = info.etag
 
     def release(self, handle: int) -> None:
         with self._lock:

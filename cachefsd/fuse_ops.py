@@ -82,7 +82,7 @@ def _translated(operation: Callable[P, R]) -> Callable[P, R]:
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libfuse = ctypes.CDLL(_LIBFUSE3)
+_libfuse = ctypes.CDLL(os.environ["FUSE_LIBRARY_PATH"])  # the library mfusepy loaded
 _libfuse.fuse_get_context.restype = ctypes.POINTER(mfusepy.fuse_context)
 _libfuse.fuse_invalidate_path.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 _libfuse.fuse_invalidate_path.restype = ctypes.c_int
@@ -180,8 +180,9 @@ def _close_spans(done: Callable[[int, float], bool]) -> None:
 
 def _invalidate_attributes(path: str) -> None:
     """Have the kernel drop the attributes (and pages) it holds for
-    ``path``, so its next stat asks us. Safe inside OPEN: the opener holds
-    no page lock of the file while it waits for our reply."""
+    ``path``, so its next stat asks us. Called inside OPEN, so only when no
+    other handle of the file is open (``fs.open``): dropping pages waits
+    for those being read in, and only an open file reads them in."""
     fuse = _libfuse.fuse_get_context().contents.fuse
     result = _libfuse.fuse_invalidate_path(fuse, os.fsencode(path))
     if result < 0:  # not in libfuse's node table: the kernel holds nothing
@@ -275,7 +276,7 @@ class FuseOperations(mfusepy.Operations):
     @_translated
     def open(self, path: str, fi: Any) -> int:
         opened = self._fs.open(path, fi.flags)
-        if opened.stale_size:
+        if opened.invalidate_attributes:
             _invalidate_attributes(path)
         fi.fh, fi.keep_cache, fi.direct_io = opened.handle, opened.keep_cache, opened.direct_io
         return 0
@@ -367,17 +368,19 @@ def serve(
     ``cold_reads`` of them (the fetch concurrency), plus spares that serve
     lookups and cached reads meanwhile. libfuse's own default is 10, which
     made a loader with 16 workers wait in two waves on a cold epoch."""
+    workers = cold_reads + SPARE_WORKERS
     options: dict[str, Any] = {
         "foreground": True,
         "ro": True,
         "default_permissions": True,
         "fsname": fsname.replace(",", "_"),
         "subtype": "cachefsd",
-        "max_threads": cold_reads + SPARE_WORKERS,
-        # Never retire an idle worker (libfuse's default too, but left
-        # unset, 3.14 logs "Ignoring invalid max threads value 4294967295").
-        "max_idle_threads": cold_reads + SPARE_WORKERS,
+        # Keep idle workers (left unset, libfuse 3.14 also logs "Ignoring
+        # invalid max threads value 4294967295").
+        "max_idle_threads": workers,
     }
+    if (mfusepy.fuse_version_major, mfusepy.fuse_version_minor) >= (3, 12):
+        options["max_threads"] = workers  # before 3.12 there is no cap, nor this option
     if allow_other:
         options["allow_other"] = True
     try:

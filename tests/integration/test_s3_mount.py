@@ -596,28 +596,35 @@ def test_a_new_version_is_read_whole_at_its_own_size(
     mount = mount_bucket(bucket, *BLOCK_FLAG, "--no-prefetch")  # the default, long metadata TTL
     path = mount.path("f.bin")
     assert path.stat().st_size == len(old)
-    fd = os.open(path, os.O_RDONLY)
+
+    def read_whole() -> tuple[bytes, int]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks), os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    old_fd = os.open(path, os.O_RDONLY)
     try:
-        assert os.pread(fd, BLOCK, 0) == old[:BLOCK]
+        assert os.pread(old_fd, BLOCK, 0) == old[:BLOCK]
         s3_client.put_object(Bucket=bucket, Key="f.bin", Body=new)
         with pytest.raises(OSError, match="Input/output error") as raised:
-            os.pread(fd, BLOCK, 8 * BLOCK)  # not cached: its GET finds the new version
+            os.pread(old_fd, BLOCK, 8 * BLOCK)  # not cached: its GET finds the new version
         assert raised.value.errno == errno.EIO
+        # While the old version is open, the new one reads whole (the size
+        # shown is the old one's until then: one inode per path).
+        got, _ = read_whole()
+        assert (len(got), got == new) == (len(new), True)
     finally:
-        os.close(fd)
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        size = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
-    got = b"".join(chunks)
-    assert (len(got), got == new) == (len(new), True)
-    assert size == len(new)
+        os.close(old_fd)
+    got, size = read_whole()  # alone now: the kernel is told to drop the old size
+    assert (len(got), got == new, size) == (len(new), True, len(new))
     assert path.stat().st_size == len(new)
+    got, size = read_whole()  # an ordinary open again, through the page cache
+    assert (len(got), got == new, size) == (len(new), True, len(new))
 
 
 # -- cache -----------------------------------------------------------------------
