@@ -45,8 +45,9 @@ BRIDGE_MARGIN_SECONDS = 2.0
 # The next read of a block whose fetch gave up at its deadline this recently
 # fails at once instead of waiting out another deadline: the kernel retries a
 # failed read-ahead straight away with a read of its own, which made one
-# read() on a dead bucket take twice the deadline. Only that one read: a
-# retry by the reader itself gets a fetch of its own.
+# read() on a dead bucket take twice the deadline. Only that one read, which
+# is nearly always the kernel's retry (if another reader's, it is spared a
+# deadline on a bucket that just failed); the reads after it fetch again.
 GIVEN_UP_SECONDS = 2.0
 
 log = logging.getLogger(__name__)

@@ -51,17 +51,17 @@ MOUNT_CHECK_SECONDS = 15.0
 
 
 def _check_mountpoint(mountpoint: Path) -> None:
+    try:
+        os.statvfs(mountpoint)  # always asks the filesystem, never a cached attribute
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:  # a FUSE mount whose daemon was killed
+            raise ConfigError(
+                f"mountpoint: {mountpoint} is still mounted by a daemon that died; "
+                f"`cachefsd unmount {mountpoint}` clears it"
+            ) from exc
     if not mountpoint.is_dir():
         raise ConfigError(f"mountpoint: {mountpoint} is not a directory")
     if os.path.ismount(mountpoint):
-        try:
-            os.statvfs(mountpoint)
-        except OSError as exc:
-            if exc.errno == errno.ENOTCONN:  # a FUSE mount whose daemon was killed
-                raise ConfigError(
-                    f"mountpoint: {mountpoint} is still mounted by a daemon that died; "
-                    f"`cachefsd unmount {mountpoint}` clears it"
-                ) from exc
         state = read_state(mountpoint)
         if state is not None and pid_alive(state.pid):
             raise ConfigError(f"mountpoint: {mountpoint} is already mounted by cachefsd (pid {state.pid})")

@@ -77,7 +77,19 @@ def _remove_dead_states(keep: Path) -> None:
             continue
         if isinstance(pid, int) and not pid_alive(pid):
             path.unlink(missing_ok=True)
-            path.with_suffix(".sock").unlink(missing_ok=True)
+            _remove_dead_socket(path.with_suffix(".sock"))
+
+
+def _remove_dead_socket(path: Path) -> None:
+    """Unless a daemon listens on it: one restarting on the same mountpoint
+    binds its socket before it replaces the dead daemon's state file."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            path.unlink(missing_ok=True)
+        except OSError:  # gone already, or not ours to judge
+            pass
 
 
 def read_state(mountpoint: Path) -> MountState | None:

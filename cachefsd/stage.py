@@ -801,12 +801,13 @@ def run_command(
             summary = stage_offline(settings(target.source), request, view)
     finally:
         view.close()
+    nothing_selected = not summary["files"] and not summary["failed"]
     if as_json:
         print(json.dumps(summary))
-    elif summary["files"]:
+    elif not nothing_selected:
         for line in summary_lines(summary):
             print(line)
-    if not summary["files"]:
+    if nothing_selected:
         # Most likely a mistyped --include or path: a job staged on it would
         # start cold, so this is a failure, not "100 % of 0 files".
         matching = f" matching --include {request.include!r}" if request.include else ""

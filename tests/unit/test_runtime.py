@@ -70,9 +70,17 @@ def test_writing_a_state_removes_those_of_dead_daemons(
 
     dead_path = write_state(state(dead.pid, "dead"))
     dead_path.with_suffix(".sock").touch()
+    # A daemon restarting on a mountpoint binds its socket before it
+    # replaces the dead one's state file: that socket must stay.
+    restarting_path = write_state(state(dead.pid, "restarting"))
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(str(restarting_path.with_suffix(".sock")))
+    listening.listen()
     live_path = write_state(state(os.getpid(), "live"))
     write_state(state(os.getpid(), "new"))
+    listening.close()
     assert not dead_path.exists()
     assert not dead_path.with_suffix(".sock").exists()
+    assert restarting_path.with_suffix(".sock").exists()
     assert live_path.exists()
     assert read_state(tmp_path / "new") is not None
