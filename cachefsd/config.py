@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -99,6 +100,20 @@ def parse_tier_size(value: Any) -> int | str:
 TierSize = Annotated[int | str, BeforeValidator(parse_tier_size)]
 
 
+def _not_a_bool(value: Any) -> Any:
+    """TOML ``true`` is not a count (pydantic would read it as 1)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a whole number, not {str(value).lower()}")
+    return value
+
+
+Count = Annotated[int, BeforeValidator(_not_a_bool)]
+# Made absolute when the settings are read: the daemon serves from /, so a
+# relative cache directory would name a different place (and nothing would
+# be cached) once it runs.
+Directory = Annotated[Path, AfterValidator(lambda path: path.expanduser().resolve())]
+
+
 def resolve_tier_size(size: int | str, directory: Path) -> int:
     """Bytes for a tier size, a percentage meaning of the total size of the
     filesystem that holds ``directory`` (as ``df`` shows it)."""
@@ -125,7 +140,7 @@ Codec = Literal["raw", "lz4"]
 
 
 class TierSettings(_Section):
-    dir: Path
+    dir: Directory
     size: TierSize
     codec: Codec
 
@@ -135,7 +150,7 @@ class CacheSettings(_Section):
     ``size`` bytes under ``dir``; with them, those tiers (``dir`` then only
     holds the index)."""
 
-    dir: Path = Field(default_factory=_default_cache_dir)
+    dir: Directory = Field(default_factory=_default_cache_dir)
     # 10 GiB fits a real dataset shard set on any GPU node's local disk.
     size: TierSize = Field(default=10 << 30)
     # 4 MiB blocks: large enough that a GET's latency is amortised (S3
@@ -153,12 +168,19 @@ class CacheSettings(_Section):
     @field_validator("hot", "warm", mode="before")
     @classmethod
     def _tier_defaults(cls, value: Any, info: Any) -> Any:
-        """``--hot DIR`` alone is a whole tier: raw for hot, lz4 for warm, and
-        all of the cache size unless told otherwise."""
+        """``--hot DIR`` alone is a whole tier: raw for hot, lz4 for warm."""
         if isinstance(value, Mapping):
             codec = "raw" if info.field_name == "hot" else "lz4"
             return {"codec": codec, **value}
         return value
+
+    @model_validator(mode="after")
+    def _tiers_apart(self) -> CacheSettings:
+        """Both tiers name a block file by its hash: in one directory, a
+        demotion's warm copy would be the hot copy it then deletes."""
+        if self.hot is not None and self.warm is not None and self.hot.dir == self.warm.dir:
+            raise ValueError(f"cache.hot.dir and cache.warm.dir are the same directory ({self.hot.dir})")
+        return self
 
     def tiers(self) -> list[tuple[str, TierSettings]]:
         """The tiers in order, fastest first."""
@@ -173,7 +195,7 @@ class StoreSettings(_Section):
     # A TCP connect to a reachable endpoint takes milliseconds; 5 s lets a
     # wrong endpoint fail the mount quickly without tripping on a busy network.
     connect_timeout: Duration = 5.0
-    max_connections: int = Field(default=64, ge=1, le=1024)
+    max_connections: Count = Field(default=64, ge=1, le=1024)
 
     @field_validator("endpoint_url")
     @classmethod
@@ -190,7 +212,7 @@ class FetchSettings(_Section):
     attempt_timeout: Duration = Field(default=10.0, gt=0)
     # Parallel GETs: enough to fill a 10 Gb/s link with 4 MiB blocks at
     # ~50 ms each, few enough not to trip S3 request-rate limits per prefix.
-    concurrency: int = Field(default=32, ge=1, le=1024)
+    concurrency: Count = Field(default=32, ge=1, le=1024)
     backoff_initial: Duration = 0.05
     backoff_max: Duration = 2.0
 
@@ -205,7 +227,7 @@ class PrefetchSettings(_Section):
     # Parallel prefetch GETs: at 20 ms a request, 24 keep a store near its
     # request ceiling. Demand reads always go first (fetch.py), and
     # fetch.concurrency must leave room for them.
-    concurrency: int = Field(default=24, ge=1, le=512)
+    concurrency: Count = Field(default=24, ge=1, le=512)
     # Bytes fetched ahead and not yet read, at most: the prefetcher's whole
     # footprint in the cache. 2 GiB is a few seconds of a fast link.
     lookahead: ByteSize = Field(default=2 << 30, gt=0)
@@ -259,11 +281,16 @@ class Settings(_Section):
         return self
 
 
-def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any], where: str = "") -> dict[str, Any]:
+    """``override`` over ``base``; a table of settings given where a value
+    is (``cache = 5`` in the file, ``--cache-dir`` on the command line) is an
+    error naming it, not a silent replacement."""
     merged = dict(base)
     for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
+        if isinstance(value, Mapping) and key in merged:
+            if not isinstance(merged[key], dict):
+                raise ConfigError(f"{where}{key}: expected a table of settings, not {merged[key]!r}")
+            merged[key] = _deep_merge(merged[key], value, f"{where}{key}.")
         else:
             merged[key] = value
     return merged

@@ -51,6 +51,12 @@ def test_precedence_is_defaults_then_file_then_env_then_flags(tmp_path: Path) ->
         ({"store": {"endpoint_url": "ftp://x"}}, {}, "store.endpoint_url"),
         ({}, {"CACHEFSD_CACHE__SZIE": "1G"}, "cache.szie"),
         ({"namespace": {"metadata_ttl": "soon"}}, {}, "namespace.metadata_ttl"),
+        ({"fetch": {"concurrency": True}}, {}, "fetch.concurrency"),  # TOML true is not 1
+        (
+            {"cache": {"hot": {"dir": "/c/t", "size": "1G"}, "warm": {"dir": "/c/t", "size": "1G"}}},
+            {},
+            "cache.hot.dir and cache.warm.dir are the same directory",
+        ),
     ],
 )
 def test_bad_values_name_their_field(flags: dict[str, object], environ: dict[str, str], field: str) -> None:
@@ -70,3 +76,24 @@ def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
     config.write_text("[cache\n")
     with pytest.raises(ConfigError, match=r"broken\.toml"):
         load_settings(config, REQUIRED, environ={})
+
+
+def test_a_value_where_a_table_belongs_is_named_even_under_a_flag(tmp_path: Path) -> None:
+    """``cache = 5`` in the file must not vanish because ``--cache-dir`` was given."""
+    config = tmp_path / "flat.toml"
+    config.write_text("cache = 5\n")
+    with pytest.raises(ConfigError, match=r"cache: expected a table of settings, not 5"):
+        load_settings(config, {**REQUIRED, "cache": {"dir": "/c"}}, environ={})
+
+
+def test_cache_directories_are_absolute_whatever_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon serves from /: a relative cache directory would name
+    another place once it runs, and nothing would be cached."""
+    monkeypatch.chdir(tmp_path)
+    settings = load_settings(
+        None, {**REQUIRED, "cache": {"dir": "c", "hot": {"dir": "hot", "size": "1G"}}}, environ={}
+    )
+    assert settings.cache.dir == tmp_path / "c"
+    assert settings.cache.tiers()[0][1].dir == tmp_path / "hot"
