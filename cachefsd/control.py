@@ -550,7 +550,9 @@ def find_mount(path: str | os.PathLike[str]) -> MountOf | None:
         state = read_state(candidate)
         if state is not None and Path(state.mountpoint) == candidate.resolve():
             relative = absolute.relative_to(candidate).as_posix()
-            return MountOf(candidate, state, "/" if relative == "." else "/" + relative)
+            # The mountpoint itself, not a symlink to it (``/data`` ->
+            # ``/mnt/imagenet``), which is no mount point to ``ismount``.
+            return MountOf(Path(state.mountpoint), state, "/" if relative == "." else "/" + relative)
     return None
 
 

@@ -90,7 +90,10 @@ def test_stage_through_the_mount_then_reads_make_no_get(
     total = sum(len(data) for data in objects.values())
     _, mount = _seed_and_mount(s3_client, s3_server, mounter, "stage", objects)
 
-    code, before, _ = _stage(str(mount.mountpoint), "--check")
+    # Through a symlink to the mount (/data -> /mnt/imagenet), as a job may.
+    link = mount.mountpoint.parent / "link"
+    link.symlink_to(mount.mountpoint)
+    code, before, _ = _stage(str(link), "--check")
     assert code == 0
     assert before["files"] == len(objects)
     assert before["bytes"] == total
