@@ -297,7 +297,7 @@ def _cmd_stage(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _cmd_hint(args: argparse.Namespace, argv: list[str]) -> int:
-    from cachefsd import control  # noqa: PLC0415 - keep `cachefsd --help` light
+    from cachefsd import control, hints  # noqa: PLC0415 - keep `cachefsd --help` light
 
     mount = control.find_mount(args.mountpoint)
     if mount is None:
@@ -306,18 +306,16 @@ def _cmd_hint(args: argparse.Namespace, argv: list[str]) -> int:
         lines = args.order.read_text().splitlines()
     except OSError as exc:
         raise CachefsdError(f"cannot read {args.order}: {exc.strerror}") from exc
-    prefix = str(mount.mountpoint).rstrip("/") + "/"
+    paths = hints.MountPaths(mount)  # as the Python helper places them
     order = []
     for line in lines:
         path = line.strip()
         if not path:
             continue
-        if path.startswith("/"):
-            if not path.startswith(prefix):
-                raise CachefsdError(f"{args.order}: {path} is not under {mount.mountpoint}")
-            order.append("/" + path[len(prefix) :])
-        else:
-            order.append(mount.relative.rstrip("/") + "/" + path)
+        placed, relative = paths.place(path)
+        if placed is None or placed.mountpoint != mount.mountpoint:
+            raise CachefsdError(f"{args.order}: {path} is not under {mount.mountpoint}")
+        order.append(relative)
     accepted, unknown = control.client_for(mount).hint(order)
     print(f"hinted {len(order)} paths to {mount.mountpoint}: {accepted} accepted, {unknown} unknown")
     return 0

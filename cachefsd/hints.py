@@ -64,9 +64,11 @@ class HintResult:
     unknown: int
 
 
-class _Mounts:
+class MountPaths:
     """Path -> (mount, mount-relative path), resolving each directory once:
-    a dataset of millions of files has only thousands of directories."""
+    a dataset of millions of files has only thousands of directories.
+    Relative paths are relative to ``base`` (a mount, or a directory in
+    one); ``..`` and ``.`` are resolved as the kernel would."""
 
     def __init__(self, base: MountOf | None) -> None:
         self._base = base
@@ -80,6 +82,7 @@ class _Mounts:
             else:
                 relative = os.path.normpath(f"{self._base.relative}/{path}")
                 return self._base, "/" + relative.lstrip("/")
+        path = os.path.normpath(path)
         if self._base is not None and path.startswith(self._base_prefix):
             return self._base, "/" + os.path.normpath(path[len(self._base_prefix) :]).lstrip("/")
         directory, _, name = path.rpartition("/")
@@ -116,7 +119,7 @@ class HintingSampler:
         self._mountpoint = None if mountpoint is None else Path(mountpoint)
         self._timeout = timeout
         self._lock = threading.Lock()
-        self._mounts: _Mounts | None = None
+        self._mounts: MountPaths | None = None
         self._warned = False
         self._sender: threading.Thread | None = None
         self._results: list[HintResult] = []
@@ -163,7 +166,7 @@ class HintingSampler:
                 base = find_mount(self._mountpoint)
                 if base is None:
                     self._warn(f"{self._mountpoint} is not a cachefsd mount; no hints are sent")
-            self._mounts = _Mounts(base)
+            self._mounts = MountPaths(base)
         orders: dict[Path, tuple[MountOf, list[str]]] = {}
         outside = 0
         for item in items:

@@ -246,7 +246,16 @@ def test_hint_command_counts_and_wrong_hints_keep_bytes_right(
     _, mount = _seed_and_mount(s3_client, s3_server, mounter, "hint", objects)
     keys = sorted(objects, reverse=True)  # not the order they will be read in
     order = tmp_path / "order.txt"
-    lines = [str(mount.path(key)) for key in keys[:5]] + keys[5:] + ["no/such/file", "", "train"]
+    link = tmp_path / "link"
+    link.symlink_to(mount.mountpoint)
+    # Absolute, through a symlink to the mount, with . and .., and relative.
+    lines = (
+        [str(mount.path(key)) for key in keys[:3]]
+        + [f"{link}/{key}" for key in keys[3:5]]
+        + [f"{mount.mountpoint}/./no/../{key}" for key in keys[5:7]]
+        + [f"./{key}" for key in keys[7:]]
+        + ["no/such/file", "", "train"]
+    )
     order.write_text("\n".join(lines) + "\n")
 
     result = run_cli("hint", str(mount.mountpoint), "--order", str(order))
