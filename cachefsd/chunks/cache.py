@@ -180,16 +180,20 @@ class TieredCache:
     def adopt(self, ref: BlockRef, identity: tuple[str, int]) -> tuple[str, bytes] | None:
         """The block (hash, content) of another object with the same content
         identity (etag, size), now also recorded for ``ref``: a download
-        saved. None if no such block is cached."""
+        saved. None if no such block is cached. If ``ref``'s own block was
+        admitted since the caller missed it (a prefetch of it finished), that
+        is the block, and nothing was saved."""
         try:
-            digest = self._index.lookup_identity(*identity, ref.block)
+            own = self.lookup(ref)
+            digest = own or self._index.lookup_identity(*identity, ref.block)
         except sqlite3.Error:
             return None
         data = None if digest is None else self.read(digest)
         if data is None or digest is None:
             return None
-        self.admit(ref, digest, data, identity)
-        self._events.dedup_saved("wire", len(data))
+        if own is None:
+            self.admit(ref, digest, data, identity)
+            self._events.dedup_saved("wire", len(data))
         return digest, data
 
     def room(self, incoming_use: float | None = None, wanted: int | None = None) -> int:

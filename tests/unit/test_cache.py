@@ -90,6 +90,21 @@ def test_identical_content_is_stored_once(tmp_path: Path) -> None:
         assert metrics.dedup_saved_bytes.labels("disk")._value.get() == 10_000
 
 
+def test_adopting_a_block_of_ones_own_counts_no_saving(tmp_path: Path) -> None:
+    """A read missed its block, then a prefetch of it landed before the read
+    looked for a twin by etag: it finds its own block, which saved nothing."""
+    with tiered(tmp_path, 1 << 20) as (cache, metrics):
+        data = os.urandom(10_000)
+        identity = ("etag", 10_000)
+        cache.admit(ref("k"), content_hash(data), data, identity, ahead=True)
+        assert cache.adopt(ref("k"), identity) == (content_hash(data), data)
+        assert metrics.dedup_saved_bytes.labels("wire")._value.get() == 0
+        assert metrics.dedup_saved_bytes.labels("disk")._value.get() == 0
+        # A twin under another key is a saving.
+        assert cache.adopt(BlockRef("src", "twin", "etag", 0), identity) == (content_hash(data), data)
+        assert metrics.dedup_saved_bytes.labels("wire")._value.get() == 10_000
+
+
 def test_corrupt_block_is_dropped_not_served(tmp_path: Path) -> None:
     with tiered(tmp_path, 1 << 20) as (cache, metrics):
         data = os.urandom(5000)
