@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import sqlite3
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
@@ -106,7 +107,12 @@ def open_cache(
                 raise CachefsdError(f"{cache_dir} holds no cache (no daemon has used it)")
             specs = [TierSpec(**spec) for spec in json.loads(recorded)]
         else:
-            index.save_meta(_TIERS_META, json.dumps([asdict(spec) for spec in specs]))
+            try:
+                index.save_meta(_TIERS_META, json.dumps([asdict(spec) for spec in specs]))
+            except (
+                sqlite3.Error
+            ) as exc:  # a full disk: the cache still works, maintenance sees the old layout
+                log.warning("cannot record the tier layout in the index: %s", exc)
         for directory in {spec.dir for spec in specs} - {str(cache_dir)}:
             stack.callback(CacheDirLock(Path(directory), **wait).release)
         rng = random.Random()

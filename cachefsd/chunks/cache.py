@@ -30,6 +30,7 @@ but the tiers' own. Lock order: ``_move_lock``, a tier's lock, the index's.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sqlite3
@@ -165,12 +166,16 @@ class TieredCache:
         return damage
 
     def save_recency(self) -> None:
-        """Persist the order of use so eviction order survives a restart."""
+        """Persist the order of use so eviction order survives a restart;
+        best effort (a full disk costs the order, not the exit)."""
         now = time.time()
-        blocks = self._index.blocks()
-        self._index.save_last_used(
-            {block.hash: now - (len(blocks) - i) * 1e-6 for i, block in enumerate(blocks)}
-        )
+        try:
+            blocks = self._index.blocks()
+            self._index.save_last_used(
+                {block.hash: now - (len(blocks) - i) * 1e-6 for i, block in enumerate(blocks)}
+            )
+        except sqlite3.Error as exc:
+            log.warning("cannot save the order of use of cached blocks: %s", exc)
 
     # -- read path ------------------------------------------------------
 
@@ -384,8 +389,10 @@ class TieredCache:
         self._give_up(position, victims)
         try:
             tier.write(digest, frame)
-        except OSError:
+        except OSError as exc:
             tier.delete(digest)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                tier.disk_full()
             raise
         tier.add(digest, size, ahead)
         return size

@@ -16,6 +16,7 @@ happens outside it.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -29,6 +30,13 @@ from cachefsd.chunks.policy import EvictionPolicy
 # whose read never comes (the kernel still had the file's pages) is closed
 # once this many later holds have pushed it out.
 HELD_DESCRIPTORS = 64
+
+log = logging.getLogger(__name__)
+
+# What a tier keeps of its bytes when its filesystem fills up before its
+# capacity (a capacity larger than the disk, or another user of it): the
+# rest is evicted, so the index and the log beside it can still be written.
+DISK_FULL_KEEP = 0.9
 
 # Files occupy whole filesystem blocks; 4 KiB is the allocation unit of
 # ext4 and xfs as formatted by default.
@@ -140,6 +148,19 @@ class Tier:
         self._used -= size
         self._policy.removed(digest)
         return size
+
+    def disk_full(self) -> None:
+        """A write found the filesystem full: the capacity drops below what
+        the tier holds now, so the next admissions evict instead of failing
+        (and nothing else on that disk starves)."""
+        with self._lock:
+            was, self.capacity = self.capacity, min(self.capacity, int(self._used * DISK_FULL_KEEP))
+        log.warning(
+            "the %s tier's filesystem is full: its capacity is now %d bytes (was %d)",
+            self.name,
+            self.capacity,
+            was,
+        )
 
     def replanned(self, digest: str) -> None:
         """The plan changed the block's next use: let the policy re-rank it."""

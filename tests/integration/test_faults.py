@@ -366,6 +366,31 @@ def test_full_cache_disk_falls_back_to_the_network(
         assert metric(mount, "cachefsd_cache_errors_total") > 0
         assert mount.alive
         mount.unmount()
+        assert (
+            "the hot tier's filesystem is full: its capacity is now"
+            in (cache_dir / "cachefsd.log").read_text()
+        )
+        # The cache gave back room when the disk filled: the maintenance
+        # commands and the next mount run on it, without a hand clean-up.
+        # (Index rows the full disk kept from being dropped are reported.)
+        for command in (("verify",), ("verify", "--repair"), ("gc",)):
+            result = run_cli(*command, "--cache-dir", str(cache_dir))
+            assert "Traceback" not in result.stderr, result.stderr
+            assert result.stdout.strip(), result.stderr
+            assert result.returncode == 0 or command == ("verify",), (command, result.stdout, result.stderr)
+        mount = mounter(
+            f"s3://{bucket}",
+            "--endpoint-url",
+            s3_server.endpoint_url,
+            "--block-size",
+            "64K",
+            "--cache-size",
+            "64M",
+            cache_dir=cache_dir,
+        )
+        for name, body in objects.items():
+            assert mount.path(name).read_bytes() == body
+        mount.unmount()
     finally:
         if mount is not None:
             force_unmount(mount.mountpoint)

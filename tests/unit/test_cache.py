@@ -18,7 +18,7 @@ from cachefsd.cachedir import TierSpec, open_cache
 from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.codec import Codec, content_hash, decode, encode
 from cachefsd.chunks.policy import LruPolicy, MinioPolicy, ObservedEpochs, PlannedUse
-from cachefsd.chunks.tier import HELD_DESCRIPTORS, Tier, disk_bytes
+from cachefsd.chunks.tier import ALLOCATION_UNIT, HELD_DESCRIPTORS, Tier, disk_bytes
 from cachefsd.index import BlockRef, Index
 from cachefsd.metrics import Metrics
 
@@ -190,6 +190,18 @@ def test_a_warm_holds_nothing_it_should_not(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(os, "posix_fadvise", deleted_meanwhile)
     raw.warm(digest, hold=True)
     assert open_descriptors() == before
+
+
+def test_a_full_filesystem_lowers_the_capacity_below_what_the_tier_holds(tmp_path: Path) -> None:
+    """A capacity larger than the disk: when a write finds it full, the tier
+    keeps 90 % of what it holds, so the next admission evicts."""
+    tier = Tier("hot", tmp_path, 1 << 30, Codec.RAW, LruPolicy())
+    for _ in range(10):
+        digest = written(tier, os.urandom(ALLOCATION_UNIT - 100))
+        tier.add(digest, ALLOCATION_UNIT)
+    tier.disk_full()
+    assert tier.capacity == 9 * ALLOCATION_UNIT
+    assert len(tier.make_room(ALLOCATION_UNIT, "new")) == 2
 
 
 def test_a_full_hot_tier_demotes_to_warm_and_a_warm_hit_promotes(tmp_path: Path) -> None:
