@@ -109,12 +109,12 @@ def open_cache(
         else:
             try:
                 index.save_meta(_TIERS_META, json.dumps([asdict(spec) for spec in specs]))
-            except (
-                sqlite3.Error
-            ) as exc:  # a full disk: the cache still works, maintenance sees the old layout
+            except sqlite3.Error as exc:  # a full disk: the cache works, maintenance sees the old layout
                 log.warning("cannot record the tier layout in the index: %s", exc)
-        for directory in {spec.dir for spec in specs} - {str(cache_dir)}:
-            stack.callback(CacheDirLock(Path(directory), **wait).release)
+        # One lock a directory, however its path is spelled (a symlink, a
+        # layout recorded before directories were made absolute).
+        for directory in {Path(spec.dir).resolve() for spec in specs} - {cache_dir.resolve()}:
+            stack.callback(CacheDirLock(directory, **wait).release)
         rng = random.Random()
         tiers = [
             Tier(

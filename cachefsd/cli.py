@@ -259,7 +259,7 @@ def _cmd_gc(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _cache_dir(args: argparse.Namespace) -> Path:
     if args.cache_dir is not None:
-        return Path(args.cache_dir)
+        return Path(args.cache_dir).expanduser().resolve()
     return load_settings(args.config, {"source": ".", "mountpoint": "."}).cache.dir
 
 

@@ -133,7 +133,7 @@ def _default_cache_dir() -> Path:
     if os.geteuid() == 0:
         return Path("/var/cache/cachefsd")
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "cachefsd"
+    return (Path(base) / "cachefsd").resolve()  # a default is not validated: made absolute here
 
 
 Codec = Literal["raw", "lz4"]

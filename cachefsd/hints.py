@@ -79,12 +79,11 @@ class MountPaths:
         if not os.path.isabs(path):
             if self._base is None:
                 path = os.path.abspath(path)
-            else:
-                relative = os.path.normpath(f"{self._base.relative}/{path}")
-                return self._base, "/" + relative.lstrip("/")
+            else:  # under the base directory, where .. may lead out of the mount
+                path = f"{self._base_prefix}{self._base.relative.lstrip('/')}/{path}"
         path = os.path.normpath(path)
-        if self._base is not None and path.startswith(self._base_prefix):
-            return self._base, "/" + os.path.normpath(path[len(self._base_prefix) :]).lstrip("/")
+        if self._base is not None and (path + "/").startswith(self._base_prefix):
+            return self._base, "/" + path[len(self._base_prefix) :]
         directory, _, name = path.rpartition("/")
         directory = directory or "/"
         if directory not in self._by_dir:

@@ -30,7 +30,6 @@ but the tiers' own. Lock order: ``_move_lock``, a tier's lock, the index's.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import sqlite3
@@ -389,10 +388,8 @@ class TieredCache:
         self._give_up(position, victims)
         try:
             tier.write(digest, frame)
-        except OSError as exc:
+        except OSError:
             tier.delete(digest)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                tier.disk_full()
             raise
         tier.add(digest, size, ahead)
         return size

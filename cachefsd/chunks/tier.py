@@ -16,7 +16,6 @@ happens outside it.
 
 from __future__ import annotations
 
-import logging
 import os
 import secrets
 import threading
@@ -31,12 +30,12 @@ from cachefsd.chunks.policy import EvictionPolicy
 # once this many later holds have pushed it out.
 HELD_DESCRIPTORS = 64
 
-log = logging.getLogger(__name__)
-
-# What a tier keeps of its bytes when its filesystem fills up before its
-# capacity (a capacity larger than the disk, or another user of it): the
-# rest is evicted, so the index and the log beside it can still be written.
-DISK_FULL_KEEP = 0.9
+# Free space a tier leaves on its filesystem, whatever its capacity (one
+# larger than the disk, or another user of the disk): the index and the log
+# beside the blocks must still be written. At most this fraction of the
+# filesystem's size, so a small one is not all reserve.
+DISK_RESERVE_BYTES = 64 << 20
+DISK_RESERVE_FRACTION = 0.05
 
 # Files occupy whole filesystem blocks; 4 KiB is the allocation unit of
 # ext4 and xfs as formatted by default.
@@ -105,7 +104,7 @@ class Tier:
         once that many bytes are found: the caller holds this tier's lock
         for as long as the policy counts."""
         with self._lock:
-            free = self.capacity - self._used
+            free = self._limit() - self._used
             mean = self._used // len(self._sizes) if self._sizes else 0
             if wanted is None or not mean:
                 return free + self._policy.spare(incoming_use) * mean
@@ -121,13 +120,25 @@ class Tier:
             raise NoRoom(f"{size} bytes exceed the {self.name} tier", [])
         victims: list[str] = []
         with self._lock:
-            while self._used + size > self.capacity:
+            limit = self._limit()
+            while self._used + size > limit:
                 victim = self._policy.victim(incoming)
                 if victim is None:
                     raise NoRoom(f"the {self.name} tier's policy keeps every block", victims)
                 victims.append(victim)
                 self._remove_locked(victim)
         return victims
+
+    def _limit(self) -> int:
+        """The bytes this tier may hold now: its capacity, or less when its
+        filesystem has not that much room left (``DISK_RESERVE_BYTES``); a
+        statvfs per admission, far cheaper than the block write it guards."""
+        try:
+            stats = os.statvfs(self.root)
+        except OSError:
+            return self.capacity
+        reserve = min(DISK_RESERVE_BYTES, int(stats.f_blocks * stats.f_frsize * DISK_RESERVE_FRACTION))
+        return min(self.capacity, self._used + stats.f_bavail * stats.f_frsize - reserve)
 
     def add(self, digest: str, size: int, ahead: bool = False) -> None:
         """Account a block just written; ``ahead`` as in ``EvictionPolicy.admitted``."""
@@ -148,19 +159,6 @@ class Tier:
         self._used -= size
         self._policy.removed(digest)
         return size
-
-    def disk_full(self) -> None:
-        """A write found the filesystem full: the capacity drops below what
-        the tier holds now, so the next admissions evict instead of failing
-        (and nothing else on that disk starves)."""
-        with self._lock:
-            was, self.capacity = self.capacity, min(self.capacity, int(self._used * DISK_FULL_KEEP))
-        log.warning(
-            "the %s tier's filesystem is full: its capacity is now %d bytes (was %d)",
-            self.name,
-            self.capacity,
-            was,
-        )
 
     def replanned(self, digest: str) -> None:
         """The plan changed the block's next use: let the policy re-rank it."""

@@ -366,11 +366,7 @@ def test_full_cache_disk_falls_back_to_the_network(
         assert metric(mount, "cachefsd_cache_errors_total") > 0
         assert mount.alive
         mount.unmount()
-        assert (
-            "the hot tier's filesystem is full: its capacity is now"
-            in (cache_dir / "cachefsd.log").read_text()
-        )
-        # The cache gave back room when the disk filled: the maintenance
+        # The cache left room on the disk it filled: the maintenance
         # commands and the next mount run on it, without a hand clean-up.
         # (Index rows the full disk kept from being dropped are reported.)
         for command in (("verify",), ("verify", "--repair"), ("gc",)):

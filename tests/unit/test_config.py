@@ -51,7 +51,7 @@ def test_precedence_is_defaults_then_file_then_env_then_flags(tmp_path: Path) ->
         ({"store": {"endpoint_url": "ftp://x"}}, {}, "store.endpoint_url"),
         ({}, {"CACHEFSD_CACHE__SZIE": "1G"}, "cache.szie"),
         ({"namespace": {"metadata_ttl": "soon"}}, {}, "namespace.metadata_ttl"),
-        ({"fetch": {"concurrency": True}}, {}, "fetch.concurrency"),  # TOML true is not 1
+        ({"fetch": {"concurrency": True}}, {}, "fetch.concurrency: expected a whole number"),
         (
             {"cache": {"hot": {"dir": "/c/t", "size": "1G"}, "warm": {"dir": "/c/t", "size": "1G"}}},
             {},
@@ -97,3 +97,18 @@ def test_cache_directories_are_absolute_whatever_the_working_directory(
     )
     assert settings.cache.dir == tmp_path / "c"
     assert settings.cache.tiers()[0][1].dir == tmp_path / "hot"
+
+
+def test_the_default_cache_directory_is_the_one_its_tier_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A home reached through a symlink (/home/u -> /data/u): were the
+    default left as spelled, the tier's (resolved) directory would differ
+    from it, and the daemon would wait on its own lock."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "home").symlink_to(tmp_path / "real")
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home" / ".cache"))
+    settings = load_settings(None, REQUIRED, environ={})
+    assert settings.cache.dir == tmp_path / "real" / ".cache" / "cachefsd"
+    assert settings.cache.tiers()[0][1].dir == settings.cache.dir

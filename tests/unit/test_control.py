@@ -24,7 +24,8 @@ from cachefsd.control import (
     Report,
     StageRequest,
 )
-from cachefsd.hints import HintingSampler
+from cachefsd.hints import HintingSampler, MountPaths
+from cachefsd.runtime import MountState
 
 # Every wait in these tests; the server answers in milliseconds.
 WAIT_SECONDS = 10.0
@@ -320,3 +321,17 @@ def test_a_hint_may_carry_its_rank_and_world_size(client: ControlClient, handler
     assert handlers.parts == [(1, 4)]
     with pytest.raises(ControlError, match="rank"):
         client.hint(["/a"], (4, 4))
+
+
+def test_mount_paths_resolve_dots_and_keep_to_their_mount(tmp_path: Path) -> None:
+    """Paths as a hint file or a sampler gives them: relative to a directory
+    in the mount, or absolute; ``..`` is resolved as the kernel would, and
+    a path that leads out of the mount is not placed in it."""
+    mountpoint = tmp_path / "mnt"
+    mount = control.MountOf(mountpoint, MountState(1, str(mountpoint), "s3://b", "/c", None), "/train")
+    paths = MountPaths(mount)
+    assert paths.place("cat/../dog/1.jpg") == (mount, "/train/dog/1.jpg")
+    assert paths.place("../val/2.jpg") == (mount, "/val/2.jpg")
+    assert paths.place("../mnt/3.jpg") == (mount, "/mnt/3.jpg")  # a directory named mnt in the mount
+    assert paths.place(f"{mountpoint}/./val/../4.jpg") == (mount, "/4.jpg")
+    assert paths.place("../../elsewhere/5.jpg") == (None, str(tmp_path / "elsewhere" / "5.jpg"))
