@@ -87,6 +87,8 @@ class FileSystem:
         self._handles: dict[int, ObjectInfo] = {}
         self._verified: dict[int, set[str]] = {}  # handle -> raw blocks checked for it
         self._open_versions: dict[str, Counter[str]] = {}  # key -> etag -> open handles
+        self._through_page_cache: Counter[str] = Counter()  # key -> open handles not direct_io
+        self._direct: set[int] = set()  # handles opened direct_io
         self._page_cache_version: dict[str, str] = {}  # key -> etag the kernel may hold pages of
         # key -> etag of a version replaced while the kernel may still hold
         # its size; until a getattr gives the kernel the new one.
@@ -139,15 +141,20 @@ class FileSystem:
             # up to it. This handle reads around the page cache, which clamps
             # reads to that size, and the kernel drops its attributes, so the
             # next stat learns the new size. Dropping them waits for the
-            # file's pages being read in, so only when no other handle is
-            # open: a read-ahead waiting on a GET could hold that for a
+            # file's pages being read in, so only once no handle reads
+            # through the page cache (here, or when the last one is
+            # released): a read-ahead waiting on a GET could hold that for a
             # whole fetch deadline, and this libfuse worker with it.
             stale_size = self._replaced.get(info.key, info.etag) != info.etag
             if other_version_open or stale_size:
-                alone = sum(open_versions.values()) == 1
+                self._direct.add(handle)
                 return OpenFile(
-                    handle, keep_cache=False, direct_io=True, invalidate_attributes=stale_size and alone
+                    handle,
+                    keep_cache=False,
+                    direct_io=True,
+                    invalidate_attributes=stale_size and not self._through_page_cache[info.key],
                 )
+            self._through_page_cache[info.key] += 1
             keep_cache = self._page_cache_version.get(info.key) == info.etag
             self._page_cache_version[info.key] = info.etag
         return OpenFile(handle, keep_cache=keep_cache, direct_io=False)
@@ -176,18 +183,29 @@ class FileSystem:
         with self._lock:
             self._replaced[info.key] = info.etag
 
-    def release(self, handle: int) -> None:
+    def release(self, handle: int) -> bool:
+        """True when the kernel's attributes of the path are to be dropped
+        now: they may be stale, and this was the last handle reading through
+        the page cache, which an open of the new version had to wait for."""
         with self._lock:
             info = self._handles.pop(handle, None)
             self._verified.pop(handle, None)
             if info is None:
-                return
+                return False
             open_versions = self._open_versions[info.key]
             open_versions[info.etag] -= 1
             if open_versions[info.etag] == 0:
                 del open_versions[info.etag]
             if not open_versions:
                 del self._open_versions[info.key]
+            if handle in self._direct:
+                self._direct.discard(handle)
+                return False
+            self._through_page_cache[info.key] -= 1
+            if self._through_page_cache[info.key]:
+                return False
+            del self._through_page_cache[info.key]
+            return info.key in self._replaced
 
     def statfs(self) -> dict[str, int]:
         """Sizes for ``df``: the block size, and a read-only filesystem with no free space."""

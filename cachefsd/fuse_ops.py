@@ -180,9 +180,10 @@ def _close_spans(done: Callable[[int, float], bool]) -> None:
 
 def _invalidate_attributes(path: str) -> None:
     """Have the kernel drop the attributes (and pages) it holds for
-    ``path``, so its next stat asks us. Called inside OPEN, so only when no
-    other handle of the file is open (``fs.open``): dropping pages waits
-    for those being read in, and only an open file reads them in."""
+    ``path``, so its next stat asks us. Called inside OPEN or RELEASE, so
+    only when no handle of the file reads through the page cache
+    (``fs.open``): dropping pages waits for those being read in, and only
+    such a handle reads them in."""
     fuse = _libfuse.fuse_get_context().contents.fuse
     result = _libfuse.fuse_invalidate_path(fuse, os.fsencode(path))
     if result < 0:  # not in libfuse's node table: the kernel holds nothing
@@ -288,7 +289,8 @@ class FuseOperations(mfusepy.Operations):
 
     @_translated
     def release(self, path: str, fi: Any) -> int:
-        self._fs.release(fi.fh)
+        if self._fs.release(fi.fh) and path:
+            _invalidate_attributes(path)
         return 0
 
     @_translated

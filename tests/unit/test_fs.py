@@ -88,11 +88,11 @@ def test_a_new_version_opened_beside_an_old_one_bypasses_the_page_cache(make_eng
     assert new.direct_io
     assert not new.keep_cache
     # The old handle may have reads in flight: dropping the kernel's
-    # attributes (and pages) now would wait for them.
+    # attributes (and pages) now would wait for them; its release does it.
     assert not new.invalidate_attributes
     assert joined(engine.fs.read(new.handle, 100, 0)) == b"version two"
-    engine.fs.release(old.handle)
-    engine.fs.release(new.handle)
+    assert engine.fs.release(old.handle)
+    assert not engine.fs.release(new.handle)
     engine.fs.getattr("/f")  # the kernel's lookup: its own TTL is past too
     # The old version's pages may still be in the kernel: not kept.
     after = engine.fs.open("/f", os.O_RDONLY)
