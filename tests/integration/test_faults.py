@@ -346,18 +346,10 @@ def test_full_cache_disk_falls_back_to_the_network(
     cache_dir = tmp_path / "tiny"
     cache_dir.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(cache_dir)], check=True)
+    flags = ("--endpoint-url", s3_server.endpoint_url, "--block-size", "64K", "--cache-size", "64M")
     mount: Mount | None = None
     try:
-        mount = mounter(
-            f"s3://{bucket}",
-            "--endpoint-url",
-            s3_server.endpoint_url,
-            "--block-size",
-            "64K",
-            "--cache-size",
-            "64M",
-            cache_dir=cache_dir,
-        )
+        mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
         for _ in range(2):
             for name, body in objects.items():
                 assert _read_direct(mount.path(name)) == body, f"{name} wrong on a full cache disk"
@@ -374,16 +366,7 @@ def test_full_cache_disk_falls_back_to_the_network(
             assert "Traceback" not in result.stderr, result.stderr
             assert result.stdout.strip(), result.stderr
             assert result.returncode == 0 or command == ("verify",), (command, result.stdout, result.stderr)
-        mount = mounter(
-            f"s3://{bucket}",
-            "--endpoint-url",
-            s3_server.endpoint_url,
-            "--block-size",
-            "64K",
-            "--cache-size",
-            "64M",
-            cache_dir=cache_dir,
-        )
+        mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
         for name, body in objects.items():
             assert mount.path(name).read_bytes() == body
         mount.unmount()
