@@ -108,10 +108,17 @@ def _not_a_bool(value: Any) -> Any:
 
 
 Count = Annotated[int, BeforeValidator(_not_a_bool)]
-# Made absolute when the settings are read: the daemon serves from /, so a
-# relative cache directory would name a different place (and nothing would
-# be cached) once it runs.
-Directory = Annotated[Path, AfterValidator(lambda path: path.expanduser().resolve())]
+def _absolute(path: Path) -> Path:
+    """Made absolute when the settings are read: the daemon serves from /,
+    so a relative cache directory would name a different place (and
+    nothing would be cached) once it runs."""
+    try:
+        return path.expanduser().resolve()
+    except RuntimeError as exc:  # ~nosuchuser, or a symlink loop
+        raise ValueError(f"cannot resolve {path}: {exc}") from exc
+
+
+Directory = Annotated[Path, AfterValidator(_absolute)]
 
 
 def resolve_tier_size(size: int | str, directory: Path) -> int:

@@ -104,12 +104,12 @@ class Tier:
         once that many bytes are found: the caller holds this tier's lock
         for as long as the policy counts."""
         with self._lock:
-            free = self._limit() - self._used
+            free = self._limit() - self._used  # below 0 when the disk filled up under us
             mean = self._used // len(self._sizes) if self._sizes else 0
             if wanted is None or not mean:
-                return free + self._policy.spare(incoming_use) * mean
+                return max(0, free + self._policy.spare(incoming_use) * mean)
             enough = max(0, -(-(wanted - free) // mean))
-            return free + self._policy.spare(incoming_use, enough) * mean
+            return max(0, free + self._policy.spare(incoming_use, enough) * mean)
 
     def make_room(self, size: int, incoming: str) -> list[str]:
         """Victims whose removal leaves room for ``size`` bytes of block
