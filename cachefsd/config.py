@@ -108,6 +108,8 @@ def _not_a_bool(value: Any) -> Any:
 
 
 Count = Annotated[int, BeforeValidator(_not_a_bool)]
+
+
 def _absolute(path: Path) -> Path:
     """Made absolute when the settings are read: the daemon serves from /,
     so a relative cache directory would name a different place (and

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from cachefsd.errors import CachefsdError
+from cachefsd.errors import CachefsdError, StageCancelled
 from cachefsd.runtime import MountState, pid_alive, read_state, state_path
 
 log = logging.getLogger(__name__)
@@ -287,8 +287,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if not writer.started or isinstance(exc, _ClientGone):
                 raise  # answered with a status by ``_call``, or nobody to tell
             # Headers are out: the error travels as the last event.
-            log.exception("control: stage failed")
-            writer.event({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
+            if isinstance(exc, StageCancelled):  # an unmount, not a failure
+                log.info("control: stage stopped part way: %s", exc)
+                writer.event({"event": "error", "message": str(exc), "cancelled": True})
+            else:
+                log.exception("control: stage failed")
+                writer.event({"event": "error", "message": f"{type(exc).__name__}: {exc}"})
             writer.end()
             return
         writer.event({"event": "summary", **summary})
@@ -465,6 +469,11 @@ class ControlClient:
                 raise ControlError(self._refusal(response))
             for line in response:
                 event = json.loads(line)
+                if event.get("event") == "error" and event.get("cancelled"):
+                    raise ControlError(
+                        f"the stage stopped part way ({event.get('message')}); what it staged is kept, "
+                        "and a rerun on the next mount resumes"
+                    )
                 if event.get("event") == "error":
                     raise ControlError(f"the daemon failed to stage: {event.get('message')}")
                 yield event

@@ -78,6 +78,10 @@ _ERRNO_BY_TYPE: tuple[tuple[type[CachefsdError], int], ...] = (
 )
 
 
+class StageCancelled(CachefsdError):
+    """The daemon is stopping; the stage was abandoned part way."""
+
+
 def errno_for(error: CachefsdError) -> int:
     """The errno a FUSE operation returns for ``error``; EIO for anything unlisted."""
     for error_type, code in _ERRNO_BY_TYPE:

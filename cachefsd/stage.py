@@ -63,7 +63,7 @@ from cachefsd.control import (
     client_for,
     find_mount,
 )
-from cachefsd.errors import CachefsdError, NotADirectory, ObjectNotFound
+from cachefsd.errors import CachefsdError, NotADirectory, ObjectNotFound, StageCancelled
 from cachefsd.runtime import MountState, pid_alive, runtime_dir
 from cachefsd.store.base import ObjectInfo
 
@@ -121,10 +121,6 @@ class Blocks(Protocol):
     def fetch_ahead(self, info: ObjectInfo, index: int, tier: str | None = None) -> bool:
         """Cache block ``index``; True if it had to be fetched. Raises on failure."""
         ...
-
-
-class StageCancelled(CachefsdError):
-    """The daemon is stopping; the stage was abandoned part way."""
 
 
 # -- selection ----------------------------------------------------------------

@@ -473,11 +473,11 @@ class Prefetcher:
                     # Fetched, but the cache had no room the policy would give
                     # up: the bytes crossed the network for nothing.
                     self._reach.wasted(nbytes)
-        if digest is not None:
+        if fetched:  # issued counts every fetched block, so used + wasted <= issued
             self._events.prefetch_issued(nbytes)
-            if joined:
-                self._events.prefetch_used(nbytes)
-        elif fetched:
+        if digest is not None and joined:
+            self._events.prefetch_used(nbytes)
+        elif digest is None and fetched:
             self._events.prefetch_wasted(nbytes)
         self._wake.set()
 

@@ -24,6 +24,7 @@ from cachefsd.control import (
     Report,
     StageRequest,
 )
+from cachefsd.errors import StageCancelled
 from cachefsd.hints import HintingSampler, MountPaths
 from cachefsd.runtime import MountState
 
@@ -63,6 +64,8 @@ class FakeHandlers:
         report({"event": "progress", "phase": "fetch", "files_done": 0})
         if self.stage_mode == "fail-midway":
             raise RuntimeError("disk on fire")
+        if self.stage_mode == "unmounted-midway":
+            raise StageCancelled("the daemon is stopping")
         if self.stage_mode == "wait":
             # Only the client, having seen the first event, lets the stage end:
             # proof that events are streamed, not buffered to the end.
@@ -171,6 +174,20 @@ def test_stage_failing_midway_ends_the_stream_with_its_error(
     with pytest.raises(ControlError, match="disk on fire"):
         seen.extend(client.stage(StageRequest()))
     assert seen == [{"event": "progress", "phase": "fetch", "files_done": 0}]
+
+
+def test_a_stage_stopped_by_an_unmount_says_so_not_that_it_failed(
+    client: ControlClient, handlers: FakeHandlers, caplog: pytest.LogCaptureFixture
+) -> None:
+    handlers.stage_mode = "unmounted-midway"
+    with (
+        caplog.at_level(logging.INFO, logger="cachefsd.control"),
+        pytest.raises(ControlError, match=r"^the stage stopped part way \(the daemon is stopping\)"),
+    ):
+        list(client.stage(StageRequest()))
+    assert "stage stopped part way" in caplog.text
+    assert "Traceback" not in caplog.text
+    assert all(record.levelno < logging.ERROR for record in caplog.records)
 
 
 def test_a_client_hanging_up_stops_the_stage(server: ControlServer, handlers: FakeHandlers) -> None:

@@ -14,10 +14,10 @@ from cachefsd.chunks.codec import Codec, encode
 from cachefsd.chunks.policy import LruPolicy, MinioPolicy
 from cachefsd.chunks.tier import disk_bytes
 from cachefsd.control import BadRequest, StageRequest
+from cachefsd.errors import StageCancelled
 from cachefsd.stage import (
     MountHandlers,
     ProgressView,
-    StageCancelled,
     compile_include,
     stage_files,
     summary_lines,
