@@ -301,7 +301,7 @@ def _cmd_hint(args: argparse.Namespace, argv: list[str]) -> int:
 
     mount = control.find_mount(args.mountpoint)
     if mount is None:
-        raise CachefsdError(f"{args.mountpoint} is not a cachefsd mount")
+        raise control.not_a_mount(args.mountpoint)
     try:
         lines = args.order.read_text().splitlines()
     except OSError as exc:
@@ -327,7 +327,7 @@ def _daemon_of(mountpoint: Path) -> Any:
 
     mount = control.find_mount(mountpoint)
     if mount is None:
-        raise CachefsdError(f"{mountpoint} is not a cachefsd mount")
+        raise control.not_a_mount(mountpoint)
     return control.client_for(mount)
 
 

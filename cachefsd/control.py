@@ -37,6 +37,7 @@ import http.server
 import json
 import logging
 import os
+import re
 import socket
 import socketserver
 import threading
@@ -563,6 +564,35 @@ def find_mount(path: str | os.PathLike[str]) -> MountOf | None:
             # ``/mnt/imagenet``), which is no mount point to ``ismount``.
             return MountOf(Path(state.mountpoint), state, "/" if relative == "." else "/" + relative)
     return None
+
+
+def foreign_mount(path: str | os.PathLike[str]) -> Path | None:
+    """The cachefsd mount at or above ``path`` by the kernel's mount table,
+    for a path ``find_mount`` finds no state of: one served by another
+    user's daemon (root's, under the systemd unit or the DaemonSet), whose
+    state and control socket are owner-only."""
+    absolute = Path(os.path.abspath(path))
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as table:
+            mounted = {
+                re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), fields[1])
+                for fields in (line.split() for line in table)
+                if len(fields) > 2 and fields[2] == "fuse.cachefsd"
+            }
+    except OSError:
+        return None
+    return next((candidate for candidate in (absolute, *absolute.parents) if str(candidate) in mounted), None)
+
+
+def not_a_mount(path: str | os.PathLike[str]) -> ControlError:
+    """Why ``path`` has no daemon this user can reach."""
+    foreign = foreign_mount(path)
+    if foreign is None:
+        return ControlError(f"{path} is not a cachefsd mount")
+    return ControlError(
+        f"{foreign} is served by another user's cachefsd daemon, whose control socket is owner-only: "
+        "run this as that user (root for the systemd unit and the DaemonSet)"
+    )
 
 
 def client_for(mount: MountOf, timeout: float = CALL_TIMEOUT_SECONDS) -> ControlClient:

@@ -45,9 +45,21 @@ from cachefsd.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
+FUSE_DEVICE = "/dev/fuse"
+
 # Proving the source reachable at mount: a connect timeout plus one small
 # request. Longer than that and the user is better served by an error.
 MOUNT_CHECK_SECONDS = 15.0
+
+
+def _check_fuse_device() -> None:
+    """libfuse opens /dev/fuse itself and, on EACCES, neither falls back to
+    fusermount3 nor says more than a bare error code."""
+    if not os.access(FUSE_DEVICE, os.R_OK | os.W_OK):
+        raise CachefsdError(
+            f"cannot use {FUSE_DEVICE} as uid {os.getuid()}: FUSE needs it present (apt-get install "
+            "fuse3) and readable and writable (mode 0666, Debian's default), or cachefsd run as root"
+        )
 
 
 def _check_mountpoint(mountpoint: Path) -> None:
@@ -154,6 +166,7 @@ def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engin
 def run(settings: Settings, ready: Callable[[], None]) -> None:
     """Mount ``settings.source`` and serve until unmounted."""
     mountpoint = settings.mountpoint.resolve()
+    _check_fuse_device()
     _check_mountpoint(mountpoint)
     with engine(settings) as parts:
         metrics_addr = _start_metrics(settings, parts.metrics.registry)

@@ -101,6 +101,8 @@ def run(workers: int, keep: bool) -> int:
         check=False,
     )
     if mount.returncode != 0:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
         return mount.returncode
     table = Table(title="shuffled epochs through the mount")
     for column in ("epoch", "files", "MiB/s", "hit ratio", "bytes verified"):

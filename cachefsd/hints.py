@@ -40,6 +40,7 @@ from cachefsd.control import (
     MountOf,
     client_for,
     find_mount,
+    not_a_mount,
 )
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ class HintingSampler:
             if self._mountpoint is not None:
                 base = find_mount(self._mountpoint)
                 if base is None:
-                    self._warn(f"{self._mountpoint} is not a cachefsd mount; no hints are sent")
+                    self._warn(f"{not_a_mount(self._mountpoint)}; no hints are sent")
             self._mounts = MountPaths(base)
         orders: dict[Path, tuple[MountOf, list[str]]] = {}
         outside = 0

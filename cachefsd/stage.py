@@ -62,6 +62,8 @@ from cachefsd.control import (
     StageRequest,
     client_for,
     find_mount,
+    foreign_mount,
+    not_a_mount,
 )
 from cachefsd.errors import CachefsdError, NotADirectory, ObjectNotFound, StageCancelled
 from cachefsd.runtime import MountState, pid_alive, runtime_dir
@@ -586,6 +588,8 @@ def resolve_target(target: str) -> Target:
                 f"cachefsd stage {mount.state.source} --cache-dir {mount.state.cache_dir}"
             )
         return Target(mount=mount)
+    if foreign_mount(target) is not None:  # not a local directory to copy through the mount
+        raise not_a_mount(target)
     if not os.path.isdir(target):
         raise CachefsdError(f"{target}: not a bucket URI, a cachefsd mount or a local directory")
     return Target(source=os.path.abspath(target))

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from cachefsd.runtime import read_state
+from cachefsd.runtime import read_state, state_path
 from cachefsd.testing.s3_server import S3TestServer
 from tests.integration.conftest import MountFactory, free_port, run_cli
 from tests.integration.datasets import new_bucket, put_objects
@@ -174,6 +174,28 @@ def test_a_second_mount_on_a_mountpoint_says_what_holds_it(
     assert result.returncode == 0, result.stderr
     again = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, cache_dir=mount.cache_dir)
     assert again.path("a.txt").read_bytes() == b"a"
+
+
+def test_a_mount_of_another_users_daemon_is_named_as_such(
+    tmp_path: Path, s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
+) -> None:
+    """A root daemon (systemd, the DaemonSet) keeps its state and control
+    socket owner-only: a training user's stats, hint or stage must say so,
+    not that the path is no cachefsd mount (nor stage it as a directory).
+    Hiding the state file stands in for not being allowed to read it."""
+    bucket = new_bucket(s3_client)
+    put_objects(s3_client, bucket, {"a.txt": b"a"})
+    mount = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url)
+    state = state_path(mount.mountpoint)
+    hidden = state.with_suffix(".hidden")
+    state.rename(hidden)
+    try:
+        for command in (("stats", str(mount.mountpoint)), ("stage", str(mount.path("a.txt")), "--check")):
+            status, stdout, stderr = cli(*command)
+            line = _assert_one_line_failure(status, stdout, stderr, 0.0, "another user's cachefsd daemon")
+            assert str(mount.mountpoint) in line
+    finally:
+        hidden.rename(state)
 
 
 # -- stopping --------------------------------------------------------------------

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from cachefsd import daemon
 from cachefsd.cli import LogfmtFormatter
+from cachefsd.errors import CachefsdError
 from cachefsd.runtime import MountState, notify_systemd, pid_alive, read_state, write_state
 from tests.polling import wait_until
 
@@ -84,3 +86,12 @@ def test_writing_a_state_removes_those_of_dead_daemons(
     assert restarting_path.with_suffix(".sock").exists()
     assert live_path.exists()
     assert read_state(tmp_path / "new") is not None
+
+
+def test_a_fuse_device_out_of_reach_is_named_before_libfuse_tries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """libfuse says only "mount failed: 4" when it cannot open the device."""
+    monkeypatch.setattr(daemon, "FUSE_DEVICE", str(tmp_path / "fuse"))
+    with pytest.raises(CachefsdError, match=r"cannot use .*/fuse as uid \d+: FUSE needs it present"):
+        daemon._check_fuse_device()
