@@ -235,6 +235,11 @@ class Metrics:
             ["tier"],
             registry=registry,
         )
+        # Every series exists from the start, at 0, so a dashboard shows 0
+        # rather than "No data" (per-tier ones once the tier reports in).
+        self._tiers: set[str] = set()
+        for where in ("memory", "cold"):
+            self.served_bytes.labels(where)
         for where in ("disk", "wire"):
             self.dedup_saved_bytes.labels(where)
         for source in ("cache", "cold"):
@@ -293,6 +298,16 @@ class Metrics:
 
     # CacheEvents
     def tier_usage(self, tier: str, used_bytes: int, capacity_bytes: int, blocks: int) -> None:
+        if tier not in self._tiers:
+            self._tiers.add(tier)
+            for per_tier in (
+                self.served_bytes,
+                self.tier_read_bytes,
+                self.evictions,
+                self.corrupt_blocks,
+                self.cache_errors,
+            ):
+                per_tier.labels(tier)
         self.tier_used.labels(tier).set(used_bytes)
         self.tier_capacity.labels(tier).set(capacity_bytes)
         self.tier_blocks.labels(tier).set(blocks)

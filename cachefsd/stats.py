@@ -562,7 +562,8 @@ def _activity(stats: dict[str, Any]) -> RenderableType:
     )
     served = reads.get("served_bytes", {})
     table.add_row(
-        "served by", ", ".join(f"{name} {human_bytes(count)}" for name, count in served.items()) or "-"
+        "served by",
+        ", ".join(f"{name} {human_bytes(count)}" for name, count in served.items() if count) or "-",
     )
     table.add_row(
         "fetch latency p50 / p99",

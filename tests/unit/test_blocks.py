@@ -123,6 +123,15 @@ def test_a_verified_raw_block_is_served_from_its_file_without_copying(make_engin
 def test_served_bytes_are_counted_by_where_they_came_from(make_engine: EngineFactory) -> None:
     data = os.urandom(2 * BLOCK_SIZE)
     engine = make_engine({"f": data})
+    # Before any read, every series is there at 0: a dashboard shows 0, not "No data".
+    sample = engine.metrics.registry.get_sample_value
+    for name in (
+        "cachefsd_served_bytes_total",
+        "cachefsd_cache_evictions_total",
+        "cachefsd_cache_errors_total",
+    ):
+        assert sample(name, {"tier": "hot"}) == 0, name
+    assert sample("cachefsd_served_bytes_total", {"tier": "cold"}) == 0
     info = engine.namespace.lookup("/f").info
     assert info is not None
     verified: set[str] = set()

@@ -365,7 +365,7 @@ SAMPLE: dict[str, Any] = {
     "reads": {
         "count": {"cache": 900, "cold": 100},
         "bytes": {"cache": 9 << 30, "cold": 1 << 30, "total": 10 << 30},
-        "served_bytes": {"cold": 1 << 30, "hot": 9 << 30},
+        "served_bytes": {"cold": 1 << 30, "hot": 9 << 30, "memory": 0},
     },
     "hit_ratio": {"since_mount": 0.9, "last_minute": 0.995, "last_minute_seconds": 58.0, "by_tier": {}},
     "stall_seconds": 12.5,
@@ -447,6 +447,7 @@ def test_the_stats_table_shows_every_section() -> None:
     assert "12.5 ms / 420.0 ms" in text
     assert "256 demand GETs" in text
     assert "12.50 s" in text  # stall
+    assert "memory 0 B" not in text  # a place that served nothing is not listed
     assert "used 1.5 GiB (75.0 %)" in text
     assert "wasted 512.0 MiB" in text
     assert "disk 1.0 MiB" in text
