@@ -88,7 +88,7 @@ def test_recursive_scan_makes_one_job_at_the_top_listed_directory() -> None:
     model.listed("", {})
     model.listed("data/train", {})
     for label in ("cat", "dog"):
-        listed(model, f"data/train/{label}", dataset(f"data/train/{label}", 3))
+        listed_dataset(model, f"data/train/{label}", 3)
     assert model.jobs() == ["", "data/train"]
     assert model.job_of("data/train/cat/img0001.jpg") == "data/train"
     assert len(model.working_set("data/train")) == 6
@@ -107,10 +107,10 @@ def test_without_listing_a_path_belongs_to_its_first_component() -> None:
 
 def test_a_parent_listed_after_its_child_absorbs_the_child_job() -> None:
     model = AccessModel()
-    listed(model, "ds/c1", dataset("ds/c1", 2))
+    listed_dataset(model, "ds/c1", 2)
     assert model.jobs() == ["ds/c1"]
     listed(model, "ds", [])
-    listed(model, "ds/c2", dataset("ds/c2", 2))
+    listed_dataset(model, "ds/c2", 2)
     assert model.jobs() == ["ds"]
     assert len(model.unread("ds")) == 4
 
@@ -118,7 +118,7 @@ def test_a_parent_listed_after_its_child_absorbs_the_child_job() -> None:
 def test_a_deeper_listing_under_a_fallback_job_joins_it() -> None:
     model = AccessModel()
     model.opened("a/train/0.jpg", SMALL, 1.0)
-    listed(model, "a/train", dataset("a/train", 3))
+    listed_dataset(model, "a/train", 3)
     assert model.jobs() == ["a"]
 
 
@@ -164,9 +164,7 @@ def test_epoch_zero_without_listing_ends_at_any_reopen() -> None:
 def test_turns_name_the_jobs_that_started_an_epoch_once() -> None:
     """What the prefetcher asks each round: which jobs began a new pass."""
     model = AccessModel()
-    first, second = dataset("a/b", 10), dataset("c", 10)
-    listed(model, "a/b", first)
-    listed(model, "c", second)
+    first, second = listed_dataset(model, "a/b", 10), listed_dataset(model, "c", 10)
     trace = Trace(model)
     trace.pass_over(first)
     trace.pass_over(second)
@@ -254,9 +252,7 @@ def test_a_file_opened_without_listing_joins_the_working_set() -> None:
 def test_listing_predicts_unread_files_from_the_first_open() -> None:
     model = AccessModel()
     model.listed("train", {})
-    cats, dogs = dataset("train/cat", 5), dataset("train/dog", 5)
-    listed(model, "train/cat", cats)
-    listed(model, "train/dog", dogs)
+    cats, dogs = listed_dataset(model, "train/cat", 5), listed_dataset(model, "train/dog", 5)
     assert model.predict(10) == []  # a listing alone may be a human's `ls`
     Trace(model).open(dogs[2])
     predicted = model.predict(100)
@@ -284,8 +280,8 @@ def test_satisfied_files_stay_unread_but_are_not_predicted_until_the_next_epoch(
 
 def test_an_idle_job_predicts_nothing() -> None:
     model = AccessModel()
-    listed(model, "old", dataset("old", 5))
-    listed(model, "new", dataset("new", 5))
+    listed_dataset(model, "old", 5)
+    listed_dataset(model, "new", 5)
     model.opened("old/img0000.jpg", SMALL, 0.0)
     model.opened("new/img0000.jpg", SMALL, JOB_IDLE_SECONDS + 1.0)
     assert {model.job_of(path) for path in paths_of(model.predict(100))} == {"new"}
@@ -500,8 +496,8 @@ def test_one_hint_over_several_guessed_jobs_makes_them_one() -> None:
     """A hint is one loader's exact order: class folders right under the
     mount, first guessed as jobs of their own, are one dataset."""
     model = AccessModel()
-    listed(model, "a", dataset("a", 4))
-    listed(model, "b", dataset("b", 4))
+    listed_dataset(model, "a", 4)
+    listed_dataset(model, "b", 4)
     model.hint([], 0.0)
     model.hint(["a/img0003.jpg", "b/img0000.jpg", "a/img0001.jpg"], 0.0)
     assert paths_of(model.predict(3)) == ["a/img0003.jpg", "b/img0000.jpg", "a/img0001.jpg"]
@@ -510,8 +506,8 @@ def test_one_hint_over_several_guessed_jobs_makes_them_one() -> None:
 
 def test_hints_of_two_jobs_stay_apart() -> None:
     model = AccessModel()
-    listed(model, "a", dataset("a", 4))
-    listed(model, "b", dataset("b", 4))
+    listed_dataset(model, "a", 4)
+    listed_dataset(model, "b", 4)
     model.hint(["a/img0003.jpg", "a/img0001.jpg"], 0.0)
     model.hint(["b/img0002.jpg", "b/img0000.jpg"], 0.0)
     assert model.jobs() == ["a", "b"]
@@ -523,9 +519,7 @@ def test_hints_of_two_jobs_stay_apart() -> None:
 
 def test_interleaved_jobs_keep_separate_epochs_and_unread_sets() -> None:
     model = AccessModel()
-    a_files, b_files = dataset("a", 10), dataset("b", 30)
-    listed(model, "a", a_files)
-    listed(model, "b", b_files)
+    a_files, b_files = listed_dataset(model, "a", 10), listed_dataset(model, "b", 30)
     trace = Trace(model)
     a_trace = a_files * 3
     for step in range(30):
@@ -546,9 +540,7 @@ def test_interleaved_jobs_keep_separate_epochs_and_unread_sets() -> None:
 
 def test_predictions_interleave_jobs_round_robin() -> None:
     model = AccessModel()
-    a_files, b_files = dataset("a", 10), dataset("b", 10)
-    listed(model, "a", a_files)
-    listed(model, "b", b_files)
+    a_files, b_files = listed_dataset(model, "a", 10), listed_dataset(model, "b", 10)
     trace = Trace(model)
     trace.open(a_files[0])
     trace.open(b_files[0])
@@ -560,8 +552,8 @@ def test_predictions_interleave_jobs_round_robin() -> None:
 def test_listing_the_mount_root_does_not_merge_jobs() -> None:
     model = AccessModel()
     model.listed("", {"README": 10})
-    listed(model, "a", dataset("a", 2))
-    listed(model, "b", dataset("b", 2))
+    listed_dataset(model, "a", 2)
+    listed_dataset(model, "b", 2)
     assert model.jobs() == ["", "a", "b"]
 
 
