@@ -99,9 +99,10 @@ class FileSystem:
         node = self._namespace.lookup(path)
         if node.info is None:
             return Attributes(DIR_MODE, 0, self._mounted_at, self._uid, self._gid, nlink=2)
-        with self._lock:
-            if self._replaced.get(node.info.key, node.info.etag) != node.info.etag:
-                del self._replaced[node.info.key]  # the kernel now has the new size
+        if node.info.key in self._replaced:  # rare: only a replaced version takes the lock
+            with self._lock:
+                if self._replaced.get(node.info.key, node.info.etag) != node.info.etag:
+                    del self._replaced[node.info.key]  # the kernel now has the new size
         return Attributes(FILE_MODE, node.info.size, node.info.mtime, self._uid, self._gid, nlink=1)
 
     def readdir(self, path: str) -> list[tuple[str, int]]:
