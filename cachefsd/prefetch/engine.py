@@ -462,23 +462,23 @@ class Prefetcher:
             self._in_flight_bytes -= nbytes
             joined = ref in self._joined
             self._joined.discard(ref)
-            if digest is not None and not joined:
-                self._ahead[ref] = _Ahead(info, index, digest, nbytes, job)
-                self._ahead_bytes += nbytes
-            elif digest is not None:
-                self._reach.used(nbytes)
-            else:
+            if digest is None:
                 self._refund_locked(nbytes)
                 if fetched:
                     # Fetched, but the cache had no room the policy would give
                     # up: the bytes crossed the network for nothing.
                     self._reach.wasted(nbytes)
+            elif joined:
+                self._reach.used(nbytes)
+            else:
+                self._ahead[ref] = _Ahead(info, index, digest, nbytes, job)
+                self._ahead_bytes += nbytes
         if fetched:  # issued counts every fetched block, so used + wasted <= issued
             self._events.prefetch_issued(nbytes)
-        if digest is not None and joined:
-            self._events.prefetch_used(nbytes)
-        elif digest is None and fetched:
-            self._events.prefetch_wasted(nbytes)
+            if digest is None:
+                self._events.prefetch_wasted(nbytes)
+            elif joined:
+                self._events.prefetch_used(nbytes)
         self._wake.set()
 
     def _spend_locked(self, nbytes: int) -> bool:
