@@ -584,9 +584,10 @@ def foreign_mount(path: str | os.PathLike[str]) -> Path | None:
     return next((candidate for candidate in (absolute, *absolute.parents) if str(candidate) in mounted), None)
 
 
-def not_a_mount(path: str | os.PathLike[str]) -> ControlError:
-    """Why ``path`` has no daemon this user can reach."""
-    foreign = foreign_mount(path)
+def not_a_mount(path: str | os.PathLike[str], foreign: Path | None = None) -> ControlError:
+    """Why ``path`` has no daemon this user can reach; ``foreign`` when the
+    caller already asked ``foreign_mount``."""
+    foreign = foreign or foreign_mount(path)
     if foreign is None:
         return ControlError(f"{path} is not a cachefsd mount")
     return ControlError(

@@ -588,8 +588,9 @@ def resolve_target(target: str) -> Target:
                 f"cachefsd stage {mount.state.source} --cache-dir {mount.state.cache_dir}"
             )
         return Target(mount=mount)
-    if foreign_mount(target) is not None:  # not a local directory to copy through the mount
-        raise not_a_mount(target)
+    foreign = foreign_mount(target)
+    if foreign is not None:  # not a local directory to copy through the mount
+        raise not_a_mount(target, foreign)
     if not os.path.isdir(target):
         raise CachefsdError(f"{target}: not a bucket URI, a cachefsd mount or a local directory")
     return Target(source=os.path.abspath(target))
