@@ -258,9 +258,11 @@ def _cmd_gc(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _cache_dir(args: argparse.Namespace) -> Path:
+    """The flag, else the config's: either made absolute as the settings make it."""
+    flags: dict[str, Any] = {"source": ".", "mountpoint": "."}
     if args.cache_dir is not None:
-        return Path(args.cache_dir).expanduser().resolve()
-    return load_settings(args.config, {"source": ".", "mountpoint": "."}).cache.dir
+        flags["cache"] = {"dir": args.cache_dir}
+    return load_settings(args.config, flags).cache.dir
 
 
 def _stage_flags(args: argparse.Namespace, source: str) -> dict[str, Any]:
