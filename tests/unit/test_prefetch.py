@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from cachefsd.chunks.codec import Codec, encode
+from cachefsd.chunks.codec import Codec, content_hash, encode
 from cachefsd.chunks.policy import EpochAwarePolicy, MinioPolicy, PlannedUse
 from cachefsd.chunks.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
@@ -145,6 +145,34 @@ def test_no_more_is_fetched_ahead_than_the_cache_would_keep(
         wait_for(lambda: engine.cache.used_bytes == 2 * frame, "the cache to fill")
     assert engine.store.get_count == 2
     assert engine.metrics.prefetch_wasted_bytes._value.get() == 0
+
+
+def test_a_prefetched_block_the_cache_refuses_counts_issued_and_wasted(
+    make_engine: EngineFactory, dataset: dict[str, bytes]
+) -> None:
+    """Room for one block, taken by another while the prefetch's GET is in
+    flight, and a policy that gives up nothing: the fetched block is refused.
+    Its bytes crossed the network, so they count as issued and as wasted,
+    and the dashboard's accuracy (used / issued) stays a fraction."""
+    frame = disk_bytes(len(encode(bytes(BLOCK_SIZE // 2), Codec.RAW)))
+    engine = make_engine(dataset, capacity=frame, policy=MinioPolicy())
+    first, second = sorted(dataset)[:2]
+    info = engine.namespace.lookup("/" + second).info
+    assert info is not None
+    engine.faulty.faults.latency_seconds = 0.3
+    calls = engine.faulty.calls
+    with start(engine, PrefetchSettings(concurrency=1)) as prefetcher:
+        prefetcher.hint([first])
+        wait_for(lambda: engine.faulty.calls > calls, "the prefetch GET to start")
+        data = dataset[second]
+        engine.cache.admit(engine.reader.ref(info, 0), content_hash(data), data)
+        wait_for(lambda: engine.metrics.prefetch_issued_bytes._value.get() > 0, "the prefetch to land")
+    assert engine.reader.residency(info, 0) is not None  # the resident stayed
+    first_info = engine.namespace.lookup("/" + first).info
+    assert first_info is not None
+    assert engine.reader.residency(first_info, 0) is None  # refused on arrival
+    assert engine.metrics.prefetch_issued_bytes._value.get() == BLOCK_SIZE // 2
+    assert engine.metrics.prefetch_wasted_bytes._value.get() == BLOCK_SIZE // 2
 
 
 def test_with_a_hint_a_full_cache_gives_up_what_is_read_last_for_what_is_read_first(
