@@ -24,5 +24,15 @@ if [ ! -x "$repo/.venv/bin/python" ]; then
 fi
 target="$repo"
 if [ -n "$extra" ]; then target="$repo[$extra]"; fi
-echo "bootstrap: installing cachefsd${extra:+ with [$extra]} into .venv" >&2
-"$repo/.venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$target"
+# The editable install follows the code; only the package's metadata (its
+# dependencies) needs a reinstall. Skip pip while pyproject.toml is that of
+# the last install and it had the extra asked for (a test install serves
+# the demo too).
+stamp="$repo/.venv/.cachefsd-installed"
+project="$(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1)"
+installed="$(cat "$stamp" 2>/dev/null || true)"
+if [ "$installed" != "$project $extra" ] && { [ -n "$extra" ] || [ "${installed%% *}" != "$project" ]; }; then
+    echo "bootstrap: installing cachefsd${extra:+ with [$extra]} into .venv" >&2
+    "$repo/.venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$target"
+    echo "$project $extra" >"$stamp"
+fi
