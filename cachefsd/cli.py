@@ -26,6 +26,8 @@ log = logging.getLogger("cachefsd")
 # disk is the slowest part and takes seconds, not minutes.
 MOUNT_READY_SECONDS = 60.0
 UNMOUNT_SECONDS = 30.0
+# What starts a warning line on the ready pipe (``_ReadyPipe``).
+WARNING_PREFIX = "warning: "
 _POLL_SECONDS = 0.05
 # Offline-stage flags that a stage through a daemon cannot honour.
 _STAGE_CACHE_FLAGS = (
@@ -124,37 +126,60 @@ def _configure_logging(level: str) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+class _ReadyPipe(logging.Handler):
+    """The pipe to the mounting command: a "warning: ..." line for each
+    warning logged while the daemon starts (a user who typed ``mount``
+    should see them, not only the log), then one last line: "ready", or
+    the error that prevented it. After that the mounting command has gone,
+    so the pipe is closed and later messages are only logged (writing would
+    raise BrokenPipeError)."""
+
+    def __init__(self, fd: int | None) -> None:
+        super().__init__(logging.WARNING)
+        self._fd = fd
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._write(f"{WARNING_PREFIX}{record.getMessage()}".replace("\n", " "), last=False)
+
+    def finish(self, line: str) -> None:
+        with self.lock:  # the lock ``handle`` holds around ``emit``
+            self._write(line, last=True)
+
+    def _write(self, line: str, last: bool) -> None:
+        fd = self._fd
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.write(fd, f"{line}\n".encode())
+        if last:
+            self._fd = None
+            os.close(fd)
+
+
 def _mount_foreground(settings: Settings, ready_fd: int | None) -> int:
     from cachefsd import daemon  # noqa: PLC0415 - keep `cachefsd --help` free of FUSE and SDK imports
 
     _configure_logging(settings.log_level)
-
-    # The pipe carries one line: "ready", or the error that prevented it.
-    # After "ready" the mounting command has gone, so the pipe is closed and
-    # a later failure is only logged (writing would raise BrokenPipeError).
-    def tell(line: str) -> None:
-        nonlocal ready_fd
-        fd, ready_fd = ready_fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.write(fd, f"{line}\n".encode())
-            os.close(fd)
+    pipe = _ReadyPipe(ready_fd)
+    log.addHandler(pipe)
 
     def ready() -> None:
         log.info("mount ready")
         notify_systemd("READY=1")
-        tell("ready")
+        pipe.finish("ready")
 
     try:
         daemon.run(settings, ready)
     except CachefsdError as exc:
-        tell(str(exc))
+        pipe.finish(str(exc))
         log.error("%s", exc)
         return 1
     except Exception as exc:
-        tell(f"unexpected error: {exc}")
+        pipe.finish(f"unexpected error: {exc}")
         log.exception("unexpected error")
         return 1
+    finally:
+        log.removeHandler(pipe)
     return 0
 
 
@@ -173,18 +198,25 @@ def _mount_background(argv: list[str], settings: Settings) -> int:
             start_new_session=True,
         )
     os.close(write_end)
-    message = b""
+    line = ""
+    pending = b""
     deadline = time.monotonic() + MOUNT_READY_SECONDS
     with os.fdopen(read_end, "rb") as ready_pipe:
-        while b"\n" not in message and time.monotonic() < deadline:
+        while not line and time.monotonic() < deadline:
             readable, _, _ = select.select([ready_pipe], [], [], deadline - time.monotonic())
             if not readable:
                 break
             chunk = os.read(ready_pipe.fileno(), 4096)
             if not chunk:
                 break
-            message += chunk
-    line = message.decode(errors="replace").strip()
+            pending += chunk
+            while b"\n" in pending and not line:
+                raw, pending = pending.split(b"\n", 1)
+                text = raw.decode(errors="replace").strip()
+                if text.startswith(WARNING_PREFIX):
+                    print(f"cachefsd: {text}", file=sys.stderr)
+                else:
+                    line = text
     if line == "ready":
         print(f"cachefsd: mounted {settings.source} on {settings.mountpoint} (pid {child.pid})")
         return 0

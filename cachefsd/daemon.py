@@ -38,7 +38,7 @@ from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import Prefetcher
 from cachefsd.runtime import MountState, pid_alive, read_state, write_state
-from cachefsd.stage import MountHandlers
+from cachefsd.stage import MountHandlers, human_bytes
 from cachefsd.stats import DaemonStats, Residency
 from cachefsd.store import open_store
 from cachefsd.store.base import ObjectStore
@@ -121,6 +121,23 @@ class Engine:
     fs: FileSystem
 
 
+def _warn_of_small_disks(cache: TieredCache) -> None:
+    """A capacity larger than its disk is not an error (a tier holds what
+    its filesystem has room for, and gains room as the disk frees up), but
+    the user who asked for it should know it will not be met."""
+    for tier in cache.tiers:
+        limit = tier.limit()
+        if limit < tier.capacity:
+            log.warning(
+                "%s tier: capacity %s, but the filesystem of %s has room for %s; "
+                "the tier holds no more than the disk allows",
+                tier.name,
+                human_bytes(tier.capacity),
+                tier.root,
+                human_bytes(max(0, limit)),
+            )
+
+
 @contextmanager
 def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engine]:
     """Open the cache (locks, reconcile), prove the source reachable, and
@@ -134,6 +151,7 @@ def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engin
         with open_cache(
             settings.cache.dir, specs, settings.cache.policy, model, metrics, lock_wait, planned
         ) as opened:
+            _warn_of_small_disks(opened.cache)
             store = open_store(settings.source, settings.store, settings.fetch.attempt_timeout)
             try:
                 io.run(store.check(), MOUNT_CHECK_SECONDS)

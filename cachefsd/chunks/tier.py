@@ -104,7 +104,7 @@ class Tier:
         once that many bytes are found: the caller holds this tier's lock
         for as long as the policy counts."""
         with self._lock:
-            free = self._limit() - self._used  # below 0 when the disk filled up under us
+            free = self.limit() - self._used  # below 0 when the disk filled up under us
             mean = self._used // len(self._sizes) if self._sizes else 0
             if wanted is None or not mean:
                 return max(0, free + self._policy.spare(incoming_use) * mean)
@@ -120,7 +120,7 @@ class Tier:
             raise NoRoom(f"{size} bytes exceed the {self.name} tier", [])
         victims: list[str] = []
         with self._lock:
-            limit = self._limit()
+            limit = self.limit()
             while self._used + size > limit:
                 victim = self._policy.victim(incoming)
                 if victim is None:
@@ -129,7 +129,7 @@ class Tier:
                 self._remove_locked(victim)
         return victims
 
-    def _limit(self) -> int:
+    def limit(self) -> int:
         """The bytes this tier may hold now: its capacity, or less when its
         filesystem has not that much room left (``DISK_RESERVE_BYTES``); a
         statvfs per admission, far cheaper than the block write it guards."""

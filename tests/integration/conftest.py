@@ -77,6 +77,7 @@ class Mount:
     cache_dir: Path
     metrics_url: str
     pid: int
+    warnings: str  # what the mount command printed on stderr
 
     def path(self, relative: str) -> Path:
         return self.mountpoint / relative
@@ -131,7 +132,7 @@ def fixture_mounter(tmp_path: Path) -> Iterator[MountFactory]:
         assert os.path.ismount(mountpoint)
         state = read_state(mountpoint)
         assert state is not None
-        return Mount(mountpoint, cache_dir, f"http://127.0.0.1:{port}/metrics", state.pid)
+        return Mount(mountpoint, cache_dir, f"http://127.0.0.1:{port}/metrics", state.pid, result.stderr)
 
     try:
         yield mount

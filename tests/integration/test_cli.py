@@ -198,6 +198,21 @@ def test_a_mount_of_another_users_daemon_is_named_as_such(
         hidden.rename(state)
 
 
+def test_a_cache_larger_than_its_disk_is_a_warning_at_mount(tmp_path: Path, mounter: MountFactory) -> None:
+    """Not an error (the tier holds what the disk has room for), but the
+    user who typed the size sees that it will not be met, at the terminal."""
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "a.txt").write_bytes(b"a")
+    mount = mounter(str(source), "--cache-size", "1000T")
+    assert mount.path("a.txt").read_bytes() == b"a"
+    lines = mount.warnings.strip().splitlines()
+    assert len(lines) == 1, mount.warnings
+    assert lines[0].startswith("cachefsd: warning: hot tier: capacity 1000.0 TiB"), mount.warnings
+    assert f"filesystem of {mount.cache_dir} has room for" in lines[0]
+    assert mounter(str(source), name="fits").warnings == ""
+
+
 # -- stopping --------------------------------------------------------------------
 
 
