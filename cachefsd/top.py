@@ -5,6 +5,7 @@ tables as ``cachefsd stats`` (``stats.render``) on the terminal's
 alternate screen, and adds a throughput sparkline: the bytes the daemon
 served in each interval of the last ``HISTORY_SECONDS``. Only the daemon
 sees those bytes; re-reads the kernel's page cache answers never reach it.
+Without a terminal (a pipe, a log) each refresh is appended instead.
 
 Quits on ``q`` (or Ctrl-C). Keys are read from stdin in cbreak mode when it
 is a terminal (one key at a time, no echo; Ctrl-C still raises SIGINT),
@@ -20,7 +21,8 @@ import termios
 import time
 import tty
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from types import TracebackType
 from typing import IO, Any
 
@@ -138,20 +140,37 @@ def run(client: ControlClient, interval: float = REFRESH_SECONDS, console: Any =
     that stops answering ends it with its ``ControlError``, after the
     screen is restored."""
     from rich.console import Console  # noqa: PLC0415 - only when drawing
-    from rich.live import Live  # noqa: PLC0415
 
     console = console or Console()
     throughput = Throughput(interval)
     try:
-        with (
-            Keys(sys.stdin) as keys,
-            Live(console=console, screen=True, auto_refresh=False, redirect_stderr=False) as live,
-        ):
+        with Keys(sys.stdin) as keys, _screen(console) as show:
             while True:
                 stats = client.stats()
                 throughput.add(time.monotonic(), stats.get("reads", {}).get("bytes", {}).get("total", 0))
-                live.update(render(stats, throughput.line()), refresh=True)
+                show(render(stats, throughput.line()))
                 if keys.quit_within(interval):
                     return 0
     except KeyboardInterrupt:
         return 0
+
+
+@contextmanager
+def _screen(console: Any) -> Iterator[Callable[[Any], None]]:
+    """How each refresh is shown: redrawn in place on a terminal's alternate
+    screen; appended, one timestamped snapshot after another, to a pipe or a
+    log (``kubectl exec`` without ``-t``, ``| tee``), as ``top -b`` does,
+    where a live display would show nothing at all."""
+    if not console.is_terminal:
+
+        def append(tables: Any) -> None:
+            console.print(time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+            console.print(tables)
+            console.file.flush()
+
+        yield append
+        return
+    from rich.live import Live  # noqa: PLC0415
+
+    with Live(console=console, screen=True, auto_refresh=False, redirect_stderr=False) as live:
+        yield lambda tables: live.update(tables, refresh=True)

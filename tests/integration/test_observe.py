@@ -262,3 +262,38 @@ def test_top_draws_the_tiers_and_a_sparkline_and_quits_on_q(
             top.kill()
             top.wait(timeout=TOP_EXIT_SECONDS)
         os.close(leader)
+
+
+def test_top_without_a_terminal_appends_a_snapshot_per_refresh(
+    s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
+) -> None:
+    """Piped (``| tee``, ``kubectl exec`` without ``-t``), a live screen
+    would show nothing: each refresh is printed after the last instead."""
+    objects = _dataset(4, {"train/a.bin": 100 * KiB})
+    bucket = new_bucket(s3_client)
+    put_objects(s3_client, bucket, objects)
+    mount = _mount(mounter, s3_server, bucket)
+    _read_all(mount, objects)
+    top = subprocess.Popen(
+        [sys.executable, "-m", "cachefsd", "top", str(mount.mountpoint), "--interval", TOP_INTERVAL],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    assert top.stdout is not None
+    output = bytearray()
+    try:
+        shown = _read_until(
+            top.stdout.fileno(), lambda text: text.count(f"s3://{bucket}") >= 2, TOP_DRAW_SECONDS, output
+        )
+        text = output.decode(errors="replace")
+        assert shown, f"top printed no second snapshot: {text[-2000:]!r}"
+        assert "\x1b[?1049h" not in text, "top switched a pipe to the alternate screen"
+        first = text.split(f"s3://{bucket}")[1]
+        assert "tiers" in first
+        assert "hot" in first
+    finally:
+        top.kill()
+        top.wait(timeout=TOP_EXIT_SECONDS)
+        top.stdout.close()
