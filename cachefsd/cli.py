@@ -17,7 +17,7 @@ from typing import Any
 from cachefsd import __version__
 from cachefsd.config import Settings, load_settings
 from cachefsd.errors import CachefsdError
-from cachefsd.runtime import notify_systemd, pid_alive, read_state
+from cachefsd.runtime import MOUNT_TYPE, mount_types, notify_systemd, pid_alive, read_state
 
 log = logging.getLogger("cachefsd")
 
@@ -242,8 +242,12 @@ def unmount(mountpoint: Path, timeout: float = UNMOUNT_SECONDS) -> None:
     """Unmount and wait for the daemon to exit (so its cache is released)."""
     mountpoint = mountpoint.resolve()
     state = read_state(mountpoint)
-    if not os.path.ismount(mountpoint):
+    kind = mount_types().get(str(mountpoint))
+    if kind is None:
         raise CachefsdError(f"{mountpoint} is not mounted")
+    if kind != MOUNT_TYPE:
+        # As root, fusermount3 -u unmounts any filesystem.
+        raise CachefsdError(f"{mountpoint} is a {kind} mount, not cachefsd's: left mounted")
     result = subprocess.run(
         ["fusermount3", "-u", str(mountpoint)], capture_output=True, text=True, timeout=timeout, check=False
     )

@@ -37,7 +37,6 @@ import http.server
 import json
 import logging
 import os
-import re
 import socket
 import socketserver
 import threading
@@ -48,7 +47,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cachefsd.errors import CachefsdError, StageCancelled
-from cachefsd.runtime import MountState, pid_alive, read_state, state_path
+from cachefsd.runtime import MOUNT_TYPE, MountState, mount_types, pid_alive, read_state, state_path
 
 log = logging.getLogger(__name__)
 
@@ -572,15 +571,7 @@ def foreign_mount(path: str | os.PathLike[str]) -> Path | None:
     user's daemon (root's, under the systemd unit or the DaemonSet), whose
     state and control socket are owner-only."""
     absolute = Path(os.path.abspath(path))
-    try:
-        with open("/proc/self/mounts", encoding="utf-8") as table:
-            mounted = {
-                re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), fields[1])
-                for fields in (line.split() for line in table)
-                if len(fields) > 2 and fields[2] == "fuse.cachefsd"
-            }
-    except OSError:
-        return None
+    mounted = {mountpoint for mountpoint, kind in mount_types().items() if kind == MOUNT_TYPE}
     return next((candidate for candidate in (absolute, *absolute.parents) if str(candidate) in mounted), None)
 
 

@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -25,6 +26,26 @@ from cachefsd.errors import CachefsdError
 # mount of the same cache waits this long for it before giving up.
 LOCK_WAIT_SECONDS = 15.0
 _POLL_SECONDS = 0.05
+
+
+# The type the kernel's mount table gives a cachefsd mount (``fuse.<subtype>``).
+MOUNT_TYPE = "fuse.cachefsd"
+
+
+def mount_types() -> dict[str, str]:
+    """Every mountpoint in the kernel's mount table -> its filesystem type
+    (the last mount at a path wins, as it is the one seen there)."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as table:
+            rows = [line.split() for line in table]
+    except OSError:
+        return {}
+    # Spaces and the like in a mountpoint are escaped as octal (\040).
+    return {
+        re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), fields[1]): fields[2]
+        for fields in rows
+        if len(fields) > 2
+    }
 
 
 def runtime_dir() -> Path:

@@ -241,6 +241,21 @@ def test_unmount_of_a_path_that_is_not_mounted_fails_clearly(tmp_path: Path) -> 
     _assert_one_line_failure(status, stdout, stderr, 0.0, "not mounted")
 
 
+def test_unmount_leaves_a_mount_of_another_filesystem_alone(tmp_path: Path) -> None:
+    """As root (the systemd unit, the DaemonSet), fusermount3 -u unmounts
+    anything: ``cachefsd unmount`` of a path that is not ours must refuse."""
+    other = tmp_path / "tmpfs"
+    other.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(other)], check=True, timeout=10)
+    try:
+        status, stdout, stderr = cli("unmount", str(other))
+        line = _assert_one_line_failure(status, stdout, stderr, 0.0, "is a tmpfs mount, not cachefsd's")
+        assert str(other) in line
+        assert os.path.ismount(other)
+    finally:
+        subprocess.run(["umount", str(other)], check=False, timeout=10)
+
+
 @pytest.mark.parametrize("flags", [(), ("--no-prefetch",)], ids=["default", "no-prefetch"])
 def test_unmount_returns_after_the_daemon_exits_cleanly(
     flags: tuple[str, ...], s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
