@@ -8,10 +8,12 @@ import json
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from cachefsd import __version__
@@ -188,16 +190,48 @@ def _mount_background(argv: list[str], settings: Settings) -> int:
     settings.cache.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     log_path = settings.cache.dir / "cachefsd.log"
     read_end, write_end = os.pipe()
-    with open(log_path, "ab") as log_file:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "cachefsd", *argv, "--foreground", "--ready-fd", str(write_end)],
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=log_file,
-            pass_fds=(write_end,),
-            start_new_session=True,
-        )
-    os.close(write_end)
+    # The daemon outlives this command only once it is mounted: Ctrl-C, or
+    # the SIGTERM of a ``timeout`` or a supervisor, stops it, or the mount
+    # would appear behind the back of a command that reported failure.
+    previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    child = None
+    try:
+        with open(log_path, "ab") as log_file:
+            child = subprocess.Popen(
+                [sys.executable, "-m", "cachefsd", *argv, "--foreground", "--ready-fd", str(write_end)],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                pass_fds=(write_end,),
+                start_new_session=True,
+            )
+        os.close(write_end)
+        line = _ready_line(read_end)
+    except KeyboardInterrupt:
+        if child is not None:
+            _stop(child, settings.mountpoint)
+        raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if line == "ready":
+        print(f"cachefsd: mounted {settings.source} on {settings.mountpoint} (pid {child.pid})")
+        return 0
+    if not line:
+        if child.poll() is None:
+            _stop(child, settings.mountpoint)
+            line = f"the mount was not ready within {MOUNT_READY_SECONDS:g}s"
+        else:
+            line = f"the daemon exited with status {child.returncode}"
+        line += f"; see {log_path}"
+    print(f"cachefsd: error: {line}", file=sys.stderr)
+    return 1
+
+
+def _ready_line(read_end: int) -> str:
+    """The daemon's last line on the ready pipe ("" if it closed the pipe
+    or stayed silent for ``MOUNT_READY_SECONDS``); its warnings before
+    that line go to stderr."""
     line = ""
     pending = b""
     deadline = time.monotonic() + MOUNT_READY_SECONDS
@@ -217,18 +251,25 @@ def _mount_background(argv: list[str], settings: Settings) -> int:
                     print(f"cachefsd: {text}", file=sys.stderr)
                 else:
                     line = text
-    if line == "ready":
-        print(f"cachefsd: mounted {settings.source} on {settings.mountpoint} (pid {child.pid})")
-        return 0
-    if not line:
-        if child.poll() is None:
-            child.kill()
-            line = f"the mount was not ready within {MOUNT_READY_SECONDS:g}s"
-        else:
-            line = f"the daemon exited with status {child.returncode}"
-        line += f"; see {log_path}"
-    print(f"cachefsd: error: {line}", file=sys.stderr)
-    return 1
+    return line
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop(child: subprocess.Popen[bytes], mountpoint: Path) -> None:
+    """Stop a daemon that is not (or not yet) mounted: SIGTERM, which
+    unmounts cleanly if it just got there; SIGKILL if it does not exit;
+    then a lazy unmount of what a killed daemon may have left."""
+    child.terminate()
+    try:
+        child.wait(timeout=UNMOUNT_SECONDS)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+    if mount_types().get(str(mountpoint.resolve())) == MOUNT_TYPE:
+        subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True, timeout=10, check=False)
 
 
 def _cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from cachefsd.runtime import read_state, state_path
+from cachefsd.runtime import CacheDirLock, pid_alive, read_state, state_path
 from cachefsd.testing.s3_server import S3TestServer
 from tests.integration.conftest import MountFactory, free_port, run_cli
 from tests.integration.datasets import new_bucket, put_objects
@@ -211,6 +211,55 @@ def test_a_cache_larger_than_its_disk_is_a_warning_at_mount(tmp_path: Path, moun
     assert lines[0].startswith("cachefsd: warning: hot tier: capacity 1000.0 TiB"), mount.warnings
     assert f"filesystem of {mount.cache_dir} has room for" in lines[0]
     assert mounter(str(source), name="fits").warnings == ""
+
+
+def _waiting_daemon(mountpoint: Path, lock: Path) -> int | None:
+    """The pid of a daemon starting for ``mountpoint`` (by its command line)
+    once it has opened ``lock``, to wait for it."""
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            ours = b"--ready-fd" in command and os.fsencode(mountpoint) in command
+            if ours and any(os.readlink(fd) == str(lock) for fd in (entry / "fd").iterdir()):
+                return int(entry.name)
+        except OSError:  # not a process, or gone
+            continue
+    return None
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_mount_stopped_before_it_is_ready_leaves_no_daemon_behind(signum: int, tmp_path: Path) -> None:
+    """``timeout 2 cachefsd mount ...`` or Ctrl-C reports a failure: the
+    mount must not appear later behind the caller's back."""
+    source, mountpoint, cache = tmp_path / "source", tmp_path / "mnt", tmp_path / "cache"
+    for directory in (source, mountpoint, cache):
+        directory.mkdir()
+    (source / "a.txt").write_bytes(b"a")
+    held = CacheDirLock(cache)  # the daemon waits for it, so it is not ready yet
+    try:
+        mount = ["mount", str(source), str(mountpoint), "--cache-dir", str(cache), "--no-metrics"]
+        command = subprocess.Popen(
+            [sys.executable, "-m", "cachefsd", *mount],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        lock = cache / "lock"
+        wait_until(
+            lambda: _waiting_daemon(mountpoint, lock) is not None,
+            "the daemon to wait for the lock",
+            FAIL_FAST_SECONDS,
+        )
+        daemon = _waiting_daemon(mountpoint, lock)
+        assert daemon is not None
+        command.send_signal(signum)
+        _, stderr = command.communicate(timeout=EXIT_DEADLINE_SECONDS)
+    finally:
+        held.release()
+    assert command.returncode != 0, stderr
+    assert "Traceback" not in stderr, stderr
+    assert not pid_alive(daemon), "the daemon outlived the mount command that was stopped"
+    assert not os.path.ismount(mountpoint)
 
 
 # -- stopping --------------------------------------------------------------------
