@@ -280,6 +280,22 @@ class Settings(_Section):
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     fuse: FuseSettings = Field(default_factory=FuseSettings)
 
+    @field_validator("source")
+    @classmethod
+    def _source_names_a_place(cls, value: str) -> str:
+        """A local source is made absolute here, like the cache directories
+        (the daemon serves from /). An empty one would be the current
+        directory: ``/`` itself under systemd or in a container, served
+        whole, which an unset variable in a unit must not do."""
+        if not value.strip():
+            raise ValueError("empty: give s3://bucket, gs://bucket, file:///a/dir or /a/dir")
+        scheme, sep, rest = value.partition("://")
+        if not sep:
+            return str(_absolute(Path(value)))
+        if scheme == "file" and not rest.startswith("/"):
+            raise ValueError(f"{value!r}: a file:// URL needs an absolute path (file:///a/dir)")
+        return value
+
     @model_validator(mode="after")
     def _demand_keeps_slots(self) -> Settings:
         if self.prefetch.concurrency >= self.fetch.concurrency:

@@ -53,6 +53,8 @@ def test_precedence_is_defaults_then_file_then_env_then_flags(tmp_path: Path) ->
         ({"namespace": {"metadata_ttl": "soon"}}, {}, "namespace.metadata_ttl"),
         ({"fetch": {"concurrency": True}}, {}, "fetch.concurrency: expected a whole number"),
         ({"cache": {"dir": "~no-such-user-here/c"}}, {}, "cache.dir: cannot resolve"),
+        ({"source": ""}, {}, "source: empty"),
+        ({"source": "file://data"}, {}, "source: 'file://data': a file:// URL needs an absolute path"),
         (
             {"cache": {"hot": {"dir": "/c/t", "size": "1G"}, "warm": {"dir": "/c/t", "size": "1G"}}},
             {},
@@ -98,6 +100,14 @@ def test_cache_directories_are_absolute_whatever_the_working_directory(
     )
     assert settings.cache.dir == tmp_path / "c"
     assert settings.cache.tiers()[0][1].dir == tmp_path / "hot"
+
+
+def test_a_local_source_is_absolute_whatever_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert load_settings(None, {**REQUIRED, "source": "data"}, environ={}).source == str(tmp_path / "data")
+    assert load_settings(None, {**REQUIRED, "source": "s3://b/p"}, environ={}).source == "s3://b/p"
 
 
 def test_the_default_cache_directory_is_the_one_its_tier_names(
