@@ -21,9 +21,10 @@ class SingleFlight(Generic[K, V]):
         self._lock = threading.Lock()
         self._calls: dict[K, Future[V]] = {}
 
-    def do(self, key: K, call: Callable[[], V], timeout: float) -> V:
+    def do(self, key: K, call: Callable[[], V], timeout: float | None) -> V:
         """``call()``'s result, computed once for all concurrent callers of
-        ``key``; a follower waits at most ``timeout`` seconds for the leader."""
+        ``key``; a follower waits at most ``timeout`` seconds for the leader
+        (None: as long as the leader takes, when ``call`` bounds itself)."""
         with self._lock:
             future = self._calls.get(key)
             leader = future is None

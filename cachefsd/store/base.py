@@ -40,6 +40,14 @@ class Listing:
     prefixes: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class ListingPage:
+    """One page of a listing, and the token of the next (None after the last)."""
+
+    listing: Listing
+    next_token: str | None
+
+
 class ObjectStore(Protocol):
     """What cachefsd needs from a bucket. All methods are coroutines run on
     the daemon's event loop thread."""
@@ -60,8 +68,12 @@ class ObjectStore(Protocol):
         ``ObjectNotFound`` / ``AccessDenied`` / ``StoreError`` quickly."""
         ...
 
-    async def list(self, prefix: str) -> Listing:
-        """All entries one level under ``prefix`` (every page)."""
+    async def list_page(self, prefix: str, token: str | None) -> ListingPage:
+        """One page of the entries one level under ``prefix``: the first
+        when ``token`` is None, else the one ``token`` names. A page is one
+        request, so the caller bounds and retries pages, not a whole
+        listing: a directory of 100k keys is 100 pages, which may together
+        take longer than any one request may."""
         ...
 
     async def head(self, key: str) -> ObjectInfo:

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass
 
 from cachefsd.errors import StoreError
-from cachefsd.store.base import Listing, ObjectInfo, ObjectStore
+from cachefsd.store.base import ListingPage, ObjectInfo, ObjectStore
 
 
 @dataclass
@@ -48,9 +48,9 @@ class FaultyStore:
         await self._inject()
         await self._inner.check()
 
-    async def list(self, prefix: str) -> Listing:
+    async def list_page(self, prefix: str, token: str | None) -> ListingPage:
         await self._inject()
-        return await self._inner.list(prefix)
+        return await self._inner.list_page(prefix, token)
 
     async def head(self, key: str) -> ObjectInfo:
         await self._inject()

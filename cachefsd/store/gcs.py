@@ -42,7 +42,7 @@ from google.cloud.storage import exceptions as storage_exceptions
 from requests.adapters import HTTPAdapter
 
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
-from cachefsd.store.base import Listing, ObjectInfo
+from cachefsd.store.base import Listing, ListingPage, ObjectInfo
 
 _T = TypeVar("_T")
 
@@ -188,34 +188,33 @@ class GcsStore:
         except ObjectNotFound as exc:
             raise ObjectNotFound(f"bucket '{self._bucket_name}' does not exist") from exc.__cause__
 
-    async def list(self, prefix: str) -> Listing:
+    async def list_page(self, prefix: str, token: str | None) -> ListingPage:
         bucket = await self._get_bucket()
-        full_prefix = self._root + prefix
         cut = len(self._root)
 
-        def call() -> Listing:
+        def call() -> ListingPage:
             assert self._client is not None
             iterator = self._client.list_blobs(
                 bucket,
-                prefix=full_prefix,
+                prefix=self._root + prefix,
                 delimiter="/",
                 page_size=_LIST_PAGE_SIZE,
+                page_token=token,
                 timeout=self._attempt_timeout,
                 retry=None,
             )
-            objects = [
+            page = next(iterator.pages)  # the first page, even when empty
+            objects = tuple(
                 ObjectInfo(
                     key=blob.name[cut:],
                     size=int(blob.size or 0),
                     etag=str(blob.generation),
                     mtime=_mtime(blob),
                 )
-                for blob in iterator
-            ]
-            # ``prefixes`` is filled while the pages are read, so only now.
-            prefixes = sorted(entry[cut:] for entry in iterator.prefixes)
-            objects.sort(key=lambda info: info.key)
-            return Listing(objects=tuple(objects), prefixes=tuple(prefixes))
+                for blob in page
+            )
+            prefixes = tuple(entry[cut:] for entry in page.prefixes)
+            return ListingPage(Listing(objects=objects, prefixes=prefixes), iterator.next_page_token)
 
         return await self._run(self._target(prefix), call)
 

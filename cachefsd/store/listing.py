@@ -1,9 +1,9 @@
-"""Building one level of a delimiter listing from a flat set of keys, shared
-by the stores that have no server to do it (memory)."""
+"""Building one level of a delimiter listing: from a flat set of keys, for
+the stores that have no server to do it (memory), and from its pages."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from cachefsd.store.base import Listing, ObjectInfo
 
@@ -23,3 +23,11 @@ def one_level(prefix: str, objects: Iterable[ObjectInfo]) -> Listing:
             prefixes.add(prefix + rest[: cut + 1])
     direct.sort(key=lambda info: info.key)
     return Listing(objects=tuple(direct), prefixes=tuple(sorted(prefixes)))
+
+
+def merged(pages: Sequence[Listing]) -> Listing:
+    """The listing whose pages are ``pages``, sorted as a one-page listing is."""
+    objects = [info for page in pages for info in page.objects]
+    prefixes = sorted({prefix for page in pages for prefix in page.prefixes})
+    objects.sort(key=lambda info: info.key)
+    return Listing(objects=tuple(objects), prefixes=tuple(prefixes))

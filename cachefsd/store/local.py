@@ -9,7 +9,7 @@ import stat
 from pathlib import Path
 
 from cachefsd.errors import ObjectChanged, ObjectNotFound, StoreError
-from cachefsd.store.base import Listing, ObjectInfo
+from cachefsd.store.base import Listing, ListingPage, ObjectInfo
 
 
 def _etag(st: os.stat_result) -> str:
@@ -54,8 +54,9 @@ class LocalStore:
         if not os.access(self._root, os.R_OK | os.X_OK):
             raise StoreError(f"{self._root} is not readable")
 
-    async def list(self, prefix: str) -> Listing:
-        return await asyncio.to_thread(self._list, prefix)
+    async def list_page(self, prefix: str, token: str | None) -> ListingPage:
+        """The whole directory in one page."""
+        return ListingPage(await asyncio.to_thread(self._list, prefix), None)
 
     def _list(self, prefix: str) -> Listing:
         directory = self._path(prefix.rstrip("/")) if prefix else self._root

@@ -7,7 +7,7 @@ import threading
 import time
 
 from cachefsd.errors import ObjectChanged, ObjectNotFound
-from cachefsd.store.base import Listing, ObjectInfo
+from cachefsd.store.base import Listing, ListingPage, ObjectInfo
 from cachefsd.store.listing import one_level
 
 
@@ -16,8 +16,16 @@ class MemoryStore:
     daemon reads it; the etag is the content's MD5, as for S3 single-part uploads.
     """
 
-    def __init__(self, objects: dict[str, bytes] | None = None, uri: str = "memory://test") -> None:
+    def __init__(
+        self,
+        objects: dict[str, bytes] | None = None,
+        uri: str = "memory://test",
+        page_size: int | None = None,
+    ) -> None:
+        """``page_size`` objects a listing page, as a bucket pages them (the
+        prefixes come with the last page); one page for all when None."""
         self._uri = uri
+        self._page_size = page_size
         self._lock = threading.Lock()
         self._objects: dict[str, tuple[ObjectInfo, bytes]] = {}
         self.get_count = 0
@@ -46,11 +54,18 @@ class MemoryStore:
     async def check(self) -> None:
         return None
 
-    async def list(self, prefix: str) -> Listing:
+    async def list_page(self, prefix: str, token: str | None) -> ListingPage:
         with self._lock:
             self.list_count += 1
             infos = [info for info, _ in self._objects.values()]
-        return one_level(prefix, infos)
+        listing = one_level(prefix, infos)
+        if self._page_size is None:
+            return ListingPage(listing, None)
+        start = int(token or 0)
+        end = start + self._page_size
+        if end >= len(listing.objects):
+            return ListingPage(Listing(listing.objects[start:], listing.prefixes), None)
+        return ListingPage(Listing(listing.objects[start:end], ()), str(end))
 
     async def head(self, key: str) -> ObjectInfo:
         with self._lock:

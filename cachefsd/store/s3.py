@@ -46,7 +46,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from cachefsd.config import StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
-from cachefsd.store.base import Listing, ObjectInfo
+from cachefsd.store.base import Listing, ListingPage, ObjectInfo
 
 # Used when neither the settings nor the AWS config name a region. Requests to
 # a bucket in another region are redirected by S3 itself; us-east-1 is what
@@ -229,36 +229,33 @@ class S3Store:
         except _S3_ERRORS as exc:
             raise _translate(exc, target=self._target(), endpoint=self._endpoint) from exc
 
-    async def list(self, prefix: str) -> Listing:
+    async def list_page(self, prefix: str, token: str | None) -> ListingPage:
         client = await self._get_client()
-        full_prefix = self._root + prefix
         cut = len(self._root)
-        objects: list[ObjectInfo] = []
-        prefixes: list[str] = []
-        paginator = client.get_paginator("list_objects_v2")
-        pages = paginator.paginate(
-            Bucket=self._bucket,
-            Prefix=full_prefix,
-            Delimiter="/",
-            PaginationConfig={"PageSize": _LIST_PAGE_SIZE},
-        )
+        request: dict[str, Any] = {
+            "Bucket": self._bucket,
+            "Prefix": self._root + prefix,
+            "Delimiter": "/",
+            "MaxKeys": _LIST_PAGE_SIZE,
+        }
+        if token is not None:
+            request["ContinuationToken"] = token
         try:
-            async for page in pages:
-                for item in page.get("Contents", ()):
-                    objects.append(
-                        ObjectInfo(
-                            key=item["Key"][cut:],
-                            size=int(item["Size"]),
-                            etag=_strip_quotes(item["ETag"]),
-                            mtime=item["LastModified"].timestamp(),
-                        )
-                    )
-                prefixes.extend(entry["Prefix"][cut:] for entry in page.get("CommonPrefixes", ()))
+            page = await client.list_objects_v2(**request)
         except _S3_ERRORS as exc:
             raise _translate(exc, target=self._target(prefix), endpoint=self._endpoint) from exc
-        objects.sort(key=lambda info: info.key)
-        prefixes.sort()
-        return Listing(objects=tuple(objects), prefixes=tuple(prefixes))
+        objects = tuple(
+            ObjectInfo(
+                key=item["Key"][cut:],
+                size=int(item["Size"]),
+                etag=_strip_quotes(item["ETag"]),
+                mtime=item["LastModified"].timestamp(),
+            )
+            for item in page.get("Contents", ())
+        )
+        prefixes = tuple(entry["Prefix"][cut:] for entry in page.get("CommonPrefixes", ()))
+        next_token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+        return ListingPage(Listing(objects=objects, prefixes=prefixes), next_token)
 
     async def head(self, key: str) -> ObjectInfo:
         full_key = self._root + key

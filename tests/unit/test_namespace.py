@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cachefsd.errors import NotADirectory, ObjectNotFound
+from cachefsd.store.memory import MemoryStore
 from tests.unit.conftest import EngineFactory, joined
 
 
@@ -59,3 +60,16 @@ def test_a_changed_object_releases_its_old_blocks(make_engine: EngineFactory) ->
     assert new is not None
     assert new.etag != old.etag
     assert engine.cache.used_bytes == 0
+
+
+def test_a_listing_of_many_pages_may_take_longer_than_one_request_may(make_engine: EngineFactory) -> None:
+    """Each page is one request, bounded and retried on its own: ten pages
+    of 0.25 s each outlast the 2 s deadline of one request, and a directory
+    of 120k keys on a slow link must still list (and its files open)."""
+    objects = {f"big/f{i:02d}": b"x" for i in range(30)}
+    engine = make_engine(store=MemoryStore(objects, page_size=3))
+    engine.faulty.faults.latency_seconds = 0.25
+    node = engine.namespace.lookup("/big/f29")
+    assert node.info is not None
+    assert len(engine.namespace.listdir("/big")) == 30
+    assert engine.store.list_count == 1 + 10  # the root's page, then big/'s ten, each once
