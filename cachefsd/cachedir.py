@@ -25,7 +25,7 @@ from cachefsd.chunks.cache import CacheEvents, Damage, TieredCache, VerifyReport
 from cachefsd.chunks.codec import Codec
 from cachefsd.chunks.policy import LRU, EpochClock, ObservedEpochs, PlannedUse, make_policy
 from cachefsd.chunks.tier import Tier
-from cachefsd.config import CacheSettings, resolve_tier_size
+from cachefsd.config import CacheSettings, human_bytes, resolve_tier_size
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.index import Index, IndexSchemaMismatch
 from cachefsd.metrics import Metrics
@@ -72,6 +72,21 @@ def _open_index(cache_dir: Path) -> Index:
         return Index(path)
 
 
+def _use_block_size(index: Index, block_size: int) -> None:
+    try:
+        previous = index.use_block_size(block_size)
+    except sqlite3.Error as exc:  # a full disk: nothing recorded, nothing dropped
+        log.warning("cannot record the block size in the index: %s", exc)
+        return
+    if previous is not None:
+        log.warning(
+            "cache.block_size: this cache was filled at %s blocks, now read at %s: "
+            "its blocks are dropped and fetched again",
+            human_bytes(previous),
+            human_bytes(block_size),
+        )
+
+
 @dataclass
 class OpenCache:
     index: Index
@@ -88,10 +103,13 @@ def open_cache(
     events: CacheEvents,
     lock_wait: float | None = None,
     planned: PlannedUse | None = None,
+    block_size: int | None = None,
 ) -> Iterator[OpenCache]:
     """Lock, open and reconcile a cache. ``specs`` None means the layout
     recorded by the last daemon (for maintenance commands); ``planned`` is
-    the prefetcher's plan, which the epoch-aware policy reads."""
+    the prefetcher's plan, which the epoch-aware policy reads; ``block_size``
+    the size the blocks are read at (None for maintenance, which reads
+    blocks by their hashes only)."""
     try:
         cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
@@ -101,6 +119,8 @@ def open_cache(
         stack.callback(CacheDirLock(cache_dir, **wait).release)
         index = _open_index(cache_dir)
         stack.callback(index.close)
+        if block_size is not None:
+            _use_block_size(index, block_size)
         if specs is None:
             recorded = index.load_meta(_TIERS_META)
             if recorded is None:

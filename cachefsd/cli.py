@@ -481,7 +481,9 @@ def _add_data_path_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", help="where the index (and, without tiers, the blocks) live")
     parser.add_argument("--cache-size", help="byte capacity of the cache, e.g. 20G")
     parser.add_argument(
-        "--block-size", help="block size, e.g. 4M (64K to 64M); a stage must match the mount's"
+        "--block-size",
+        help="block size, e.g. 4M (64K to 64M); a stage must match the mount's, "
+        "as a cache opened at another size drops its blocks",
     )
     parser.add_argument("--hot", help="directory of the hot tier (fast local disk; raw blocks)")
     parser.add_argument("--hot-size", help="capacity of the hot tier, e.g. 200G or 50%% of its filesystem")

@@ -63,6 +63,15 @@ def parse_size(value: Any) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+def human_bytes(count: float) -> str:
+    """Binary units, as cache sizes are given (``4.0 MiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
 def parse_duration(value: Any) -> float:
     """``30``, ``30s``, ``5m``, ``1h``, ``1d`` -> seconds."""
     if isinstance(value, bool):

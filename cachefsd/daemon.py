@@ -26,7 +26,7 @@ from cachefsd.blocks import BlockReader
 from cachefsd.cachedir import open_cache, tier_specs
 from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.policy import PlannedUse
-from cachefsd.config import Settings
+from cachefsd.config import Settings, human_bytes
 from cachefsd.control import ControlServer, control_path
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.fetch import Fetcher
@@ -38,7 +38,7 @@ from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import Prefetcher
 from cachefsd.runtime import MountState, pid_alive, read_state, write_state
-from cachefsd.stage import MountHandlers, human_bytes
+from cachefsd.stage import MountHandlers
 from cachefsd.stats import DaemonStats, Residency
 from cachefsd.store import open_store
 from cachefsd.store.base import ObjectStore
@@ -149,7 +149,14 @@ def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engin
     io = LoopThread()
     try:
         with open_cache(
-            settings.cache.dir, specs, settings.cache.policy, model, metrics, lock_wait, planned
+            settings.cache.dir,
+            specs,
+            settings.cache.policy,
+            model,
+            metrics,
+            lock_wait,
+            planned,
+            settings.cache.block_size,
         ) as opened:
             _warn_of_small_disks(opened.cache)
             store = open_store(settings.source, settings.store, settings.fetch.attempt_timeout)

@@ -185,6 +185,24 @@ class Index:
             row = self._db.execute("SELECT value FROM meta WHERE name=?", (name,)).fetchone()
         return None if row is None else row[0]
 
+    def use_block_size(self, block_size: int) -> int | None:
+        """Record the block size this cache is filled at. When it was
+        filled at another, every reference (and identity) is dropped and
+        that size returned: block i at 4 MiB is not block i at 1 MiB, and
+        serving one as the other returns the wrong bytes. The blocks are
+        then unreferenced, which reconciling removes."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            row = self._db.execute("SELECT value FROM meta WHERE name='block_size'").fetchone()
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('block_size', ?)", (str(block_size),))
+            if row is None or int(row[0]) == block_size:
+                return None
+            self._db.execute("DELETE FROM block_refs")
+            self._db.execute("DELETE FROM identities")
+            self._refs.clear()
+            self._refs_by_hash.clear()
+            return int(row[0])
+
     def remove_block(self, digest: str) -> None:
         """Forget a block and every reference to it (eviction, corruption)."""
         with self._lock, self._db:

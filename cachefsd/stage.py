@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
+from cachefsd.config import human_bytes
 from cachefsd.control import (
     BadRequest,
     ControlClient,
@@ -635,15 +636,6 @@ def stage_through(mount: MountOf, request: StageRequest, report: Report) -> dict
 
 
 # -- showing it ------------------------------------------------------------------
-
-
-def human_bytes(count: float) -> str:
-    """Binary units, as cache sizes are given (``4.0 MiB``)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(count) < 1024 or unit == "TiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    raise AssertionError("unreachable")
 
 
 def _percent(part: int, whole: int) -> float:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cachefsd.stage import human_bytes
+from cachefsd.config import human_bytes
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

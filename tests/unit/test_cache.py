@@ -261,6 +261,33 @@ def test_an_opened_cache_ranks_by_the_plan(tmp_path: Path) -> None:
         assert not resident(cache, ref("unplanned"))  # due blocks are kept over it
 
 
+def test_a_cache_reopened_at_another_block_size_forgets_its_blocks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Block i at 4 MiB is not block i at 1 MiB: served as one another, a
+    reader got the wrong bytes with no error. A changed block size drops
+    every reference, and reconciling removes the blocks; the same size keeps them."""
+    (tmp_path / "hot").mkdir()
+    spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
+    data = os.urandom(8192)
+
+    def reopen(block_size: int) -> bool:
+        """Open at ``block_size``; whether block 0 of k is still found."""
+        metrics = Metrics(CollectorRegistry())
+        with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), metrics, block_size=block_size) as opened:
+            found = opened.cache.lookup(ref("k")) is not None
+            if not found:
+                opened.cache.admit(ref("k"), content_hash(data), data)
+            return found
+
+    assert not reopen(4 << 20)
+    assert reopen(4 << 20)
+    assert not reopen(1 << 20)
+    assert "filled at 4.0 MiB blocks, now read at 1.0 MiB" in caplog.text
+    assert reopen(1 << 20)
+    assert len(list((tmp_path / "hot" / "blocks").rglob("*"))) == 2  # one block, in its fan-out directory
+
+
 def test_an_unwritable_tier_falls_through_to_the_next(tmp_path: Path) -> None:
     with tiered(tmp_path, hot=1 << 20, warm=1 << 20) as (cache, metrics):
         data = os.urandom(5000)
