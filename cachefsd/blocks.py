@@ -209,34 +209,42 @@ class BlockReader:
             return data[lo:hi], "memory" if placement is None else placement.tier, 0.0
         started = time.monotonic()
         self._fail_if_given_up(ref, started)
-        digest, data = self._in_flight.do(
-            ref,
-            lambda: self._fetch_on_demand(info, index, ref),
-            self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
-        )
+        try:
+            digest, data = self._in_flight.do(
+                ref,
+                lambda: self._fetch_on_demand(info, index),
+                self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
+            )
+        except DeadlineExceeded as exc:
+            # Its own GET's, or a prefetch's this read joined: either way the
+            # kernel retries a failed read at once, which must not wait a
+            # second deadline.
+            self._give_up(ref, exc)
+            raise
         # The GET may have been a prefetch's, admitted as not read yet.
         self._cache.touch(digest)
         placement = self._cache.placement(digest)
         self._remember(ref, digest, data, placement is not None and placement.raw, verified)
         return data[lo:hi], "cold", time.monotonic() - started
 
-    def _fetch_on_demand(self, info: ObjectInfo, index: int, ref: BlockRef) -> tuple[str, bytes]:
+    def _fetch_on_demand(self, info: ObjectInfo, index: int) -> tuple[str, bytes]:
         """A read's fetch (its readers share it): a failure is logged once
-        here, as FUSE only returns an errno, and a give-up is remembered."""
+        here, as FUSE only returns an errno."""
         try:
             return self._fetch_and_admit(info, index, "demand")
         except StoreError as exc:
             log.warning("read of %s block %d failed: %s", info.key, index, exc)
-            if isinstance(exc, DeadlineExceeded):
-                now = time.monotonic()
-                with self._given_up_lock:
-                    self._given_up = {
-                        block: entry
-                        for block, entry in self._given_up.items()
-                        if now - entry[0] < GIVEN_UP_SECONDS
-                    }
-                    self._given_up[ref] = (now, exc)
             raise
+
+    def _give_up(self, ref: BlockRef, exc: DeadlineExceeded) -> None:
+        """Remember that a read of ``ref`` waited out its deadline, for the
+        next read of it (``_fail_if_given_up``)."""
+        now = time.monotonic()
+        with self._given_up_lock:
+            self._given_up = {
+                block: entry for block, entry in self._given_up.items() if now - entry[0] < GIVEN_UP_SECONDS
+            }
+            self._given_up[ref] = (now, exc)
 
     def _fail_if_given_up(self, ref: BlockRef, now: float) -> None:
         with self._given_up_lock:
@@ -305,20 +313,24 @@ class BlockReader:
     ) -> bool:
         """Bring block ``index`` of ``info`` into the cache before anyone
         reads it (prefetch, stage), planned to be read at ``next_use`` if
-        known; True if it had to be fetched. Shares the GET of a demand read
-        of the same block, and never waits in line before one (kind
+        known; True if this call fetched it (False when it was cached, or a
+        demand read's GET it joined fetched it). Shares the GET of a demand
+        read of the same block, and never waits in line before one (kind
         "prefetch")."""
         if self.residency(info, index) is not None:
             return False
         ref = self.ref(info, index)
         if self._dedup_by_etag and self._cache.adopt(ref, (info.etag, info.size)) is not None:
             return False
-        self._in_flight.do(
-            ref,
-            lambda: self._fetch_and_admit(info, index, "prefetch", tier, next_use),
-            self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
-        )
-        return True
+        led = False
+
+        def fetch() -> tuple[str, bytes]:
+            nonlocal led
+            led = True  # run by the leader only: not a GET this call joined
+            return self._fetch_and_admit(info, index, "prefetch", tier, next_use)
+
+        self._in_flight.do(ref, fetch, self._fetcher.deadline + BRIDGE_MARGIN_SECONDS)
+        return led
 
     def _fetch_and_admit(
         self,

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cachefsd.blocks import FileSpan, block_bounds, block_range
+from cachefsd.errors import DeadlineExceeded
+from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, EngineFactory, joined
 
 
@@ -141,3 +145,50 @@ def test_served_bytes_are_counted_by_where_they_came_from(make_engine: EngineFac
     assert served.labels("cold")._value.get() == len(data)
     assert served.labels("hot")._value.get() == len(data)
     assert engine.metrics.registry.get_sample_value("cachefsd_tier_hit_ratio", {"tier": "hot"}) == 0.5
+
+
+def test_a_prefetch_that_joins_a_demand_get_did_not_fetch(make_engine: EngineFactory) -> None:
+    """The prefetcher counts what ``fetch_ahead`` fetched as issued: a GET
+    a read had started is the read's, or accuracy reads above the truth."""
+    data = os.urandom(BLOCK_SIZE)
+    engine = make_engine({"f": data})
+    info = engine.namespace.lookup("/f").info
+    assert info is not None
+    engine.faulty.faults.latency_seconds = 0.3
+    calls = engine.faulty.calls
+    results: list[bytes] = []
+    reader = threading.Thread(target=lambda: results.append(joined(engine.reader.read(info, 0, 10, set()))))
+    reader.start()
+    wait_until(lambda: engine.faulty.calls > calls, "the read's GET to start", 10.0)
+    assert engine.reader.fetch_ahead(info, 0) is False
+    reader.join(10)
+    assert results == [data[:10]]
+    assert engine.store.get_count == 1
+    assert engine.reader.fetch_ahead(info, 0) is False  # cached now
+
+
+def test_a_read_that_joined_a_prefetch_which_gave_up_is_not_retried_at_once(
+    make_engine: EngineFactory,
+) -> None:
+    """The kernel retries a failed read at once: after waiting out the
+    prefetch's deadline, it must not wait out a second one."""
+    engine = make_engine({"f": os.urandom(BLOCK_SIZE)})
+    info = engine.namespace.lookup("/f").info
+    assert info is not None
+    engine.faulty.faults.hang = True
+    calls = engine.faulty.calls
+
+    def prefetch_that_gives_up() -> None:
+        with contextlib.suppress(DeadlineExceeded):
+            engine.reader.fetch_ahead(info, 0)
+
+    prefetch = threading.Thread(target=prefetch_that_gives_up)
+    prefetch.start()
+    wait_until(lambda: engine.faulty.calls > calls, "the prefetch GET to start", 10.0)
+    with pytest.raises(DeadlineExceeded):
+        engine.reader.read(info, 0, 10, set())  # joins the prefetch, which gives up
+    prefetch.join(10)
+    calls = engine.faulty.calls
+    with pytest.raises(DeadlineExceeded, match="not retried yet"):
+        engine.reader.read(info, 0, 10, set())
+    assert engine.faulty.calls == calls  # answered without a new GET
