@@ -50,26 +50,37 @@ class TierSpec:
 def tier_specs(settings: CacheSettings) -> list[TierSpec]:
     """The configured tiers, directories created and sizes in bytes."""
     specs = []
+    implicit = settings.hot is None and settings.warm is None  # the one tier is cache.dir
     for name, tier in settings.tiers():
         try:
             tier.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"cache.{name}.dir: cannot create {tier.dir}: {exc.strerror}") from exc
+            field = "cache.dir" if implicit else f"cache.{name}.dir"
+            raise ConfigError(f"{field}: cannot create {tier.dir}: {exc.strerror}") from exc
         specs.append(TierSpec(name, str(tier.dir), resolve_tier_size(tier.size, tier.dir), tier.codec))
     return specs
 
 
+# What sqlite says of a file that is not an intact database.
+_DAMAGED = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
 def _open_index(cache_dir: Path) -> Index:
+    """The cache is advisory: an index from another version, or a damaged
+    one, is set aside (its blocks become orphans that reconcile removes)
+    and costs re-fetches; it is never misread, and never stops a mount."""
     path = cache_dir / "index.sqlite"
     try:
         return Index(path)
     except IndexSchemaMismatch as exc:
-        # The cache is advisory: an index from another version is set aside
-        # (its blocks become orphans that reconcile removes), never misread.
         log.warning("%s; starting a new index", exc)
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{path}{suffix}").unlink(missing_ok=True)
-        return Index(path)
+    except sqlite3.DatabaseError as exc:
+        if exc.sqlite_errorcode not in _DAMAGED:
+            raise ConfigError(f"cache.dir: cannot open the index {path}: {exc}") from exc
+        log.warning("%s is damaged (%s); starting a new index, cached blocks are fetched again", path, exc)
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    return Index(path)
 
 
 def _use_block_size(index: Index, block_size: int) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from cachefsd import __version__
 from cachefsd.config import Settings, load_settings
-from cachefsd.errors import CachefsdError
+from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.runtime import MOUNT_TYPE, mount_types, notify_systemd, pid_alive, read_state
 
 log = logging.getLogger("cachefsd")
@@ -187,8 +187,15 @@ def _mount_foreground(settings: Settings, ready_fd: int | None) -> int:
 
 def _mount_background(argv: list[str], settings: Settings) -> int:
     """Start the daemon detached and return once its mount is ready."""
-    settings.cache.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     log_path = settings.cache.dir / "cachefsd.log"
+    try:
+        settings.cache.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cache.dir: cannot create {settings.cache.dir}: {exc.strerror}") from exc
+    try:
+        open(log_path, "ab").close()
+    except OSError as exc:
+        raise ConfigError(f"cache.dir: cannot write the log {log_path}: {exc.strerror}") from exc
     read_end, write_end = os.pipe()
     # The daemon outlives this command only once it is mounted: Ctrl-C, or
     # the SIGTERM of a ``timeout`` or a supervisor, stops it, or the mount

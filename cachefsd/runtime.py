@@ -137,7 +137,10 @@ class CacheDirLock:
     """An exclusive lock on a cache directory, held until ``release``."""
 
     def __init__(self, cache_dir: Path, wait_seconds: float = LOCK_WAIT_SECONDS) -> None:
-        self._fd = os.open(cache_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self._fd = os.open(cache_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise CachefsdError(f"cannot lock cache directory {cache_dir}: {exc.strerror}") from exc
         deadline = time.monotonic() + wait_seconds
         while True:
             try:

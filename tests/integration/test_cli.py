@@ -72,12 +72,20 @@ def _case_bad_env(tmp_path: Path, s3_server: S3TestServer) -> tuple[list[str], d
     return ["s3://bucket"], {"CACHEFSD_CACHE__SIZE": "-5"}, "cache.size"
 
 
+def _case_cache_dir_is_a_file(
+    tmp_path: Path, s3_server: S3TestServer
+) -> tuple[list[str], dict[str, str], str]:
+    (tmp_path / "a-file").write_bytes(b"")
+    return ["s3://bucket", "--cache-dir", str(tmp_path / "a-file")], {}, "cache.dir: cannot create"
+
+
 MOUNT_FAILURES = {
     "unreachable endpoint": _case_unreachable,
     "missing bucket": _case_missing_bucket,
     "bad flag value": _case_bad_flag,
     "unknown TOML key": _case_unknown_toml_key,
     "bad environment value": _case_bad_env,
+    "cache dir is a file": _case_cache_dir_is_a_file,
 }
 
 

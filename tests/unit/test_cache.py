@@ -288,6 +288,22 @@ def test_a_cache_reopened_at_another_block_size_forgets_its_blocks(
     assert len(list((tmp_path / "hot" / "blocks").rglob("*"))) == 2  # one block, in its fan-out directory
 
 
+def test_a_damaged_index_is_set_aside_not_a_failed_mount(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cache is advisory: an index a crash or a bad disk left unreadable
+    costs re-fetches, never a cache directory that can no longer be mounted."""
+    (tmp_path / "hot").mkdir()
+    (tmp_path / "index.sqlite").write_bytes(b"not a database, whatever happened to it" * 100)
+    spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
+    metrics = Metrics(CollectorRegistry())
+    with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), metrics) as opened:
+        data = os.urandom(100)
+        opened.cache.admit(ref("k"), content_hash(data), data)
+        assert read(opened.cache, ref("k")) == data
+    assert "index.sqlite is damaged (file is not a database)" in caplog.text
+
+
 def test_an_unwritable_tier_falls_through_to_the_next(tmp_path: Path) -> None:
     with tiered(tmp_path, hot=1 << 20, warm=1 << 20) as (cache, metrics):
         data = os.urandom(5000)
