@@ -224,8 +224,8 @@ def _stat(attributes: Attributes) -> dict[str, Any]:
 
 class FuseOperations(mfusepy.Operations):
     """Kernel-facing options are set in ``init_with_config``: attribute and
-    entry timeouts equal the metadata TTL (the kernel asks again exactly when
-    our listing may have changed). Whether the page cache is kept across
+    entry timeouts equal the metadata TTL, and "no such file" is not cached
+    by the kernel. Whether the page cache is kept across
     opens is decided per open by ``fs.open`` from the object version, not by
     libfuse's ``auto_cache``, which compares mtime and size: S3 mtimes have
     one-second resolution and an overwrite may keep the size.
@@ -254,7 +254,11 @@ class FuseOperations(mfusepy.Operations):
         if config_3 is not None:
             config_3.attr_timeout = self._metadata_ttl
             config_3.entry_timeout = self._metadata_ttl
-            config_3.negative_timeout = self._metadata_ttl
+            # "No such file" is answered from the listing in memory, cheaply;
+            # cached by the kernel for a TTL of its own (counted from its
+            # lookup, not from our listing), a new object would stay hidden
+            # after ``ls`` shows it, for up to twice the TTL.
+            config_3.negative_timeout = 0
             config_3.auto_cache = 0
             config_3.kernel_cache = 0
         self.mounted = True

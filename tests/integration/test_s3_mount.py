@@ -520,6 +520,23 @@ def test_upstream_changes_show_after_the_metadata_ttl(s3_client: Any, mount_buck
     assert mount.alive
 
 
+def test_a_new_object_opens_as_soon_as_it_is_listed(s3_client: Any, mount_bucket: MountBucket) -> None:
+    """A "no such file" the kernel cached for a TTL of its own (counted from
+    its lookup, after our listing was taken) hid a new object from open
+    while ``ls`` already showed it."""
+    bucket = new_bucket(s3_client)
+    put_objects(s3_client, bucket, {"d/a.txt": b"a"})
+    mount = mount_bucket(bucket, *BLOCK_FLAG, "--metadata-ttl", "2s")
+    directory, fresh = mount.path("d"), mount.path("d/new.txt")
+    assert os.listdir(directory) == ["a.txt"]  # the listing is taken now
+    s3_client.put_object(Bucket=bucket, Key="d/new.txt", Body=b"new")
+    deadline = time.monotonic() + CONSISTENCY_DEADLINE_SECONDS
+    while "new.txt" not in os.listdir(directory):
+        fresh.exists()  # a lookup of the name while it is missing
+        assert time.monotonic() < deadline, "the new object was never listed"
+    assert read_or_errno(fresh) == b"new"
+
+
 def test_an_open_handle_never_returns_bytes_of_a_newer_version(
     s3_client: Any, mount_bucket: MountBucket
 ) -> None:
