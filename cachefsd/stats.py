@@ -514,7 +514,7 @@ def render(stats: dict[str, Any], throughput: RenderableType | None = None) -> R
     for entry in residency.get("prefixes", []):
         by_tier = entry["bytes"]
         resident.add_row(
-            entry["prefix"],
+            Text(entry["prefix"]),  # a key, not markup: "[v2]imagenet" is a name
             *(human_bytes(by_tier.get(name, 0)) for name in tier_names),
             human_bytes(entry["total_bytes"]),
         )
@@ -534,6 +534,7 @@ def render(stats: dict[str, Any], throughput: RenderableType | None = None) -> R
 
 def _activity(stats: dict[str, Any]) -> RenderableType:
     from rich.table import Table  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
 
     # Said on every screen: after a fully cached epoch the hit ratio can
     # read 0 %, because the kernel served the reads without asking.
@@ -584,7 +585,7 @@ def _activity(stats: dict[str, Any]) -> RenderableType:
     )
     jobs = epoch.get("jobs", {})
     per_job = ", ".join(f"{root or '/'}: {number}" for root, number in jobs.items())
-    table.add_row("epoch", f"{epoch.get('current', 0)}" + (f" ({per_job})" if per_job else ""))
+    table.add_row("epoch", Text(f"{epoch.get('current', 0)}" + (f" ({per_job})" if per_job else "")))
     return table
 
 

@@ -428,6 +428,24 @@ def _text(stats: dict[str, Any], throughput: Any = None) -> str:
     return console.export_text()
 
 
+def test_names_are_shown_as_they_are_never_as_markup() -> None:
+    """Keys are data: "[v2]imagenet" is a name, and "x[/]" once crashed
+    ``cachefsd stats`` with a MarkupError."""
+    residency = SAMPLE["residency"]
+    prefixes = [
+        {"prefix": name, "bytes": {"hot": 1 << 20}, "total_bytes": 1 << 20}
+        for name in ("[v2]imagenet", "[red]train", "x[/]")
+    ]
+    stats = {
+        **SAMPLE,
+        "residency": {**residency, "prefixes": prefixes},
+        "epoch": {"current": 1, "jobs": {"[bold]job": 1}},
+    }
+    text = _text(stats)
+    for name in ("[v2]imagenet", "[red]train", "x[/]", "[bold]job: 1"):
+        assert name in text
+
+
 def test_the_stats_table_shows_every_section() -> None:
     text = _text(SAMPLE)
     lines = text.splitlines()
