@@ -11,8 +11,12 @@ from cachefsd.errors import ConfigError
 from cachefsd.store.base import ObjectStore
 from cachefsd.store.local import LocalStore
 
-# S3 and GCS bucket names: 3-63 lowercase letters, digits, dots, dashes, underscores (GCS).
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
+# Bucket names as the services have allowed them: letters, digits, dots,
+# dashes and underscores, 3 to 255 characters. Today's rules are stricter
+# (lowercase, at most 63, or 222 for dotted GCS names), but legacy S3
+# buckets in us-east-1 may have capitals, underscores and 255 characters,
+# and the service, not us, says whether a bucket exists.
+_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$")
 
 
 def open_store(source: str, settings: StoreSettings, attempt_timeout: float) -> ObjectStore:

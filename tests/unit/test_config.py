@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from cachefsd.config import load_settings, parse_duration, parse_size
+from cachefsd.config import StoreSettings, load_settings, parse_duration, parse_size
 from cachefsd.errors import ConfigError
+from cachefsd.store import open_store
 
 REQUIRED = {"source": "/data", "mountpoint": "/mnt"}
 
@@ -123,3 +124,26 @@ def test_the_default_cache_directory_is_the_one_its_tier_names(
     settings = load_settings(None, REQUIRED, environ={})
     assert settings.cache.dir == tmp_path / "real" / ".cache" / "cachefsd"
     assert settings.cache.tiers()[0][1].dir == settings.cache.dir
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "s3://Legacy_Bucket",
+        "s3://b" + "x" * 253,
+        "gs://datasets.team-vision.research.example.com.images-2024.shards",
+    ],
+)
+def test_bucket_names_the_services_have_allowed_are_accepted(source: str) -> None:
+    """Legacy us-east-1 buckets may have capitals, underscores and 255
+    characters; dotted GCS names up to 222: the service says if they exist."""
+    store = open_store(source, StoreSettings(), attempt_timeout=1.0)
+    assert store.uri == source
+
+
+@pytest.mark.parametrize(
+    "source", ["s3://ab", "s3://-bucket", "s3://bucket-", "gs://b" + "x" * 255, "s3://a b"]
+)
+def test_bucket_names_no_service_allows_name_the_source(source: str) -> None:
+    with pytest.raises(ConfigError, match=r"source: invalid bucket name"):
+        open_store(source, StoreSettings(), attempt_timeout=1.0)
