@@ -389,13 +389,16 @@ def _cmd_hint(args: argparse.Namespace, argv: list[str]) -> int:
     if mount is None:
         raise control.not_a_mount(args.mountpoint)
     try:
-        lines = args.order.read_text().splitlines()
+        text = args.order.read_bytes()
     except OSError as exc:
         raise CachefsdError(f"cannot read {args.order}: {exc.strerror}") from exc
     paths = hints.MountPaths(mount)  # as the Python helper places them
     order = []
-    for line in lines:
-        path = line.strip()
+    # One path a line, exactly: a name may hold spaces (kept) or any other
+    # character but a newline; a CRLF file's \r is dropped; bytes that are
+    # not UTF-8 name the file as the filesystem does (os.fsdecode).
+    for line in text.split(b"\n"):
+        path = os.fsdecode(line.removesuffix(b"\r"))
         if not path:
             continue
         placed, relative = paths.place(path)

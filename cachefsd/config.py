@@ -364,9 +364,11 @@ def load_settings(
     tree: dict[str, Any] = {}
     if config_file is not None:
         try:
-            tree = tomllib.loads(config_file.read_text())
+            tree = tomllib.loads(config_file.read_text(encoding="utf-8"))
         except OSError as exc:
             raise ConfigError(f"cannot read config file {config_file}: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {config_file} is not UTF-8 text (byte {exc.start})") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {config_file} is not valid TOML: {exc}") from exc
     tree = _deep_merge(tree, env_overrides(environ))

@@ -272,6 +272,20 @@ def test_hint_command_counts_and_wrong_hints_keep_bytes_right(
     assert "is not under" in result.stderr
 
 
+def test_hint_command_takes_each_line_as_one_exact_path(
+    tmp_path: Path, s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
+) -> None:
+    """Names may begin or end with spaces; a file written on Windows ends
+    its lines with CRLF: neither is a reason to call a path unknown."""
+    objects = {" leading.bin": b"l", "trailing .bin": b"t", "plain.bin": b"p"}
+    _, mount = _seed_and_mount(s3_client, s3_server, mounter, "hint-names", objects)
+    order = tmp_path / "order.txt"
+    order.write_bytes(b"".join(key.encode() + b"\r\n" for key in objects))
+    result = run_cli("hint", str(mount.mountpoint), "--order", str(order))
+    assert result.returncode == 0, result.stderr
+    assert "3 accepted, 0 unknown" in result.stdout
+
+
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_hinting_sampler_with_a_dataloader(
     s3_client: Any, s3_server: S3TestServer, mounter: MountFactory

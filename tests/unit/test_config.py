@@ -82,6 +82,13 @@ def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
         load_settings(config, REQUIRED, environ={})
 
 
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    config = tmp_path / "latin1.toml"
+    config.write_bytes('[cache]\ndir = "/caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.toml is not UTF-8 text"):
+        load_settings(config, REQUIRED, environ={})
+
+
 def test_a_value_where_a_table_belongs_is_named_even_under_a_flag(tmp_path: Path) -> None:
     """``cache = 5`` in the file must not vanish because ``--cache-dir`` was given."""
     config = tmp_path / "flat.toml"
