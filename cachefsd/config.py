@@ -256,7 +256,9 @@ class PrefetchSettings(_Section):
 class NamespaceSettings(_Section):
     # Datasets are immutable in practice; an hour keeps `ls` and `stat` off
     # the network for a whole training run while still noticing re-uploads.
-    metadata_ttl: Duration = 3600.0
+    # At least a second: at 0 every lookup lists its directory again, and
+    # `ls -l` of 300 files took 70 s.
+    metadata_ttl: Duration = Field(default=3600.0, ge=1.0)
 
 
 class MetricsSettings(_Section):

@@ -52,6 +52,7 @@ def test_precedence_is_defaults_then_file_then_env_then_flags(tmp_path: Path) ->
         ({"store": {"endpoint_url": "ftp://x"}}, {}, "store.endpoint_url"),
         ({}, {"CACHEFSD_CACHE__SZIE": "1G"}, "cache.szie"),
         ({"namespace": {"metadata_ttl": "soon"}}, {}, "namespace.metadata_ttl"),
+        ({"namespace": {"metadata_ttl": "0"}}, {}, "namespace.metadata_ttl: Input should be greater"),
         ({"fetch": {"concurrency": True}}, {}, "fetch.concurrency: expected a whole number"),
         ({"cache": {"dir": "~no-such-user-here/c"}}, {}, "cache.dir: cannot resolve"),
         ({"source": ""}, {}, "source: empty"),
