@@ -165,7 +165,13 @@ def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engin
                 fetcher = Fetcher(store, settings.fetch, metrics)
                 dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
                 reader = BlockReader(
-                    store.uri, settings.cache.block_size, opened.cache, fetcher, io, metrics, dedup_by_etag
+                    store.identity,
+                    settings.cache.block_size,
+                    opened.cache,
+                    fetcher,
+                    io,
+                    metrics,
+                    dedup_by_etag,
                 )
                 namespace = Namespace(
                     store,
@@ -204,7 +210,7 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
         # /stats and the metrics endpoint read the same registry; residency
         # is one cached index query shared by both.
         residency = Residency(
-            functools.partial(parts.index.resident_bytes_by_prefix, parts.store.uri),
+            functools.partial(parts.index.resident_bytes_by_prefix, parts.store.identity),
             [tier.name for tier in parts.cache.tiers],
         )
         parts.metrics.watch_residency(parts.store.uri, residency.rows)

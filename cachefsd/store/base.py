@@ -54,7 +54,14 @@ class ObjectStore(Protocol):
 
     @property
     def uri(self) -> str:
-        """Stable identity of the source (``s3://bucket/prefix``), used to key the cache."""
+        """The source as users name it (``s3://bucket/prefix``), for display."""
+        ...
+
+    @property
+    def identity(self) -> str:
+        """What the cache keys listings and blocks by: the ``uri``, plus
+        the endpoint when one is configured, since a bucket named ``data``
+        on a MinIO and on an emulator are two buckets."""
         ...
 
     @property

@@ -31,6 +31,10 @@ class FaultyStore:
         return self._inner.uri
 
     @property
+    def identity(self) -> str:
+        return self._inner.identity
+
+    @property
     def content_etags(self) -> bool:
         return self._inner.content_etags
 

@@ -132,6 +132,11 @@ class GcsStore:
         return f"gs://{self._bucket_name}/{self._prefix}" if self._prefix else f"gs://{self._bucket_name}"
 
     @property
+    def identity(self) -> str:
+        emulator = os.environ.get(EMULATOR_ENV)
+        return f"{self.uri}@{emulator}" if emulator else self.uri
+
+    @property
     def content_etags(self) -> bool:
         return False  # the etag used here is the generation: a version, not content
 

@@ -36,6 +36,10 @@ class LocalStore:
         return f"file://{self._root}"
 
     @property
+    def identity(self) -> str:
+        return self.uri
+
+    @property
     def content_etags(self) -> bool:
         return False  # mtime, size and inode say nothing about content
 

@@ -38,6 +38,10 @@ class MemoryStore:
         return self._uri
 
     @property
+    def identity(self) -> str:
+        return self._uri
+
+    @property
     def content_etags(self) -> bool:
         return True  # the etag is the content's MD5
 

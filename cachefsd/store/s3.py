@@ -176,6 +176,13 @@ class S3Store:
         return f"s3://{self._bucket}/{self._prefix}" if self._prefix else f"s3://{self._bucket}"
 
     @property
+    def identity(self) -> str:
+        # Without an endpoint, AWS: bucket names are global. Fixed by the
+        # settings (``_endpoint`` is refined once the client exists).
+        endpoint = self._settings.endpoint_url
+        return f"{self.uri}@{_redact_url(endpoint)}" if endpoint else self.uri
+
+    @property
     def content_etags(self) -> bool:
         # A single-part upload's etag is its MD5; a multipart one is the MD5
         # of the parts' MD5s plus "-<parts>", so equal strings (and sizes)

@@ -12,6 +12,9 @@ import errno
 import multiprocessing
 import os
 import random
+import select
+import subprocess
+import sys
 import tarfile
 import time
 from collections.abc import Callable
@@ -20,9 +23,11 @@ from io import BytesIO
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 
 from cachefsd.testing.s3_server import GET_OBJECT, HEAD_OBJECT, LIST, OTHER, PUT_OBJECT, S3TestServer
+from tests.conftest import TEST_REGION
 from tests.integration.conftest import Mount, MountFactory
 from tests.integration.datasets import (
     KiB,
@@ -48,6 +53,7 @@ BLOCK_FLAG = ("--block-size", "64K")
 # mount with a 1 s metadata TTL (TTL, the kernel's attribute timeout, slack
 # for a loaded 2-core machine).
 CONSISTENCY_DEADLINE_SECONDS = 10.0
+SERVER_START_SECONDS = 30.0
 
 MountBucket = Callable[..., Mount]
 
@@ -535,6 +541,39 @@ def test_a_new_object_opens_as_soon_as_it_is_listed(s3_client: Any, mount_bucket
         fresh.exists()  # a lookup of the name while it is missing
         assert time.monotonic() < deadline, "the new object was never listed"
     assert read_or_errno(fresh) == b"new"
+
+
+def test_one_bucket_name_on_two_endpoints_is_two_sources(
+    tmp_path: Path, s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
+) -> None:
+    """A cache directory mounted for ``data`` on one endpoint, then for
+    ``data`` on another (a MinIO, an emulator), showed the first one's
+    listing: the cache keys sources by endpoint too."""
+    bucket = new_bucket(s3_client)
+    put_objects(s3_client, bucket, {"only-on-a.txt": b"a"})
+    cache = tmp_path / "shared-cache"
+    first = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, cache_dir=cache)
+    assert os.listdir(first.mountpoint) == ["only-on-a.txt"]
+    first.unmount()
+    # Another process: moto's buckets are shared by every server in one.
+    other = subprocess.Popen(
+        [sys.executable, "-m", "cachefsd.testing.s3_server"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stdout is not None
+        readable, _, _ = select.select([other.stdout], [], [], SERVER_START_SECONDS)
+        assert readable, "the second S3 server did not start"
+        endpoint = other.stdout.readline().strip()
+        other_client = boto3.client("s3", endpoint_url=endpoint, region_name=TEST_REGION)
+        other_client.create_bucket(Bucket=bucket)
+        other_client.put_object(Bucket=bucket, Key="only-on-b.txt", Body=b"b")
+        second = mounter(f"s3://{bucket}", "--endpoint-url", endpoint, name="other", cache_dir=cache)
+        assert os.listdir(second.mountpoint) == ["only-on-b.txt"]
+        assert second.path("only-on-b.txt").read_bytes() == b"b"
+        second.unmount()
+    finally:
+        other.terminate()
+        other.wait(timeout=SERVER_START_SECONDS)
 
 
 def test_an_open_handle_never_returns_bytes_of_a_newer_version(

@@ -155,3 +155,11 @@ def test_bucket_names_the_services_have_allowed_are_accepted(source: str) -> Non
 def test_bucket_names_no_service_allows_name_the_source(source: str) -> None:
     with pytest.raises(ConfigError, match=r"source: invalid bucket name"):
         open_store(source, StoreSettings(), attempt_timeout=1.0)
+
+
+def test_a_source_is_keyed_by_its_endpoint_without_credentials() -> None:
+    aws = open_store("s3://data/p", StoreSettings(), attempt_timeout=1.0)
+    assert aws.identity == "s3://data/p"  # AWS bucket names are global
+    minio = open_store("s3://data/p", StoreSettings(endpoint_url="http://key:secret@minio:9000"), 1.0)
+    assert minio.identity == "s3://data/p@http://minio:9000"
+    assert minio.uri == "s3://data/p"
