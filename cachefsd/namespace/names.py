@@ -2,8 +2,9 @@
 
 A bucket key is an arbitrary string; a path component is not. A key is
 exposed only if every segment between slashes is a valid file name: not
-empty (``a//b``, ``/abs``), not ``.`` or ``..``, no NUL, at most 255 bytes
-in UTF-8 (NAME_MAX). Other keys are hidden, never rewritten, so a path can
+empty (``a//b``, ``/abs``), not ``.`` or ``..``, no NUL, valid UTF-8 (a
+local directory may hold other bytes; the index, like a bucket, holds
+text), at most 255 bytes in UTF-8 (NAME_MAX). Other keys are hidden, never rewritten, so a path can
 never point outside the bucket prefix or collide with another key.
 
 When a key is both an object and a prefix (``x`` and ``x/y``), the directory
@@ -22,12 +23,11 @@ NAME_MAX = 255
 
 
 def is_valid_name(name: str) -> bool:
-    return (
-        name not in ("", ".", "..")
-        and "\0" not in name
-        and "/" not in name
-        and len(name.encode("utf-8", "surrogateescape")) <= NAME_MAX
-    )
+    try:
+        encoded = name.encode("utf-8")  # undecodable bytes of a local name are surrogates here
+    except UnicodeEncodeError:
+        return False
+    return name not in ("", ".", "..") and "\0" not in name and "/" not in name and len(encoded) <= NAME_MAX
 
 
 @dataclass(frozen=True, slots=True)

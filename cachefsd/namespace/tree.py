@@ -181,8 +181,8 @@ class Namespace:
         cached = _Cached(directory_from_listing(prefix, listing), fetched_at)
         if cached.directory.hidden:
             log.warning(
-                "%d keys under %r are not valid file names (empty, '.', '..', NUL or over 255 bytes) "
-                "and are hidden",
+                "%d keys under %r are not valid file names "
+                "(empty, '.', '..', NUL, not UTF-8 or over 255 bytes) and are hidden",
                 cached.directory.hidden,
                 prefix,
             )

@@ -17,7 +17,9 @@ def test_valid_names(name: str) -> None:
     assert is_valid_name(name)
 
 
-@pytest.mark.parametrize("name", ["", ".", "..", "a\0b", "a/b", "x" * 256, "é" * 128])
+@pytest.mark.parametrize(
+    "name", ["", ".", "..", "a\0b", "a/b", "x" * 256, "é" * 128, "bad\udcff\udcfename.bin"]
+)
 def test_invalid_names(name: str) -> None:
     assert not is_valid_name(name)
 
