@@ -355,7 +355,9 @@ def test_full_cache_disk_falls_back_to_the_network(
                 assert _read_direct(mount.path(name)) == body, f"{name} wrong on a full cache disk"
         for name, body in objects.items():
             assert mount.path(name).read_bytes() == body
-        assert metric(mount, "cachefsd_cache_errors_total") > 0
+        # The disk did fill: index commits failed (block writes mostly do
+        # not, as a tier stays within its filesystem's free space).
+        assert "database or disk is full" in (cache_dir / "cachefsd.log").read_text()
         assert mount.alive
         mount.unmount()
         # The cache left room on the disk it filled: the maintenance
