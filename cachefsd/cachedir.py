@@ -34,6 +34,7 @@ from cachefsd.runtime import CacheDirLock
 log = logging.getLogger(__name__)
 
 _TIERS_META = "tiers"
+_INDEX_NAME = "index.sqlite"
 _CODECS = {"raw": Codec.RAW, "lz4": Codec.LZ4}
 # Maintenance commands never wait for a running daemon: they tell the user.
 _NO_WAIT = 0.0
@@ -65,11 +66,20 @@ def tier_specs(settings: CacheSettings) -> list[TierSpec]:
 _DAMAGED = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
 
+def _recorded(spec: TierSpec, cache_dir: Path) -> dict[str, object]:
+    """``spec`` as the index records it: a directory inside the cache
+    directory relative to it ("." for the single tier of --cache-dir)."""
+    directory = Path(spec.dir).resolve()
+    if directory.is_relative_to(cache_dir.resolve()):
+        return {**asdict(spec), "dir": str(directory.relative_to(cache_dir.resolve()))}
+    return asdict(spec)
+
+
 def _open_index(cache_dir: Path) -> Index:
     """The cache is advisory: an index from another version, or a damaged
     one, is set aside (its blocks become orphans that reconcile removes)
     and costs re-fetches; it is never misread, and never stops a mount."""
-    path = cache_dir / "index.sqlite"
+    path = cache_dir / _INDEX_NAME
     try:
         return Index(path)
     except IndexSchemaMismatch as exc:
@@ -121,6 +131,9 @@ def open_cache(
     the prefetcher's plan, which the epoch-aware policy reads; ``block_size``
     the size the blocks are read at (None for maintenance, which reads
     blocks by their hashes only)."""
+    if specs is None and not (cache_dir / _INDEX_NAME).is_file():
+        # Before anything is created: a mistyped --cache-dir must not leave a new, empty cache behind.
+        raise CachefsdError(f"{cache_dir} holds no cache (no daemon has used it)")
     try:
         cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
@@ -136,10 +149,14 @@ def open_cache(
             recorded = index.load_meta(_TIERS_META)
             if recorded is None:
                 raise CachefsdError(f"{cache_dir} holds no cache (no daemon has used it)")
-            specs = [TierSpec(**spec) for spec in json.loads(recorded)]
+            # A tier recorded inside the cache directory, relative to it: it
+            # moves with the directory (``mv``, a copy, another mount path).
+            specs = [
+                TierSpec(**{**spec, "dir": str(cache_dir / spec["dir"])}) for spec in json.loads(recorded)
+            ]
         else:
             try:
-                index.save_meta(_TIERS_META, json.dumps([asdict(spec) for spec in specs]))
+                index.save_meta(_TIERS_META, json.dumps([_recorded(spec, cache_dir) for spec in specs]))
             except sqlite3.Error as exc:  # a full disk: the cache works, maintenance sees the old layout
                 log.warning("cannot record the tier layout in the index: %s", exc)
         # One lock a directory, however its path is spelled (a symlink, a

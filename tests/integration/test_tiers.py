@@ -334,6 +334,34 @@ def test_verify_reports_damaged_blocks_and_repair_drops_them(
     assert s3_server.get_object_count == 2
 
 
+def test_verify_checks_a_moved_cache_where_it_now_is(tmp_path: Path, mounter: MountFactory) -> None:
+    """After ``mv cache cache2`` (or on a copy), verify checked, and locked,
+    the blocks at the old path, or crashed when it was gone."""
+    source = tmp_path / "src"
+    source.mkdir()
+    for i in range(3):
+        (source / f"{i}.bin").write_bytes(os.urandom(100 * KiB))
+    mount = mounter(str(source), cache_dir=tmp_path / "cache")
+    for i in range(3):
+        assert mount.path(f"{i}.bin").read_bytes() == (source / f"{i}.bin").read_bytes()
+    mount.unmount()
+    moved = tmp_path / "moved"
+    (tmp_path / "cache").rename(moved)
+    _flip_payload_byte(_block_files(moved)[0])
+    result = run_cli("verify", "--cache-dir", str(moved))
+    assert "Traceback" not in result.stderr, result.stderr
+    assert ": 1 corrupt, 0 missing" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("command", ["verify", "gc"])
+def test_maintenance_of_a_directory_with_no_cache_leaves_nothing_behind(command: str, tmp_path: Path) -> None:
+    typo = tmp_path / "no-such-cache"
+    result = run_cli(command, "--cache-dir", str(typo))
+    assert result.returncode != 0
+    assert "holds no cache" in result.stderr, result.stderr
+    assert not typo.exists()
+
+
 # -- 5. maintenance on a cache in use --------------------------------------------------------
 
 
