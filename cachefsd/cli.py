@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import select
 import signal
@@ -48,6 +49,24 @@ _STAGE_CACHE_FLAGS = (
 # Libraries that log request details at debug level; keep them quiet so no
 # header or URL can reach the log.
 _QUIET_LOGGERS = ("botocore", "aiobotocore", "boto3", "urllib3", "google", "aiohttp", "mfusepy")
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse names the flag on error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, not {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    """A whole number of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
+    return int(text)
 
 
 def _put(flags: dict[str, Any], section: str, key: str, value: Any) -> None:
@@ -435,8 +454,6 @@ def _cmd_top(args: argparse.Namespace, argv: list[str]) -> int:
     from cachefsd import top  # noqa: PLC0415 - rich only when drawing
 
     interval = top.REFRESH_SECONDS if args.interval is None else args.interval
-    if interval <= 0:
-        raise CachefsdError("--interval: expected a positive number of seconds")
     return top.run(_daemon_of(args.mountpoint), interval)
 
 
@@ -449,7 +466,7 @@ def _add_observe_parsers(commands: Any) -> None:
     stats_cmd.set_defaults(handler=_cmd_stats)
     top_cmd = commands.add_parser("top", help="cachefsd stats, live (q or Ctrl-C quits)")
     top_cmd.add_argument("mountpoint", type=Path)
-    top_cmd.add_argument("--interval", type=float, help="seconds between refreshes (default 1)")
+    top_cmd.add_argument("--interval", type=_seconds, help="seconds between refreshes (default 1)")
     top_cmd.set_defaults(handler=_cmd_top)
 
 
@@ -556,7 +573,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_observe_parsers(commands)
 
     demo = commands.add_parser("demo", help="mount a generated local dataset and read two shuffled epochs")
-    demo.add_argument("--workers", type=int, default=4, help="reader processes")
+    demo.add_argument("--workers", type=_count, default=4, help="reader processes")
     demo.add_argument("--keep", action="store_true", help="keep the demo directory")
     demo.set_defaults(handler=_cmd_demo)
     return parser

@@ -270,6 +270,22 @@ def test_a_mount_stopped_before_it_is_ready_leaves_no_daemon_behind(signum: int,
     assert not os.path.ismount(mountpoint)
 
 
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["top", "/mnt", "--interval", "nan"], "--interval"),
+        (["top", "/mnt", "--interval", "inf"], "--interval"),
+        (["top", "/mnt", "--interval", "0"], "--interval"),
+        (["demo", "--workers", "0"], "--workers"),
+    ],
+)
+def test_bad_flag_values_are_usage_errors_naming_the_flag(args: list[str], flag: str) -> None:
+    status, _, stderr = cli(*args)
+    assert status == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    assert f"argument {flag}: expected" in stderr, stderr
+
+
 # -- stopping --------------------------------------------------------------------
 
 
