@@ -496,7 +496,11 @@ def _add_stage_parser(commands: Any) -> None:
     )
     stage_cmd.add_argument("--tier", choices=["hot", "warm"], help="the tier to place blocks in")
     stage_cmd.add_argument("--check", action="store_true", help="only report how much is cached, by tier")
-    stage_cmd.add_argument("--json", action="store_true", help="print the summary as JSON, no progress")
+    stage_cmd.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary as JSON on stdout (progress: plain lines on stderr)",
+    )
     _add_data_path_arguments(stage_cmd)
     stage_cmd.set_defaults(handler=_cmd_stage)
 
