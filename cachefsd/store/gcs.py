@@ -99,6 +99,9 @@ def _translate(exc: BaseException, *, target: str) -> StoreError:
         raise TypeError(f"not a GCS error: {type(exc).__name__}") from exc
     if isinstance(exc, auth_exceptions.DefaultCredentialsError):
         return error_type(f"{target}: {_NO_CREDENTIALS}")
+    if isinstance(exc, requests.exceptions.ConnectionError):
+        endpoint = os.environ.get(EMULATOR_ENV) or "storage.googleapis.com"
+        return error_type(f"{target}: cannot reach Google Cloud Storage at {endpoint} ({type(exc).__name__})")
     code = getattr(exc, "code", None)
     status = f" (HTTP {int(code)})" if isinstance(code, int) else ""
     return error_type(f"{target}: {type(exc).__name__}{status}")

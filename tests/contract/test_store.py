@@ -437,6 +437,20 @@ def test_s3_unreachable_endpoint_is_a_retryable_error(monkeypatch: pytest.Monkey
     assert caught.value.__cause__ is not None
 
 
+def test_gcs_unreachable_endpoint_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    port = _closed_port()
+    monkeypatch.setenv(gcs_module.EMULATOR_ENV, f"http://127.0.0.1:{port}")
+    store = GcsStore("bkt", "", ATTEMPT_TIMEOUT_SECONDS)
+
+    began = time.monotonic()
+    with pytest.raises(StoreError) as caught:
+        _run_alone(lambda: _check_then_close(store))
+
+    assert time.monotonic() - began < FAST_FAILURE_SECONDS
+    assert caught.value.retryable
+    assert f"cannot reach Google Cloud Storage at http://127.0.0.1:{port}" in str(caught.value)
+
+
 def test_s3_without_credentials_is_access_denied(
     s3_settings: StoreSettings, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
