@@ -20,7 +20,15 @@ from typing import Any
 from cachefsd import __version__
 from cachefsd.config import Settings, load_settings
 from cachefsd.errors import CachefsdError, ConfigError
-from cachefsd.runtime import MOUNT_TYPE, mount_types, notify_systemd, pid_alive, read_state
+from cachefsd.runtime import (
+    MOUNT_TYPE,
+    check_fuse_device,
+    check_mountpoint,
+    mount_types,
+    notify_systemd,
+    pid_alive,
+    read_state,
+)
 
 log = logging.getLogger("cachefsd")
 
@@ -206,6 +214,10 @@ def _mount_foreground(settings: Settings, ready_fd: int | None) -> int:
 
 def _mount_background(argv: list[str], settings: Settings) -> int:
     """Start the daemon detached and return once its mount is ready."""
+    # What the daemon would refuse, refused before the cache directory and
+    # its log are created for a mount that cannot happen.
+    check_fuse_device()
+    check_mountpoint(settings.mountpoint.resolve(), settings.cache.directories())
     log_path = settings.cache.dir / "cachefsd.log"
     try:
         settings.cache.dir.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -200,6 +200,14 @@ class CacheSettings(_Section):
             raise ValueError(f"cache.hot.dir and cache.warm.dir are the same directory ({self.hot.dir})")
         return self
 
+    def directories(self) -> list[tuple[str, Path]]:
+        """Every directory the cache writes to, by the setting naming it:
+        the cache directory (index, log) and each configured tier's."""
+        named = [("cache.dir", self.dir)]
+        if self.hot is not None or self.warm is not None:
+            named += [(f"cache.{name}.dir", tier.dir) for name, tier in self.tiers()]
+        return named
+
     def tiers(self) -> list[tuple[str, TierSettings]]:
         """The tiers in order, fastest first."""
         if self.hot is None and self.warm is None:

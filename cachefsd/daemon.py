@@ -10,14 +10,12 @@ failure before that is raised to the caller, which reports it in one line.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -37,7 +35,7 @@ from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import Prefetcher
-from cachefsd.runtime import MountState, pid_alive, read_state, write_state
+from cachefsd.runtime import MountState, check_fuse_device, check_mountpoint, write_state
 from cachefsd.stage import MountHandlers
 from cachefsd.stats import DaemonStats, Residency
 from cachefsd.store import open_store
@@ -45,41 +43,9 @@ from cachefsd.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
-FUSE_DEVICE = "/dev/fuse"
-
 # Proving the source reachable at mount: a connect timeout plus one small
 # request. Longer than that and the user is better served by an error.
 MOUNT_CHECK_SECONDS = 15.0
-
-
-def _check_fuse_device() -> None:
-    """libfuse opens /dev/fuse itself and, on EACCES, neither falls back to
-    fusermount3 nor says more than a bare error code."""
-    if not os.access(FUSE_DEVICE, os.R_OK | os.W_OK):
-        raise CachefsdError(
-            f"cannot use {FUSE_DEVICE} as uid {os.getuid()}: FUSE needs it present (apt-get install "
-            "fuse3) and readable and writable (mode 0666, Debian's default), or cachefsd run as root"
-        )
-
-
-def _check_mountpoint(mountpoint: Path) -> None:
-    try:
-        os.statvfs(mountpoint)  # always asks the filesystem, never a cached attribute
-    except OSError as exc:
-        if exc.errno == errno.ENOTCONN:  # a FUSE mount whose daemon was killed
-            raise ConfigError(
-                f"mountpoint: {mountpoint} is still mounted by a daemon that died; "
-                f"`cachefsd unmount {mountpoint}` clears it"
-            ) from exc
-    if not mountpoint.is_dir():
-        raise ConfigError(f"mountpoint: {mountpoint} is not a directory")
-    if os.path.ismount(mountpoint):
-        state = read_state(mountpoint)
-        if state is not None and pid_alive(state.pid):
-            raise ConfigError(f"mountpoint: {mountpoint} is already mounted by cachefsd (pid {state.pid})")
-        raise ConfigError(f"mountpoint: {mountpoint} is already a mount point")
-    if any(mountpoint.iterdir()):
-        raise ConfigError(f"mountpoint: {mountpoint} is not empty")
 
 
 def _start_metrics(settings: Settings, registry: CollectorRegistry) -> str | None:
@@ -197,8 +163,8 @@ def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engin
 def run(settings: Settings, ready: Callable[[], None]) -> None:
     """Mount ``settings.source`` and serve until unmounted."""
     mountpoint = settings.mountpoint.resolve()
-    _check_fuse_device()
-    _check_mountpoint(mountpoint)
+    check_fuse_device()
+    check_mountpoint(mountpoint, settings.cache.directories())
     with engine(settings) as parts:
         metrics_addr = _start_metrics(settings, parts.metrics.registry)
         if settings.prefetch.enabled:

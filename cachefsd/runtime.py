@@ -10,6 +10,7 @@ each evict the other's blocks and break the capacity bound.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -20,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cachefsd.errors import CachefsdError
+from cachefsd.errors import CachefsdError, ConfigError
 
 # A daemon that was just unmounted needs a moment to flush its index; a new
 # mount of the same cache waits this long for it before giving up.
@@ -28,6 +29,7 @@ LOCK_WAIT_SECONDS = 15.0
 _POLL_SECONDS = 0.05
 
 
+FUSE_DEVICE = "/dev/fuse"
 # The type the kernel's mount table gives a cachefsd mount (``fuse.<subtype>``).
 MOUNT_TYPE = "fuse.cachefsd"
 
@@ -174,3 +176,40 @@ def notify_systemd(state: str) -> None:
         address = "\0" + address[1:]
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify:
         notify.sendto(state.encode(), address)
+
+
+def check_fuse_device() -> None:
+    """libfuse opens /dev/fuse itself and, on EACCES, neither falls back to
+    fusermount3 nor says more than a bare error code."""
+    if not os.access(FUSE_DEVICE, os.R_OK | os.W_OK):
+        raise CachefsdError(
+            f"cannot use {FUSE_DEVICE} as uid {os.getuid()}: FUSE needs it present (apt-get install "
+            "fuse3) and readable and writable (mode 0666, Debian's default), or cachefsd run as root"
+        )
+
+
+def check_mountpoint(mountpoint: Path, cache_directories: list[tuple[str, Path]]) -> None:
+    """Checked by the mounting command before it creates anything (the
+    cache directory, its log), and by the daemon. ``cache_directories``
+    (setting, directory) must be outside it: the mount would hide them,
+    and creating them would have made the mountpoint "not empty"."""
+    for setting, directory in cache_directories:
+        if directory.is_relative_to(mountpoint):
+            raise ConfigError(f"{setting}: {directory} is inside the mountpoint {mountpoint}")
+    try:
+        os.statvfs(mountpoint)  # always asks the filesystem, never a cached attribute
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:  # a FUSE mount whose daemon was killed
+            raise ConfigError(
+                f"mountpoint: {mountpoint} is still mounted by a daemon that died; "
+                f"`cachefsd unmount {mountpoint}` clears it"
+            ) from exc
+    if not mountpoint.is_dir():
+        raise ConfigError(f"mountpoint: {mountpoint} is not a directory")
+    if os.path.ismount(mountpoint):
+        state = read_state(mountpoint)
+        if state is not None and pid_alive(state.pid):
+            raise ConfigError(f"mountpoint: {mountpoint} is already mounted by cachefsd (pid {state.pid})")
+        raise ConfigError(f"mountpoint: {mountpoint} is already a mount point")
+    if any(mountpoint.iterdir()):
+        raise ConfigError(f"mountpoint: {mountpoint} is not empty")

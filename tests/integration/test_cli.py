@@ -79,6 +79,12 @@ def _case_cache_dir_is_a_file(
     return ["s3://bucket", "--cache-dir", str(tmp_path / "a-file")], {}, "cache.dir: cannot create"
 
 
+def _case_cache_dir_in_the_mount(
+    tmp_path: Path, s3_server: S3TestServer
+) -> tuple[list[str], dict[str, str], str]:
+    return ["s3://bucket", "--cache-dir", str(tmp_path / "mnt" / "cache")], {}, "is inside the mountpoint"
+
+
 MOUNT_FAILURES = {
     "unreachable endpoint": _case_unreachable,
     "missing bucket": _case_missing_bucket,
@@ -86,6 +92,7 @@ MOUNT_FAILURES = {
     "unknown TOML key": _case_unknown_toml_key,
     "bad environment value": _case_bad_env,
     "cache dir is a file": _case_cache_dir_is_a_file,
+    "cache dir inside the mountpoint": _case_cache_dir_in_the_mount,
 }
 
 
@@ -149,6 +156,7 @@ def test_mount_on_a_bad_mountpoint_fails(
     assert not os.path.ismount(mountpoint)
     if problem == "not empty":
         assert (mountpoint / "already-here.txt").read_text() == "user data"
+    assert not (tmp_path / "cache").exists(), "a mount that cannot happen created a cache directory"
 
 
 def test_a_second_mount_on_a_mountpoint_says_what_holds_it(

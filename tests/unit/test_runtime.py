@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefsd import daemon
+from cachefsd import runtime
 from cachefsd.cli import LogfmtFormatter
 from cachefsd.errors import CachefsdError
 from cachefsd.runtime import MountState, notify_systemd, pid_alive, read_state, write_state
@@ -92,6 +92,6 @@ def test_a_fuse_device_out_of_reach_is_named_before_libfuse_tries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """libfuse says only "mount failed: 4" when it cannot open the device."""
-    monkeypatch.setattr(daemon, "FUSE_DEVICE", str(tmp_path / "fuse"))
+    monkeypatch.setattr(runtime, "FUSE_DEVICE", str(tmp_path / "fuse"))
     with pytest.raises(CachefsdError, match=r"cannot use .*/fuse as uid \d+: FUSE needs it present"):
-        daemon._check_fuse_device()
+        runtime.check_fuse_device()
