@@ -93,19 +93,34 @@ def _open_index(cache_dir: Path) -> Index:
     return Index(path)
 
 
-def _use_block_size(index: Index, block_size: int) -> None:
-    try:
-        previous = index.use_block_size(block_size)
-    except sqlite3.Error as exc:  # a full disk: nothing recorded, nothing dropped
-        log.warning("cannot record the block size in the index: %s", exc)
+def _settle_block_size(index: Index, cache_dir: Path, block_size: int, migrate: bool) -> None:
+    """Make the references fit ``block_size``: a mount (``migrate``) drops
+    those made at another size; anything else (an offline stage, its
+    ``--check``) must not wipe a cache over a flag it was not given, and
+    refuses instead."""
+    previous = index.filled_at(block_size)
+    if previous is None:
+        try:
+            index.record_block_size(block_size)
+        except sqlite3.Error as exc:  # a full disk: it is recorded by the next open that can
+            log.warning("cannot record the block size in the index: %s", exc)
         return
-    if previous is not None:
-        log.warning(
-            "cache.block_size: this cache was filled at %s blocks, now read at %s: "
-            "its blocks are dropped and fetched again",
-            human_bytes(previous),
-            human_bytes(block_size),
+    filled = f"{human_bytes(previous)} blocks" if previous else "another block size (not recorded)"
+    if not migrate:
+        raise ConfigError(
+            f"cache.block_size: {cache_dir} was filled at {filled}, not {human_bytes(block_size)}: "
+            "give the --block-size its mount uses"
         )
+    log.warning(
+        "cache.block_size: this cache was filled at %s, now read at %s: its blocks are "
+        "dropped and fetched again",
+        filled,
+        human_bytes(block_size),
+    )
+    try:
+        index.use_block_size(block_size)
+    except sqlite3.Error as exc:  # forgotten in memory all the same: none is served
+        log.warning("cannot drop the references of the old block size from the index: %s", exc)
 
 
 @dataclass
@@ -125,12 +140,14 @@ def open_cache(
     lock_wait: float | None = None,
     planned: PlannedUse | None = None,
     block_size: int | None = None,
+    migrate_block_size: bool = False,
 ) -> Iterator[OpenCache]:
     """Lock, open and reconcile a cache. ``specs`` None means the layout
     recorded by the last daemon (for maintenance commands); ``planned`` is
     the prefetcher's plan, which the epoch-aware policy reads; ``block_size``
     the size the blocks are read at (None for maintenance, which reads
-    blocks by their hashes only)."""
+    blocks by their hashes only), and ``migrate_block_size`` whether a
+    cache filled at another is dropped (a mount) or refused."""
     if specs is None and not (cache_dir / _INDEX_NAME).is_file():
         # Before anything is created: a mistyped --cache-dir must not leave a new, empty cache behind.
         raise CachefsdError(f"{cache_dir} holds no cache (no daemon has used it)")
@@ -144,7 +161,7 @@ def open_cache(
         index = _open_index(cache_dir)
         stack.callback(index.close)
         if block_size is not None:
-            _use_block_size(index, block_size)
+            _settle_block_size(index, cache_dir, block_size, migrate_block_size)
         if specs is None:
             recorded = index.load_meta(_TIERS_META)
             if recorded is None:

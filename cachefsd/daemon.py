@@ -105,9 +105,11 @@ def _warn_of_small_disks(cache: TieredCache) -> None:
 
 
 @contextmanager
-def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engine]:
+def engine(settings: Settings, lock_wait: float | None = None, mounting: bool = False) -> Iterator[Engine]:
     """Open the cache (locks, reconcile), prove the source reachable, and
-    build the data path; close it all on exit."""
+    build the data path; close it all on exit. ``mounting`` for the
+    daemon's, which may drop a cache filled at another block size (an
+    offline stage refuses it)."""
     metrics = Metrics(CollectorRegistry())
     model = AccessModel()
     planned = PlannedUse()
@@ -123,6 +125,7 @@ def engine(settings: Settings, lock_wait: float | None = None) -> Iterator[Engin
             lock_wait,
             planned,
             settings.cache.block_size,
+            migrate_block_size=mounting,
         ) as opened:
             _warn_of_small_disks(opened.cache)
             store = open_store(settings.source, settings.store, settings.fetch.attempt_timeout)
@@ -165,7 +168,7 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
     mountpoint = settings.mountpoint.resolve()
     check_fuse_device()
     check_mountpoint(mountpoint, settings.cache.directories())
-    with engine(settings) as parts:
+    with engine(settings, mounting=True) as parts:
         metrics_addr = _start_metrics(settings, parts.metrics.registry)
         if settings.prefetch.enabled:
             parts.prefetcher.start()

@@ -185,23 +185,54 @@ class Index:
             row = self._db.execute("SELECT value FROM meta WHERE name=?", (name,)).fetchone()
         return None if row is None else row[0]
 
-    def use_block_size(self, block_size: int) -> int | None:
-        """Record the block size this cache is filled at. When it was
-        filled at another, every reference (and identity) is dropped and
-        that size returned: block i at 4 MiB is not block i at 1 MiB, and
-        serving one as the other returns the wrong bytes. The blocks are
-        then unreferenced, which reconciling removes."""
-        with self._lock, self._db:
-            self._db.execute("BEGIN")
+    def filled_at(self, block_size: int) -> int | None:
+        """The block size this cache was filled at, when it is not
+        ``block_size``; None when the references fit ``block_size``. Block i
+        at 4 MiB is not block i at 1 MiB: served as one another, a reader
+        gets the wrong bytes. An index from before the size was recorded
+        is judged by its blocks (``_refs_fit``); 0 when they do not fit."""
+        with self._lock:
             row = self._db.execute("SELECT value FROM meta WHERE name='block_size'").fetchone()
-            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('block_size', ?)", (str(block_size),))
-            if row is None or int(row[0]) == block_size:
-                return None
-            self._db.execute("DELETE FROM block_refs")
-            self._db.execute("DELETE FROM identities")
+            if row is not None:
+                return None if int(row[0]) == block_size else int(row[0])
+            return None if self._refs_fit_locked(block_size) else 0
+
+    def _refs_fit_locked(self, block_size: int) -> bool:
+        """Whether every reference can be block i at ``block_size``: no
+        block is larger, and the first block of an object of several is
+        full. Whatever size filled the cache, references that pass are
+        right (single-block objects no larger than the new size are the
+        same block at both sizes)."""
+        too_large = self._db.execute(
+            "SELECT 1 FROM blocks WHERE raw_bytes > ? LIMIT 1", (block_size,)
+        ).fetchone()
+        short_first = self._db.execute(
+            "SELECT 1 FROM block_refs AS first JOIN blocks ON blocks.hash = first.hash "
+            "WHERE first.block = 0 AND blocks.raw_bytes < ? AND EXISTS ("
+            "SELECT 1 FROM block_refs AS second WHERE second.source = first.source "
+            "AND second.key = first.key AND second.etag = first.etag AND second.block = 1) LIMIT 1",
+            (block_size,),
+        ).fetchone()
+        return too_large is None and short_first is None
+
+    def use_block_size(self, block_size: int) -> None:
+        """Record ``block_size`` as the one this cache is filled at, dropping
+        every reference (and identity) if ``filled_at`` says they were
+        made at another; the blocks are then unreferenced, which reconciling
+        removes. The references are forgotten in memory first, so that even
+        when the index cannot be written (a full disk) none is served."""
+        with self._lock:
             self._refs.clear()
             self._refs_by_hash.clear()
-            return int(row[0])
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM block_refs")
+            self._db.execute("DELETE FROM identities")
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('block_size', ?)", (str(block_size),))
+
+    def record_block_size(self, block_size: int) -> None:
+        with self._lock, self._db:
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('block_size', ?)", (str(block_size),))
 
     def remove_block(self, digest: str) -> None:
         """Forget a block and every reference to it (eviction, corruption)."""

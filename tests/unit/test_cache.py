@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -20,6 +21,7 @@ from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.codec import Codec, content_hash, decode, encode
 from cachefsd.chunks.policy import LruPolicy, MinioPolicy, ObservedEpochs, PlannedUse
 from cachefsd.chunks.tier import HELD_DESCRIPTORS, Tier, disk_bytes
+from cachefsd.errors import ConfigError
 from cachefsd.index import BlockRef, Index
 from cachefsd.metrics import Metrics
 
@@ -261,31 +263,67 @@ def test_an_opened_cache_ranks_by_the_plan(tmp_path: Path) -> None:
         assert not resident(cache, ref("unplanned"))  # due blocks are kept over it
 
 
-def test_a_cache_reopened_at_another_block_size_forgets_its_blocks(
+def _reopen(root: Path, block_size: int, migrate: bool = True) -> bool:
+    """Open the cache under ``root`` at ``block_size``; whether block 0 of k
+    was found (it is cached if not)."""
+    spec = TierSpec("hot", str(root / "hot"), 1 << 20, "raw")
+    metrics = Metrics(CollectorRegistry())
+    with open_cache(
+        root, [spec], "lru", ObservedEpochs(), metrics, block_size=block_size, migrate_block_size=migrate
+    ) as opened:
+        found = opened.cache.lookup(ref("k")) is not None
+        if not found:
+            data = b"k" * 8192
+            opened.cache.admit(ref("k"), content_hash(data), data)
+        return found
+
+
+def test_a_cache_mounted_at_another_block_size_forgets_its_blocks(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Block i at 4 MiB is not block i at 1 MiB: served as one another, a
-    reader got the wrong bytes with no error. A changed block size drops
-    every reference, and reconciling removes the blocks; the same size keeps them."""
+    reader got the wrong bytes with no error. A mount at another size
+    drops every reference, and reconciling removes the blocks."""
+    (tmp_path / "hot").mkdir()
+    assert not _reopen(tmp_path, 4 << 20)
+    assert _reopen(tmp_path, 4 << 20)
+    assert not _reopen(tmp_path, 1 << 20)
+    assert "filled at 4.0 MiB blocks, now read at 1.0 MiB" in caplog.text
+    assert _reopen(tmp_path, 1 << 20)
+
+
+def test_a_stage_at_another_block_size_refuses_and_keeps_the_cache(tmp_path: Path) -> None:
+    """An offline stage (or its --check) without the mount's --block-size
+    must not wipe what it was asked to measure."""
+    (tmp_path / "hot").mkdir()
+    _reopen(tmp_path, 64 << 10)
+    with pytest.raises(ConfigError, match=r"block_size: .* was filled at 64\.0 KiB blocks, not 4\.0 MiB"):
+        _reopen(tmp_path, 4 << 20, migrate=False)
+    assert _reopen(tmp_path, 64 << 10, migrate=False)
+
+
+@pytest.mark.parametrize(("block_size", "kept"), [(8192, True), (16 << 10, False), (4096, False)])
+def test_an_index_from_before_the_size_was_recorded_is_judged_by_its_blocks(
+    tmp_path: Path, block_size: int, kept: bool
+) -> None:
+    """A 24 KiB object cached in three 8 KiB blocks by a version that did
+    not record the size: its blocks are blocks 0-2 at 8 KiB only (at 16
+    KiB the first block would be full, at 4 KiB none would be larger)."""
     (tmp_path / "hot").mkdir()
     spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
-    data = os.urandom(8192)
+    three = [BlockRef("s3://b", "three", "e", index) for index in range(3)]
 
-    def reopen(block_size: int) -> bool:
-        """Open at ``block_size``; whether block 0 of k is still found."""
+    def opened(block_size: int | None) -> Any:
         metrics = Metrics(CollectorRegistry())
-        with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), metrics, block_size=block_size) as opened:
-            found = opened.cache.lookup(ref("k")) is not None
-            if not found:
-                opened.cache.admit(ref("k"), content_hash(data), data)
-            return found
+        return open_cache(
+            tmp_path, [spec], "lru", ObservedEpochs(), metrics, block_size=block_size, migrate_block_size=True
+        )
 
-    assert not reopen(4 << 20)
-    assert reopen(4 << 20)
-    assert not reopen(1 << 20)
-    assert "filled at 4.0 MiB blocks, now read at 1.0 MiB" in caplog.text
-    assert reopen(1 << 20)
-    assert len(list((tmp_path / "hot" / "blocks").rglob("*"))) == 2  # one block, in its fan-out directory
+    with opened(None) as cache:  # records no size, as before
+        for block, part in zip(three, (b"a" * 8192, b"b" * 8192, b"c" * 8192), strict=True):
+            cache.cache.admit(block, content_hash(part), part)
+    with opened(block_size) as cache:
+        assert (cache.cache.lookup(three[0]) is not None) == kept
 
 
 def test_a_damaged_index_is_set_aside_not_a_failed_mount(
