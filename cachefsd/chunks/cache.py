@@ -102,6 +102,10 @@ class TieredCache:
         self._index = index
         self._events = events
         self._move_lock = threading.Lock()
+        # Blocks being promoted or demoted -> the tier their file is still
+        # in: out of its accounting before the copy is written, they must
+        # not look uncached to a reader meanwhile (it would GET them again).
+        self._moving: dict[str, Tier] = {}
 
     @property
     def tiers(self) -> list[Tier]:
@@ -119,7 +123,7 @@ class TieredCache:
         for tier in self._tiers:
             if tier.holds(digest):
                 return tier
-        return None
+        return self._moving.get(digest)
 
     # -- start-up -------------------------------------------------------
 
@@ -270,6 +274,8 @@ class TieredCache:
         if tier is None or tier.codec is not Codec.RAW:
             return None
         fd = self._checked(tier, digest, lambda: tier.open(digest))
+        if fd is None and tier is not self._tier_holding(digest):  # moved meanwhile: look once more
+            return self.raw_hit(digest, check)
         if fd is None:
             return None
         if check:
@@ -295,6 +301,8 @@ class TieredCache:
         if tier is None:
             return None
         data = self._checked(tier, digest, lambda: decode(tier.read(digest), digest))
+        if data is None and tier is not self._tier_holding(digest):  # moved meanwhile: look once more
+            return self.read(digest)
         if data is None:
             return None
         self._read_from(tier, digest)
@@ -398,10 +406,14 @@ class TieredCache:
         """Blocks tier ``position`` no longer holds: demote each to the next
         tier, or drop it from the last."""
         tier = self._tiers[position]
+        self._moving.update(dict.fromkeys(victims, tier))
         for digest in victims:
-            if position + 1 < len(self._tiers) and self._demote(digest, position):
-                continue
-            self._drop(digest, tier)
+            try:
+                if position + 1 < len(self._tiers) and self._demote(digest, position):
+                    continue
+                self._drop(digest, tier)
+            finally:
+                self._moving.pop(digest, None)
             self._events.block_evicted(tier.name)
 
     def _demote(self, digest: str, position: int) -> bool:
@@ -419,20 +431,24 @@ class TieredCache:
 
     def _promote(self, digest: str, data: bytes, source: Tier) -> None:
         with self._move_lock:
-            size = source.remove(digest)  # out of reach of the demotions this may cause
-            if size is None:
-                return
+            self._moving[digest] = source
             try:
-                self._place(0, digest, data)
-            except NoRoom:
-                source.add(digest, size)
-                return
-            except _DISK_ERRORS as exc:
-                log.warning("cannot promote block %s: %s", digest, exc)
-                self._events.cache_error(self._tiers[0].name)
-                source.add(digest, size)
-                return
-            self._rehome(digest, source, self._tiers[0], "promotion")
+                size = source.remove(digest)  # out of reach of the demotions this may cause
+                if size is None:
+                    return
+                try:
+                    self._place(0, digest, data)
+                except NoRoom:
+                    source.add(digest, size)
+                    return
+                except _DISK_ERRORS as exc:
+                    log.warning("cannot promote block %s: %s", digest, exc)
+                    self._events.cache_error(self._tiers[0].name)
+                    source.add(digest, size)
+                    return
+                self._rehome(digest, source, self._tiers[0], "promotion")
+            finally:
+                self._moving.pop(digest, None)
         self._report_usage()
 
     def _rehome(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -324,6 +325,34 @@ def test_an_index_from_before_the_size_was_recorded_is_judged_by_its_blocks(
             cache.cache.admit(block, content_hash(part), part)
     with opened(block_size) as cache:
         assert (cache.cache.lookup(three[0]) is not None) == kept
+
+
+def test_a_block_being_demoted_or_promoted_is_never_a_miss(tmp_path: Path) -> None:
+    """A demoted block is out of the hot tier's accounting before its warm
+    copy is written, and a promoted one out of the warm tier's: a reader in
+    that window found it nowhere, and fetched it again from the bucket."""
+    blocks = [os.urandom(64 << 10) for _ in range(24)]
+    frame = disk_bytes(len(encode(blocks[0], Codec.RAW)))
+    with tiered(tmp_path, hot=2 * frame, warm=1 << 30) as (cache, _):
+        digests = [admit(cache, ref("k", index), data) for index, data in enumerate(blocks[:2])]
+        misses: list[str] = []
+        done = threading.Event()
+
+        def reader() -> None:
+            while not done.is_set():
+                for digest in list(digests):
+                    if cache.read(digest) is None:  # each read of a warm block promotes it
+                        misses.append(digest)
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        try:
+            for index, data in enumerate(blocks[2:], start=2):
+                digests.append(admit(cache, ref("k", index), data))  # demotes a hot block
+        finally:
+            done.set()
+            thread.join(10)
+        assert misses == []
 
 
 def test_a_damaged_index_is_set_aside_not_a_failed_mount(
