@@ -144,8 +144,13 @@ class BlockReader:
         # works through them in FUSE-sized pieces.
         self._memory = _MemoryBuffer(MEMORY_BUFFER_BYTES)
         self._in_flight: SingleFlight[BlockRef, tuple[str, bytes]] = SingleFlight()
-        self._given_up: dict[BlockRef, tuple[float, DeadlineExceeded]] = {}  # guarded by _given_up_lock
-        self._given_up_lock = threading.Lock()
+        # _waits_lock guards the two below.
+        self._waits_lock = threading.Lock()
+        self._given_up: dict[BlockRef, tuple[float, DeadlineExceeded]] = {}
+        # Blocks a read already counts its wait on: the kernel's read-ahead
+        # sends several READs of one block at once, and their waits on one
+        # GET are one stall, not several.
+        self._stalling: set[BlockRef] = set()
 
     @property
     def block_size(self) -> int:
@@ -209,6 +214,9 @@ class BlockReader:
             return data[lo:hi], "memory" if placement is None else placement.tier, 0.0
         started = time.monotonic()
         self._fail_if_given_up(ref, started)
+        with self._waits_lock:
+            counts_stall = ref not in self._stalling
+            self._stalling.add(ref)
         try:
             digest, data = self._in_flight.do(
                 ref,
@@ -221,11 +229,15 @@ class BlockReader:
             # second deadline.
             self._give_up(ref, exc)
             raise
+        finally:
+            if counts_stall:
+                with self._waits_lock:
+                    self._stalling.discard(ref)
         # The GET may have been a prefetch's, admitted as not read yet.
         self._cache.touch(digest)
         placement = self._cache.placement(digest)
         self._remember(ref, digest, data, placement is not None and placement.raw, verified)
-        return data[lo:hi], "cold", time.monotonic() - started
+        return data[lo:hi], "cold", time.monotonic() - started if counts_stall else 0.0
 
     def _fetch_on_demand(self, info: ObjectInfo, index: int) -> tuple[str, bytes]:
         """A read's fetch (its readers share it): a failure is logged once
@@ -240,14 +252,14 @@ class BlockReader:
         """Remember that a read of ``ref`` waited out its deadline, for the
         next read of it (``_fail_if_given_up``)."""
         now = time.monotonic()
-        with self._given_up_lock:
+        with self._waits_lock:
             self._given_up = {
                 block: entry for block, entry in self._given_up.items() if now - entry[0] < GIVEN_UP_SECONDS
             }
             self._given_up[ref] = (now, exc)
 
     def _fail_if_given_up(self, ref: BlockRef, now: float) -> None:
-        with self._given_up_lock:
+        with self._waits_lock:
             entry = self._given_up.pop(ref, None)
         if entry is not None and now - entry[0] < GIVEN_UP_SECONDS:
             raise DeadlineExceeded(f"{entry[1]} ({now - entry[0]:.1f}s ago, not retried yet)")

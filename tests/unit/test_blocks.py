@@ -192,3 +192,26 @@ def test_a_read_that_joined_a_prefetch_which_gave_up_is_not_retried_at_once(
     with pytest.raises(DeadlineExceeded, match="not retried yet"):
         engine.reader.read(info, 0, 10, set())
     assert engine.faulty.calls == calls  # answered without a new GET
+
+
+def test_reads_of_one_block_waiting_on_one_get_are_one_stall(make_engine: EngineFactory) -> None:
+    """The kernel's read-ahead sends several READs of one block at once:
+    counted per request, one reader's 0.3 s wait read as 1.2 s of stall."""
+    engine = make_engine({"f": os.urandom(BLOCK_SIZE)})
+    info = engine.namespace.lookup("/f").info
+    assert info is not None
+    engine.faulty.faults.latency_seconds = 0.3
+    quarter = BLOCK_SIZE // 4
+    barrier = threading.Barrier(4)
+
+    def read(offset: int) -> None:
+        barrier.wait()
+        joined(engine.reader.read(info, offset, quarter, set()))
+
+    threads = [threading.Thread(target=read, args=(offset,)) for offset in range(0, BLOCK_SIZE, quarter)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert engine.store.get_count == 1
+    assert 0.3 <= engine.metrics.read_stall._value.get() < 0.6
