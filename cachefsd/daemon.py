@@ -112,6 +112,7 @@ def engine(settings: Settings, lock_wait: float | None = None, mounting: bool = 
     offline stage refuses it)."""
     metrics = Metrics(CollectorRegistry())
     model = AccessModel()
+    metrics.watch_epoch(model.current)
     planned = PlannedUse()
     specs = tier_specs(settings.cache)
     io = LoopThread()

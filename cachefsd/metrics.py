@@ -293,8 +293,11 @@ class Metrics:
     def prefetch_warmed(self, nbytes: int) -> None:
         self.prefetch_warmed_bytes.inc(nbytes)
 
-    def epoch(self, number: int) -> None:
-        self.epoch_number.set(number)
+    def watch_epoch(self, current: Callable[[], int]) -> None:
+        """Export ``current()`` as ``cachefsd_epoch``, read at each scrape:
+        set by whoever happened to look, it lagged the model (by whole
+        epochs with prefetching off)."""
+        self.epoch_number.set_function(current)
 
     # CacheEvents
     def tier_usage(self, tier: str, used_bytes: int, capacity_bytes: int, blocks: int) -> None:

@@ -320,10 +320,8 @@ class DaemonStats:
                 log.exception("stats sample failed")
 
     def sample(self) -> None:
-        """Add a ring sample, and bring the epoch gauge up to date (the
-        prefetcher does too, but only when prefetching is on). Reads only
-        the read-bytes counter, never the residency collector."""
-        self._metrics.epoch(self._model.current())
+        """Add a ring sample. Reads only the read-bytes counter, never the
+        residency collector."""
         by_source: dict[str, float] = {}
         for family in self._metrics.read_bytes.collect():
             for sample in family.samples:
@@ -354,7 +352,6 @@ class DaemonStats:
                         max_prefixes, error, prefixes: [{prefix, bytes: {tier: n},
                         total_bytes}]}
         """
-        self._metrics.epoch(self._model.current())
         samples = _Samples(self._metrics.registry)  # the residency collector refreshes if due
         now = self._clock()
         read_bytes = samples.by("cachefsd_read_bytes_total", "source")

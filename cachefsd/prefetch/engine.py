@@ -97,7 +97,6 @@ class PrefetchEvents(Protocol):
     def prefetch_used(self, nbytes: int) -> None: ...
     def prefetch_wasted(self, nbytes: int) -> None: ...
     def prefetch_warmed(self, nbytes: int) -> None: ...
-    def epoch(self, number: int) -> None: ...
 
 
 @dataclass
@@ -272,7 +271,6 @@ class Prefetcher:
                 turns = self._model.take_turns()
                 if turns:
                     self._void_plans(turns)
-                self._events.epoch(self._model.current())
                 now = time.monotonic()
                 if now - retired_at >= IDLE_WAKE_SECONDS:
                     retired_at = now

@@ -128,10 +128,12 @@ def test_stats_json_agrees_with_the_metrics_and_shows_residency(
 
     _read_all(mount, train)
     _read_all(mount, train)  # a second pass over the job's files: its epoch 1
+    # Scraped first: the epoch gauge is the model's at the scrape, with no
+    # stats call (nor prefetcher, here) to bring it up to date.
+    metrics = mount.metrics()
     result = run_cli("stats", str(mount.mountpoint), "--json")
     assert result.returncode == 0, result.stderr
     stats = json.loads(result.stdout)
-    metrics = mount.metrics()
 
     assert stats["source"] == f"s3://{bucket}"
     assert stats["reads"]["bytes"]["cold"] == metrics["cachefsd_read_bytes_total{source=cold}"]

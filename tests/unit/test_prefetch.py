@@ -250,15 +250,20 @@ def test_one_jobs_new_epoch_keeps_the_plans_of_another(
     unhinted = [key for key in sorted(dataset) if key.startswith("train/c1/")]
     others = [engine.namespace.lookup("/" + key).info for key in unhinted]
     assert first is not None
-    epoch = engine.metrics.epoch_number._value.get
-    unplan = engine.reader.unplan
+    unplan, void_plans = engine.reader.unplan, prefetcher._void_plans
     unplanned: list[str] = []
+    voided: list[dict[str, int]] = []
 
     def recorded_unplan(digest: str) -> None:
         unplanned.append(digest)
         unplan(digest)
 
+    def recorded_void_plans(turns: dict[str, int]) -> None:
+        void_plans(turns)
+        voided.append(turns)
+
     monkeypatch.setattr(engine.reader, "unplan", recorded_unplan)
+    monkeypatch.setattr(prefetcher, "_void_plans", recorded_void_plans)
     for directory in ("train/c0", "train/c1"):
         prefetcher.listed(engine.namespace.listdir("/" + directory), directory)
     prefetcher.start()
@@ -272,7 +277,8 @@ def test_one_jobs_new_epoch_keeps_the_plans_of_another(
             assert info is not None
             prefetcher.opened(info)
             prefetcher.read(info, 0, info.size)
-        wait_for(lambda: epoch() == 1, "the prefetcher to see c1's new epoch")
+        wait_for(lambda: bool(voided), "the prefetcher to see c1's new epoch")
+        assert list(voided[0]) == ["train/c1"]
         assert model.current_epoch("train/c0") == 0
         assert planned.next_use(digest) is not None
         assert digest not in unplanned  # kept, not voided and planned again
