@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachefsd.aio import LoopThread
-from cachefsd.errors import NotADirectory, ObjectNotFound
+from cachefsd.errors import NotADirectory, ObjectNotFound, StoreError
 from cachefsd.fetch import Fetcher
 from cachefsd.index import Index
 from cachefsd.namespace.names import Directory, dir_prefix, directory_from_listing, split_path
@@ -161,6 +161,7 @@ class Namespace:
         link, and a retry must not start over from the first page."""
         pages: list[Listing] = []
         token: str | None = None
+        tokens: set[str] = set()
         while True:
             page = self._io.run(
                 self._fetcher.call(
@@ -174,6 +175,9 @@ class Namespace:
             token = page.next_token
             if token is None:
                 return merged(pages)
+            if token in tokens:  # a store that pages in a circle would list it forever
+                raise StoreError(f"list {prefix or '/'}: page {len(pages)} repeats an earlier page's token")
+            tokens.add(token)
 
     def _refresh(self, prefix: str) -> _Cached:
         listing = self._list(prefix)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cachefsd.errors import NotADirectory, ObjectNotFound
+from cachefsd.errors import NotADirectory, ObjectNotFound, StoreError
+from cachefsd.store.base import Listing, ListingPage
 from cachefsd.store.memory import MemoryStore
 from tests.unit.conftest import EngineFactory, joined
 
@@ -73,3 +74,16 @@ def test_a_listing_of_many_pages_may_take_longer_than_one_request_may(make_engin
     assert node.info is not None
     assert len(engine.namespace.listdir("/big")) == 30
     assert engine.store.list_count == 1 + 10  # the root's page, then big/'s ten, each once
+
+
+def test_a_listing_whose_pages_go_in_a_circle_fails_instead_of_listing_forever(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine({"d/a": b"a"})
+
+    async def circular(prefix: str, token: str | None) -> ListingPage:
+        return ListingPage(Listing((), ()), "again")
+
+    monkeypatch.setattr(engine.store, "list_page", circular)
+    with pytest.raises(StoreError, match=r"page 2 repeats an earlier page's token"):
+        engine.namespace.listdir("/")
