@@ -37,6 +37,8 @@ log = logging.getLogger("cachefsd")
 # disk is the slowest part and takes seconds, not minutes.
 MOUNT_READY_SECONDS = 60.0
 UNMOUNT_SECONDS = 30.0
+# Ignored while a mount command stops the daemon it started (``_stop``).
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # What starts a warning line on the ready pipe (``_ReadyPipe``).
 WARNING_PREFIX = "warning: "
 _POLL_SECONDS = 0.05
@@ -161,28 +163,36 @@ class _ReadyPipe(logging.Handler):
     should see them, not only the log), then one last line: "ready", or
     the error that prevented it. After that the mounting command has gone,
     so the pipe is closed and later messages are only logged (writing would
-    raise BrokenPipeError)."""
+    raise BrokenPipeError). Errors are not relayed as warnings: the last
+    line carries the one that ends the start."""
 
     def __init__(self, fd: int | None) -> None:
         super().__init__(logging.WARNING)
+        self.addFilter(lambda record: record.levelno == logging.WARNING)
         self._fd = fd
 
     def emit(self, record: logging.LogRecord) -> None:
-        self._write(f"{WARNING_PREFIX}{record.getMessage()}".replace("\n", " "), last=False)
+        self._write(f"{WARNING_PREFIX}{record.getMessage()}", last=False)
 
-    def finish(self, line: str) -> None:
+    def finish(self, line: str) -> bool:
+        """Send the last line; False when nobody read it (the mounting
+        command was killed)."""
         with self.lock:  # the lock ``handle`` holds around ``emit``
-            self._write(line, last=True)
+            return self._write(line, last=True)
 
-    def _write(self, line: str, last: bool) -> None:
+    def _write(self, line: str, last: bool) -> bool:
         fd = self._fd
         if fd is None:
-            return
-        with contextlib.suppress(OSError):
-            os.write(fd, f"{line}\n".encode())
+            return True
+        try:
+            os.write(fd, f"{line}".replace("\n", " ").encode() + b"\n")
+            delivered = True
+        except OSError:  # EPIPE: the reading end is closed
+            delivered = False
         if last:
             self._fd = None
             os.close(fd)
+        return delivered
 
 
 def _mount_foreground(settings: Settings, ready_fd: int | None) -> int:
@@ -195,7 +205,12 @@ def _mount_foreground(settings: Settings, ready_fd: int | None) -> int:
     def ready() -> None:
         log.info("mount ready")
         notify_systemd("READY=1")
-        pipe.finish("ready")
+        if not pipe.finish("ready"):
+            # Whoever ran `cachefsd mount` was killed before the mount was
+            # ready, and was told nothing or a failure: no mount may appear
+            # behind its back. SIGTERM unmounts cleanly (libfuse's handler).
+            log.warning("the mounting command is gone: unmounting")
+            os.kill(os.getpid(), signal.SIGTERM)
 
     try:
         daemon.run(settings, ready)
@@ -228,9 +243,11 @@ def _mount_background(argv: list[str], settings: Settings) -> int:
     except OSError as exc:
         raise ConfigError(f"cache.dir: cannot write the log {log_path}: {exc.strerror}") from exc
     read_end, write_end = os.pipe()
-    # The daemon outlives this command only once it is mounted: Ctrl-C, or
-    # the SIGTERM of a ``timeout`` or a supervisor, stops it, or the mount
-    # would appear behind the back of a command that reported failure.
+    # The daemon outlives this command only once it is mounted: Ctrl-C (a
+    # KeyboardInterrupt already), or the SIGTERM of a ``timeout`` or a
+    # supervisor, stops it, or the mount would appear behind the back of a
+    # command that reported failure. (If this command is killed, the
+    # daemon finds nobody reading its "ready" and unmounts.)
     previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
     child = None
     try:
@@ -299,15 +316,26 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 def _stop(child: subprocess.Popen[bytes], mountpoint: Path) -> None:
     """Stop a daemon that is not (or not yet) mounted: SIGTERM, which
     unmounts cleanly if it just got there; SIGKILL if it does not exit;
-    then a lazy unmount of what a killed daemon may have left."""
-    child.terminate()
+    then a lazy unmount of what it may have left, if the mount there is
+    its own (another daemon may have mounted that path meanwhile). A second
+    Ctrl-C must not cut this short."""
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in _STOP_SIGNALS}
     try:
-        child.wait(timeout=UNMOUNT_SECONDS)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
-    if mount_types().get(str(mountpoint.resolve())) == MOUNT_TYPE:
-        subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True, timeout=10, check=False)
+        child.terminate()
+        try:
+            child.wait(timeout=UNMOUNT_SECONDS)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        state = read_state(mountpoint.resolve())
+        ours = state is not None and state.pid == child.pid
+        if ours and mount_types().get(str(mountpoint.resolve())) == MOUNT_TYPE:
+            subprocess.run(
+                ["fusermount3", "-uz", str(mountpoint)], capture_output=True, timeout=10, check=False
+            )
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:

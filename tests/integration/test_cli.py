@@ -294,6 +294,35 @@ def test_bad_flag_values_are_usage_errors_naming_the_flag(args: list[str], flag:
     assert f"argument {flag}: expected" in stderr, stderr
 
 
+def test_a_mount_command_killed_before_the_mount_is_ready_leaves_no_mount(tmp_path: Path) -> None:
+    """SIGKILL (``timeout -s KILL``, the OOM killer) gives the command no
+    chance to stop its daemon: the daemon finds nobody reading its "ready"
+    and unmounts itself."""
+    source, mountpoint, cache = tmp_path / "source", tmp_path / "mnt", tmp_path / "cache"
+    for directory in (source, mountpoint, cache):
+        directory.mkdir()
+    held = CacheDirLock(cache)
+    try:
+        mount = ["mount", str(source), str(mountpoint), "--cache-dir", str(cache), "--no-metrics"]
+        command = subprocess.Popen([sys.executable, "-m", "cachefsd", *mount])
+        lock = cache / "lock"
+        wait_until(
+            lambda: _waiting_daemon(mountpoint, lock) is not None,
+            "the daemon to wait for the lock",
+            FAIL_FAST_SECONDS,
+        )
+        daemon = _waiting_daemon(mountpoint, lock)
+        assert daemon is not None
+        command.kill()
+        command.wait(timeout=EXIT_DEADLINE_SECONDS)
+    finally:
+        held.release()
+    wait_until(lambda: not pid_alive(daemon), "the daemon to unmount and exit", EXIT_DEADLINE_SECONDS)
+    assert not os.path.ismount(mountpoint)
+    log = (cache / "cachefsd.log").read_text()
+    assert "the mounting command is gone: unmounting" in log, log
+
+
 # -- stopping --------------------------------------------------------------------
 
 
