@@ -75,21 +75,38 @@ def _recorded(spec: TierSpec, cache_dir: Path) -> dict[str, object]:
     return asdict(spec)
 
 
-def _open_index(cache_dir: Path) -> Index:
+def _open_index(cache_dir: Path, maintenance: bool) -> Index:
     """The cache is advisory: an index from another version, or a damaged
     one, is set aside (its blocks become orphans that reconcile removes)
-    and costs re-fetches; it is never misread, and never stops a mount."""
+    and costs re-fetches; it is never misread, and never stops a mount. A
+    damaged one is kept beside it, for a post-mortem. Maintenance commands
+    (``verify``, ``gc``) report it and leave it for the next mount."""
     path = cache_dir / _INDEX_NAME
     try:
         return Index(path)
     except IndexSchemaMismatch as exc:
+        if maintenance:
+            raise CachefsdError(f"{exc}: the next mount starts a new one") from exc
         log.warning("%s; starting a new index", exc)
+        kept = None
     except sqlite3.DatabaseError as exc:
-        if exc.sqlite_errorcode not in _DAMAGED:
+        if exc.sqlite_errorcode & 0xFF not in _DAMAGED:  # extended codes: SQLITE_CORRUPT_INDEX, ...
             raise ConfigError(f"cache.dir: cannot open the index {path}: {exc}") from exc
-        log.warning("%s is damaged (%s); starting a new index, cached blocks are fetched again", path, exc)
+        if maintenance:
+            raise CachefsdError(f"{path} is damaged ({exc}): the next mount sets it aside") from exc
+        kept = path.with_name(f"{_INDEX_NAME}.damaged")
+        log.warning(
+            "%s is damaged (%s); kept as %s, starting a new index: cached blocks are fetched again",
+            path,
+            exc,
+            kept,
+        )
     for suffix in ("", "-wal", "-shm"):
-        Path(f"{path}{suffix}").unlink(missing_ok=True)
+        old = Path(f"{path}{suffix}")
+        if kept is not None and suffix == "" and old.exists():
+            old.replace(kept)
+        else:
+            old.unlink(missing_ok=True)
     return Index(path)
 
 
@@ -158,7 +175,7 @@ def open_cache(
     with ExitStack() as stack:
         wait = {} if lock_wait is None else {"wait_seconds": lock_wait}
         stack.callback(CacheDirLock(cache_dir, **wait).release)
-        index = _open_index(cache_dir)
+        index = _open_index(cache_dir, maintenance=specs is None)
         stack.callback(index.close)
         if block_size is not None:
             _settle_block_size(index, cache_dir, block_size, migrate_block_size)

@@ -17,12 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from cachefsd.cachedir import TierSpec, open_cache
+from cachefsd.cachedir import TierSpec, open_cache, verify
 from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.codec import Codec, content_hash, decode, encode
 from cachefsd.chunks.policy import LruPolicy, MinioPolicy, ObservedEpochs, PlannedUse
 from cachefsd.chunks.tier import HELD_DESCRIPTORS, Tier, disk_bytes
-from cachefsd.errors import ConfigError
+from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.index import BlockRef, Index
 from cachefsd.metrics import Metrics
 
@@ -369,6 +369,17 @@ def test_a_damaged_index_is_set_aside_not_a_failed_mount(
         opened.cache.admit(ref("k"), content_hash(data), data)
         assert read(opened.cache, ref("k")) == data
     assert "index.sqlite is damaged (file is not a database)" in caplog.text
+    assert (tmp_path / "index.sqlite.damaged").read_bytes().startswith(b"not a database")  # for a post-mortem
+
+
+def test_maintenance_reports_a_damaged_index_and_leaves_it(tmp_path: Path) -> None:
+    """verify and gc diagnose; they must not replace the evidence with an
+    empty index and then say the directory holds no cache."""
+    damaged = b"not a database, whatever happened to it" * 100
+    (tmp_path / "index.sqlite").write_bytes(damaged)
+    with pytest.raises(CachefsdError, match=r"index\.sqlite is damaged .*: the next mount sets it aside"):
+        verify(tmp_path, repair=False)
+    assert (tmp_path / "index.sqlite").read_bytes() == damaged
 
 
 def test_an_unwritable_tier_falls_through_to_the_next(tmp_path: Path) -> None:
