@@ -37,6 +37,8 @@ log = logging.getLogger("cachefsd")
 # disk is the slowest part and takes seconds, not minutes.
 MOUNT_READY_SECONDS = 60.0
 UNMOUNT_SECONDS = 30.0
+# A refresh interval longer than a day is a typo (and past select()'s range).
+MAX_INTERVAL_SECONDS = 86400.0
 # Ignored while a mount command stops the daemon it started (``_stop``).
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # What starts a warning line on the ready pipe (``_ReadyPipe``).
@@ -67,8 +69,10 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, not {text!r}")
+    if not (math.isfinite(value) and 0 < value <= MAX_INTERVAL_SECONDS):
+        raise argparse.ArgumentTypeError(
+            f"expected a number of seconds above 0 and at most {MAX_INTERVAL_SECONDS:g}, not {text!r}"
+        )
     return value
 
 
@@ -458,7 +462,7 @@ def _cmd_hint(args: argparse.Namespace, argv: list[str]) -> int:
     # not UTF-8 name the file as the filesystem does (os.fsdecode).
     for line in text.split(b"\n"):
         path = os.fsdecode(line.removesuffix(b"\r"))
-        if not path:
+        if not path.strip():  # a blank line; a name is kept as written
             continue
         placed, relative = paths.place(path)
         if placed is None or placed.mountpoint != mount.mountpoint:

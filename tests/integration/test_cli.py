@@ -284,6 +284,7 @@ def test_a_mount_stopped_before_it_is_ready_leaves_no_daemon_behind(signum: int,
         (["top", "/mnt", "--interval", "nan"], "--interval"),
         (["top", "/mnt", "--interval", "inf"], "--interval"),
         (["top", "/mnt", "--interval", "0"], "--interval"),
+        (["top", "/mnt", "--interval", "1e300"], "--interval"),
         (["demo", "--workers", "0"], "--workers"),
     ],
 )

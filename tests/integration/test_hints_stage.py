@@ -280,7 +280,7 @@ def test_hint_command_takes_each_line_as_one_exact_path(
     objects = {" leading.bin": b"l", "trailing .bin": b"t", "plain.bin": b"p"}
     _, mount = _seed_and_mount(s3_client, s3_server, mounter, "hint-names", objects)
     order = tmp_path / "order.txt"
-    order.write_bytes(b"".join(key.encode() + b"\r\n" for key in objects))
+    order.write_bytes(b"".join(key.encode() + b"\r\n" for key in objects) + b"   \r\n")
     result = run_cli("hint", str(mount.mountpoint), "--order", str(order))
     assert result.returncode == 0, result.stderr
     assert "3 accepted, 0 unknown" in result.stdout
