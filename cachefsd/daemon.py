@@ -135,7 +135,7 @@ def engine(settings: Settings, lock_wait: float | None = None, mounting: bool = 
                 fetcher = Fetcher(store, settings.fetch, metrics)
                 dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
                 reader = BlockReader(
-                    store.identity,
+                    store.cache_key,
                     settings.cache.block_size,
                     opened.cache,
                     fetcher,
@@ -180,7 +180,7 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
         # /stats and the metrics endpoint read the same registry; residency
         # is one cached index query shared by both.
         residency = Residency(
-            functools.partial(parts.index.resident_bytes_by_prefix, parts.store.identity),
+            functools.partial(parts.index.resident_bytes_by_prefix, parts.store.cache_key),
             [tier.name for tier in parts.cache.tiers],
         )
         parts.metrics.watch_residency(parts.store.uri, residency.rows)

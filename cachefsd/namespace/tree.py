@@ -146,7 +146,7 @@ class Namespace:
         return self._listing.do(prefix, lambda: self._refresh(prefix), timeout=None)
 
     def _from_index(self, prefix: str, now: float) -> _Cached | None:
-        saved = self._index.load_listing(self._store.identity, prefix)
+        saved = self._index.load_listing(self._store.cache_key, prefix)
         if saved is None or now - saved[0] >= self._ttl:
             return None
         cached = _Cached(directory_from_listing(prefix, _decode(saved[1])), saved[0])
@@ -203,7 +203,7 @@ class Namespace:
         an index that cannot be written (its disk is full) costs a re-list
         after a restart, never a failed lookup now."""
         try:
-            self._index.save_listing(self._store.identity, prefix, fetched_at, _encode(listing))
+            self._index.save_listing(self._store.cache_key, prefix, fetched_at, _encode(listing))
         except sqlite3.Error as exc:
             log.warning("cannot save the listing of %r in the index: %s", prefix or "/", exc)
 

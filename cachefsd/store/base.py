@@ -58,7 +58,7 @@ class ObjectStore(Protocol):
         ...
 
     @property
-    def identity(self) -> str:
+    def cache_key(self) -> str:
         """What the cache keys listings and blocks by: the ``uri``, plus
         the endpoint when one is configured, since a bucket named ``data``
         on a MinIO and on an emulator are two buckets."""

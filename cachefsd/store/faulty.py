@@ -31,8 +31,8 @@ class FaultyStore:
         return self._inner.uri
 
     @property
-    def identity(self) -> str:
-        return self._inner.identity
+    def cache_key(self) -> str:
+        return self._inner.cache_key
 
     @property
     def content_etags(self) -> bool:

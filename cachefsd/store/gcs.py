@@ -135,7 +135,7 @@ class GcsStore:
         return f"gs://{self._bucket_name}/{self._prefix}" if self._prefix else f"gs://{self._bucket_name}"
 
     @property
-    def identity(self) -> str:
+    def cache_key(self) -> str:
         emulator = os.environ.get(EMULATOR_ENV)
         return f"{self.uri}@{emulator}" if emulator else self.uri
 

@@ -36,7 +36,7 @@ class LocalStore:
         return f"file://{self._root}"
 
     @property
-    def identity(self) -> str:
+    def cache_key(self) -> str:
         return self.uri
 
     @property

@@ -38,7 +38,7 @@ class MemoryStore:
         return self._uri
 
     @property
-    def identity(self) -> str:
+    def cache_key(self) -> str:
         return self._uri
 
     @property

@@ -56,6 +56,8 @@ DEFAULT_REGION = "us-east-1"
 # ListObjectsV2 returns at most 1000 keys a page; asking for the maximum keeps
 # a 10,000-entry directory at ten round trips.
 _LIST_PAGE_SIZE = 1000
+# AWS's own S3 endpoints (global, regional, FIPS, dual-stack, VPC).
+_AWS_DOMAIN = ".amazonaws.com"
 
 # Error codes S3 (and compatible stores) return, by the type they become.
 # HEAD responses have no body, so their "code" is the bare status.
@@ -97,13 +99,14 @@ def _strip_quotes(etag: str) -> str:
 
 
 def _redact_url(url: str) -> str:
-    """``scheme://host[:port]`` only: an endpoint URL may carry user info."""
+    """``scheme://host[:port][/path]`` only: an endpoint URL may carry user
+    info (and a query); the path names a gateway's bucket namespace."""
     parts = urlsplit(url)
     host = parts.hostname or ""
     if ":" in host:
         host = f"[{host}]"
     port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}"
+    return f"{parts.scheme}://{host}{port}{parts.path.rstrip('/')}"
 
 
 # Failures to reach the endpoint or to finish a response: always retryable.
@@ -170,17 +173,23 @@ class S3Store:
         self._exit_stack: AsyncExitStack | None = None
         self._client_lock = asyncio.Lock()
         self._endpoint = _redact_url(settings.endpoint_url) if settings.endpoint_url else "AWS S3"
+        self._resolved_endpoint: str | None = None  # the client's, once created
 
     @property
     def uri(self) -> str:
         return f"s3://{self._bucket}/{self._prefix}" if self._prefix else f"s3://{self._bucket}"
 
     @property
-    def identity(self) -> str:
-        # Without an endpoint, AWS: bucket names are global. Fixed by the
-        # settings (``_endpoint`` is refined once the client exists).
-        endpoint = self._settings.endpoint_url
-        return f"{self.uri}@{_redact_url(endpoint)}" if endpoint else self.uri
+    def cache_key(self) -> str:
+        """The URI, plus the endpoint unless it is AWS's own (bucket names
+        are global there, so a regional or VPC endpoint keeps the key). The
+        endpoint the client resolved once it exists (botocore also takes it
+        from AWS_ENDPOINT_URL and a profile's endpoint_url); ``check``
+        creates it, before anything is keyed."""
+        endpoint = self._resolved_endpoint or self._settings.endpoint_url
+        if endpoint is None or (urlsplit(endpoint).hostname or "").endswith(_AWS_DOMAIN):
+            return self.uri
+        return f"{self.uri}@{_redact_url(endpoint)}"
 
     @property
     def content_etags(self) -> bool:
@@ -223,6 +232,7 @@ class S3Store:
                 except _S3_ERRORS as exc:
                     await stack.aclose()
                     raise _translate(exc, target=self._target(), endpoint=self._endpoint) from exc
+                self._resolved_endpoint = client.meta.endpoint_url
                 if self._settings.endpoint_url is None:
                     self._endpoint = _redact_url(client.meta.endpoint_url)
                 self._exit_stack = stack

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import boto3
 import pytest
 import requests
 from botocore.exceptions import ClientError
@@ -413,6 +414,19 @@ def test_s3_missing_bucket_fails_fast(s3_settings: StoreSettings, monkeypatch: p
 
     assert time.monotonic() - began < FAST_FAILURE_SECONDS
     assert secret not in _full_text(caught.value)
+
+
+def test_s3_keys_the_cache_by_the_endpoint_botocore_resolved(
+    s3_server: S3TestServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An endpoint from AWS_ENDPOINT_URL (or a profile) is the endpoint all
+    the same: two buckets named alike on two endpoints are two sources."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    s3_server_client = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1")
+    s3_server_client.create_bucket(Bucket="keyed-by-endpoint")
+    store = S3Store("keyed-by-endpoint", "", StoreSettings(region="us-east-1"), ATTEMPT_TIMEOUT_SECONDS)
+    _run_alone(lambda: _check_then_close(store))
+    assert store.cache_key == f"s3://keyed-by-endpoint@{s3_server.endpoint_url}"
 
 
 def test_s3_unreachable_endpoint_is_a_retryable_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -157,9 +157,16 @@ def test_bucket_names_no_service_allows_name_the_source(source: str) -> None:
         open_store(source, StoreSettings(), attempt_timeout=1.0)
 
 
-def test_a_source_is_keyed_by_its_endpoint_without_credentials() -> None:
-    aws = open_store("s3://data/p", StoreSettings(), attempt_timeout=1.0)
-    assert aws.identity == "s3://data/p"  # AWS bucket names are global
-    minio = open_store("s3://data/p", StoreSettings(endpoint_url="http://key:secret@minio:9000"), 1.0)
-    assert minio.identity == "s3://data/p@http://minio:9000"
-    assert minio.uri == "s3://data/p"
+@pytest.mark.parametrize(
+    ("endpoint", "key"),
+    [
+        (None, "s3://data/p"),  # AWS: bucket names are global
+        ("https://s3.eu-west-1.amazonaws.com", "s3://data/p"),  # still AWS: the cache stays valid
+        ("http://key:secret@minio:9000/", "s3://data/p@http://minio:9000"),  # no credentials
+        ("https://gateway.example/s3?x=1", "s3://data/p@https://gateway.example/s3"),
+    ],
+)
+def test_a_source_is_keyed_by_its_endpoint_without_credentials(endpoint: str | None, key: str) -> None:
+    store = open_store("s3://data/p", StoreSettings(endpoint_url=endpoint), attempt_timeout=1.0)
+    assert store.cache_key == key
+    assert store.uri == "s3://data/p"
