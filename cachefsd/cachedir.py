@@ -29,7 +29,7 @@ from cachefsd.config import CacheSettings, human_bytes, resolve_tier_size
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.index import Index, IndexSchemaMismatch
 from cachefsd.metrics import Metrics
-from cachefsd.runtime import CacheDirLock
+from cachefsd.runtime import CacheDirLock, create_cache_directory
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,7 @@ def tier_specs(settings: CacheSettings) -> list[TierSpec]:
     specs = []
     implicit = settings.hot is None and settings.warm is None  # the one tier is cache.dir
     for name, tier in settings.tiers():
-        try:
-            tier.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as exc:
-            field = "cache.dir" if implicit else f"cache.{name}.dir"
-            raise ConfigError(f"{field}: cannot create {tier.dir}: {exc.strerror}") from exc
+        create_cache_directory("cache.dir" if implicit else f"cache.{name}.dir", tier.dir)
         specs.append(TierSpec(name, str(tier.dir), resolve_tier_size(tier.size, tier.dir), tier.codec))
     return specs
 
@@ -168,10 +164,7 @@ def open_cache(
     if specs is None and not (cache_dir / _INDEX_NAME).is_file():
         # Before anything is created: a mistyped --cache-dir must not leave a new, empty cache behind.
         raise CachefsdError(f"{cache_dir} holds no cache (no daemon has used it)")
-    try:
-        cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cache.dir: cannot create {cache_dir}: {exc.strerror}") from exc
+    create_cache_directory("cache.dir", cache_dir)
     with ExitStack() as stack:
         wait = {} if lock_wait is None else {"wait_seconds": lock_wait}
         stack.callback(CacheDirLock(cache_dir, **wait).release)

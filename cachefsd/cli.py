@@ -24,6 +24,7 @@ from cachefsd.runtime import (
     MOUNT_TYPE,
     check_fuse_device,
     check_mountpoint,
+    create_cache_directory,
     mount_types,
     notify_systemd,
     pid_alive,
@@ -238,10 +239,7 @@ def _mount_background(argv: list[str], settings: Settings) -> int:
     check_fuse_device()
     check_mountpoint(settings.mountpoint.resolve(), settings.cache.directories())
     log_path = settings.cache.dir / "cachefsd.log"
-    try:
-        settings.cache.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cache.dir: cannot create {settings.cache.dir}: {exc.strerror}") from exc
+    create_cache_directory("cache.dir", settings.cache.dir)
     try:
         open(log_path, "ab").close()
     except OSError as exc:

@@ -213,3 +213,12 @@ def check_mountpoint(mountpoint: Path, cache_directories: list[tuple[str, Path]]
         raise ConfigError(f"mountpoint: {mountpoint} is already a mount point")
     if any(mountpoint.iterdir()):
         raise ConfigError(f"mountpoint: {mountpoint} is not empty")
+
+
+def create_cache_directory(setting: str, directory: Path) -> None:
+    """Create a cache directory, owner-only; ``ConfigError`` naming the
+    ``setting`` that gave it when that fails."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{setting}: cannot create {directory}: {exc.strerror}") from exc
