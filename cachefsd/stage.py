@@ -470,10 +470,10 @@ class _BlockFetch:
         else:
             if fetched:
                 self._counters.bytes_fetched += length
-                if self._blocks.residency(state.selected.info, index) is None:
-                    self._cache_full = True
-            else:
+            else:  # it was cached, or a read's GET (which this joined) fetched it
                 self._counters.bytes_cached += length
+            if self._blocks.residency(state.selected.info, index) is None:
+                self._cache_full = True  # fetched, by whoever, and refused
         self._block_done(state)
 
     def _block_done(self, state: _FileProgress) -> None:
