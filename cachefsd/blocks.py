@@ -144,6 +144,9 @@ class BlockReader:
         # works through them in FUSE-sized pieces.
         self._memory = _MemoryBuffer(MEMORY_BUFFER_BYTES)
         self._in_flight: SingleFlight[BlockRef, tuple[str, bytes]] = SingleFlight()
+        # A compressed block's concurrent READs (the kernel's read-ahead
+        # sends about four) share one read and decode of the whole block.
+        self._decoding: SingleFlight[str, bytes | None] = SingleFlight()
         # _waits_lock guards the two below.
         self._waits_lock = threading.Lock()
         self._given_up: dict[BlockRef, tuple[float, DeadlineExceeded]] = {}
@@ -203,7 +206,10 @@ class BlockReader:
             if span is not None:
                 return span
         placement = None if digest is None else self._cache.placement(digest)
-        data = None if digest is None or placement is None else self._cache.read(digest)
+        data = None
+        if digest is not None and placement is not None:
+            found = digest
+            data = self._decoding.do(found, lambda: self._cache.read(found), self._fetcher.deadline)
         if data is None and self._dedup_by_etag:
             adopted = self._cache.adopt(ref, (info.etag, info.size))
             if adopted is not None:

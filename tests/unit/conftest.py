@@ -80,8 +80,8 @@ def fixture_io() -> Iterator[LoopThread]:
 
 @pytest.fixture(name="make_engine")
 def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactory]:
-    """``make_engine(objects, capacity=..., cache_dir=..., policy=..., planned=...)`` builds the whole
-    read path over a ``MemoryStore``; indexes are closed at teardown."""
+    """``make_engine(objects, capacity=..., cache_dir=..., policy=..., planned=..., codec=...)``
+    builds the whole read path over a ``MemoryStore``; indexes are closed at teardown."""
     indexes: list[Index] = []
 
     def make(
@@ -92,6 +92,7 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         ttl: float = 60.0,
         policy: EvictionPolicy | None = None,
         planned: PlannedUse | None = None,
+        codec: Codec = Codec.RAW,
     ) -> Engine:
         store = store or MemoryStore(objects or {})
         faulty = FaultyStore(store)
@@ -101,7 +102,7 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         indexes.append(index)
         metrics = Metrics(CollectorRegistry())
         cache = TieredCache(
-            [Tier("hot", cache_dir / "hot", capacity, Codec.RAW, LruPolicy() if policy is None else policy)],
+            [Tier("hot", cache_dir / "hot", capacity, codec, LruPolicy() if policy is None else policy)],
             index,
             metrics,
             planned,

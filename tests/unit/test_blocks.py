@@ -6,12 +6,14 @@ import contextlib
 import os
 import random
 import threading
+import time
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cachefsd.blocks import FileSpan, block_bounds, block_range
+from cachefsd.chunks.codec import Codec, content_hash
 from cachefsd.errors import DeadlineExceeded
 from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, EngineFactory, joined
@@ -215,3 +217,42 @@ def test_reads_of_one_block_waiting_on_one_get_are_one_stall(make_engine: Engine
         thread.join(10)
     assert engine.store.get_count == 1
     assert 0.3 <= engine.metrics.read_stall._value.get() < 0.6
+
+
+def test_concurrent_reads_of_a_compressed_block_decode_it_once(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each of the kernel's concurrent READs of a block read and decoded
+    all of it before any could keep it in RAM: four for one (a slow disk
+    here, so that they overlap as they do under load)."""
+    data = os.urandom(BLOCK_SIZE)
+    engine = make_engine({"f": data}, codec=Codec.LZ4)
+    info = engine.namespace.lookup("/f").info
+    assert info is not None
+    digest = content_hash(data)
+    engine.cache.admit(engine.reader.ref(info, 0), digest, data)
+    decodes: list[str] = []
+    read_block = engine.cache.read
+
+    def slow_read(digest: str) -> bytes | None:
+        decodes.append(digest)
+        time.sleep(0.2)  # the disk, slow: every READ arrives while the first decodes
+        return read_block(digest)
+
+    monkeypatch.setattr(engine.cache, "read", slow_read)
+    quarter = BLOCK_SIZE // 4
+    barrier = threading.Barrier(4)
+    results: dict[int, bytes] = {}
+
+    def read(offset: int) -> None:
+        barrier.wait()
+        results[offset] = joined(engine.reader.read(info, offset, quarter, set()))
+
+    threads = [threading.Thread(target=read, args=(offset,)) for offset in range(0, BLOCK_SIZE, quarter)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert b"".join(results[offset] for offset in sorted(results)) == data
+    assert decodes == [digest]
+    assert engine.store.get_count == 0
