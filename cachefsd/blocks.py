@@ -249,7 +249,7 @@ class BlockReader:
         """A read's fetch (its readers share it): a failure is logged once
         here, as FUSE only returns an errno."""
         try:
-            return self._fetch_and_admit(info, index, "demand")
+            return self._fetch_blocks(info, [index], "demand")[index]
         except StoreError as exc:
             log.warning("read of %s block %d failed: %s", info.key, index, exc)
             raise
@@ -329,46 +329,73 @@ class BlockReader:
     def fetch_ahead(
         self, info: ObjectInfo, index: int, tier: str | None = None, next_use: float | None = None
     ) -> bool:
-        """Bring block ``index`` of ``info`` into the cache before anyone
-        reads it (prefetch, stage), planned to be read at ``next_use`` if
-        known; True if this call fetched it (False when it was cached, or a
-        demand read's GET it joined fetched it). Shares the GET of a demand
-        read of the same block, and never waits in line before one (kind
-        "prefetch")."""
-        if self.residency(info, index) is not None:
-            return False
-        ref = self.ref(info, index)
-        if self._dedup_by_etag and self._cache.adopt(ref, (info.etag, info.size)) is not None:
-            return False
-        led = False
+        """``fetch_run_ahead`` of one block; True if this call fetched it."""
+        return bool(self.fetch_run_ahead(info, range(index, index + 1), tier, next_use))
 
-        def fetch() -> tuple[str, bytes]:
-            nonlocal led
-            led = True  # run by the leader only: not a GET this call joined
-            return self._fetch_and_admit(info, index, "prefetch", tier, next_use)
+    def fetch_run_ahead(
+        self, info: ObjectInfo, indices: range, tier: str | None = None, next_use: float | None = None
+    ) -> set[int]:
+        """Bring consecutive blocks ``indices`` of ``info`` into the cache
+        before anyone reads them (prefetch, stage), planned to be read at
+        ``next_use`` if known, with one GET for those not cached: a stream
+        through a large file costs a request per run, not per block (a
+        request costs a round trip, and on moto a read of the whole object).
+        Returns the indices this call fetched: not those cached, nor those
+        whose GET another caller (a demand read) had started. A demand read
+        of any of them meanwhile waits for this GET, which never waits in
+        line before one (kind "prefetch")."""
+        wanted = {
+            self.ref(info, index): index
+            for index in indices
+            if self.residency(info, index) is None
+            and not (self._dedup_by_etag and self._cache.adopt(self.ref(info, index), (info.etag, info.size)))
+        }
+        led = self._in_flight.lead(
+            list(wanted),
+            lambda refs: {
+                self.ref(info, index): fetched
+                for index, fetched in self._fetch_blocks(
+                    info, [wanted[ref] for ref in refs], "prefetch", tier, next_use
+                ).items()
+            },
+        )
+        return {wanted[ref] for ref in led}
 
-        self._in_flight.do(ref, fetch, self._fetcher.deadline + BRIDGE_MARGIN_SECONDS)
-        return led
-
-    def _fetch_and_admit(
+    def _fetch_blocks(
         self,
         info: ObjectInfo,
-        index: int,
+        indices: list[int],
         kind: FetchKind,
         tier: str | None = None,
         next_use: float | None = None,
-    ) -> tuple[str, bytes]:
-        """Fetch a block and admit it; its hash (computed once, here) and content."""
-        ref = self.ref(info, index)
-        start, end = block_bounds(index, info.size, self._block_size)
+    ) -> dict[int, tuple[str, bytes]]:
+        """Fetch blocks ``indices`` with one GET of the range from the first
+        to the last (blocks between that others lead are fetched too, and
+        left to them) and admit each; index -> its hash (computed once,
+        here) and content."""
+        start = block_bounds(min(indices), info.size, self._block_size)[0]
+        end = block_bounds(max(indices), info.size, self._block_size)[1]
         data = self._io.run(
             self._fetcher.get_range(info.key, start, end, info.etag, kind),
             self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
         )
         identity = (info.etag, info.size) if self._dedup_by_etag else None
-        digest = content_hash(data)
-        self._cache.admit(ref, digest, data, identity, tier, ahead=kind == "prefetch", next_use=next_use)
-        return digest, data
+        blocks = {}
+        for index in indices:
+            block_start, block_end = block_bounds(index, info.size, self._block_size)
+            content = data[block_start - start : block_end - start]
+            digest = content_hash(content)
+            self._cache.admit(
+                self.ref(info, index),
+                digest,
+                content,
+                identity,
+                tier,
+                ahead=kind == "prefetch",
+                next_use=next_use,
+            )
+            blocks[index] = (digest, content)
+        return blocks
 
     def release_version(self, info: ObjectInfo) -> None:
         """Free the cached blocks of a version that no longer exists."""

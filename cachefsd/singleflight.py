@@ -47,3 +47,31 @@ class SingleFlight(Generic[K, V]):
         finally:
             with self._lock:
                 del self._calls[key]
+
+    def lead(self, keys: list[K], call: Callable[[list[K]], dict[K, V]]) -> list[K]:
+        """Compute the ``keys`` no other caller is computing with one
+        ``call(led)``, which returns a value for each; callers of ``do``
+        for any of them meanwhile wait for it. Keys already in flight are
+        left to their leader, not waited for. Returns the keys led."""
+        futures: dict[K, Future[V]] = {}
+        with self._lock:
+            for key in keys:
+                if key not in self._calls:
+                    futures[key] = self._calls[key] = Future()
+        led = list(futures)
+        if not led:
+            return led
+        try:
+            values = call(led)
+        except BaseException as exc:
+            for future in futures.values():
+                future.set_exception(exc)
+            raise
+        else:
+            for key, future in futures.items():
+                future.set_result(values[key])
+            return led
+        finally:
+            with self._lock:
+                for key in futures:
+                    del self._calls[key]

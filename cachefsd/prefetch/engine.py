@@ -81,6 +81,11 @@ PREDICTIONS_PER_SLOT = 64
 # too small for the lookahead) and growing as they are read.
 INITIAL_REACH_BYTES = 64 << 20
 MIN_REACH_BYTES = 8 << 20
+# Consecutive blocks of a file fetched with one GET, at most: a stream
+# through a large file costs a request per 32 MiB, not per block (a round
+# trip each, and on moto a read of the whole object each). Within the
+# fetch attempt timeout (10 s) on any link above 3.2 MB/s.
+RUN_BYTES = 32 << 20
 # A block whose prefetch failed is not tried again for this long: a deleted
 # object or a failing bucket must not turn the prefetcher into a busy loop.
 # A demand read of the block is not affected.
@@ -163,6 +168,7 @@ class Prefetcher:
         self._ahead: dict[BlockRef, _Ahead] = {}
         self._in_flight: dict[BlockRef, int] = {}  # block -> its bytes
         self._in_flight_bytes = 0
+        self._gets_in_flight = 0  # runs submitted and not done: the concurrency is in GETs
         # Blocks read while their prefetch was still in flight: the reader
         # joined the GET, so the prefetch is used (late) and plans nothing.
         self._joined: set[BlockRef] = set()
@@ -188,6 +194,7 @@ class Prefetcher:
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="cachefsd-prefetch")
+        self._run_blocks = max(1, RUN_BYTES // reader.block_size)
         self._thread = threading.Thread(target=self._run, name="cachefsd-prefetcher", daemon=True)
 
     def start(self) -> None:
@@ -290,7 +297,7 @@ class Prefetcher:
 
     def _has_budget(self) -> bool:
         with self._lock:
-            return len(self._in_flight) < self._settings.concurrency and self._ahead_bytes < self._reach.bytes
+            return self._gets_in_flight < self._settings.concurrency and self._ahead_bytes < self._reach.bytes
 
     def _void_plans(self, turns: dict[str, int]) -> None:
         """A job's new epoch voids the plans of its last: a block planned and
@@ -353,7 +360,7 @@ class Prefetcher:
 
     def _issue(self) -> None:
         with self._lock:
-            free = self._settings.concurrency - len(self._in_flight)
+            free = self._settings.concurrency - self._gets_in_flight
             opens = self._opens
         for prediction in self._model.predict(min(PREDICTIONS_PER_ROUND, PREDICTIONS_PER_SLOT * free)):
             if self._stopped.is_set():
@@ -361,7 +368,15 @@ class Prefetcher:
             info = self._file_info(prediction.path)
             if info is None:
                 continue
-            blocks = block_range(prediction.offset, prediction.length, info.size, self._reader.block_size)
+            # Up to the next multiple of a run: a stream's window slides a
+            # block at a time, and would be claimed (and fetched) so. A
+            # stream's (offset past 0) one run further, so that the next run
+            # is in flight while the reader works through this one.
+            end = -(-(prediction.offset + prediction.length) // RUN_BYTES) * RUN_BYTES
+            if prediction.offset > 0:
+                end += RUN_BYTES
+            block_size = self._reader.block_size
+            blocks = block_range(prediction.offset, end - prediction.offset, info.size, block_size)
             if all(self._reader.digest(info, index) is not None for index in blocks):
                 if prediction.offset == 0 and prediction.length >= info.size:
                     self._model.satisfied(prediction.path)
@@ -371,9 +386,18 @@ class Prefetcher:
                             (opens + prediction.distance, prediction.path, prediction.job, prediction.epoch),
                         )
                 continue
+            run: list[tuple[int, BlockRef, int]] = []  # consecutive blocks, one GET
             for index in blocks:
-                if not self._take(info, index, prediction):
+                taken = self._take(info, index, prediction)
+                if run and (not isinstance(taken, tuple) or len(run) == self._run_blocks):
+                    self._submit(info, run, prediction)
+                    run = []
+                if taken is False:
                     return
+                if isinstance(taken, tuple):
+                    run.append((index, *taken))
+            if run:
+                self._submit(info, run, prediction)
 
     def _warm(self) -> None:
         """Warm the planned cached files read next, nearest first, while
@@ -406,9 +430,10 @@ class Prefetcher:
         with self._lock:
             return self._opens
 
-    def _take(self, info: ObjectInfo, index: int, prediction: Prediction) -> bool:
-        """Submit block ``index`` of ``info`` if it needs fetching and the
-        budget allows; False when the budget is spent (stop this round)."""
+    def _take(self, info: ObjectInfo, index: int, prediction: Prediction) -> tuple[BlockRef, int] | bool:
+        """Claim block ``index`` of ``info`` for a fetch if it needs one and
+        the budget allows: its ref and bytes; True when it needs no fetch;
+        False when the budget is spent (stop this round)."""
         ref = self._reader.ref(info, index)
         start = index * self._reader.block_size
         nbytes = min(self._reader.block_size, info.size - start)
@@ -428,8 +453,13 @@ class Prefetcher:
                 return True
             self._in_flight[ref] = nbytes
             self._in_flight_bytes += nbytes
-        self._pool.submit(self._fetch, info, index, ref, nbytes, position, prediction.job)
-        return True
+        return ref, nbytes
+
+    def _submit(self, info: ObjectInfo, run: list[tuple[int, BlockRef, int]], prediction: Prediction) -> None:
+        with self._lock:
+            position = self._opens + prediction.distance
+            self._gets_in_flight += 1
+        self._pool.submit(self._fetch, info, run, position, prediction.job)
 
     def _budget_allows_locked(self, nbytes: int, position: float) -> bool:
         """A free slot, room in the reach, room in the cache for it and for
@@ -438,22 +468,37 @@ class Prefetcher:
         and bandwidth tokens (spent here when everything else allows)."""
         needed = self._in_flight_bytes + nbytes
         return (
-            len(self._in_flight) < self._settings.concurrency
+            self._gets_in_flight < self._settings.concurrency
             and self._ahead_bytes + nbytes <= self._reach.bytes
             and needed <= self._reader.cache_room(position, wanted=needed)
             and self._spend_locked(nbytes)
         )
 
     def _fetch(
-        self, info: ObjectInfo, index: int, ref: BlockRef, nbytes: int, position: float, job: str
+        self, info: ObjectInfo, run: list[tuple[int, BlockRef, int]], position: float, job: str
     ) -> None:
+        """Fetch a run of consecutive blocks with one GET, then account for
+        each block as it turned out."""
+        first, last = run[0][0], run[-1][0]
         try:
-            fetched = self._reader.fetch_ahead(info, index, next_use=position)
+            fetched = self._reader.fetch_run_ahead(info, range(first, last + 1), next_use=position)
         except CachefsdError as exc:
-            log.info("prefetch of %s block %d failed: %s", info.key, index, exc)
+            log.info("prefetch of %s blocks %d-%d failed: %s", info.key, first, last, exc)
             with self._lock:
-                self._failed[ref] = time.monotonic() + FAILED_RETRY_SECONDS
-            fetched = False
+                for _, ref, _ in run:
+                    self._failed[ref] = time.monotonic() + FAILED_RETRY_SECONDS
+            fetched = set()
+        for index, ref, nbytes in run:
+            self._account(info, index, ref, nbytes, index in fetched, job)
+        with self._lock:
+            self._gets_in_flight -= 1
+        self._wake.set()
+
+    def _account(
+        self, info: ObjectInfo, index: int, ref: BlockRef, nbytes: int, fetched: bool, job: str
+    ) -> None:
+        """Block ``index``'s prefetch is over: it was ``fetched`` by it, or
+        not (cached meanwhile, fetched by a read's GET, or failed)."""
         digest = self._reader.digest(info, index) if fetched else None
         with self._lock:
             del self._in_flight[ref]
@@ -477,7 +522,6 @@ class Prefetcher:
                 self._events.prefetch_wasted(nbytes)
             elif joined:
                 self._events.prefetch_used(nbytes)
-        self._wake.set()
 
     def _spend_locked(self, nbytes: int) -> bool:
         rate = self._settings.bandwidth
