@@ -49,6 +49,11 @@ BRIDGE_MARGIN_SECONDS = 2.0
 # is nearly always the kernel's retry (if another reader's, it is spared a
 # deadline on a bucket that just failed); the reads after it fetch again.
 GIVEN_UP_SECONDS = 2.0
+# Consecutive blocks of a file fetched ahead (prefetch, stage) with one GET,
+# at most: a stream through a large file costs a request per 32 MiB, not
+# per block (a round trip each, and on moto a read of the whole object
+# each). Within the fetch attempt timeout (10 s) on any link above 3.2 MB/s.
+RUN_BYTES = 32 << 20
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,8 @@
 ``cachefsd stage TARGET`` selects files by walking the namespace from a
 path (listing directories in parallel), keeps those whose mount-relative
 path matches ``--include``, and brings every block of them into the cache
-with a pool of workers calling ``BlockReader.fetch_ahead`` (kind
+with a pool of workers calling ``BlockReader.fetch_run_ahead`` (a GET per
+run of consecutive blocks, up to ``RUN_BYTES``; kind
 "prefetch": demand reads of a training job running meanwhile still go
 first). A block already cached is counted and skipped before it reaches a
 worker, so a rerun after an interruption only fetches what is missing.
@@ -36,7 +37,7 @@ and ``?`` never cross a ``/``, ``**`` matches any number of directories
 ``.gitignore`` (``*.tar`` selects every tar file).
 
 Concurrency: ``stage_files`` runs on the calling thread, which alone owns
-the counters; workers only call ``fetch_ahead`` and return its result.
+the counters; workers only call ``fetch_run_ahead`` and return its result.
 ``MountHandlers`` keeps its hint counters under ``_lock``.
 """
 
@@ -54,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
+from cachefsd.blocks import RUN_BYTES
 from cachefsd.config import human_bytes
 from cachefsd.control import (
     BadRequest,
@@ -121,8 +123,9 @@ class Blocks(Protocol):
         """The tier holding block ``index`` of ``info``, or None."""
         ...
 
-    def fetch_ahead(self, info: ObjectInfo, index: int, tier: str | None = None) -> bool:
-        """Cache block ``index``; True if it had to be fetched. Raises on failure."""
+    def fetch_run_ahead(self, info: ObjectInfo, indices: range, tier: str | None = None) -> set[int]:
+        """Cache consecutive blocks ``indices`` with one GET; those this
+        call fetched. Raises on failure."""
         ...
 
 
@@ -397,6 +400,17 @@ class _FileProgress:
     failed: bool = False
 
 
+@dataclass(slots=True)
+class _BlockRun:
+    """Consecutive blocks (index, bytes) of one file, fetched with one GET."""
+
+    state: _FileProgress
+    blocks: list[tuple[int, int]]
+
+    def continued_by(self, state: _FileProgress, index: int) -> bool:
+        return state is self.state and index == self.blocks[-1][0] + 1
+
+
 class _BlockFetch:
     """The fetch phase: hands uncached blocks to a pool a window at a time
     and books what comes back. Used by the coordinating thread only."""
@@ -413,8 +427,17 @@ class _BlockFetch:
     def run(self, files: list[Selected], workers: int) -> None:
         todo = self._pending([_FileProgress(item) for item in files])
         window = workers * WINDOW_PER_WORKER
-        in_flight: dict[Future[bool], tuple[_FileProgress, int, int]] = {}
+        run_blocks = max(1, RUN_BYTES // self._blocks.block_size)
+        in_flight: dict[Future[set[int]], _BlockRun] = {}
         pool = ThreadPoolExecutor(workers, thread_name_prefix="cachefsd-stage")
+        run: _BlockRun | None = None  # gathered until it cannot grow
+
+        def submit(run: _BlockRun) -> None:
+            indices = range(run.blocks[0][0], run.blocks[-1][0] + 1)
+            future = pool.submit(self._blocks.fetch_run_ahead, run.state.selected.info, indices, self._tier)
+            in_flight[future] = run
+            self._run.tick("fetch")
+
         try:
             exhausted = False
             while True:
@@ -422,18 +445,25 @@ class _BlockFetch:
                     task = next(todo, None)
                     if task is None:
                         exhausted = True
+                        if run is not None:
+                            submit(run)
+                            run = None
                         break
                     state, index, length = task
-                    future = pool.submit(self._blocks.fetch_ahead, state.selected.info, index, self._tier)
-                    in_flight[future] = (state, index, length)
-                    self._run.tick("fetch")
+                    if run is not None and run.continued_by(state, index) and len(run.blocks) < run_blocks:
+                        run.blocks.append((index, length))
+                        continue
+                    if run is not None:
+                        submit(run)
+                    run = _BlockRun(state, [(index, length)])
                 if not in_flight:
                     break
                 done, _ = wait(in_flight, timeout=self._run.until_next_tick(), return_when=FIRST_COMPLETED)
                 for future in done:
-                    self._book(future, *in_flight.pop(future))
+                    self._book(future, in_flight.pop(future))
                 self._run.tick("fetch")
-            for state, _, length in todo:  # left when the cache was found full
+            left = [] if run is None else [(run.state, index, length) for index, length in run.blocks]
+            for state, _, length in [*left, *todo]:  # left when the cache was found full
                 self._counters.bytes_skipped += length
                 self._block_done(state)
         finally:
@@ -458,23 +488,26 @@ class _BlockFetch:
                 else:
                     yield state, index, length
 
-    def _book(self, future: Future[bool], state: _FileProgress, index: int, length: int) -> None:
+    def _book(self, future: Future[set[int]], run: _BlockRun) -> None:
         try:
             fetched = future.result()
         except Exception as exc:
-            self._counters.bytes_failed += length
-            if not state.failed:
-                state.failed = True  # its other blocks are skipped, it is reported once
+            self._counters.bytes_failed += sum(length for _, length in run.blocks)
+            if not run.state.failed:
+                run.state.failed = True  # its other blocks are skipped, it is reported once
                 self._counters.files_failed += 1
-                self._run.fail(state.selected.path, exc)
-        else:
-            if fetched:
+                self._run.fail(run.state.selected.path, exc)
+            for _ in run.blocks:
+                self._block_done(run.state)
+            return
+        for index, length in run.blocks:
+            if index in fetched:
                 self._counters.bytes_fetched += length
             else:  # it was cached, or a read's GET (which this joined) fetched it
                 self._counters.bytes_cached += length
-            if self._blocks.residency(state.selected.info, index) is None:
+            if self._blocks.residency(run.state.selected.info, index) is None:
                 self._cache_full = True  # fetched, by whoever, and refused
-        self._block_done(state)
+            self._block_done(run.state)
 
     def _block_done(self, state: _FileProgress) -> None:
         state.blocks_left -= 1

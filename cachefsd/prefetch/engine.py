@@ -51,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from cachefsd.blocks import BlockReader, block_range
+from cachefsd.blocks import RUN_BYTES, BlockReader, block_range
 from cachefsd.config import PrefetchSettings
 from cachefsd.errors import CachefsdError
 from cachefsd.index import BlockRef
@@ -81,11 +81,6 @@ PREDICTIONS_PER_SLOT = 64
 # too small for the lookahead) and growing as they are read.
 INITIAL_REACH_BYTES = 64 << 20
 MIN_REACH_BYTES = 8 << 20
-# Consecutive blocks of a file fetched with one GET, at most: a stream
-# through a large file costs a request per 32 MiB, not per block (a round
-# trip each, and on moto a read of the whole object each). Within the
-# fetch attempt timeout (10 s) on any link above 3.2 MB/s.
-RUN_BYTES = 32 << 20
 # A block whose prefetch failed is not tried again for this long: a deleted
 # object or a failing bucket must not turn the prefetcher into a busy loop.
 # A demand read of the block is not affected.

@@ -83,6 +83,15 @@ def test_stage_fetches_everything_once_and_a_rerun_fetches_nothing(make_engine: 
     assert "resident: 100.0%" in summary_lines(check)[0]
 
 
+def test_a_file_of_several_blocks_is_staged_with_one_get(make_engine: EngineFactory) -> None:
+    """A GET per block was a round trip per block, and on moto a read of
+    the whole object per block: a shard is one run of consecutive blocks."""
+    engine = make_engine(OBJECTS)
+    summary, _ = run(engine)
+    assert summary["fetched_bytes"] == TOTAL
+    assert engine.store.get_count == len([data for data in OBJECTS.values() if data])
+
+
 @pytest.mark.parametrize("policy", [MinioPolicy, LruPolicy])
 def test_a_selection_larger_than_the_cache_is_reported_not_hidden(
     make_engine: EngineFactory, policy: type[MinioPolicy | LruPolicy]
