@@ -229,6 +229,18 @@ def test_a_cache_larger_than_its_disk_is_a_warning_at_mount(tmp_path: Path, moun
     assert mounter(str(source), name="fits").warnings == ""
 
 
+def _daemon_held_at_the_lock(mountpoint: Path, cache: Path) -> int:
+    """The pid of the daemon starting for ``mountpoint``, once it waits for
+    the lock of ``cache`` (which the test holds): not ready, and past the
+    point where its mounting command has launched it."""
+    lock = cache / "lock"
+    waiting = "the daemon to wait for the lock"
+    wait_until(lambda: _waiting_daemon(mountpoint, lock) is not None, waiting, FAIL_FAST_SECONDS)
+    daemon = _waiting_daemon(mountpoint, lock)
+    assert daemon is not None
+    return daemon
+
+
 def _waiting_daemon(mountpoint: Path, lock: Path) -> int | None:
     """The pid of a daemon starting for ``mountpoint`` (by its command line)
     once it has opened ``lock``, to wait for it."""
@@ -260,14 +272,7 @@ def test_a_mount_stopped_before_it_is_ready_leaves_no_daemon_behind(signum: int,
             stderr=subprocess.PIPE,
             text=True,
         )
-        lock = cache / "lock"
-        wait_until(
-            lambda: _waiting_daemon(mountpoint, lock) is not None,
-            "the daemon to wait for the lock",
-            FAIL_FAST_SECONDS,
-        )
-        daemon = _waiting_daemon(mountpoint, lock)
-        assert daemon is not None
+        daemon = _daemon_held_at_the_lock(mountpoint, cache)
         command.send_signal(signum)
         _, stderr = command.communicate(timeout=EXIT_DEADLINE_SECONDS)
     finally:
@@ -306,14 +311,7 @@ def test_a_mount_command_killed_before_the_mount_is_ready_leaves_no_mount(tmp_pa
     try:
         mount = ["mount", str(source), str(mountpoint), "--cache-dir", str(cache), "--no-metrics"]
         command = subprocess.Popen([sys.executable, "-m", "cachefsd", *mount])
-        lock = cache / "lock"
-        wait_until(
-            lambda: _waiting_daemon(mountpoint, lock) is not None,
-            "the daemon to wait for the lock",
-            FAIL_FAST_SECONDS,
-        )
-        daemon = _waiting_daemon(mountpoint, lock)
-        assert daemon is not None
+        daemon = _daemon_held_at_the_lock(mountpoint, cache)
         command.kill()
         command.wait(timeout=EXIT_DEADLINE_SECONDS)
     finally:
