@@ -27,26 +27,15 @@ class SingleFlight(Generic[K, V]):
         (None: as long as the leader takes, when ``call`` bounds itself)."""
         with self._lock:
             future = self._calls.get(key)
-            leader = future is None
+            leads = future is None
             if future is None:
-                future = Future()
-                self._calls[key] = future
-        if not leader:
-            try:
-                return future.result(timeout)
-            except FutureTimeout:
-                raise DeadlineExceeded(f"waited {timeout:g}s for a shared fetch") from None
+                future = self._calls[key] = Future()
+        if leads:
+            return self._settle({key: future}, lambda: {key: call()})[key]
         try:
-            value = call()
-        except BaseException as exc:
-            future.set_exception(exc)
-            raise
-        else:
-            future.set_result(value)
-            return value
-        finally:
-            with self._lock:
-                del self._calls[key]
+            return future.result(timeout)
+        except FutureTimeout:
+            raise DeadlineExceeded(f"waited {timeout:g}s for a shared fetch") from None
 
     def lead(self, keys: list[K], call: Callable[[list[K]], dict[K, V]]) -> list[K]:
         """Compute the ``keys`` no other caller is computing with one
@@ -59,10 +48,15 @@ class SingleFlight(Generic[K, V]):
                 if key not in self._calls:
                     futures[key] = self._calls[key] = Future()
         led = list(futures)
-        if not led:
-            return led
+        if led:
+            self._settle(futures, lambda: call(led))
+        return led
+
+    def _settle(self, futures: dict[K, Future[V]], compute: Callable[[], dict[K, V]]) -> dict[K, V]:
+        """Run the leader's ``compute`` for the keys of ``futures``, hand
+        its values (or its exception) to their followers, free the keys."""
         try:
-            values = call(led)
+            values = compute()
         except BaseException as exc:
             for future in futures.values():
                 future.set_exception(exc)
@@ -70,7 +64,7 @@ class SingleFlight(Generic[K, V]):
         else:
             for key, future in futures.items():
                 future.set_result(values[key])
-            return led
+            return values
         finally:
             with self._lock:
                 for key in futures:
