@@ -16,6 +16,7 @@ cached adopts its blocks without a GET (``dedup_by_etag``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -213,8 +214,8 @@ class BlockReader:
         placement = None if digest is None else self._cache.placement(digest)
         data = None
         if digest is not None and placement is not None:
-            found = digest
-            data = self._decoding.do(found, lambda: self._cache.read(found), self._fetcher.deadline)
+            read = functools.partial(self._cache.read, digest)
+            data = self._decoding.do(digest, read, self._fetcher.deadline)
         if data is None and self._dedup_by_etag:
             adopted = self._cache.adopt(ref, (info.etag, info.size))
             if adopted is not None:
@@ -231,7 +232,7 @@ class BlockReader:
         try:
             digest, data = self._in_flight.do(
                 ref,
-                lambda: self._fetch_on_demand(info, index),
+                lambda: self._fetch_on_demand(info, index, ref),
                 self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
             )
         except DeadlineExceeded as exc:
@@ -250,11 +251,11 @@ class BlockReader:
         self._remember(ref, digest, data, placement is not None and placement.raw, verified)
         return data[lo:hi], "cold", time.monotonic() - started if counts_stall else 0.0
 
-    def _fetch_on_demand(self, info: ObjectInfo, index: int) -> tuple[str, bytes]:
+    def _fetch_on_demand(self, info: ObjectInfo, index: int, ref: BlockRef) -> tuple[str, bytes]:
         """A read's fetch (its readers share it): a failure is logged once
         here, as FUSE only returns an errno."""
         try:
-            return self._fetch_blocks(info, [index], "demand")[index]
+            return self._fetch_blocks(info, {ref: index}, "demand")[ref]
         except StoreError as exc:
             log.warning("read of %s block %d failed: %s", info.key, index, exc)
             raise
@@ -349,58 +350,50 @@ class BlockReader:
         whose GET another caller (a demand read) had started. A demand read
         of any of them meanwhile waits for this GET, which never waits in
         line before one (kind "prefetch")."""
-        wanted = {
-            self.ref(info, index): index
-            for index in indices
-            if self.residency(info, index) is None
-            and not (self._dedup_by_etag and self._cache.adopt(self.ref(info, index), (info.etag, info.size)))
-        }
-        led = self._in_flight.lead(
-            list(wanted),
-            lambda refs: {
-                self.ref(info, index): fetched
-                for index, fetched in self._fetch_blocks(
-                    info, [wanted[ref] for ref in refs], "prefetch", tier, next_use
-                ).items()
-            },
-        )
+        wanted: dict[BlockRef, int] = {}
+        for index in indices:
+            ref = self.ref(info, index)
+            digest = self._cache.lookup(ref)
+            if digest is not None and self._cache.tier_of(digest) is not None:
+                continue  # cached
+            if self._dedup_by_etag and self._cache.adopt(ref, (info.etag, info.size)):
+                continue
+            wanted[ref] = index
+
+        def fetch(refs: list[BlockRef]) -> dict[BlockRef, tuple[str, bytes]]:
+            return self._fetch_blocks(info, {ref: wanted[ref] for ref in refs}, "prefetch", tier, next_use)
+
+        led = self._in_flight.lead(list(wanted), fetch)
         return {wanted[ref] for ref in led}
 
     def _fetch_blocks(
         self,
         info: ObjectInfo,
-        indices: list[int],
+        blocks: dict[BlockRef, int],
         kind: FetchKind,
         tier: str | None = None,
         next_use: float | None = None,
-    ) -> dict[int, tuple[str, bytes]]:
-        """Fetch blocks ``indices`` with one GET of the range from the first
-        to the last (blocks between that others lead are fetched too, and
-        left to them) and admit each; index -> its hash (computed once,
-        here) and content."""
-        start = block_bounds(min(indices), info.size, self._block_size)[0]
-        end = block_bounds(max(indices), info.size, self._block_size)[1]
+    ) -> dict[BlockRef, tuple[str, bytes]]:
+        """Fetch ``blocks`` (ref -> index) with one GET of the range from
+        the first to the last (blocks between that others lead are fetched
+        too, and left to them) and admit each; ref -> its hash (computed
+        once, here) and content."""
+        start = block_bounds(min(blocks.values()), info.size, self._block_size)[0]
+        end = block_bounds(max(blocks.values()), info.size, self._block_size)[1]
         data = self._io.run(
             self._fetcher.get_range(info.key, start, end, info.etag, kind),
             self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
         )
         identity = (info.etag, info.size) if self._dedup_by_etag else None
-        blocks = {}
-        for index in indices:
+        fetched = {}
+        for ref, index in blocks.items():
             block_start, block_end = block_bounds(index, info.size, self._block_size)
             content = data[block_start - start : block_end - start]
             digest = content_hash(content)
-            self._cache.admit(
-                self.ref(info, index),
-                digest,
-                content,
-                identity,
-                tier,
-                ahead=kind == "prefetch",
-                next_use=next_use,
-            )
-            blocks[index] = (digest, content)
-        return blocks
+            ahead = kind == "prefetch"
+            self._cache.admit(ref, digest, content, identity, tier, ahead=ahead, next_use=next_use)
+            fetched[ref] = (digest, content)
+        return fetched
 
     def release_version(self, info: ObjectInfo) -> None:
         """Free the cached blocks of a version that no longer exists."""
