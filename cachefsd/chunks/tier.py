@@ -69,7 +69,7 @@ class Tier:
         self._sizes: dict[str, int] = {}  # hash -> disk bytes
         self._used = 0
         self._held: OrderedDict[str, int] = OrderedDict()  # hash -> descriptor, guarded by _lock
-        self._deletions = 0  # guarded by _lock; a warm holds nothing across one
+        self._deletions = 0  # written under _lock; a warm holds nothing across one
         for directory in (self._blocks_dir, self._tmp_dir):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
 
@@ -218,8 +218,9 @@ class Tier:
         With ``hold``, the read is due next: its ``open`` gets this
         descriptor instead of walking the cache's directories again (a
         compressed block is read by path and decoded: nothing to hold)."""
-        with self._lock:
-            deletions = self._deletions
+        # Read without the lock (an int, read whole): every cached open
+        # warms, and a stale count only means this descriptor is not held.
+        deletions = self._deletions
         try:
             fd = self.open(digest)
         except FileNotFoundError:
