@@ -27,7 +27,7 @@ from cachefsd.chunks.policy import LRU, EpochClock, ObservedEpochs, PlannedUse, 
 from cachefsd.chunks.tier import Tier
 from cachefsd.config import CacheSettings, human_bytes, resolve_tier_size
 from cachefsd.errors import CachefsdError, ConfigError
-from cachefsd.index import Index, IndexSchemaMismatch
+from cachefsd.index import BLOCK_SIZE_META, Index, IndexSchemaMismatch
 from cachefsd.metrics import Metrics
 from cachefsd.runtime import CacheDirLock, create_cache_directory
 
@@ -114,7 +114,7 @@ def _settle_block_size(index: Index, cache_dir: Path, block_size: int, migrate: 
     previous = index.filled_at(block_size)
     if previous is None:
         try:
-            index.record_block_size(block_size)
+            index.save_meta(BLOCK_SIZE_META, str(block_size))
         except sqlite3.Error as exc:  # a full disk: it is recorded by the next open that can
             log.warning("cannot record the block size in the index: %s", exc)
         return

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SCHEMA_VERSION = 2
+# The meta row naming the block size the references were made at.
+BLOCK_SIZE_META = "block_size"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -191,10 +193,10 @@ class Index:
         at 4 MiB is not block i at 1 MiB: served as one another, a reader
         gets the wrong bytes. An index from before the size was recorded
         is judged by its blocks (``_refs_fit``); 0 when they do not fit."""
+        recorded = self.load_meta(BLOCK_SIZE_META)
+        if recorded is not None:
+            return None if int(recorded) == block_size else int(recorded)
         with self._lock:
-            row = self._db.execute("SELECT value FROM meta WHERE name='block_size'").fetchone()
-            if row is not None:
-                return None if int(row[0]) == block_size else int(row[0])
             return None if self._refs_fit_locked(block_size) else 0
 
     def _refs_fit_locked(self, block_size: int) -> bool:
@@ -216,10 +218,9 @@ class Index:
         return too_large is None and short_first is None
 
     def use_block_size(self, block_size: int) -> None:
-        """Record ``block_size`` as the one this cache is filled at, dropping
-        every reference (and identity) if ``filled_at`` says they were
-        made at another; the blocks are then unreferenced, which reconciling
-        removes. The references are forgotten in memory first, so that even
+        """Drop every reference (and identity), made at another block size
+        as ``filled_at`` said, and record ``block_size``; the blocks are
+        then unreferenced, which reconciling removes. The references are forgotten in memory first, so that even
         when the index cannot be written (a full disk) none is served."""
         with self._lock:
             self._refs.clear()
@@ -228,11 +229,7 @@ class Index:
             self._db.execute("BEGIN")
             self._db.execute("DELETE FROM block_refs")
             self._db.execute("DELETE FROM identities")
-            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('block_size', ?)", (str(block_size),))
-
-    def record_block_size(self, block_size: int) -> None:
-        with self._lock, self._db:
-            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('block_size', ?)", (str(block_size),))
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (BLOCK_SIZE_META, str(block_size)))
 
     def remove_block(self, digest: str) -> None:
         """Forget a block and every reference to it (eviction, corruption)."""
