@@ -479,9 +479,10 @@ class Prefetcher:
             fetched = self._reader.fetch_run_ahead(info, range(first, last + 1), next_use=position)
         except CachefsdError as exc:
             log.info("prefetch of %s blocks %d-%d failed: %s", info.key, first, last, exc)
+            retry_at = time.monotonic() + FAILED_RETRY_SECONDS
             with self._lock:
                 for _, ref, _ in run:
-                    self._failed[ref] = time.monotonic() + FAILED_RETRY_SECONDS
+                    self._failed[ref] = retry_at
             fetched = set()
         for index, ref, nbytes in run:
             self._account(info, index, ref, nbytes, index in fetched, job)
