@@ -220,8 +220,9 @@ class Index:
     def use_block_size(self, block_size: int) -> None:
         """Drop every reference (and identity), made at another block size
         as ``filled_at`` said, and record ``block_size``; the blocks are
-        then unreferenced, which reconciling removes. The references are forgotten in memory first, so that even
-        when the index cannot be written (a full disk) none is served."""
+        then unreferenced, which reconciling removes. The references are
+        forgotten in memory first, so that even when the index cannot be
+        written (a full disk) none is served."""
         with self._lock:
             self._refs.clear()
             self._refs_by_hash.clear()
