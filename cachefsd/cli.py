@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -190,7 +191,7 @@ class _ReadyPipe(logging.Handler):
         if fd is None:
             return True
         try:
-            os.write(fd, f"{line}".replace("\n", " ").encode() + b"\n")
+            os.write(fd, line.replace("\n", " ").encode() + b"\n")
             delivered = True
         except OSError:  # EPIPE: the reading end is closed
             delivered = False
@@ -250,27 +251,24 @@ def _mount_background(argv: list[str], settings: Settings) -> int:
     # supervisor, stops it, or the mount would appear behind the back of a
     # command that reported failure. (If this command is killed, the
     # daemon finds nobody reading its "ready" and unmounts.)
-    previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
     child = None
     try:
-        with open(log_path, "ab") as log_file:
-            child = subprocess.Popen(
-                [sys.executable, "-m", "cachefsd", *argv, "--foreground", "--ready-fd", str(write_end)],
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=log_file,
-                pass_fds=(write_end,),
-                start_new_session=True,
-            )
-        os.close(write_end)
-        line = _ready_line(read_end)
+        with _signals_set((signal.SIGTERM, signal.SIGHUP), _interrupt):
+            with open(log_path, "ab") as log_file:
+                child = subprocess.Popen(
+                    [sys.executable, "-m", "cachefsd", *argv, "--foreground", "--ready-fd", str(write_end)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=log_file,
+                    pass_fds=(write_end,),
+                    start_new_session=True,
+                )
+            os.close(write_end)
+            line = _ready_line(read_end)
     except KeyboardInterrupt:
         if child is not None:
             _stop(child, settings.mountpoint)
         raise
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
     if line == "ready":
         print(f"cachefsd: mounted {settings.source} on {settings.mountpoint} (pid {child.pid})")
         return 0
@@ -321,23 +319,31 @@ def _stop(child: subprocess.Popen[bytes], mountpoint: Path) -> None:
     then a lazy unmount of what it may have left, if the mount there is
     its own (another daemon may have mounted that path meanwhile). A second
     Ctrl-C must not cut this short."""
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in _STOP_SIGNALS}
-    try:
+    with _signals_set(_STOP_SIGNALS, signal.SIG_IGN):
         child.terminate()
         try:
             child.wait(timeout=UNMOUNT_SECONDS)
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-        state = read_state(mountpoint.resolve())
+        mountpoint = mountpoint.resolve()
+        state = read_state(mountpoint)
         ours = state is not None and state.pid == child.pid
-        if ours and mount_types().get(str(mountpoint.resolve())) == MOUNT_TYPE:
+        if ours and mount_types().get(str(mountpoint)) == MOUNT_TYPE:
             subprocess.run(
                 ["fusermount3", "-uz", str(mountpoint)], capture_output=True, timeout=10, check=False
             )
+
+
+@contextlib.contextmanager
+def _signals_set(signums: tuple[signal.Signals, ...], handler: Any) -> Iterator[None]:
+    """``handler`` for ``signums`` within the block, the previous ones after."""
+    previous = {signum: signal.signal(signum, handler) for signum in signums}
+    try:
+        yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        for signum, old in previous.items():
+            signal.signal(signum, old)
 
 
 def _cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
@@ -555,8 +561,8 @@ def _add_data_path_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-size", help="byte capacity of the cache, e.g. 20G")
     parser.add_argument(
         "--block-size",
-        help="block size, e.g. 4M (64K to 64M); a stage must match the mount's, "
-        "as a cache opened at another size drops its blocks",
+        help="block size, e.g. 4M (64K to 64M); a stage must match the mount's "
+        "(it refuses a cache filled at another size, where a mount drops the blocks)",
     )
     parser.add_argument("--hot", help="directory of the hot tier (fast local disk; raw blocks)")
     parser.add_argument("--hot-size", help="capacity of the hot tier, e.g. 200G or 50%% of its filesystem")
