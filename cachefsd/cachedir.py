@@ -51,9 +51,8 @@ class TierSpec:
 def tier_specs(settings: CacheSettings) -> list[TierSpec]:
     """The configured tiers, directories created and sizes in bytes."""
     specs = []
-    implicit = settings.hot is None and settings.warm is None  # the one tier is cache.dir
     for name, tier in settings.tiers():
-        create_cache_directory("cache.dir" if implicit else f"cache.{name}.dir", tier.dir)
+        create_cache_directory(settings.tier_setting(name), tier.dir)
         specs.append(TierSpec(name, str(tier.dir), resolve_tier_size(tier.size, tier.dir), tier.codec))
     return specs
 

@@ -202,11 +202,14 @@ class CacheSettings(_Section):
 
     def directories(self) -> list[tuple[str, Path]]:
         """Every directory the cache writes to, by the setting naming it:
-        the cache directory (index, log) and each configured tier's."""
-        named = [("cache.dir", self.dir)]
-        if self.hot is not None or self.warm is not None:
-            named += [(f"cache.{name}.dir", tier.dir) for name, tier in self.tiers()]
-        return named
+        the cache directory (index, log) and each tier's."""
+        tiers = [(self.tier_setting(name), tier.dir) for name, tier in self.tiers()]
+        return [("cache.dir", self.dir), *(entry for entry in tiers if entry[0] != "cache.dir")]
+
+    def tier_setting(self, name: str) -> str:
+        """The setting that names tier ``name``'s directory: ``cache.dir``
+        for the single tier of a cache without ``[cache.hot]``/``[cache.warm]``."""
+        return "cache.dir" if self.hot is None and self.warm is None else f"cache.{name}.dir"
 
     def tiers(self) -> list[tuple[str, TierSettings]]:
         """The tiers in order, fastest first."""
