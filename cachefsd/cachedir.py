@@ -135,6 +135,10 @@ def _settle_block_size(index: Index, cache_dir: Path, block_size: int, migrate: 
         log.warning("cannot drop the references of the old block size from the index: %s", exc)
 
 
+def _no_cache(cache_dir: Path) -> CachefsdError:
+    return CachefsdError(f"{cache_dir} holds no cache (no daemon has used it)")
+
+
 @dataclass
 class OpenCache:
     index: Index
@@ -162,7 +166,7 @@ def open_cache(
     cache filled at another is dropped (a mount) or refused."""
     if specs is None and not (cache_dir / _INDEX_NAME).is_file():
         # Before anything is created: a mistyped --cache-dir must not leave a new, empty cache behind.
-        raise CachefsdError(f"{cache_dir} holds no cache (no daemon has used it)")
+        raise _no_cache(cache_dir)
     create_cache_directory("cache.dir", cache_dir)
     with ExitStack() as stack:
         wait = {} if lock_wait is None else {"wait_seconds": lock_wait}
@@ -174,7 +178,7 @@ def open_cache(
         if specs is None:
             recorded = index.load_meta(_TIERS_META)
             if recorded is None:
-                raise CachefsdError(f"{cache_dir} holds no cache (no daemon has used it)")
+                raise _no_cache(cache_dir)
             # A tier recorded inside the cache directory, relative to it: it
             # moves with the directory (``mv``, a copy, another mount path).
             specs = [
