@@ -121,6 +121,8 @@ class GcsStore:
         self._prefix = prefix.strip("/")
         self._root = f"{self._prefix}/" if self._prefix else ""
         self._attempt_timeout = attempt_timeout
+        emulator = os.environ.get(EMULATOR_ENV)  # read by the client when it is made
+        self._cache_key = f"{self.uri}@{emulator}" if emulator else self.uri
         self._executor = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="cachefsd-gcs")
         # Set once by _get_bucket on the loop thread (under _client_lock),
         # then only read. One client serves every pool thread, as in the
@@ -136,8 +138,7 @@ class GcsStore:
 
     @property
     def cache_key(self) -> str:
-        emulator = os.environ.get(EMULATOR_ENV)
-        return f"{self.uri}@{emulator}" if emulator else self.uri
+        return self._cache_key
 
     @property
     def content_etags(self) -> bool:
