@@ -165,6 +165,11 @@ class BlockReader:
     def block_size(self) -> int:
         return self._block_size
 
+    @property
+    def run_blocks(self) -> int:
+        """Blocks one ``fetch_run_ahead`` GET brings at most (``RUN_BYTES``)."""
+        return max(1, RUN_BYTES // self._block_size)
+
     def ref(self, info: ObjectInfo, index: int) -> BlockRef:
         return BlockRef(self._source, info.key, info.etag, index)
 

@@ -4,7 +4,7 @@
 path (listing directories in parallel), keeps those whose mount-relative
 path matches ``--include``, and brings every block of them into the cache
 with a pool of workers calling ``BlockReader.fetch_run_ahead`` (a GET per
-run of consecutive blocks, up to ``RUN_BYTES``; kind
+run of consecutive blocks, up to ``blocks.RUN_BYTES``; kind
 "prefetch": demand reads of a training job running meanwhile still go
 first). A block already cached is counted and skipped before it reaches a
 worker, so a rerun after an interruption only fetches what is missing.
@@ -55,7 +55,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from cachefsd.blocks import RUN_BYTES
 from cachefsd.config import human_bytes
 from cachefsd.control import (
     BadRequest,
@@ -118,6 +117,11 @@ class Blocks(Protocol):
 
     @property
     def block_size(self) -> int: ...
+
+    @property
+    def run_blocks(self) -> int:
+        """Blocks one ``fetch_run_ahead`` brings at most."""
+        ...
 
     def residency(self, info: ObjectInfo, index: int) -> str | None:
         """The tier holding block ``index`` of ``info``, or None."""
@@ -407,8 +411,9 @@ class _BlockRun:
     state: _FileProgress
     blocks: list[tuple[int, int]]
 
-    def continued_by(self, state: _FileProgress, index: int) -> bool:
-        return state is self.state and index == self.blocks[-1][0] + 1
+    def takes(self, state: _FileProgress, index: int, most: int) -> bool:
+        """Whether block ``index`` of ``state``'s file extends this run of at most ``most`` blocks."""
+        return state is self.state and index == self.blocks[-1][0] + 1 and len(self.blocks) < most
 
 
 class _BlockFetch:
@@ -427,7 +432,6 @@ class _BlockFetch:
     def run(self, files: list[Selected], workers: int) -> None:
         todo = self._pending([_FileProgress(item) for item in files])
         window = workers * WINDOW_PER_WORKER
-        run_blocks = max(1, RUN_BYTES // self._blocks.block_size)
         in_flight: dict[Future[set[int]], _BlockRun] = {}
         pool = ThreadPoolExecutor(workers, thread_name_prefix="cachefsd-stage")
         run: _BlockRun | None = None  # gathered until it cannot grow
@@ -450,7 +454,7 @@ class _BlockFetch:
                             run = None
                         break
                     state, index, length = task
-                    if run is not None and run.continued_by(state, index) and len(run.blocks) < run_blocks:
+                    if run is not None and run.takes(state, index, self._blocks.run_blocks):
                         run.blocks.append((index, length))
                         continue
                     if run is not None:

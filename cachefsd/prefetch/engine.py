@@ -189,7 +189,6 @@ class Prefetcher:
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="cachefsd-prefetch")
-        self._run_blocks = max(1, RUN_BYTES // reader.block_size)
         self._thread = threading.Thread(target=self._run, name="cachefsd-prefetcher", daemon=True)
 
     def start(self) -> None:
@@ -384,7 +383,7 @@ class Prefetcher:
             run: list[tuple[int, BlockRef, int]] = []  # consecutive blocks, one GET
             for index in blocks:
                 taken = self._take(info, index, prediction)
-                if run and (not isinstance(taken, tuple) or len(run) == self._run_blocks):
+                if run and (not isinstance(taken, tuple) or len(run) == self._reader.run_blocks):
                     self._submit(info, run, prediction)
                     run = []
                 if taken is False:
