@@ -10,7 +10,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -229,16 +230,63 @@ def test_a_cache_larger_than_its_disk_is_a_warning_at_mount(tmp_path: Path, moun
     assert mounter(str(source), name="fits").warnings == ""
 
 
-def _daemon_held_at_the_lock(mountpoint: Path, cache: Path) -> int:
-    """The pid of the daemon starting for ``mountpoint``, once it waits for
-    the lock of ``cache`` (which the test holds): not ready, and past the
-    point where its mounting command has launched it."""
-    lock = cache / "lock"
-    waiting = "the daemon to wait for the lock"
-    wait_until(lambda: _waiting_daemon(mountpoint, lock) is not None, waiting, FAIL_FAST_SECONDS)
-    daemon = _waiting_daemon(mountpoint, lock)
-    assert daemon is not None
-    return daemon
+@dataclass
+class _HeldMount:
+    """A ``cachefsd mount`` whose daemon has started and waits for the cache
+    lock the test holds: past the point where the command launched it, and
+    not ready."""
+
+    command: subprocess.Popen[str]
+    daemon: int
+    mountpoint: Path
+    cache: Path
+    lock: CacheDirLock
+    released: bool = False
+
+    def release(self) -> None:
+        """Let the daemon go on (if it still lives)."""
+        if not self.released:
+            self.released = True
+            self.lock.release()
+
+
+@pytest.fixture(name="held_mount")
+def fixture_held_mount(tmp_path: Path) -> Iterator[Callable[[], _HeldMount]]:
+    """``held_mount()`` starts one; at teardown a daemon the test left alive
+    (it failed) is killed and its mount cleared before the lock goes, so a
+    failure leaves no mount behind."""
+    started: list[_HeldMount] = []
+
+    def start() -> _HeldMount:
+        source, mountpoint, cache = tmp_path / "source", tmp_path / "mnt", tmp_path / "cache"
+        for directory in (source, mountpoint, cache):
+            directory.mkdir()
+        lock = CacheDirLock(cache)
+        mount = ["mount", str(source), str(mountpoint), "--cache-dir", str(cache), "--no-metrics"]
+        command = subprocess.Popen(
+            [sys.executable, "-m", "cachefsd", *mount],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        lock_path = cache / "lock"
+        waiting = "the daemon to wait for the lock"
+        wait_until(lambda: _waiting_daemon(mountpoint, lock_path) is not None, waiting, FAIL_FAST_SECONDS)
+        daemon = _waiting_daemon(mountpoint, lock_path)
+        assert daemon is not None
+        started.append(_HeldMount(command, daemon, mountpoint, cache, lock))
+        return started[-1]
+
+    yield start
+    for held in started:
+        if pid_alive(held.daemon):
+            os.kill(held.daemon, signal.SIGKILL)
+        if os.path.ismount(held.mountpoint):
+            subprocess.run(["fusermount3", "-uz", str(held.mountpoint)], check=False, timeout=10)
+        held.release()
+        if held.command.poll() is None:
+            held.command.kill()
+        held.command.communicate(timeout=EXIT_DEADLINE_SECONDS)
 
 
 def _waiting_daemon(mountpoint: Path, lock: Path) -> int | None:
@@ -256,31 +304,20 @@ def _waiting_daemon(mountpoint: Path, lock: Path) -> int | None:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_mount_stopped_before_it_is_ready_leaves_no_daemon_behind(signum: int, tmp_path: Path) -> None:
+def test_a_mount_stopped_before_it_is_ready_leaves_no_daemon_behind(
+    signum: int, held_mount: Callable[[], _HeldMount]
+) -> None:
     """``timeout 2 cachefsd mount ...`` or Ctrl-C reports a failure: the
     mount must not appear later behind the caller's back."""
-    source, mountpoint, cache = tmp_path / "source", tmp_path / "mnt", tmp_path / "cache"
-    for directory in (source, mountpoint, cache):
-        directory.mkdir()
-    (source / "a.txt").write_bytes(b"a")
-    held = CacheDirLock(cache)  # the daemon waits for it, so it is not ready yet
-    try:
-        mount = ["mount", str(source), str(mountpoint), "--cache-dir", str(cache), "--no-metrics"]
-        command = subprocess.Popen(
-            [sys.executable, "-m", "cachefsd", *mount],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        daemon = _daemon_held_at_the_lock(mountpoint, cache)
-        command.send_signal(signum)
-        _, stderr = command.communicate(timeout=EXIT_DEADLINE_SECONDS)
-    finally:
-        held.release()
-    assert command.returncode != 0, stderr
+    held = held_mount()
+    held.command.send_signal(signum)
+    _, stderr = held.command.communicate(timeout=EXIT_DEADLINE_SECONDS)
+    held.release()
+    assert held.command.returncode != 0, stderr
     assert "Traceback" not in stderr, stderr
-    assert not pid_alive(daemon), "the daemon outlived the mount command that was stopped"
-    assert not os.path.ismount(mountpoint)
+    # The command waited for its daemon: had it not stopped it, the daemon
+    # would now go on to mount, with the lock released.
+    assert not pid_alive(held.daemon), "the daemon outlived the mount command that was stopped"
 
 
 @pytest.mark.parametrize(
@@ -300,25 +337,19 @@ def test_bad_flag_values_are_usage_errors_naming_the_flag(args: list[str], flag:
     assert f"argument {flag}: expected" in stderr, stderr
 
 
-def test_a_mount_command_killed_before_the_mount_is_ready_leaves_no_mount(tmp_path: Path) -> None:
+def test_a_mount_command_killed_before_the_mount_is_ready_leaves_no_mount(
+    held_mount: Callable[[], _HeldMount],
+) -> None:
     """SIGKILL (``timeout -s KILL``, the OOM killer) gives the command no
     chance to stop its daemon: the daemon finds nobody reading its "ready"
     and unmounts itself."""
-    source, mountpoint, cache = tmp_path / "source", tmp_path / "mnt", tmp_path / "cache"
-    for directory in (source, mountpoint, cache):
-        directory.mkdir()
-    held = CacheDirLock(cache)
-    try:
-        mount = ["mount", str(source), str(mountpoint), "--cache-dir", str(cache), "--no-metrics"]
-        command = subprocess.Popen([sys.executable, "-m", "cachefsd", *mount])
-        daemon = _daemon_held_at_the_lock(mountpoint, cache)
-        command.kill()
-        command.wait(timeout=EXIT_DEADLINE_SECONDS)
-    finally:
-        held.release()
-    wait_until(lambda: not pid_alive(daemon), "the daemon to unmount and exit", EXIT_DEADLINE_SECONDS)
-    assert not os.path.ismount(mountpoint)
-    log = (cache / "cachefsd.log").read_text()
+    held = held_mount()
+    held.command.kill()
+    held.command.communicate(timeout=EXIT_DEADLINE_SECONDS)
+    held.release()
+    wait_until(lambda: not pid_alive(held.daemon), "the daemon to unmount and exit", EXIT_DEADLINE_SECONDS)
+    assert not os.path.ismount(held.mountpoint)
+    log = (held.cache / "cachefsd.log").read_text()
     assert "the mounting command is gone: unmounting" in log, log
 
 
