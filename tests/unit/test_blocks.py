@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from cachefsd.blocks import FileSpan, block_bounds, block_range
 from cachefsd.chunks.codec import Codec, content_hash
 from cachefsd.errors import DeadlineExceeded
+from cachefsd.store.base import ObjectInfo
 from tests.polling import wait_until
-from tests.unit.conftest import BLOCK_SIZE, EngineFactory, joined
+from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory, joined
 
 
 @given(
@@ -162,6 +163,7 @@ def test_a_prefetch_that_joins_a_demand_get_did_not_fetch(make_engine: EngineFac
     reader = threading.Thread(target=lambda: results.append(joined(engine.reader.read(info, 0, 10, set()))))
     reader.start()
     wait_until(lambda: engine.faulty.calls > calls, "the read's GET to start", 10.0)
+    assert engine.store.get_count == 0  # the read's GET is in flight (counted when it lands)
     assert engine.reader.fetch_ahead(info, 0) is False
     reader.join(10)
     assert results == [data[:10]]
@@ -196,6 +198,25 @@ def test_a_read_that_joined_a_prefetch_which_gave_up_is_not_retried_at_once(
     assert engine.faulty.calls == calls  # answered without a new GET
 
 
+def read_quarters_at_once(engine: Engine, info: ObjectInfo) -> bytes:
+    """Block 0 of ``info`` read as four quarters by four threads at once,
+    as the kernel's read-ahead asks for one block; the bytes, in order."""
+    quarter = BLOCK_SIZE // 4
+    barrier = threading.Barrier(4)
+    results: dict[int, bytes] = {}
+
+    def read(offset: int) -> None:
+        barrier.wait()
+        results[offset] = joined(engine.reader.read(info, offset, quarter, set()))
+
+    threads = [threading.Thread(target=read, args=(offset,)) for offset in range(0, BLOCK_SIZE, quarter)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    return b"".join(results[offset] for offset in sorted(results))
+
+
 def test_reads_of_one_block_waiting_on_one_get_are_one_stall(make_engine: EngineFactory) -> None:
     """The kernel's read-ahead sends several READs of one block at once:
     counted per request, one reader's 0.3 s wait read as 1.2 s of stall."""
@@ -203,18 +224,7 @@ def test_reads_of_one_block_waiting_on_one_get_are_one_stall(make_engine: Engine
     info = engine.namespace.lookup("/f").info
     assert info is not None
     engine.faulty.faults.latency_seconds = 0.3
-    quarter = BLOCK_SIZE // 4
-    barrier = threading.Barrier(4)
-
-    def read(offset: int) -> None:
-        barrier.wait()
-        joined(engine.reader.read(info, offset, quarter, set()))
-
-    threads = [threading.Thread(target=read, args=(offset,)) for offset in range(0, BLOCK_SIZE, quarter)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
+    read_quarters_at_once(engine, info)
     assert engine.store.get_count == 1
     assert 0.3 <= engine.metrics.read_stall._value.get() < 0.6
 
@@ -240,19 +250,6 @@ def test_concurrent_reads_of_a_compressed_block_decode_it_once(
         return read_block(digest)
 
     monkeypatch.setattr(engine.cache, "read", slow_read)
-    quarter = BLOCK_SIZE // 4
-    barrier = threading.Barrier(4)
-    results: dict[int, bytes] = {}
-
-    def read(offset: int) -> None:
-        barrier.wait()
-        results[offset] = joined(engine.reader.read(info, offset, quarter, set()))
-
-    threads = [threading.Thread(target=read, args=(offset,)) for offset in range(0, BLOCK_SIZE, quarter)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
-    assert b"".join(results[offset] for offset in sorted(results)) == data
+    assert read_quarters_at_once(engine, info) == data
     assert decodes == [digest]
     assert engine.store.get_count == 0

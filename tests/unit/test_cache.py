@@ -25,6 +25,7 @@ from cachefsd.chunks.tier import HELD_DESCRIPTORS, Tier, disk_bytes
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.index import BlockRef, Index
 from cachefsd.metrics import Metrics
+from tests.polling import wait_until
 
 COMPRESSIBLE = b"training sample " * 4096  # 64 KiB that lz4 shrinks a lot
 
@@ -195,6 +196,11 @@ def test_a_warm_holds_nothing_it_should_not(tmp_path: Path, monkeypatch: pytest.
     raw.warm(digest, hold=True)
     assert open_descriptors() == before
 
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    kept = written(raw, os.urandom(5000))
+    raw.warm(kept, hold=True)  # the control: a raw block not deleted meanwhile is held
+    assert open_descriptors() == before + 1
+
 
 def test_a_capacity_larger_than_the_disk_is_bounded_by_its_free_space(tmp_path: Path) -> None:
     """The tier leaves room on its filesystem for the index and the log
@@ -333,26 +339,33 @@ def test_a_block_being_demoted_or_promoted_is_never_a_miss(tmp_path: Path) -> No
     that window found it nowhere, and fetched it again from the bucket."""
     blocks = [os.urandom(64 << 10) for _ in range(24)]
     frame = disk_bytes(len(encode(blocks[0], Codec.RAW)))
-    with tiered(tmp_path, hot=2 * frame, warm=1 << 30) as (cache, _):
+    with tiered(tmp_path, hot=2 * frame, warm=1 << 30) as (cache, metrics):
         digests = [admit(cache, ref("k", index), data) for index, data in enumerate(blocks[:2])]
         misses: list[str] = []
+        reads = 0
         done = threading.Event()
 
         def reader() -> None:
+            nonlocal reads
             while not done.is_set():
                 for digest in list(digests):
+                    reads += 1
                     if cache.read(digest) is None:  # each read of a warm block promotes it
                         misses.append(digest)
 
         thread = threading.Thread(target=reader)
         thread.start()
         try:
+            wait_until(lambda: reads > 0, "the reader to start", 10.0)
             for index, data in enumerate(blocks[2:], start=2):
                 digests.append(admit(cache, ref("k", index), data))  # demotes a hot block
         finally:
             done.set()
             thread.join(10)
         assert misses == []
+        # The windows were there to fall into: blocks moved both ways while it read.
+        assert metrics.demotions._value.get() >= len(blocks) - 2
+        assert metrics.promotions._value.get() > 0
 
 
 def test_a_damaged_index_is_set_aside_not_a_failed_mount(
