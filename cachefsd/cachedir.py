@@ -229,6 +229,7 @@ def verify(cache_dir: Path, repair: bool) -> VerifyReport:
             found.checked + len(dropped.corrupt) + len(dropped.missing),
             dropped.corrupt + found.corrupt,
             dropped.missing + found.missing,
+            found.unrepaired,
         )
 
 

@@ -394,7 +394,14 @@ def _cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
     for digest in report.missing:
         print(f"missing {digest}")
     if bad and args.repair:
-        print(f"repaired: dropped {len(bad)} blocks; they are fetched again on their next read")
+        dropped = len(bad) - len(report.unrepaired)
+        print(f"repaired: dropped {dropped} blocks; they are fetched again on their next read")
+        if report.unrepaired:
+            print(
+                f"not repaired: {len(report.unrepaired)} blocks could not be dropped from the index "
+                "(is its disk full?); free some space and run verify --repair again"
+            )
+            return 1
         return 0
     return 1 if bad else 0
 

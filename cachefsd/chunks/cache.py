@@ -36,7 +36,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
 
 from cachefsd.chunks.codec import Codec, CorruptBlock, check_raw, decode, encode
@@ -78,6 +78,8 @@ class VerifyReport:
     checked: int
     corrupt: list[str]
     missing: list[str]
+    # Bad blocks a repair could not drop from the index (its disk is full).
+    unrepaired: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -531,10 +533,14 @@ class TieredCache:
                 missing.append(digest)
             except (CorruptBlock, OSError):
                 corrupt.append(digest)
-        if repair:
-            for digest in corrupt + missing:
-                self._forget(digest)
-        return VerifyReport(checked, corrupt, missing)
+        if not repair:
+            return VerifyReport(checked, corrupt, missing)
+        for digest in corrupt + missing:
+            self._forget(digest)  # best effort, as on every path: a row may stay
+        left = {block.hash for block in self._index.blocks()}
+        return VerifyReport(
+            checked, corrupt, missing, [digest for digest in corrupt + missing if digest in left]
+        )
 
     def _stored(self) -> Iterator[tuple[str, Tier]]:
         for block in self._index.blocks():
