@@ -69,24 +69,19 @@ def test_bad_values_name_their_field(flags: dict[str, object], environ: dict[str
         load_settings(None, {**REQUIRED, **flags}, environ=environ)
 
 
-def test_unknown_key_in_file_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        (b"[cache]\ncolour = 'blue'\n", r"cache\.colour: unknown setting"),
+        (b"[cache\n", r"bad\.toml is not valid TOML"),
+        ('[cache]\ndir = "/caf\xe9"\n'.encode("latin-1"), r"bad\.toml is not UTF-8 text"),
+    ],
+    ids=["unknown key", "invalid TOML", "not UTF-8"],
+)
+def test_a_bad_config_file_is_named_with_what_is_wrong(tmp_path: Path, content: bytes, error: str) -> None:
     config = tmp_path / "bad.toml"
-    config.write_text("[cache]\ncolour = 'blue'\n")
-    with pytest.raises(ConfigError, match=r"cache\.colour: unknown setting"):
-        load_settings(config, REQUIRED, environ={})
-
-
-def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
-    config = tmp_path / "broken.toml"
-    config.write_text("[cache\n")
-    with pytest.raises(ConfigError, match=r"broken\.toml"):
-        load_settings(config, REQUIRED, environ={})
-
-
-def test_a_config_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
-    config = tmp_path / "latin1.toml"
-    config.write_bytes('[cache]\ndir = "/caf\xe9"\n'.encode("latin-1"))
-    with pytest.raises(ConfigError, match=r"latin1\.toml is not UTF-8 text"):
+    config.write_bytes(content)
+    with pytest.raises(ConfigError, match=error):
         load_settings(config, REQUIRED, environ={})
 
 
