@@ -135,6 +135,15 @@ def _settle_block_size(index: Index, cache_dir: Path, block_size: int, migrate: 
         log.warning("cannot drop the references of the old block size from the index: %s", exc)
 
 
+def require_cache(cache_dir: Path) -> None:
+    """Refuse a directory no daemon has used, before anything is created
+    there: a command that only reads a cache (``verify``, ``gc``, a
+    ``stage --check``) must not leave a new, empty one behind a mistyped
+    ``--cache-dir``."""
+    if not (cache_dir / _INDEX_NAME).is_file():
+        raise _no_cache(cache_dir)
+
+
 def _no_cache(cache_dir: Path) -> CachefsdError:
     return CachefsdError(f"{cache_dir} holds no cache (no daemon has used it)")
 
@@ -164,9 +173,8 @@ def open_cache(
     the size the blocks are read at (None for maintenance, which reads
     blocks by their hashes only), and ``migrate_block_size`` whether a
     cache filled at another is dropped (a mount) or refused."""
-    if specs is None and not (cache_dir / _INDEX_NAME).is_file():
-        # Before anything is created: a mistyped --cache-dir must not leave a new, empty cache behind.
-        raise _no_cache(cache_dir)
+    if specs is None:
+        require_cache(cache_dir)
     create_cache_directory("cache.dir", cache_dir)
     with ExitStack() as stack:
         wait = {} if lock_wait is None else {"wait_seconds": lock_wait}

@@ -656,7 +656,10 @@ def stage_offline(settings: Settings, request: StageRequest, report: Report) -> 
             f"(pid {holder.pid}); stage through the mount: cachefsd stage {holder.mountpoint}"
         )
     from cachefsd import daemon  # noqa: PLC0415 - the data path: only when staging offline
+    from cachefsd.cachedir import require_cache  # noqa: PLC0415
 
+    if request.check:
+        require_cache(settings.cache.dir)
     with daemon.engine(settings) as parts:
         tiers = [tier.name for tier in parts.cache.tiers]
         return stage_files(parts.namespace, parts.reader, tiers, request, report)

@@ -353,10 +353,14 @@ def test_verify_checks_a_moved_cache_where_it_now_is(tmp_path: Path, mounter: Mo
     assert ": 1 corrupt, 0 missing" in result.stdout, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("command", ["verify", "gc"])
-def test_maintenance_of_a_directory_with_no_cache_leaves_nothing_behind(command: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", [["verify"], ["gc"], ["stage", "SOURCE", "--check"]])
+def test_reading_a_directory_with_no_cache_leaves_nothing_behind(command: list[str], tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "a.bin").write_bytes(b"a" * KiB)
     typo = tmp_path / "no-such-cache"
-    result = run_cli(command, "--cache-dir", str(typo))
+    argv = [str(source) if arg == "SOURCE" else arg for arg in command]
+    result = run_cli(*argv, "--cache-dir", str(typo))
     assert result.returncode != 0
     assert "holds no cache" in result.stderr, result.stderr
     assert not typo.exists()
