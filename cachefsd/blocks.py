@@ -173,15 +173,13 @@ class BlockReader:
     def ref(self, info: ObjectInfo, index: int) -> BlockRef:
         return BlockRef(self._source, info.key, info.etag, index)
 
-    def read(self, info: ObjectInfo, offset: int, size: int, verified: set[str]) -> list[Piece]:
+    def read(self, info: ObjectInfo, offset: int, size: int) -> list[Piece]:
         """Exactly the bytes ``[offset, offset + size)`` of version ``info``
         (short only at the end of the object), as pieces in order.
 
-        ``verified`` holds the raw-tier blocks this reader (an open file)
-        has already had checked: those are served from their file without
-        copying or hashing; a raw block not in it is hashed where it lies
-        first, then served the same way, and a compressed one is decoded
-        and verified. So a block that rots on disk is caught by the next open."""
+        A raw-tier block is served from its file without copying (checked
+        where it lies on its first read, see ``TieredCache.raw_hit``); a
+        compressed one is decoded and verified."""
         pieces: list[Piece] = []
         served: dict[str, int] = {}
         stalled = 0.0
@@ -189,7 +187,7 @@ class BlockReader:
             for index in block_range(offset, size, info.size, self._block_size):
                 start, end = block_bounds(index, info.size, self._block_size)
                 lo, hi = max(offset - start, 0), min(offset + size, end) - start
-                piece, source, stall = self._piece(info, index, lo, hi, verified)
+                piece, source, stall = self._piece(info, index, lo, hi)
                 pieces.append(piece)
                 served[source] = served.get(source, 0) + hi - lo
                 stalled += stall
@@ -199,9 +197,7 @@ class BlockReader:
         self._events.read_done(served, stalled)
         return pieces
 
-    def _piece(
-        self, info: ObjectInfo, index: int, lo: int, hi: int, verified: set[str]
-    ) -> tuple[Piece, str, float]:
+    def _piece(self, info: ObjectInfo, index: int, lo: int, hi: int) -> tuple[Piece, str, float]:
         """Bytes ``[lo, hi)`` of block ``index``, where they came from
         (``memory``, a tier's name, or ``cold``), and how long they waited
         on the cold store."""
@@ -213,7 +209,7 @@ class BlockReader:
                 self._cache.touch(digest)
             return data[lo:hi], "memory", 0.0
         if digest is not None:
-            span = self._span(digest, lo, hi, verified)
+            span = self._span(digest, lo, hi)
             if span is not None:
                 return span
         placement = None if digest is None else self._cache.placement(digest)
@@ -227,7 +223,7 @@ class BlockReader:
                 digest, data = adopted
                 placement = self._cache.placement(digest)
         if data is not None and digest is not None:
-            self._remember(ref, digest, data, placement is not None and placement.raw, verified)
+            self._remember(ref, data, placement is not None and placement.raw)
             return data[lo:hi], "memory" if placement is None else placement.tier, 0.0
         started = time.monotonic()
         self._fail_if_given_up(ref, started)
@@ -253,7 +249,7 @@ class BlockReader:
         # The GET may have been a prefetch's, admitted as not read yet.
         self._cache.touch(digest)
         placement = self._cache.placement(digest)
-        self._remember(ref, digest, data, placement is not None and placement.raw, verified)
+        self._remember(ref, data, placement is not None and placement.raw)
         return data[lo:hi], "cold", time.monotonic() - started if counts_stall else 0.0
 
     def _fetch_on_demand(self, info: ObjectInfo, index: int, ref: BlockRef) -> tuple[str, bytes]:
@@ -281,24 +277,19 @@ class BlockReader:
         if entry is not None and now - entry[0] < GIVEN_UP_SECONDS:
             raise DeadlineExceeded(f"{entry[1]} ({now - entry[0]:.1f}s ago, not retried yet)")
 
-    def _span(self, digest: str, lo: int, hi: int, verified: set[str]) -> tuple[FileSpan, str, float] | None:
-        """The piece straight from a raw block's file, the block checked first
-        unless this reader already had it checked; None for a compressed,
-        absent or corrupt block."""
-        hit = self._cache.raw_hit(digest, check=digest not in verified)
+    def _span(self, digest: str, lo: int, hi: int) -> tuple[FileSpan, str, float] | None:
+        """The piece straight from a raw block's file; None for a
+        compressed, absent or corrupt block."""
+        hit = self._cache.raw_hit(digest)
         if hit is None:
-            verified.discard(digest)  # evicted or demoted since: take the slow path
             return None
-        verified.add(digest)
         tier, fd = hit
         return FileSpan(fd, HEADER_SIZE + lo, hi - lo), tier, 0.0
 
-    def _remember(self, ref: BlockRef, digest: str, data: bytes, raw: bool, verified: set[str]) -> None:
-        """Keep a block's next reads cheap: a raw block by its checked file,
-        any other decoded in RAM."""
-        if raw:
-            verified.add(digest)
-        else:
+    def _remember(self, ref: BlockRef, data: bytes, raw: bool) -> None:
+        """Keep a block's next reads cheap: a raw block is served from its
+        file, any other (compressed, or not admitted) decoded from RAM."""
+        if not raw:
             self._memory.put(ref, data)
 
     def digest(self, info: ObjectInfo, index: int) -> str | None:

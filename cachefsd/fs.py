@@ -85,7 +85,6 @@ class FileSystem:
         # _lock guards the maps below.
         self._lock = threading.Lock()
         self._handles: dict[int, ObjectInfo] = {}
-        self._verified: dict[int, set[str]] = {}  # handle -> raw blocks checked for it
         self._open_versions: dict[str, Counter[str]] = {}  # key -> etag -> open handles
         self._through_page_cache: Counter[str] = Counter()  # key -> open handles not direct_io
         self._direct: set[int] = set()  # handles opened direct_io
@@ -131,7 +130,6 @@ class FileSystem:
         with self._lock:
             handle = next(self._next_handle)
             self._handles[handle] = info
-            self._verified[handle] = set()
             open_versions = self._open_versions.setdefault(info.key, Counter())
             other_version_open = any(etag != info.etag for etag in open_versions)
             open_versions[info.etag] += 1
@@ -163,12 +161,11 @@ class FileSystem:
     def read(self, handle: int, size: int, offset: int) -> list[Piece]:
         with self._lock:
             info = self._handles.get(handle)
-            verified = self._verified.get(handle, set())
         if info is None:
             raise BadFileHandle(str(handle))
         self._access.read(info, offset, size)
         try:
-            return self._reader.read(info, offset, size, verified)
+            return self._reader.read(info, offset, size)
         except ObjectChanged:
             self._namespace.invalidate(info.key)
             self._size_may_be_stale(info)
@@ -190,7 +187,6 @@ class FileSystem:
         the page cache, which an open of the new version had to wait for."""
         with self._lock:
             info = self._handles.pop(handle, None)
-            self._verified.pop(handle, None)
             if info is None:
                 return False
             open_versions = self._open_versions[info.key]

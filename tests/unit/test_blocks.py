@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cachefsd.blocks import FileSpan, block_bounds, block_range
+from cachefsd.chunks import cache as cache_module
 from cachefsd.chunks.codec import Codec, content_hash
 from cachefsd.errors import DeadlineExceeded
 from cachefsd.store.base import ObjectInfo
@@ -49,7 +50,7 @@ def test_reads_return_exact_bytes_at_any_offset(make_engine: EngineFactory) -> N
     for _ in range(300):
         offset = rng.randrange(0, len(data) + 10)
         size = rng.randrange(0, 3 * BLOCK_SIZE)
-        assert joined(engine.reader.read(info, offset, size, set())) == data[offset : offset + size]
+        assert joined(engine.reader.read(info, offset, size)) == data[offset : offset + size]
 
 
 def test_second_read_is_served_from_disk_with_no_get(make_engine: EngineFactory) -> None:
@@ -57,11 +58,11 @@ def test_second_read_is_served_from_disk_with_no_get(make_engine: EngineFactory)
     engine = make_engine({"f": data})
     info = engine.namespace.lookup("/f").info
     assert info is not None
-    assert joined(engine.reader.read(info, 0, len(data), set())) == data
+    assert joined(engine.reader.read(info, 0, len(data))) == data
     gets = engine.store.get_count
     assert gets == 3
     fresh = make_engine(store=engine.store, cache_dir=engine.cache_dir)
-    assert joined(fresh.reader.read(info, 0, len(data), set())) == data
+    assert joined(fresh.reader.read(info, 0, len(data))) == data
     assert engine.store.get_count == gets
 
 
@@ -76,7 +77,7 @@ def test_concurrent_readers_of_one_block_share_one_get(make_engine: EngineFactor
 
     def read() -> None:
         barrier.wait()
-        results.append(joined(engine.reader.read(info, 0, BLOCK_SIZE, set())))
+        results.append(joined(engine.reader.read(info, 0, BLOCK_SIZE)))
 
     threads = [threading.Thread(target=read) for _ in range(8)]
     for thread in threads:
@@ -92,39 +93,55 @@ def test_metrics_split_cold_and_cached_bytes(make_engine: EngineFactory) -> None
     engine = make_engine({"f": data})
     info = engine.namespace.lookup("/f").info
     assert info is not None
-    joined(engine.reader.read(info, 0, len(data), set()))
-    joined(engine.reader.read(info, 0, len(data), set()))
+    joined(engine.reader.read(info, 0, len(data)))
+    joined(engine.reader.read(info, 0, len(data)))
     read_bytes = engine.metrics.read_bytes
     assert read_bytes.labels("cold")._value.get() == len(data)
     assert read_bytes.labels("cache")._value.get() == len(data)
     assert engine.metrics.registry.get_sample_value("cachefsd_hit_ratio") == 0.5
 
 
-def test_a_verified_raw_block_is_served_from_its_file_without_copying(make_engine: EngineFactory) -> None:
+def test_a_raw_block_is_checked_once_then_served_from_its_file(make_engine: EngineFactory) -> None:
     data = os.urandom(2 * BLOCK_SIZE)
     engine = make_engine({"f": data})
     info = engine.namespace.lookup("/f").info
     assert info is not None
-    verified: set[str] = set()
-    first = engine.reader.read(info, 0, len(data), verified)
-    assert all(isinstance(piece, bytes) for piece in first)  # fetched: checked as it is admitted
-    second = engine.reader.read(info, 100, BLOCK_SIZE, verified)
-    assert all(isinstance(piece, FileSpan) for piece in second)
-    assert joined(second) == data[100 : 100 + BLOCK_SIZE]
+    checked = engine.metrics.tier_read_bytes.labels("hot")
+    first = engine.reader.read(info, 0, len(data))
+    assert all(isinstance(piece, bytes) for piece in first)  # fetched: the bytes the GET brought
     assert joined(first) == data
-    # Another reader (a new open) has its blocks checked again: rot is caught, not served.
+    # Every later read, however many opens it comes through, is served from
+    # the block's file; the file is hashed by the first one only.
+    for offset in (100, 0, 4096, 100):
+        pieces = engine.reader.read(info, offset, BLOCK_SIZE)
+        assert all(isinstance(piece, FileSpan) for piece in pieces)
+        assert joined(pieces) == data[offset : offset + BLOCK_SIZE]
+    assert checked._value.get() == len(data)
+    # A block file written to since its check is checked again: rot is caught, not served.
     digest = engine.reader.digest(info, 0)
     assert digest is not None
     block_file = engine.cache.tiers[0].path_of(digest)
     rotten = bytearray(block_file.read_bytes())
     rotten[-1] ^= 0xFF
-    block_file.write_bytes(bytes(rotten))
-    assert joined(engine.reader.read(info, 0, 10, set())) == data[:10]
+    block_file.write_bytes(bytes(rotten))  # in place: the same inode, a new ctime
+    assert joined(engine.reader.read(info, 0, 10)) == data[:10]
     assert engine.store.get_count == 3  # the rotten block was fetched again
-    # A block checked by a first read is served from its file at once.
-    pieces = engine.reader.read(info, BLOCK_SIZE, 10, set())
-    assert all(isinstance(piece, FileSpan) for piece in pieces)
-    assert joined(pieces) == data[BLOCK_SIZE : BLOCK_SIZE + 10]
+    assert engine.metrics.corrupt_blocks.labels("hot")._value.get() == 1
+
+
+def test_only_the_most_recently_served_checks_are_remembered(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cache_module, "CHECKED_FILES_REMEMBERED", 1)
+    data = os.urandom(2 * BLOCK_SIZE)
+    engine = make_engine({"f": data})
+    info = engine.namespace.lookup("/f").info
+    assert info is not None
+    joined(engine.reader.read(info, 0, len(data)))  # fetched
+    checked = engine.metrics.tier_read_bytes.labels("hot")
+    for offset in (0, 0, BLOCK_SIZE, 0):  # block 0 checked, remembered, forgotten for block 1, checked
+        assert joined(engine.reader.read(info, offset, 10)) == data[offset : offset + 10]
+    assert checked._value.get() == 3 * BLOCK_SIZE
 
 
 def test_served_bytes_are_counted_by_where_they_came_from(make_engine: EngineFactory) -> None:
@@ -141,9 +158,8 @@ def test_served_bytes_are_counted_by_where_they_came_from(make_engine: EngineFac
     assert sample("cachefsd_served_bytes_total", {"tier": "cold"}) == 0
     info = engine.namespace.lookup("/f").info
     assert info is not None
-    verified: set[str] = set()
-    joined(engine.reader.read(info, 0, len(data), verified))  # cold
-    joined(engine.reader.read(info, 0, len(data), verified))  # hot, zero-copy
+    joined(engine.reader.read(info, 0, len(data)))  # cold
+    joined(engine.reader.read(info, 0, len(data)))  # hot, zero-copy
     served = engine.metrics.served_bytes
     assert served.labels("cold")._value.get() == len(data)
     assert served.labels("hot")._value.get() == len(data)
@@ -160,7 +176,7 @@ def test_a_prefetch_that_joins_a_demand_get_did_not_fetch(make_engine: EngineFac
     engine.faulty.faults.latency_seconds = 0.3
     calls = engine.faulty.calls
     results: list[bytes] = []
-    reader = threading.Thread(target=lambda: results.append(joined(engine.reader.read(info, 0, 10, set()))))
+    reader = threading.Thread(target=lambda: results.append(joined(engine.reader.read(info, 0, 10))))
     reader.start()
     wait_until(lambda: engine.faulty.calls > calls, "the read's GET to start", 10.0)
     assert engine.store.get_count == 0  # the read's GET is in flight (counted when it lands)
@@ -190,11 +206,11 @@ def test_a_read_that_joined_a_prefetch_which_gave_up_is_not_retried_at_once(
     prefetch.start()
     wait_until(lambda: engine.faulty.calls > calls, "the prefetch GET to start", 10.0)
     with pytest.raises(DeadlineExceeded):
-        engine.reader.read(info, 0, 10, set())  # joins the prefetch, which gives up
+        engine.reader.read(info, 0, 10)  # joins the prefetch, which gives up
     prefetch.join(10)
     calls = engine.faulty.calls
     with pytest.raises(DeadlineExceeded, match="not retried yet"):
-        engine.reader.read(info, 0, 10, set())
+        engine.reader.read(info, 0, 10)
     assert engine.faulty.calls == calls  # answered without a new GET
 
 
@@ -207,7 +223,7 @@ def read_quarters_at_once(engine: Engine, info: ObjectInfo) -> bytes:
 
     def read(offset: int) -> None:
         barrier.wait()
-        results[offset] = joined(engine.reader.read(info, offset, quarter, set()))
+        results[offset] = joined(engine.reader.read(info, offset, quarter))
 
     threads = [threading.Thread(target=read, args=(offset,)) for offset in range(0, BLOCK_SIZE, quarter)]
     for thread in threads:

@@ -515,7 +515,7 @@ def test_a_read_ends_a_blocks_plan_and_a_refused_block_keeps_none(tmp_path: Path
         digest = content_hash(block)
         cache.admit(ref("planned"), digest, block, ahead=True, next_use=5.0)
         assert planned.next_use(digest) == 5.0
-        hit = cache.raw_hit(digest, check=True)
+        hit = cache.raw_hit(digest)
         assert hit is not None
         os.close(hit[1])
         assert planned.next_use(digest) is None

@@ -53,7 +53,7 @@ def test_a_changed_object_releases_its_old_blocks(make_engine: EngineFactory) ->
     engine = make_engine({"f": b"old content"}, ttl=5)
     old = engine.namespace.lookup("/f").info
     assert old is not None
-    joined(engine.reader.read(old, 0, 100, set()))
+    joined(engine.reader.read(old, 0, 100))
     assert engine.cache.used_bytes > 0
     engine.store.put("f", b"new content!")
     engine.clock.now += 6

@@ -123,7 +123,7 @@ def test_a_read_that_joins_a_prefetch_in_flight_counts_it_used_not_wasted(
         prefetcher.opened(info)
         prefetcher.read(info, 0, info.size)  # before the block lands, as the FUSE read does
         assert engine.store.get_count == 0  # the prefetch's GET is still in flight: this read joins it
-        assert joined(engine.reader.read(info, 0, info.size, set())) == dataset[key]
+        assert joined(engine.reader.read(info, 0, info.size)) == dataset[key]
         wait_for(lambda: engine.metrics.prefetch_used_bytes._value.get() == info.size, "the join to count")
     finally:
         prefetcher.stop()
@@ -389,7 +389,7 @@ def test_consecutive_blocks_of_a_file_are_fetched_with_one_get(make_engine: Engi
         prefetcher.hint(["big.bin"])
         wait_for(lambda: all(engine.reader.residency(info, i) for i in range(7)), "the whole file cached")
     assert engine.store.get_count == 1
-    assert joined(engine.reader.read(info, 0, len(data), set())) == data
+    assert joined(engine.reader.read(info, 0, len(data))) == data
     assert engine.metrics.prefetch_issued_bytes._value.get() == len(data)
 
 
@@ -410,6 +410,6 @@ def test_a_stream_through_a_large_file_is_fetched_in_runs_ahead_of_the_reader(
         pieces = []
         for offset in range(0, len(data), BLOCK_SIZE):
             prefetcher.read(info, offset, BLOCK_SIZE)
-            pieces.append(joined(engine.reader.read(info, offset, BLOCK_SIZE, set())))
+            pieces.append(joined(engine.reader.read(info, offset, BLOCK_SIZE)))
     assert b"".join(pieces) == data
     assert engine.store.get_count <= 4
