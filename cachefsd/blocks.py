@@ -22,6 +22,8 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,6 +57,11 @@ GIVEN_UP_SECONDS = 2.0
 # per block (a round trip each, and on moto a read of the whole object
 # each). Within the fetch attempt timeout (10 s) on any link above 3.2 MB/s.
 RUN_BYTES = 32 << 20
+# Bytes of GETs ahead of the readers (prefetch, stage) in flight at once, all
+# callers together: each run is held whole in RAM until it is admitted, and
+# 24 prefetch GETs (or 16 stage workers) of 32 MiB took the daemon's RSS past
+# 1 GB. Eight runs keep a store busy at a few hundred MB/s.
+AHEAD_MEMORY_BYTES = 8 * RUN_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +135,29 @@ class _MemoryBuffer:
                 self._used -= len(evicted)
 
 
+class _ByteBudget:
+    """Bytes a set of threads may hold at once; a thread that would go
+    over waits for others to give theirs back."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def held(self, nbytes: int) -> Iterator[None]:
+        nbytes = min(nbytes, self._limit)  # a request larger than the whole budget waits for all of it
+        with self._changed:
+            self._changed.wait_for(lambda: self._used + nbytes <= self._limit)
+            self._used += nbytes
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._used -= nbytes
+                self._changed.notify_all()
+
+
 class BlockReader:
     def __init__(
         self,
@@ -149,7 +179,8 @@ class BlockReader:
         # Decoded blocks of compressed tiers, served from RAM while a reader
         # works through them in FUSE-sized pieces.
         self._memory = _MemoryBuffer(MEMORY_BUFFER_BYTES)
-        self._in_flight: SingleFlight[BlockRef, tuple[str, bytes]] = SingleFlight()
+        self._in_flight: SingleFlight[BlockRef, tuple[str, memoryview]] = SingleFlight()
+        self._ahead_memory = _ByteBudget(AHEAD_MEMORY_BYTES)
         # A compressed block's concurrent READs (the kernel's read-ahead
         # sends about four) share one read and decode of the whole block.
         self._decoding: SingleFlight[str, bytes | None] = SingleFlight()
@@ -250,9 +281,9 @@ class BlockReader:
         self._cache.touch(digest)
         placement = self._cache.placement(digest)
         self._remember(ref, data, placement is not None and placement.raw)
-        return data[lo:hi], "cold", time.monotonic() - started if counts_stall else 0.0
+        return bytes(data[lo:hi]), "cold", time.monotonic() - started if counts_stall else 0.0
 
-    def _fetch_on_demand(self, info: ObjectInfo, index: int, ref: BlockRef) -> tuple[str, bytes]:
+    def _fetch_on_demand(self, info: ObjectInfo, index: int, ref: BlockRef) -> tuple[str, memoryview]:
         """A read's fetch (its readers share it): a failure is logged once
         here, as FUSE only returns an errno."""
         try:
@@ -286,11 +317,13 @@ class BlockReader:
         tier, fd = hit
         return FileSpan(fd, HEADER_SIZE + lo, hi - lo), tier, 0.0
 
-    def _remember(self, ref: BlockRef, data: bytes, raw: bool) -> None:
+    def _remember(self, ref: BlockRef, data: bytes | memoryview, raw: bool) -> None:
         """Keep a block's next reads cheap: a raw block is served from its
-        file, any other (compressed, or not admitted) decoded from RAM."""
+        file, any other (compressed, or not admitted) decoded from RAM, as
+        a copy: a fetched block is a view that would keep its whole run's
+        buffer alive."""
         if not raw:
-            self._memory.put(ref, data)
+            self._memory.put(ref, bytes(data))
 
     def digest(self, info: ObjectInfo, index: int) -> str | None:
         """The content hash cached for block ``index`` of ``info``, or None."""
@@ -345,7 +378,9 @@ class BlockReader:
         Returns the indices this call fetched: not those cached, nor those
         whose GET another caller (a demand read) had started. A demand read
         of any of them meanwhile waits for this GET, which never waits in
-        line before one (kind "prefetch")."""
+        line before one (kind "prefetch"). Waits first while other runs
+        hold ``AHEAD_MEMORY_BYTES``; the blocks are not claimed meanwhile,
+        so a demand read of one does not wait with it."""
         wanted: dict[BlockRef, int] = {}
         for index in indices:
             ref = self.ref(info, index)
@@ -355,11 +390,16 @@ class BlockReader:
             if self._dedup_by_etag and self._cache.adopt(ref, (info.etag, info.size)):
                 continue
             wanted[ref] = index
+        if not wanted:
+            return set()
 
-        def fetch(refs: list[BlockRef]) -> dict[BlockRef, tuple[str, bytes]]:
+        def fetch(refs: list[BlockRef]) -> dict[BlockRef, tuple[str, memoryview]]:
             return self._fetch_blocks(info, {ref: wanted[ref] for ref in refs}, "prefetch", tier, next_use)
 
-        led = self._in_flight.lead(list(wanted), fetch)
+        start = block_bounds(min(wanted.values()), info.size, self._block_size)[0]
+        end = block_bounds(max(wanted.values()), info.size, self._block_size)[1]
+        with self._ahead_memory.held(end - start):
+            led = self._in_flight.lead(list(wanted), fetch)
         return {wanted[ref] for ref in led}
 
     def _fetch_blocks(
@@ -369,7 +409,7 @@ class BlockReader:
         kind: FetchKind,
         tier: str | None = None,
         next_use: float | None = None,
-    ) -> dict[BlockRef, tuple[str, bytes]]:
+    ) -> dict[BlockRef, tuple[str, memoryview]]:
         """Fetch ``blocks`` (ref -> index) with one GET of the range from
         the first to the last (blocks between that others lead are fetched
         too, and left to them) and admit each; ref -> its hash (computed
@@ -382,9 +422,10 @@ class BlockReader:
         )
         identity = (info.etag, info.size) if self._dedup_by_etag else None
         fetched = {}
+        whole = memoryview(data)  # blocks are views of the one buffer the GET filled: no copies
         for ref, index in blocks.items():
             block_start, block_end = block_bounds(index, info.size, self._block_size)
-            content = data[block_start - start : block_end - start]
+            content = whole[block_start - start : block_end - start]
             digest = content_hash(content)
             ahead = kind == "prefetch"
             self._cache.admit(ref, digest, content, identity, tier, ahead=ahead, next_use=next_use)

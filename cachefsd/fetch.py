@@ -88,11 +88,13 @@ class Fetcher:
     def deadline(self) -> float:
         return self._settings.deadline
 
-    async def get_range(self, key: str, start: int, end: int, etag: str, kind: FetchKind = "demand") -> bytes:
+    async def get_range(
+        self, key: str, start: int, end: int, etag: str, kind: FetchKind = "demand"
+    ) -> bytes | bytearray:
         """Bytes ``[start, end)`` of version ``etag`` of ``key``, exactly
         ``end - start`` of them, or a ``StoreError``."""
 
-        async def attempt() -> bytes:
+        async def attempt() -> bytes | bytearray:
             data = await self._store.get_range(key, start, end, etag)
             if len(data) != end - start:
                 raise StoreError(f"short read of {key}: {len(data)} of {end - start} bytes")
@@ -116,7 +118,7 @@ class Fetcher:
                 result = await asyncio.wait_for(
                     self._limited(attempt, _PRIORITY[kind]), min(self._settings.attempt_timeout, remaining)
                 )
-                nbytes = len(result) if isinstance(result, bytes) else 0
+                nbytes = len(result) if isinstance(result, bytes | bytearray) else 0
                 self._events.fetch_done(kind, time.monotonic() - started, nbytes)
                 return result
             except StoreError as exc:

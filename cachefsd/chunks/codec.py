@@ -44,7 +44,7 @@ def content_hash(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def encode(data: bytes, codec: Codec = Codec.RAW) -> bytes:
+def encode(data: bytes | memoryview, codec: Codec = Codec.RAW) -> bytes:
     """A complete frame for ``data``. LZ4 is skipped when it does not shrink
     the block (already-compressed images, tensors): decoding it would be pure cost."""
     payload = data

@@ -87,8 +87,9 @@ class ObjectStore(Protocol):
         """The current version of ``key``; ``ObjectNotFound`` if absent."""
         ...
 
-    async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
-        """Bytes ``[start, end)`` of the version ``etag`` of ``key``.
+    async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes | bytearray:
+        """Bytes ``[start, end)`` of the version ``etag`` of ``key`` (a
+        bytearray where the body is read into one buffer, see ``s3.py``).
 
         Raises ``ObjectChanged`` when the object's current version is not
         ``etag``: a store never returns bytes of another version. May return

@@ -25,6 +25,8 @@ class FaultyStore:
         self._inner = inner
         self.faults = faults or Faults()
         self.calls = 0
+        self._gets_now = 0
+        self.most_concurrent_gets = 0  # the most GETs that were in flight at once
 
     @property
     def uri(self) -> str:
@@ -60,9 +62,14 @@ class FaultyStore:
         await self._inject()
         return await self._inner.head(key)
 
-    async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
-        await self._inject()
-        return await self._inner.get_range(key, start, end, etag)
+    async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes | bytearray:
+        self._gets_now += 1  # the event loop's thread only: no lock
+        self.most_concurrent_gets = max(self.most_concurrent_gets, self._gets_now)
+        try:
+            await self._inject()
+            return await self._inner.get_range(key, start, end, etag)
+        finally:
+            self._gets_now -= 1
 
     async def close(self) -> None:
         await self._inner.close()

@@ -290,7 +290,7 @@ class S3Store:
             mtime=response["LastModified"].timestamp(),
         )
 
-    async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
+    async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes | bytearray:
         if end <= start:
             # "bytes=5-4" is not a range: S3 would send the whole object.
             # Answer from HEAD so a missing or changed object still raises.
@@ -310,7 +310,7 @@ class S3Store:
                 IfMatch=f'"{_strip_quotes(etag)}"',
             )
             async with response["Body"] as body:
-                data: bytes = await body.read()
+                data = await _read_body(body, int(response["ContentLength"]))
         except ClientError as exc:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if status == _RANGE_NOT_SATISFIABLE:
@@ -332,3 +332,19 @@ class S3Store:
         stack, self._exit_stack, self._client = self._exit_stack, None, None
         if stack is not None:
             await stack.aclose()
+
+
+async def _read_body(body: Any, length: int) -> bytearray:
+    """A response body of ``length`` bytes, read into one buffer: ``read()``
+    gathers the chunks and then joins them, so a 32 MiB run held twice its
+    size in RAM. Shorter if the connection ends early (the fetcher retries
+    a short read)."""
+    buffer = bytearray(length)
+    view = memoryview(buffer)
+    filled = 0
+    while filled < length:
+        got = await body.readinto(view[filled:])
+        if not got:
+            break
+        filled += got
+    return buffer if filled == length else buffer[:filled]

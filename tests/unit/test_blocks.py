@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cachefsd import blocks as blocks_module
 from cachefsd.blocks import FileSpan, block_bounds, block_range
 from cachefsd.chunks import cache as cache_module
 from cachefsd.chunks.codec import Codec, content_hash
@@ -142,6 +143,37 @@ def test_only_the_most_recently_served_checks_are_remembered(
     for offset in (0, 0, BLOCK_SIZE, 0):  # block 0 checked, remembered, forgotten for block 1, checked
         assert joined(engine.reader.read(info, offset, 10)) == data[offset : offset + 10]
     assert checked._value.get() == 3 * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("budget_runs", [1, 3])
+def test_runs_fetched_ahead_share_one_memory_budget(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch, budget_runs: int
+) -> None:
+    """Each run is held whole in RAM until admitted: prefetch and stage
+    together never have more than ``AHEAD_MEMORY_BYTES`` of them in flight."""
+    run = 4 * BLOCK_SIZE
+    monkeypatch.setattr(blocks_module, "AHEAD_MEMORY_BYTES", budget_runs * run)
+    dataset = {f"f{i}": os.urandom(run) for i in range(3)}
+    engine = make_engine(dataset)
+    infos = [engine.namespace.lookup(f"/{key}").info for key in dataset]
+    engine.faulty.faults.latency_seconds = 0.3  # long enough for the three to overlap, unless held back
+    fetched: list[set[int]] = []
+
+    def fetch_ahead(info: ObjectInfo | None) -> None:
+        assert info is not None
+        fetched.append(engine.reader.fetch_run_ahead(info, range(4)))
+
+    threads = [threading.Thread(target=fetch_ahead, args=(info,)) for info in infos]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert fetched == [{0, 1, 2, 3}] * 3
+    # One run at a time within a budget of one; side by side (the control) within three.
+    assert (engine.faulty.most_concurrent_gets == 1) == (budget_runs == 1)
+    for key, info in zip(dataset, infos, strict=True):
+        assert info is not None
+        assert joined(engine.reader.read(info, 0, run)) == dataset[key]
 
 
 def test_served_bytes_are_counted_by_where_they_came_from(make_engine: EngineFactory) -> None:
