@@ -47,7 +47,10 @@ class LocalStore:
         """The file for ``key``, refusing any key that would leave the root."""
         if "\0" in key or key.startswith("/"):
             raise ObjectNotFound(key)
-        path = (self._root / key).resolve()
+        try:
+            path = (self._root / key).resolve()
+        except (RuntimeError, OSError) as exc:  # a symlink loop: RuntimeError before Python 3.13
+            raise ObjectNotFound(key) from exc
         if path != self._root and self._root not in path.parents:
             raise ObjectNotFound(key)
         return path

@@ -649,7 +649,9 @@ def test_local_refuses_keys_outside_the_root(local_root: Path, key: str) -> None
 
 def test_local_lists_directory_links_unless_they_lead_back_up(tmp_path: Path) -> None:
     """``latest -> v2`` is a view of a dataset; ``sub/up -> ..`` and a pair
-    of links into each other would make every scan of the mount endless."""
+    of links into each other would make every scan of the mount endless.
+    Links that resolve to nothing (``loop1 -> loop2 -> loop1``) are hidden
+    and leave the rest of their directory readable."""
     root = tmp_path / "root"
     for directory in ("v2", "sub", "a", "b"):
         (root / directory).mkdir(parents=True)
@@ -658,7 +660,13 @@ def test_local_lists_directory_links_unless_they_lead_back_up(tmp_path: Path) ->
     (root / "sub" / "up").symlink_to("..")
     (root / "a" / "to-b").symlink_to("../b")
     (root / "b" / "to-a").symlink_to("../a")
+    (root / "loop1").symlink_to("loop2")
+    (root / "loop2").symlink_to("loop1")
+    (root / "v2" / "self").symlink_to("self")
     store = LocalStore(root)
+    for key in ("loop1", "v2/self", "loop1/x.bin"):
+        with pytest.raises(ObjectNotFound):
+            _run_alone(lambda: store.head(key))  # noqa: B023 - awaited at once
 
     def walk() -> list[str]:
         """Every key and prefix below the root, breadth first; fails if endless."""
