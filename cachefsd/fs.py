@@ -28,11 +28,13 @@ from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
 from cachefsd.blocks import BlockReader, Piece
-from cachefsd.errors import BadFileHandle, IsADirectory, ObjectChanged, ReadOnly
+from cachefsd.errors import BadFileHandle, IsADirectory, ObjectChanged, ObjectNotFound, ReadOnly
 from cachefsd.namespace.tree import Namespace
 from cachefsd.store.base import ObjectInfo
 
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+# O_APPEND is not among them: with O_RDONLY it writes nothing, and a read-only
+# filesystem of the kernel's own (a tmpfs mounted ro) opens it.
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
 DIR_MODE = stat.S_IFDIR | 0o555
 FILE_MODE = stat.S_IFREG | 0o444
 # st_blocks is counted in 512-byte units, whatever the filesystem.
@@ -166,9 +168,16 @@ class FileSystem:
         self._access.read(info, offset, size)
         try:
             return self._reader.read(info, offset, size)
-        except ObjectChanged:
+        except (ObjectChanged, ObjectNotFound) as exc:
+            # Overwritten or deleted since the open: the listing that showed
+            # this version is dropped, so the next open sees what is there
+            # now, and the read fails as any read of a changed object does
+            # (EIO: a loader that takes ENOENT for "no such sample" would
+            # skip it silently).
             self._namespace.invalidate(info.key)
             self._size_may_be_stale(info)
+            if isinstance(exc, ObjectNotFound):
+                raise ObjectChanged(f"{info.key} was deleted since it was opened") from exc
             raise
 
     def version_gone(self, info: ObjectInfo) -> None:

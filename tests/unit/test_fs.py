@@ -21,6 +21,14 @@ def test_opening_for_write_is_refused(make_engine: EngineFactory, flags: int) ->
         engine.fs.open("/f", flags)
 
 
+def test_opening_read_only_for_append_reads(make_engine: EngineFactory) -> None:
+    """O_APPEND writes nothing through a read-only descriptor; the kernel's
+    own read-only filesystems open it."""
+    engine = make_engine({"f": b"x"})
+    handle = engine.fs.open("/f", os.O_RDONLY | os.O_APPEND).handle
+    assert joined(engine.fs.read(handle, 1, 0)) == b"x"
+
+
 def test_attributes(make_engine: EngineFactory) -> None:
     engine = make_engine({"d/f": b"12345"})
     directory = engine.fs.getattr("/d")
@@ -52,6 +60,21 @@ def test_a_handle_stays_on_the_version_it_opened(make_engine: EngineFactory) -> 
     # The failure dropped the stale listing: a new open sees the new version.
     fresh = engine.fs.open("/f", os.O_RDONLY).handle
     assert joined(engine.fs.read(fresh, 3 * BLOCK_SIZE, 0)) == new
+
+
+def test_reading_a_deleted_object_fails_as_changed_and_drops_the_listing(make_engine: EngineFactory) -> None:
+    data = os.urandom(2 * BLOCK_SIZE)
+    engine = make_engine({"f": data, "g": b"g"})
+    handle = engine.fs.open("/f", os.O_RDONLY).handle
+    assert joined(engine.fs.read(handle, BLOCK_SIZE, 0)) == data[:BLOCK_SIZE]
+    engine.store.delete("f")
+    with pytest.raises(ObjectChanged):  # EIO, as for an overwrite; not ENOENT from read()
+        engine.fs.read(handle, BLOCK_SIZE, BLOCK_SIZE)
+    assert joined(engine.fs.read(handle, BLOCK_SIZE, 0)) == data[:BLOCK_SIZE]  # what is cached still reads
+    engine.fs.release(handle)
+    with pytest.raises(ObjectNotFound):  # the next open is told at once, within the metadata TTL
+        engine.fs.open("/f", os.O_RDONLY)
+    assert engine.fs.getattr("/g").size == 1
 
 
 def test_reading_a_released_handle_fails(make_engine: EngineFactory) -> None:
