@@ -166,13 +166,14 @@ REPLAY_MIN_MATCH: Final = 0.9
 # A hint is kept while half of the opens follow it: the loader knows its order,
 # so a lower rate means the hint is stale or for another job.
 HINT_MIN_MATCH: Final = 0.5
-# An open matches a plan when it is within this many places of its predicted
-# position: min(PLAN_SLACK_FILES, plan length // PLAN_SLACK_DIVISOR), at least 1.
-# DataLoader workers open files of several batches at once (workers x
-# prefetch_factor x batch size: 8 x 2 x 32 = 512), and a random order falls
-# within n/16 of its place with probability about 1/8, far below the thresholds.
-PLAN_SLACK_FILES: Final = 512
-PLAN_SLACK_DIVISOR: Final = 16
+# An open matches a plan when it is within plan length // PLAN_SLACK_DIVISOR
+# places (at least 1) of its predicted position. DataLoader workers open the
+# files of several batches at once, so an exact hint is read up to workers x
+# prefetch_factor x batch size places out of order (8 x 2 x 256 = 4,096, more
+# with several ranks on the node); a random order falls within n/8 of its
+# place with probability about 1/4, far below the thresholds. (A cap of 512
+# places made an exact hint of a 100k-file dataset at batch 256 look wrong.)
+PLAN_SLACK_DIVISOR: Final = 8
 # predict() looks at most this many plan entries per prediction asked for,
 # so a plan whose head was read out of order cannot make it O(plan).
 PLAN_SCAN_FACTOR: Final = 4
@@ -226,7 +227,7 @@ class _Plan:
         self.min_match = min_match
         # The verdict before PLAN_PROBATION_OPENS opens were seen.
         self.trusted_at_start = trusted
-        self.slack = max(1, min(PLAN_SLACK_FILES, len(order) // PLAN_SLACK_DIVISOR))
+        self.slack = max(1, len(order) // PLAN_SLACK_DIVISOR)
         self.low = 0  # entries before this were all read this epoch
         self.observed = 0
         self.matched = 0
