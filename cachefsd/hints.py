@@ -20,7 +20,9 @@ in any training environment; it only needs the standard library and
 ``cachefsd.control``.
 
 Concurrency: ``__iter__`` runs on the loader's thread and starts one sender
-thread per epoch; the result fields are guarded by ``_lock``.
+thread per epoch, which first waits for the last one (so the mapping state
+is only ever used by one thread at a time); the result fields are guarded
+by ``_lock``.
 """
 
 from __future__ import annotations
@@ -135,10 +137,13 @@ class HintingSampler:
 
     def __iter__(self) -> Iterator[Any]:
         items = list(self.sampler)
-        try:
-            self._send(items)
-        except Exception as exc:  # a hint must never break the training loop
-            self._warn(f"cannot build the read-order hint: {exc}")
+        # Placing a million paths under their mounts takes seconds: that is
+        # done on the sender thread too, after the last epoch's sender.
+        sender = threading.Thread(
+            target=self._send, args=(items, self._sender), name="cachefsd-hint", daemon=True
+        )
+        self._sender = sender
+        sender.start()
         return iter(items)
 
     @property
@@ -159,7 +164,20 @@ class HintingSampler:
 
     # -- plumbing ---------------------------------------------------------
 
-    def _send(self, items: list[Any]) -> None:
+    def _send(self, items: list[Any], previous: threading.Thread | None) -> None:
+        """Build each mount's share of the order and deliver it, once the
+        previous epoch's hint is out (hints must arrive in epoch order)."""
+        if previous is not None:
+            previous.join()
+        try:
+            orders = self._orders(items)
+        except Exception as exc:  # a hint must never break the training loop
+            self._warn(f"cannot build the read-order hint: {exc}")
+            return
+        if orders:
+            self._deliver(orders)
+
+    def _orders(self, items: list[Any]) -> list[tuple[MountOf, list[str]]]:
         if self._mounts is None:
             base = None
             if self._mountpoint is not None:
@@ -178,13 +196,7 @@ class HintingSampler:
                 orders.setdefault(mount.mountpoint, (mount, []))[1].append(relative)
         if outside:
             self._warn(f"{outside} sample paths are not under a cachefsd mount and are not hinted")
-        if not orders:
-            return
-        sender = threading.Thread(
-            target=self._deliver, args=(list(orders.values()),), name="cachefsd-hint", daemon=True
-        )
-        self._sender = sender
-        sender.start()
+        return list(orders.values())
 
     def _part(self) -> tuple[int, int] | None:
         """(rank, world size) of a distributed sampler, None otherwise."""

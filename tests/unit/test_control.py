@@ -312,6 +312,24 @@ def test_hinting_sampler_without_a_daemon_yields_the_same_indices(
     assert "not under a cachefsd mount" in warnings[0].getMessage()
 
 
+def test_hinting_sampler_never_holds_the_epoch_back_to_build_its_hint(tmp_path: Path) -> None:
+    """Placing a million paths under their mounts takes seconds: the loader
+    gets its indices at once, the hint follows."""
+    release = threading.Event()
+
+    class SlowPaths(list[str]):
+        def __getitem__(self, index: int) -> str:  # type: ignore[override]
+            release.wait(WAIT_SECONDS)
+            return str(tmp_path / f"{index}.bin")
+
+    sampler = HintingSampler([2, 0, 1], SlowPaths(["unused"] * 3))
+    assert list(sampler) == [2, 0, 1]  # while the hint's first path is still being looked up
+    assert list(sampler) == [2, 0, 1]
+    assert not sampler.wait(0)
+    release.set()
+    assert sampler.wait(WAIT_SECONDS)
+
+
 def test_hinting_sampler_passes_batches_and_epochs_through() -> None:
     class Batches:
         def __init__(self) -> None:
