@@ -553,8 +553,16 @@ class MountOf:
 
 def find_mount(path: str | os.PathLike[str]) -> MountOf | None:
     """The innermost mountpoint at or above ``path`` that has a daemon state
-    file (live or not), or None when ``path`` is not under a cachefsd mount."""
+    file (live or not), or None when ``path`` is not under a cachefsd mount.
+    Symlinks are followed: ``/data -> /mnt/imagenet/train`` is in a mount."""
     absolute = Path(os.path.abspath(path))
+    found = _mount_above(absolute)
+    if found is None and (real := Path(os.path.realpath(absolute))) != absolute:
+        found = _mount_above(real)
+    return found
+
+
+def _mount_above(absolute: Path) -> MountOf | None:
     for candidate in (absolute, *absolute.parents):
         state = read_state(candidate)
         if state is not None and Path(state.mountpoint) == candidate.resolve():

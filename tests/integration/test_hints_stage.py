@@ -248,12 +248,18 @@ def test_hint_command_counts_and_wrong_hints_keep_bytes_right(
     order = tmp_path / "order.txt"
     link = tmp_path / "link"
     link.symlink_to(mount.mountpoint)
-    # Absolute, through a symlink to the mount, with . and .., and relative.
+    into_a_class = tmp_path / "class_1"
+    into_a_class.symlink_to(mount.path("train/class_1"))
+    in_class_1 = [key for key in keys if key.startswith("train/class_1/")]
+    rest = [key for key in keys if key not in in_class_1]
+    # Absolute, through a symlink to the mount or to a directory in it, with
+    # . and .., and relative.
     lines = (
-        [str(mount.path(key)) for key in keys[:3]]
-        + [f"{link}/{key}" for key in keys[3:5]]
-        + [f"{mount.mountpoint}/./no/../{key}" for key in keys[5:7]]
-        + [f"./{key}" for key in keys[7:]]
+        [str(mount.path(key)) for key in rest[:3]]
+        + [f"{link}/{key}" for key in rest[3:5]]
+        + [f"{into_a_class}/{key.rpartition('/')[2]}" for key in in_class_1]
+        + [f"{mount.mountpoint}/./no/../{key}" for key in rest[5:7]]
+        + [f"./{key}" for key in rest[7:]]
         + ["no/such/file", "", "train"]
     )
     order.write_text("\n".join(lines) + "\n")
