@@ -20,7 +20,8 @@ Versions: the etag of an ``ObjectInfo`` is the object's *generation* (a
 decimal string), not GCS's etag. A read sends ``ifGenerationMatch`` and
 checks the generation the download response reports, so a replaced object
 raises ``ObjectChanged`` even where the precondition is ignored (the
-fake-gcs-server emulator ignores it on media downloads).
+fake-gcs-server emulator ignores it on media downloads). A server that
+reports no generation (gcp-storage-emulator) has it read back after the GET.
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ class GcsStore:
             raise ObjectChanged(f"{self._target(key)}: {etag!r} is not a GCS generation") from None
         bucket = await self._get_bucket()
 
-        def call() -> tuple[bytes, str]:
+        def call() -> tuple[bytes, str | None]:
             blob = bucket.blob(full_key)
             data = blob.download_as_bytes(
                 start=start,
@@ -273,8 +274,8 @@ class GcsStore:
                 timeout=self._attempt_timeout,
                 retry=None,
             )
-            # Set from the response's x-goog-generation header.
-            return data, str(blob.generation)
+            # Set from the response's x-goog-generation header, if sent.
+            return data, None if blob.generation is None else str(blob.generation)
 
         try:
             data, served = await self._run(self._target(key), call)
@@ -285,7 +286,13 @@ class GcsStore:
             # the emulator answers 416 without checking the generation.
             await self._require_version(key, etag)
             return b""
-        if served != etag:
+        if served is None:
+            # No x-goog-generation (gcp-storage-emulator, which also ignores
+            # ifGenerationMatch): the generation current after the GET is the
+            # pinned one only if the object did not change before it either,
+            # since generations only grow.
+            await self._require_version(key, etag)
+        elif served != etag:
             raise ObjectChanged(f"{self._target(key)}: served generation {served}, read pinned to {etag}")
         return data
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -20,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachefsd.runtime import pid_alive, read_state
+from tests.net import free_port
 from tests.polling import wait_until
 
 # Shared test helpers with asserts of their own: rewrite them as pytest does
@@ -42,12 +42,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def wait_dead(pid: int, timeout: float = UNMOUNT_TIMEOUT_SECONDS) -> None:
     wait_until(lambda: not pid_alive(pid), f"daemon pid {pid} to die", timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def run_cli(*args: str, timeout: float = MOUNT_TIMEOUT_SECONDS) -> subprocess.CompletedProcess[str]:

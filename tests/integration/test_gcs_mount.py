@@ -1,28 +1,41 @@
-"""A gs:// source mounted for real, against fake-gcs-server over HTTP.
+"""A gs:// source mounted for real, against both GCS emulators on PyPI
+(fake-gcs-server, and gcp-storage-emulator) over HTTP.
 
 The daemon finds the emulator the standard way, through
 ``STORAGE_EMULATOR_HOST``, which the ``gcs_emulator`` fixture sets for the
-session (the mounted subprocess inherits it).
+session and ``any_gcs`` for a test (the mounted subprocess inherits it).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
 import uuid
 
 import pytest
+from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
+from cachefsd.store.gcs import EMULATOR_ENV
 from cachefsd.testing.gcs_emulator import GcsEmulator
 from tests.integration.conftest import MountFactory, run_cli
 
 
-def test_gcs_bucket_reads_back_exact_bytes_and_caches(
-    gcs_emulator: GcsEmulator, gcs_client: storage.Client, mounter: MountFactory
-) -> None:
-    bucket = gcs_client.create_bucket(f"g-{uuid.uuid4().hex[:12]}")
+@pytest.fixture(name="any_gcs", params=["fake-gcs-server", "gcp-storage-emulator"])
+def fixture_any_gcs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> storage.Client:
+    """A client of each emulator in turn, which the daemons mounted in the
+    test reach too. They differ where it matters: gcp-storage-emulator sends
+    no generation with a download and ignores ``ifGenerationMatch``."""
+    if request.param == "fake-gcs-server":
+        return request.getfixturevalue("gcs_client")
+    monkeypatch.setenv(EMULATOR_ENV, request.getfixturevalue("gcs_py_emulator"))
+    return storage.Client(project="test", credentials=AnonymousCredentials())
+
+
+def test_gcs_bucket_reads_back_exact_bytes_and_caches(any_gcs: storage.Client, mounter: MountFactory) -> None:
+    bucket = any_gcs.create_bucket(f"g-{uuid.uuid4().hex[:12]}")
     rng = random.Random(3)
     objects = {
         "train/a.bin": rng.randbytes(300_000),
@@ -52,6 +65,24 @@ def test_gcs_bucket_reads_back_exact_bytes_and_caches(
     metrics = mount.metrics()
     assert metrics["cachefsd_read_bytes_total{source=cold}"] >= 370_000
     assert 0 < metrics["cachefsd_cache_used_bytes"] <= metrics["cachefsd_cache_capacity_bytes"]
+
+
+def test_a_gcs_object_overwritten_while_open_fails_the_read(
+    any_gcs: storage.Client, mounter: MountFactory
+) -> None:
+    bucket = any_gcs.create_bucket(f"g-{uuid.uuid4().hex[:12]}")
+    rng = random.Random(4)
+    old, new = rng.randbytes(16 << 20), rng.randbytes(16 << 20)
+    bucket.blob("f.bin").upload_from_string(old)
+    mount = mounter(f"gs://{bucket.name}", "--block-size", "64K", "--no-prefetch")
+    with open(mount.path("f.bin"), "rb") as handle:
+        assert os.pread(handle.fileno(), 10, 0) == old[:10]
+        bucket.blob("f.bin").upload_from_string(new)
+        # Past the kernel's read-ahead: a block that must be fetched, for a version that is gone.
+        with pytest.raises(OSError, match=r"Input/output error") as failed:
+            os.pread(handle.fileno(), 10, len(old) - 10)
+        assert failed.value.errno == errno.EIO
+    assert mount.path("f.bin").read_bytes() == new  # the failure dropped the listing: the next open sees it
 
 
 def test_missing_gcs_bucket_fails_the_mount_in_one_line(gcs_emulator: GcsEmulator, tmp_path: object) -> None:
