@@ -17,6 +17,7 @@ import json
 import os
 import re
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,13 +52,27 @@ def mount_types() -> dict[str, str]:
 
 
 def runtime_dir() -> Path:
-    if os.geteuid() == 0:
+    """Where state files and control sockets live, owner-only. Without
+    ``XDG_RUNTIME_DIR`` (containers, ``sudo -u``, cron) that is a name in
+    /tmp anyone can predict, and create first: a directory there that is
+    not this user's own, private one is refused, or its owner could plant
+    symlinks where state files are written and answer for the control socket."""
+    uid = os.geteuid()
+    if uid == 0:
         base = Path("/run/cachefsd")
     elif os.environ.get("XDG_RUNTIME_DIR"):
         base = Path(os.environ["XDG_RUNTIME_DIR"]) / "cachefsd"
     else:
-        base = Path(f"/tmp/cachefsd-{os.geteuid()}")
+        base = Path(f"/tmp/cachefsd-{uid}")
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    found = base.lstat()
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != uid:
+        raise CachefsdError(
+            f"runtime directory {base} is not a directory of this user's (uid {uid}): "
+            "remove it, or set XDG_RUNTIME_DIR to a private directory"
+        )
+    if found.st_mode & 0o077:
+        base.chmod(0o700)  # this user's own: made private, whatever made it
     return base
 
 
@@ -82,7 +97,10 @@ def write_state(state: MountState) -> Path:
     path = state_path(Path(state.mountpoint))
     _remove_dead_states(keep=path)
     temp = path.with_suffix(".tmp")
-    temp.write_text(json.dumps(asdict(state)))
+    temp.unlink(missing_ok=True)  # a crashed writer's
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps(asdict(state)))
     temp.replace(path)
     return path
 
@@ -220,5 +238,13 @@ def create_cache_directory(setting: str, directory: Path) -> None:
     ``setting`` that gave it when that fails."""
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        mode = directory.stat().st_mode
     except OSError as exc:
         raise ConfigError(f"{setting}: cannot create {directory}: {exc.strerror}") from exc
+    if mode & 0o022:
+        # Another user who can write here can replace the index, which says
+        # which cached bytes are served for which object.
+        raise ConfigError(
+            f"{setting}: {directory} is writable by other users (mode {stat.S_IMODE(mode):o}): "
+            "give a directory only you can write (chmod go-w, or a new one)"
+        )

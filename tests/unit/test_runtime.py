@@ -14,7 +14,7 @@ import pytest
 
 from cachefsd import runtime
 from cachefsd.cli import LogfmtFormatter
-from cachefsd.errors import CachefsdError
+from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.runtime import MountState, notify_systemd, pid_alive, read_state, write_state
 from tests.polling import wait_until
 
@@ -57,13 +57,61 @@ def test_a_zombie_is_not_a_live_daemon() -> None:
     assert pid_alive(os.getpid())
 
 
+def _as_user(uid: int, runtime_base: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Be user ``uid`` (as far as ``runtime`` asks), with its runtime
+    directory under ``runtime_base`` as XDG_RUNTIME_DIR, made and owned by it."""
+    monkeypatch.setattr(os, "geteuid", lambda: uid)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime_base))
+    directory = runtime_base / "cachefsd"
+    directory.mkdir(mode=0o700, parents=True)
+    os.chown(directory, uid, uid)
+    return directory
+
+
+@pytest.mark.parametrize("squatted", ["another user's", "a symlink"])
+def test_a_runtime_directory_not_privately_this_users_is_refused(
+    squatted: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without XDG_RUNTIME_DIR it is /tmp/cachefsd-UID, a name another user
+    can create first and fill with symlinks where state files are written."""
+    theirs = _as_user(1001, tmp_path / "theirs", monkeypatch)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    if squatted == "a symlink":
+        _as_user(1000, tmp_path / "mine", monkeypatch).rmdir()
+        (tmp_path / "mine" / "cachefsd").symlink_to(theirs)
+    else:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "theirs"))
+    with pytest.raises(CachefsdError, match="is not a directory of this user's"):
+        runtime.runtime_dir()
+
+
+def test_a_runtime_directory_of_this_users_is_made_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = _as_user(1000, tmp_path, monkeypatch)
+    directory.chmod(0o777)
+    assert runtime.runtime_dir() == directory
+    assert directory.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_state_is_never_written_through_a_symlink(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _as_user(1000, tmp_path, monkeypatch)
+    state = MountState(os.getpid(), str(tmp_path / "mnt"), "file:///data", str(tmp_path / "cache"), None)
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    runtime.state_path(Path(state.mountpoint)).with_suffix(".tmp").symlink_to(victim)
+    written = write_state(state)
+    assert victim.read_text() == "keep me"
+    assert read_state(Path(state.mountpoint)) == state
+    assert written.stat().st_mode & 0o777 == 0o600
+
+
 def test_writing_a_state_removes_those_of_dead_daemons(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A daemon killed with -9 leaves its state file and socket behind; the
     next mount clears them, and leaves live daemons' alone."""
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # the runtime directory under XDG_RUNTIME_DIR
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    _as_user(1000, tmp_path, monkeypatch)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
 
@@ -95,3 +143,16 @@ def test_a_fuse_device_out_of_reach_is_named_before_libfuse_tries(
     monkeypatch.setattr(runtime, "FUSE_DEVICE", str(tmp_path / "fuse"))
     with pytest.raises(CachefsdError, match=r"cannot use .*/fuse as uid \d+: FUSE needs it present"):
         runtime.check_fuse_device()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770])
+def test_a_cache_directory_others_can_write_is_refused(mode: int, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    refusal = rf"cache.hot.dir: {shared} is writable by other users \(mode {mode:o}\)"
+    with pytest.raises(ConfigError, match=refusal):
+        runtime.create_cache_directory("cache.hot.dir", shared)
+    assert shared.stat().st_mode & 0o7777 == mode  # refused, not changed: it may be /tmp
+    runtime.create_cache_directory("cache.dir", tmp_path / "new")
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700
