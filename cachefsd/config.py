@@ -14,6 +14,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -229,8 +230,23 @@ class StoreSettings(_Section):
     @field_validator("endpoint_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError(f"invalid URL {value!r}: expected http://host[:port] or https://host[:port]")
+        """Checked here, so that no mount gets as far as the store with it;
+        the URL is echoed only when it cannot hold a credential."""
+        if value is None:
+            return value
+        shown = repr(value) if "@" not in value else "(not shown: it holds an @)"
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"invalid URL {shown}: expected http://host[:port] or https://host[:port]")
+        try:
+            parts = urlsplit(value)  # "http://[::1" raises here,
+            parts.port  # noqa: B018 - and "host:notaport" or ":99999" here
+        except ValueError as exc:
+            raise ValueError(f"invalid URL {shown}: {exc}") from None
+        if parts.username is not None or parts.password is not None:
+            raise ValueError(
+                "credentials in the URL are not used: give them as AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, a profile or an instance role"
+            )
         return value
 
 

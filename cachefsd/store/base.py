@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
+from urllib.parse import urlsplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,3 +100,21 @@ class ObjectStore(Protocol):
     async def close(self) -> None:
         """Release connections. The store is not used afterwards."""
         ...
+
+
+def redact_url(url: str) -> str:
+    """``[scheme://]host[:port][/path]`` of an endpoint URL, to name it in a
+    message or a cache key: a URL may carry user info (and a query), and
+    the path names a gateway's bucket namespace. Never raises: a malformed
+    port is left out."""
+    scheme, separator, _ = url.partition("://")
+    parts = urlsplit(url if separator else f"//{url}")
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        port = ""
+    prefix = f"{scheme}://" if separator else ""
+    return f"{prefix}{host}{port}{parts.path.rstrip('/')}"

@@ -43,7 +43,7 @@ from google.cloud.storage import exceptions as storage_exceptions
 from requests.adapters import HTTPAdapter
 
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
-from cachefsd.store.base import Listing, ListingPage, ObjectInfo
+from cachefsd.store.base import Listing, ListingPage, ObjectInfo, redact_url
 
 _T = TypeVar("_T")
 
@@ -101,7 +101,8 @@ def _translate(exc: BaseException, *, target: str) -> StoreError:
     if isinstance(exc, auth_exceptions.DefaultCredentialsError):
         return error_type(f"{target}: {_NO_CREDENTIALS}")
     if isinstance(exc, requests.exceptions.ConnectionError):
-        endpoint = os.environ.get(EMULATOR_ENV) or "storage.googleapis.com"
+        emulator = os.environ.get(EMULATOR_ENV)
+        endpoint = redact_url(emulator) if emulator else "storage.googleapis.com"
         return error_type(f"{target}: cannot reach Google Cloud Storage at {endpoint} ({type(exc).__name__})")
     code = getattr(exc, "code", None)
     status = f" (HTTP {int(code)})" if isinstance(code, int) else ""
@@ -123,7 +124,7 @@ class GcsStore:
         self._root = f"{self._prefix}/" if self._prefix else ""
         self._attempt_timeout = attempt_timeout
         emulator = os.environ.get(EMULATOR_ENV)  # read by the client when it is made
-        self._cache_key = f"{self.uri}@{emulator}" if emulator else self.uri
+        self._cache_key = f"{self.uri}@{redact_url(emulator)}" if emulator else self.uri
         self._executor = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="cachefsd-gcs")
         # Set once by _get_bucket on the loop thread (under _client_lock),
         # then only read. One client serves every pool thread, as in the

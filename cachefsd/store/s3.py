@@ -46,7 +46,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from cachefsd.config import StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
-from cachefsd.store.base import Listing, ListingPage, ObjectInfo
+from cachefsd.store.base import Listing, ListingPage, ObjectInfo, redact_url
 
 # Used when neither the settings nor the AWS config name a region. Requests to
 # a bucket in another region are redirected by S3 itself; us-east-1 is what
@@ -96,17 +96,6 @@ _NO_CREDENTIALS = (
 
 def _strip_quotes(etag: str) -> str:
     return etag.strip('"')
-
-
-def _redact_url(url: str) -> str:
-    """``scheme://host[:port][/path]`` only: an endpoint URL may carry user
-    info (and a query); the path names a gateway's bucket namespace."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}{parts.path.rstrip('/')}"
 
 
 # Failures to reach the endpoint or to finish a response: always retryable.
@@ -172,7 +161,7 @@ class S3Store:
         self._client: Any = None
         self._exit_stack: AsyncExitStack | None = None
         self._client_lock = asyncio.Lock()
-        self._endpoint = _redact_url(settings.endpoint_url) if settings.endpoint_url else "AWS S3"
+        self._endpoint = redact_url(settings.endpoint_url) if settings.endpoint_url else "AWS S3"
         self._resolved_endpoint: str | None = None  # the client's, once created
 
     @property
@@ -189,7 +178,7 @@ class S3Store:
         endpoint = self._resolved_endpoint or self._settings.endpoint_url
         if endpoint is None or (urlsplit(endpoint).hostname or "").endswith(_AWS_DOMAIN):
             return self.uri
-        return f"{self.uri}@{_redact_url(endpoint)}"
+        return f"{self.uri}@{redact_url(endpoint)}"
 
     @property
     def content_etags(self) -> bool:
@@ -234,7 +223,7 @@ class S3Store:
                     raise _translate(exc, target=self._target(), endpoint=self._endpoint) from exc
                 self._resolved_endpoint = client.meta.endpoint_url
                 if self._settings.endpoint_url is None:
-                    self._endpoint = _redact_url(client.meta.endpoint_url)
+                    self._endpoint = redact_url(client.meta.endpoint_url)
                 self._exit_stack = stack
                 self._client = client
         return self._client

@@ -452,9 +452,11 @@ def test_s3_unreachable_endpoint_is_a_retryable_error(monkeypatch: pytest.Monkey
 
 
 def test_gcs_unreachable_endpoint_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By its URL without the credentials it may carry, in the message as in the cache key."""
     port = _closed_port()
-    monkeypatch.setenv(gcs_module.EMULATOR_ENV, f"http://127.0.0.1:{port}")
+    monkeypatch.setenv(gcs_module.EMULATOR_ENV, f"http://emu:Secret9@127.0.0.1:{port}")
     store = GcsStore("bkt", "", ATTEMPT_TIMEOUT_SECONDS)
+    assert store.cache_key == f"gs://bkt@http://127.0.0.1:{port}"
 
     began = time.monotonic()
     with pytest.raises(StoreError) as caught:
@@ -463,6 +465,7 @@ def test_gcs_unreachable_endpoint_names_it(monkeypatch: pytest.MonkeyPatch) -> N
     assert time.monotonic() - began < FAST_FAILURE_SECONDS
     assert caught.value.retryable
     assert f"cannot reach Google Cloud Storage at http://127.0.0.1:{port}" in str(caught.value)
+    assert "Secret9" not in _full_text(caught.value)
 
 
 def test_s3_without_credentials_is_access_denied(

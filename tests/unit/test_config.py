@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from cachefsd.config import StoreSettings, load_settings, parse_duration, parse_size
 from cachefsd.errors import ConfigError
 from cachefsd.store import open_store
+from cachefsd.store.base import redact_url
 
 REQUIRED = {"source": "/data", "mountpoint": "/mnt"}
 
@@ -50,6 +52,14 @@ def test_precedence_is_defaults_then_file_then_env_then_flags(tmp_path: Path) ->
         ({"cache": {"block_size": "1K"}}, {}, "cache.block_size"),
         ({"metrics": {"addr": "nowhere"}}, {}, "metrics.addr"),
         ({"store": {"endpoint_url": "ftp://x"}}, {}, "store.endpoint_url"),
+        ({"store": {"endpoint_url": "http://127.0.0.1:notaport"}}, {}, "store.endpoint_url: invalid URL"),
+        ({"store": {"endpoint_url": "http://127.0.0.1:99999"}}, {}, "store.endpoint_url: invalid URL"),
+        ({"store": {"endpoint_url": "http://[::1"}}, {}, "store.endpoint_url: invalid URL"),
+        (
+            {"store": {"endpoint_url": "http://u:pw@minio:9000"}},
+            {},
+            "store.endpoint_url: credentials in the URL",
+        ),
         ({}, {"CACHEFSD_CACHE__SZIE": "1G"}, "cache.szie"),
         ({"namespace": {"metadata_ttl": "soon"}}, {}, "namespace.metadata_ttl"),
         ({"namespace": {"metadata_ttl": "0"}}, {}, "namespace.metadata_ttl: Input should be greater"),
@@ -65,8 +75,9 @@ def test_precedence_is_defaults_then_file_then_env_then_flags(tmp_path: Path) ->
     ],
 )
 def test_bad_values_name_their_field(flags: dict[str, object], environ: dict[str, str], field: str) -> None:
-    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(field)) as refused:
         load_settings(None, {**REQUIRED, **flags}, environ=environ)
+    assert "pw" not in str(refused.value)  # a credential is never echoed
 
 
 @pytest.mark.parametrize(
@@ -157,11 +168,26 @@ def test_bucket_names_no_service_allows_name_the_source(source: str) -> None:
     [
         (None, "s3://data/p"),  # AWS: bucket names are global
         ("https://s3.eu-west-1.amazonaws.com", "s3://data/p"),  # still AWS: the cache stays valid
-        ("http://key:secret@minio:9000/", "s3://data/p@http://minio:9000"),  # no credentials
+        ("http://minio:9000/", "s3://data/p@http://minio:9000"),
         ("https://gateway.example/s3?x=1", "s3://data/p@https://gateway.example/s3"),
     ],
 )
-def test_a_source_is_keyed_by_its_endpoint_without_credentials(endpoint: str | None, key: str) -> None:
+def test_a_source_is_keyed_by_its_endpoint(endpoint: str | None, key: str) -> None:
     store = open_store("s3://data/p", StoreSettings(endpoint_url=endpoint), attempt_timeout=1.0)
     assert store.cache_key == key
     assert store.uri == "s3://data/p"
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        # botocore's own settings (AWS_ENDPOINT_URL, a profile) may hold credentials; the flag refuses them.
+        ("http://key:secret@minio:9000/", "http://minio:9000"),
+        ("https://Gateway.example/s3/?x=1#y", "https://gateway.example/s3"),
+        ("http://[::1]:9000", "http://[::1]:9000"),
+        ("user:secret@127.0.0.1:4443", "127.0.0.1:4443"),  # STORAGE_EMULATOR_HOST may omit the scheme
+        ("http://127.0.0.1:notaport", "http://127.0.0.1"),  # never an error: it only names an endpoint
+    ],
+)
+def test_urls_are_shown_and_keyed_without_credentials(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
