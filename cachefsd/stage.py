@@ -30,11 +30,12 @@ same events (dicts, sent as JSON lines by the daemon):
 - and the summary the caller returns.
 
 Include patterns are matched against the mount-relative path without its
-leading slash (``train/shard-0001.tar``), with path-aware glob rules: ``*``
-and ``?`` never cross a ``/``, ``**`` matches any number of directories
-(``train/**/*.jpg``), ``[...]`` is a character class. A pattern without a
-``/`` is matched against the file name alone, at any depth, as in
-``.gitignore`` (``*.tar`` selects every tar file).
+leading slash (``train/shard-0001.tar``), with path-aware glob rules
+(``globs``): ``*`` and ``?`` never cross a ``/``, ``**`` matches any number
+of directories (``train/**/*.jpg``; ``train/**`` is everything under
+``train``), ``[...]`` is a character class. A pattern without a ``/`` is
+matched against the file name alone, at any depth, as in ``.gitignore``
+(``*.tar`` selects every tar file).
 
 Concurrency: ``stage_files`` runs on the calling thread, which alone owns
 the counters; workers only call ``fetch_run_ahead`` and return its result.
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import threading
 import time
@@ -68,6 +68,7 @@ from cachefsd.control import (
     not_a_mount,
 )
 from cachefsd.errors import CachefsdError, NotADirectory, ObjectNotFound, StageCancelled
+from cachefsd.globs import PathGlob
 from cachefsd.runtime import MountState, pid_alive, runtime_dir
 from cachefsd.store.base import ObjectInfo
 
@@ -138,43 +139,13 @@ class Blocks(Protocol):
 
 def compile_include(pattern: str | None) -> Callable[[str], bool]:
     """A predicate on mount-relative paths (``a/b.txt``) for ``--include``
-    (rules in the module docstring)."""
+    (rules in the module docstring and ``globs``)."""
     if pattern is None:
         return lambda _path: True
-    pattern = pattern.lstrip("/")
-    on_name = "/" not in pattern
-    regex = re.compile(_glob_regex(pattern))
-    if on_name:
-        return lambda path: regex.fullmatch(path.rpartition("/")[2]) is not None
-    return lambda path: regex.fullmatch(path) is not None
-
-
-def _glob_regex(pattern: str) -> str:
-    out: list[str] = []
-    i = 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^/]")
-            i += 1
-        elif pattern[i] == "[" and (close := pattern.find("]", i + 2)) != -1:
-            body = pattern[i + 1 : close]
-            if body.startswith("!"):
-                body = "^" + body[1:]
-            out.append("[" + body.replace("\\", "\\\\") + "]")
-            i = close + 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return "".join(out)
+    glob = PathGlob(pattern.lstrip("/"))
+    if "/" not in pattern.lstrip("/"):
+        return lambda path: glob.matches(path.rpartition("/")[2])
+    return glob.matches
 
 
 def normalise(path: str) -> str:

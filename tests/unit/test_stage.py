@@ -3,12 +3,15 @@ check by tier, failures named by path, and the daemon's handlers."""
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import os
 import threading
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cachefsd.chunks.codec import Codec, encode
 from cachefsd.chunks.policy import LruPolicy, MinioPolicy
@@ -55,10 +58,47 @@ def run(engine: Engine, **request: Any) -> tuple[dict[str, Any], list[dict[str, 
         ("train/[ab].tar", "train/b.tar", True),
         ("train/[!ab].tar", "train/b.tar", False),
         ("val/*", "train/a.tar", False),
+        ("train/**", "train", False),  # everything under train, not train itself
+        ("**/c.jpg", "train/sub/c.jpg", True),
+        ("**/c.jpg", "c.jpg", True),
+        ("train/**/**/c.jpg", "train/c.jpg", True),
+        ("train/**/sub/*", "train/x/y/sub/c.jpg", True),
+        ("train/**/sub/*", "train/x/y/c.jpg", False),
+        ("tr**n/*.tar", "train/a.tar", True),  # ** inside a segment is *: it stays within it
+        ("t**/a.tar", "train/sub/a.tar", False),
+        ("train/[a-c].tar", "train/b.tar", True),
+        ("train/[!a-c].tar", "train/d.tar", True),
+        ("train/a.ta[", "train/a.ta[", True),  # an unclosed [ is itself
+        ("*a*a*b", "xaxaxab", True),
+        ("*a*a*b", "xaxaxa", False),
     ],
 )
 def test_include_globs(pattern: str | None, path: str, matches: bool) -> None:
     assert compile_include(pattern)(path) is matches
+
+
+def test_include_globs_that_made_regexes_backtrack_answer_at_once() -> None:
+    """``re`` took seconds to minutes on these, holding the GIL every FUSE
+    read of the mount needs (hunt H); a match is now linear-ish."""
+    deep = "/".join(f"d{i}" for i in range(25)) + "/x.png"
+    name = "a" * 60
+    checks = [
+        ("**/" * 28 + "*.jpg", deep, False),
+        ("**/" * 28 + "*.png", deep, True),
+        ("*a" * 12 + "*b", name, False),
+    ]
+    for pattern, path, expected in checks:
+        assert compile_include(pattern)(path) is expected
+
+
+_SEGMENT = st.text(alphabet="ab*?[]!-/", min_size=0, max_size=8)
+
+
+@given(pattern=_SEGMENT.filter(lambda text: "/" not in text), name=st.text(alphabet="ab-!", max_size=8))
+def test_a_segment_matches_as_fnmatch_does(pattern: str, name: str) -> None:
+    """Within one segment the rules are fnmatch's (which cannot be used
+    for paths: its * crosses /)."""
+    assert compile_include(pattern)(name) is fnmatch.fnmatchcase(name, pattern)
 
 
 def test_stage_fetches_everything_once_and_a_rerun_fetches_nothing(make_engine: EngineFactory) -> None:
