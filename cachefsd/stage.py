@@ -785,6 +785,14 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _printable(text: str) -> str:
+    """``text`` with every character a terminal would act on (newline,
+    escape sequences) or cannot encode (a surrogate from a name that is not
+    UTF-8) written as its Python escape: object names are anyone's bytes,
+    and a failure line must stay one line that says what it is."""
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
 def run_command(
     target: Target,
     request: StageRequest,
@@ -818,7 +826,7 @@ def run_command(
         print(f"cachefsd: nothing selected: no file under {request.path}{matching}", file=sys.stderr)
         return 1
     for path, error in view.failures:
-        print(f"failed: {path}: {error}", file=sys.stderr)
+        print(f"failed: {_printable(path)}: {_printable(error)}", file=sys.stderr)
     if view.failed > len(view.failures):
         print(f"failed: ... and {view.failed - len(view.failures)} more", file=sys.stderr)
     return 1 if summary["failed"] or summary.get("unkept_bytes") else 0

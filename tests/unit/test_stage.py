@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cachefsd import stage
 from cachefsd.chunks.codec import Codec, encode
 from cachefsd.chunks.policy import LruPolicy, MinioPolicy
 from cachefsd.chunks.tier import disk_bytes
@@ -251,3 +252,9 @@ def test_progress_view_shows_progress_and_keeps_failures(
     if not check:
         assert view.failed == 1
         assert view.failures[0][0] == "/val/d.tar"
+
+
+def test_failure_lines_show_names_as_one_printable_line() -> None:
+    """An object name is anyone's bytes: a newline would forge a second
+    line, an escape sequence would reach the terminal."""
+    assert stage._printable("nl\nname\x1b[31m\udcffé") == "nl\\nname\\x1b[31m\\udcffé"
