@@ -582,6 +582,7 @@ class Mounted:
 
     root: Path
     stop: Callable[[], None]
+    pid: int | None = None  # the serving process (its peak RSS is in /proc/PID/status), if any
     before_epoch: Callable[[list[str], int], None] = lambda order, epoch: None
     metrics: Callable[[], dict[str, float]] | None = None
     stage: Callable[[], None] | None = None
@@ -711,6 +712,7 @@ def start_cachefsd(variant: Variant, ctx: Context, cache_bytes: int, run_dir: Pa
     return Mounted(
         root=mountpoint,
         stop=stop,
+        pid=pid,
         before_epoch=before_epoch,
         metrics=lambda: scrape(port),
         stage=stage if variant.stage else None,
@@ -808,7 +810,7 @@ def _foreground_mount(proc: subprocess.Popen[Any], mountpoint: Path, log_path: P
     except BaseException:
         stop()
         raise
-    return Mounted(root=mountpoint, stop=stop)
+    return Mounted(root=mountpoint, stop=stop, pid=proc.pid)
 
 
 STARTERS: dict[Kind, Callable[[Variant, Context, int, Path], Mounted]] = {
