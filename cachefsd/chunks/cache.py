@@ -52,11 +52,11 @@ log = logging.getLogger(__name__)
 # SQLITE_IOERR). Both are turned into a miss, never into a failed read.
 _DISK_ERRORS = (OSError, sqlite3.Error)
 
-# Raw block files remembered as checked (``raw_hit``), most recently served
-# first: 64 GiB of 4 MiB blocks in about 10 MiB of RAM. Past it, a block is
+# Raw block files remembered as checked (``raw_hit``), the most recently
+# served: 128 GiB of 4 MiB blocks in about 9 MiB of RAM. Past it, a block is
 # checked again on its next read, which for small blocks (a file of a sample
 # each) costs little next to the read itself.
-CHECKED_FILES_REMEMBERED = 1 << 16
+CHECKED_FILES_REMEMBERED = 1 << 15
 
 DedupWhere = Literal["disk", "wire"]
 T = TypeVar("T")
