@@ -8,7 +8,11 @@ the network, while they are fresh.
 
 An expired listing is refreshed on its next use. When a refresh shows that
 an object changed (new etag) or disappeared, ``on_version_gone`` is called so
-the blocks of the old version can be released.
+the blocks of the old version can be released. When a refresh fails (the
+bucket is down, credentials expired), the expired listing goes on serving,
+with a warning, and the refresh is tried again ``STALE_RETRY_SECONDS`` later:
+the cached blocks of its files stay readable through an outage, and lookups
+meanwhile do not each wait out a fetch deadline.
 
 Concurrency: ``_lock`` guards ``_dirs``; listing the same prefix from many
 threads at once issues one request (single-flight).
@@ -37,6 +41,12 @@ from cachefsd.store.listing import merged
 log = logging.getLogger(__name__)
 
 BRIDGE_MARGIN_SECONDS = 2.0
+# After a failed refresh, how long the expired listing is served before the
+# next attempt (at most the TTL): each attempt makes the lookup that starts
+# it wait up to a fetch deadline.
+STALE_RETRY_SECONDS = 30.0
+# The time a dropped listing is saved as taken at: expired, and never served.
+INVALIDATED = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +139,7 @@ class Namespace:
         prefix = key[: key.rfind("/") + 1]
         with self._lock:
             self._dirs.pop(prefix, None)
-        self._persist(prefix, 0.0, Listing((), ()))
+        self._persist(prefix, INVALIDATED, Listing((), ()))
 
     def _cached(self, prefix: str) -> _Cached:
         now = self._clock()
@@ -138,21 +148,43 @@ class Namespace:
         if cached is not None and now - cached.fetched_at < self._ttl:
             return cached
         if cached is None:
-            cached = self._from_index(prefix, now)
-            if cached is not None:
+            cached = self._from_index(prefix)
+            if cached is not None and now - cached.fetched_at < self._ttl:
+                with self._lock:
+                    self._dirs[prefix] = cached
                 return cached
-        # Other lookups of the directory wait for its listing as long as it
-        # takes: each of its pages is bounded, not their number.
-        return self._listing.do(prefix, lambda: self._refresh(prefix), timeout=None)
+        try:
+            # Other lookups of the directory wait for its listing as long as
+            # it takes: each of its pages is bounded, not their number.
+            return self._listing.do(prefix, lambda: self._refresh(prefix), timeout=None)
+        except StoreError as exc:
+            if cached is None or cached.fetched_at == INVALIDATED:
+                raise  # nothing was listed before: nothing to serve
+            return self._serve_stale(prefix, cached, exc)
 
-    def _from_index(self, prefix: str, now: float) -> _Cached | None:
-        saved = self._index.load_listing(self._store.cache_key, prefix)
-        if saved is None or now - saved[0] >= self._ttl:
-            return None
-        cached = _Cached(directory_from_listing(prefix, _decode(saved[1])), saved[0])
+    def _serve_stale(self, prefix: str, stale: _Cached, exc: StoreError) -> _Cached:
+        """Keep serving ``stale`` after a failed refresh, until the next
+        attempt ``STALE_RETRY_SECONDS`` from now."""
+        now = self._clock()
+        retry = min(STALE_RETRY_SECONDS, self._ttl)
+        log.warning(
+            "cannot refresh the listing of %r (%s); serving the one taken %.0f s ago, retrying in %.0f s",
+            prefix or "/",
+            exc,
+            now - stale.fetched_at,
+            retry,
+        )
+        # Expires again ``retry`` from now; its own age stays in the log line only.
+        served = _Cached(stale.directory, now - self._ttl + retry)
         with self._lock:
-            self._dirs[prefix] = cached
-        return cached
+            self._dirs[prefix] = served
+        return served
+
+    def _from_index(self, prefix: str) -> _Cached | None:
+        saved = self._index.load_listing(self._store.cache_key, prefix)
+        if saved is None:
+            return None
+        return _Cached(directory_from_listing(prefix, _decode(saved[1])), saved[0])
 
     def _list(self, prefix: str) -> Listing:
         """Every page of the listing of ``prefix``, each page one request

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from cachefsd.errors import NotADirectory, ObjectNotFound, StoreError
+from cachefsd.namespace.tree import STALE_RETRY_SECONDS
 from cachefsd.store.base import Listing, ListingPage
 from cachefsd.store.memory import MemoryStore
 from tests.unit.conftest import EngineFactory, joined
@@ -87,3 +90,45 @@ def test_a_listing_whose_pages_go_in_a_circle_fails_instead_of_listing_forever(
     monkeypatch.setattr(engine.store, "list_page", circular)
     with pytest.raises(StoreError, match=r"page 2 repeats an earlier page's token"):
         engine.namespace.listdir("/")
+
+
+def test_an_expired_listing_serves_through_an_outage_and_is_retried_later(
+    make_engine: EngineFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cached blocks of its files stay readable while the bucket is
+    down; lookups meanwhile do not each wait out a fetch deadline."""
+    engine = make_engine({"d/f": b"cached"}, ttl=60)
+    info = engine.namespace.lookup("/d/f").info
+    assert info is not None
+    assert joined(engine.reader.read(info, 0, 6)) == b"cached"
+    engine.clock.now += 61
+    engine.faulty.faults.failures_left = 1_000_000  # down
+    calls = engine.faulty.calls
+    with caplog.at_level(logging.WARNING, logger="cachefsd.namespace.tree"):
+        served = engine.namespace.lookup("/d/f").info
+    assert served == info
+    assert joined(engine.reader.read(info, 0, 6)) == b"cached"  # from the cache: no GET needed
+    assert "cannot refresh the listing of 'd/'" in caplog.text
+    tried = engine.faulty.calls
+    assert tried > calls
+    engine.clock.now += STALE_RETRY_SECONDS - 1
+    assert engine.namespace.lookup("/d/f").info == info
+    assert engine.faulty.calls == tried  # within the retry interval: not tried again
+    engine.faulty.faults.failures_left = 0  # back
+    engine.store.put("d/g", b"new")
+    engine.clock.now += 2
+    assert sorted(engine.namespace.listdir("/d")) == ["f", "g"]
+
+
+def test_a_listing_saved_by_a_previous_mount_serves_through_an_outage(make_engine: EngineFactory) -> None:
+    engine = make_engine({"d/f": b"1"}, ttl=60)
+    engine.namespace.lookup("/d/f")
+    again = make_engine(store=engine.store, cache_dir=engine.cache_dir, ttl=60)
+    again.clock.now = engine.clock.now + 3600
+    again.faulty.faults.failures_left = 1_000_000
+    assert again.namespace.lookup("/d/f").info is not None
+    # A listing dropped because an object changed under a reader is not served stale.
+    again.namespace.invalidate("d/f")
+    again.clock.now += STALE_RETRY_SECONDS + 1
+    with pytest.raises(StoreError):
+        again.namespace.lookup("/d/f")
