@@ -345,7 +345,7 @@ def test_full_cache_disk_falls_back_to_the_network(
     bucket = _new_bucket(s3_client, objects)
     cache_dir = tmp_path / "tiny"
     cache_dir.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(cache_dir)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,mode=0700", "tmpfs", str(cache_dir)], check=True)
     flags = ("--endpoint-url", s3_server.endpoint_url, "--block-size", "64K", "--cache-size", "64M")
     mount: Mount | None = None
     try:
