@@ -55,7 +55,8 @@ GIVEN_UP_SECONDS = 2.0
 # Consecutive blocks of a file fetched ahead (prefetch, stage) with one GET,
 # at most: a stream through a large file costs a request per 32 MiB, not
 # per block (a round trip each, and on moto a read of the whole object
-# each). Within the fetch attempt timeout (10 s) on any link above 3.2 MB/s.
+# each). Within the fetch deadline (30 s) on any link above 1.2 MB/s a
+# connection (an attempt is not cut while its bytes flow, fetch.py).
 RUN_BYTES = 32 << 20
 # Bytes of GETs ahead of the readers (prefetch, stage) in flight at once, all
 # callers together: each run is held whole in RAM until it is admitted, and

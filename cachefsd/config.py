@@ -253,7 +253,9 @@ class StoreSettings(_Section):
 class FetchSettings(_Section):
     # Total time a read may wait for one block, retries included, before EIO.
     deadline: Duration = Field(default=30.0, gt=0)
-    # One attempt; a stalled connection is abandoned and retried after this.
+    # One attempt at a listing or a HEAD, and the longest a transfer may
+    # stall: abandoned and retried after this (a transfer whose bytes flow
+    # runs on, within the deadline).
     attempt_timeout: Duration = Field(default=10.0, gt=0)
     # Parallel GETs: enough to fill a 10 Gb/s link with 4 MiB blocks at
     # ~50 ms each, few enough not to trip S3 request-rate limits per prefix.

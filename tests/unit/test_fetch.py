@@ -153,3 +153,18 @@ def test_waiting_demand_requests_go_before_waiting_prefetches(io: LoopThread) ->
         return order
 
     assert io.run(scenario(), 5) == ["demand", "prefetch-0", "prefetch-1", "prefetch-2"]
+
+
+def test_a_slow_transfer_is_not_cut_at_the_attempt_timeout(io: LoopThread) -> None:
+    """A 32 MiB run at 2 MB/s outlasts the attempt timeout; retrying it from
+    the start could never succeed. A listing or a HEAD still is cut."""
+    slow = Faults(latency_seconds=FAST_FETCH.attempt_timeout * 2)
+    store = MemoryStore({"k": b"0123456789"})
+    faulty = FaultyStore(store, slow)
+    events = Events()
+    fetcher = Fetcher(faulty, FAST_FETCH, events)
+    assert io.run(fetcher.get_range("k", 0, 5, etag(store, io)), 10) == b"01234"
+    assert events.retries == 0
+    with pytest.raises(DeadlineExceeded):
+        io.run(fetcher.call("head k", lambda: faulty.head("k"), "metadata"), 10)
+    assert events.retries > 0
