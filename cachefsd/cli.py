@@ -363,9 +363,18 @@ def unmount(mountpoint: Path, timeout: float = UNMOUNT_SECONDS) -> None:
     if kind != MOUNT_TYPE:
         # As root, fusermount3 -u unmounts any filesystem.
         raise CachefsdError(f"{mountpoint} is a {kind} mount, not cachefsd's: left mounted")
-    result = subprocess.run(
-        ["fusermount3", "-u", str(mountpoint)], capture_output=True, text=True, timeout=timeout, check=False
-    )
+
+    def fusermount(flag: str) -> subprocess.CompletedProcess[str]:
+        command = ["fusermount3", flag, str(mountpoint)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+
+    result = fusermount("-u")
+    if result.returncode != 0 and state is not None and not pid_alive(state.pid):
+        # Its daemon died (kill -9, OOM) and a process still holds a file
+        # open under it, so the plain unmount is "busy". Nothing can serve
+        # that file again: detach the mount now, and let the kernel drop it
+        # when the last holder lets go.
+        result = fusermount("-uz")
     if result.returncode != 0:
         raise CachefsdError(result.stderr.strip() or f"fusermount3 -u {mountpoint} failed")
     if state is None:

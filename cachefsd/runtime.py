@@ -108,15 +108,20 @@ def write_state(state: MountState) -> Path:
 def _remove_dead_states(keep: Path) -> None:
     """Remove the state files and control sockets of daemons that died
     without cleaning up (kill -9, OOM): each would otherwise stay in the
-    runtime directory for good."""
+    runtime directory for good. Not while the dead daemon's mount is still
+    in the mount table: its state is what tells ``stats`` and ``unmount``
+    that this user's daemon died there (without it, the mount looks like
+    another user's), and the next ``unmount`` or mount there replaces it."""
+    mounted = {path for path, kind in mount_types().items() if kind == MOUNT_TYPE}
     for path in runtime_dir().glob("*.json"):
         if path == keep:
             continue
         try:
-            pid = json.loads(path.read_text())["pid"]
+            saved = json.loads(path.read_text())
+            pid, mountpoint = saved["pid"], saved["mountpoint"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if isinstance(pid, int) and not pid_alive(pid):
+        if isinstance(pid, int) and not pid_alive(pid) and mountpoint not in mounted:
             path.unlink(missing_ok=True)
             _remove_dead_socket(path.with_suffix(".sock"))
 
