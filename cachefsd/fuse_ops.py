@@ -15,7 +15,6 @@ import functools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -68,6 +67,7 @@ def _translated(operation: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(operation)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         _keep_thread_state()
+        _close_previous_spans()
         try:
             return operation(*args, **kwargs)
         except CachefsdError as exc:
@@ -98,11 +98,13 @@ _FD_FLAGS = _FUSE_BUF_IS_FD | _FUSE_BUF_FD_SEEK | _FUSE_BUF_FD_RETRY
 
 # libfuse reads a span's descriptor after read_buf has returned, when the
 # same worker thread sends the reply. So a thread's descriptors are closed
-# when it comes back with its next read; those of a thread that does not
-# come back (libfuse retires idle workers) after this grace period, far
-# longer than a reply (a copy into /dev/fuse) can take.
-_FD_GRACE_SECONDS = 5.0
-_open_spans: dict[int, tuple[float, list[int]]] = {}  # thread id -> (handed out at, fds)
+# when it comes back with its next operation of any kind, never sooner: a
+# reply slowed by a busy cache disk must not have its descriptor closed, and
+# its number reused by another block file, under it (wrong bytes). Workers
+# are never retired (``serve``; libfuse < 3.12 has no cap and may retire
+# one, whose last descriptors then stay open), so at most one reply's
+# descriptors stay open per idle worker.
+_open_spans: dict[int, list[int]] = {}  # thread id -> the descriptors of its last reply
 _open_spans_lock = threading.Lock()
 
 
@@ -147,13 +149,10 @@ def _bufvec(pieces: list[Piece]) -> Any:
     """A ``fuse_bufvec`` for libfuse to send and then ``free()``: memory
     pieces are copied once into malloc'd buffers, file pieces are passed as
     descriptors that libfuse reads without Python."""
-    now = time.monotonic()
-    thread = threading.get_ident()
-    _close_spans(lambda owner, handed_out: owner == thread or now - handed_out > _FD_GRACE_SECONDS)
     fds = [piece.fd for piece in pieces if isinstance(piece, FileSpan)]
     if fds:
         with _open_spans_lock:
-            _open_spans[thread] = (now, fds)
+            _open_spans[threading.get_ident()] = fds
     vector_type = _bufvec_type(max(len(pieces), 1))
     vector = vector_type.from_address(_malloc(ctypes.sizeof(vector_type)))
     ctypes.memset(ctypes.addressof(vector), 0, ctypes.sizeof(vector_type))
@@ -168,13 +167,20 @@ def _bufvec(pieces: list[Piece]) -> Any:
     return ctypes.cast(ctypes.addressof(vector), ctypes.POINTER(mfusepy.fuse_bufvec))
 
 
-def _close_spans(done: Callable[[int, float], bool]) -> None:
-    """Close the descriptors of every thread for which ``done(thread,
-    handed_out_at)`` says its reply has been sent."""
+def _close_previous_spans() -> None:
+    """The calling worker's last reply has been sent: close its descriptors."""
     with _open_spans_lock:
-        finished = [thread for thread, (handed_out, _) in _open_spans.items() if done(thread, handed_out)]
-        closing = [fd for thread in finished for fd in _open_spans.pop(thread)[1]]
-    for fd in closing:
+        fds = _open_spans.pop(threading.get_ident(), ())
+    for fd in fds:
+        os.close(fd)
+
+
+def _close_all_spans() -> None:
+    """Once the session has ended, when no reply is being sent."""
+    with _open_spans_lock:
+        fds = [fd for spans in _open_spans.values() for fd in spans]
+        _open_spans.clear()
+    for fd in fds:
         os.close(fd)
 
 
@@ -400,4 +406,4 @@ def serve(
             raise
         log.info("FUSE session ended by a signal (libfuse code %d)", FUSE_MAIN_LOOP_ENDED)
     finally:
-        _close_spans(lambda thread, handed_out: True)
+        _close_all_spans()
