@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import sqlite3
 from collections.abc import Iterator
@@ -57,6 +58,9 @@ def tier_specs(settings: CacheSettings) -> list[TierSpec]:
     return specs
 
 
+# Free bytes under which the cache disk counts as full: sqlite needs a few
+# pages for the write-ahead log and its index.
+_FULL_DISK_BYTES = 1 << 20
 # What sqlite says of a file that is not an intact database.
 _DAMAGED = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
@@ -86,7 +90,7 @@ def _open_index(cache_dir: Path, maintenance: bool) -> Index:
         kept = None
     except sqlite3.DatabaseError as exc:
         if exc.sqlite_errorcode & 0xFF not in _DAMAGED:  # extended codes: SQLITE_CORRUPT_INDEX, ...
-            raise ConfigError(f"cache.dir: cannot open the index {path}: {exc}") from exc
+            raise ConfigError(f"cache.dir: cannot open the index {path}: {exc}{_if_full(cache_dir)}") from exc
         if maintenance:
             raise CachefsdError(f"{path} is damaged ({exc}): the next mount sets it aside") from exc
         kept = path.with_name(f"{_INDEX_NAME}.damaged")
@@ -103,6 +107,18 @@ def _open_index(cache_dir: Path, maintenance: bool) -> Index:
         else:
             old.unlink(missing_ok=True)
     return Index(path)
+
+
+def _if_full(cache_dir: Path) -> str:
+    """Why an index may not open: sqlite says only "disk I/O error" when it
+    cannot create its write-ahead log on a disk something else filled."""
+    try:
+        free = os.statvfs(cache_dir)
+    except OSError:
+        return ""
+    if free.f_bavail * free.f_frsize >= _FULL_DISK_BYTES:
+        return ""
+    return " (its disk is full: free space on it, or give another --cache-dir)"
 
 
 def _settle_block_size(index: Index, cache_dir: Path, block_size: int, migrate: bool) -> None:

@@ -13,6 +13,7 @@ really come from the daemon. Every wait is a bounded poll, never a sleep.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import mmap
@@ -362,7 +363,6 @@ def test_full_cache_disk_falls_back_to_the_network(
         mount.unmount()
         # The cache left room on the disk it filled: the maintenance
         # commands and the next mount run on it, without a hand clean-up.
-        # (Index rows the full disk kept from being dropped are reported.)
         # Index rows the full disk kept from being dropped are reported;
         # a repair that cannot drop them (the index's disk is still full)
         # says so and fails, and never claims it did.
@@ -382,6 +382,35 @@ def test_full_cache_disk_falls_back_to_the_network(
     finally:
         if mount is not None:
             force_unmount(mount.mountpoint)
+        subprocess.run(["umount", "-l", str(cache_dir)], check=False)
+
+
+def test_an_index_disk_filled_while_no_daemon_runs_is_named(
+    tmp_path: Path, s3_server: S3TestServer, s3_client: Any, mounter: MountFactory
+) -> None:
+    """sqlite cannot create its write-ahead log on a disk something else
+    filled after a clean unmount, and says only "disk I/O error"."""
+    bucket = _new_bucket(s3_client, {"a.bin": b"a" * KiB})
+    cache_dir = tmp_path / "index-disk"
+    cache_dir.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,mode=0700", "tmpfs", str(cache_dir)], check=True)
+    flags = ("--endpoint-url", s3_server.endpoint_url, "--hot", str(tmp_path / "hot"), "--hot-size", "8M")
+    try:
+        mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
+        assert mount.path("a.bin").read_bytes() == b"a" * KiB
+        mount.unmount()
+        with open(cache_dir / "filler", "wb", buffering=0) as filler:
+            for chunk in (65536, 4096, 512):
+                with contextlib.suppress(OSError):  # ENOSPC: on to a smaller chunk, to the last byte
+                    while filler.write(b"\0" * chunk):
+                        pass
+        again = ("mount", f"s3://{bucket}", str(mount.mountpoint), "--cache-dir", str(cache_dir), *flags)
+        result = run_cli(*again, "--no-metrics")
+        assert result.returncode != 0
+        assert "cache.dir: cannot open the index" in result.stderr
+        assert "its disk is full: free space on it, or give another --cache-dir" in result.stderr
+    finally:
+        force_unmount(tmp_path / "mnt")
         subprocess.run(["umount", "-l", str(cache_dir)], check=False)
 
 
