@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -61,6 +60,7 @@ from benchmarks.epoch_bench import (
     Dataset,
     drop_page_cache,
     environment,
+    finish,
     log,
     s3_client,
     unmount_all_under,
@@ -296,11 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                     report["runs"][key].append(bench_contender(key, ctx, repeat))
         render(report)
     finally:
-        unmount_all_under(work)
-        shutil.rmtree(work, ignore_errors=True)
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=2, default=str))
-        log(f"\nwrote {args.output}")
+        finish(work, args.output, report)
     return 0
 
 

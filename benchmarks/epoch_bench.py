@@ -1012,6 +1012,20 @@ def render(report: dict[str, Any]) -> None:
 # -- main ----------------------------------------------------------------------------------------
 
 
+def write_report(output: Path, report: dict[str, Any]) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2, default=str))
+
+
+def finish(work: Path, output: Path, report: dict[str, Any]) -> None:
+    """Whatever happened: no mount left under ``work``, ``work`` gone, and
+    what was measured written to ``output``."""
+    unmount_all_under(work)
+    shutil.rmtree(work, ignore_errors=True)
+    write_report(output, report)
+    log(f"\nwrote {output}")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1124,15 +1138,10 @@ def main(argv: list[str] | None = None) -> int:
                         for key, runs in outcomes.items()
                     },
                 }
-                args.output.parent.mkdir(parents=True, exist_ok=True)
-                args.output.write_text(json.dumps(report, indent=2, default=str))
+                write_report(args.output, report)
             render(report)
     finally:
-        unmount_all_under(work)
-        shutil.rmtree(work, ignore_errors=True)
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=2, default=str))
-        log(f"\nwrote {args.output}")
+        finish(work, args.output, report)
     return 0
 
 
