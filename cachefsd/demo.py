@@ -1,8 +1,9 @@
 """``cachefsd demo``: the whole loop on one machine, with no cloud account.
 
 Generates an ImageFolder-style dataset in a temporary directory, mounts it
-through cachefsd with a fresh cache, reads every file once per epoch in a
-new shuffled order with several worker processes (as a DataLoader does),
+through cachefsd with a fresh cache, scans it as ImageFolder does, reads
+every file once per epoch in a new shuffled order with several worker
+processes (as a DataLoader does),
 checks every byte against the source, and prints each epoch's hit ratio as
 the daemon's metrics report it.
 """
@@ -115,8 +116,11 @@ def run(workers: int, keep: bool) -> int:
     for column in ("epoch", "files", "MiB/s", "hit ratio", "bytes verified"):
         table.add_column(column, justify="right")
     try:
+        # The loader's index, as ImageFolder builds it: a scan of every class
+        # folder, which is also the daemon's first guess of the epoch's files.
+        files = sorted(str(Path(root) / name) for root, _, names in os.walk(mountpoint) for name in names)
         for epoch in range(1, EPOCHS + 1):
-            order = [str(mountpoint / relative) for relative in digests]
+            order = list(files)
             random.Random(epoch).shuffle(order)
             shards = [order[worker::workers] for worker in range(workers)]
             cold_before = _cold_bytes(metrics_url)
