@@ -1,25 +1,23 @@
 """Path globs (``stage --include``) matched without backtracking.
 
-A pattern is cut at ``/`` into segments. ``**`` as a whole segment matches
-any number of directories (none included; at the end, one or more path
-segments: ``train/**`` is everything under ``train``); in any other segment
-``*`` matches any run of characters, ``?`` one character, ``[...]`` one of a
-class (``[!...]`` none of it, ``a-z`` a range), and other consecutive
-asterisks are plain ``*``, as in ``.gitignore``.
+The rules: ``*`` matches any run of characters but ``/``, ``?`` one
+character but ``/``, ``[...]`` one of a class (``[!...]`` or ``[^...]``
+none of it, ``a-z`` a range), ``**/`` any number of directories (none
+included), and ``**`` elsewhere any run of characters, ``/`` included
+(``train/**`` is everything under ``train``, ``dir/**.jpg`` every jpg at
+any depth under ``dir``).
 
 Why not a regular expression: Python's ``re`` backtracks, so
 ``**/**/**/...`` on a deep path or ``*a*a*a*b`` on a long name took seconds
 to minutes per path, holding the GIL the whole time, and every FUSE read
-of the mount waited. Here each segment is matched by the classic greedy
-wildcard scan (O(pattern x name)), and ``**`` by walking the set of
-pattern positions reachable so far (O(segments x path depth)).
+of the mount waited. Here the pattern is a small automaton whose set of
+live states advances one character at a time: O(pattern x path) whatever
+the pattern.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-_ANY_DIRECTORIES = "**"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,99 +33,98 @@ class _Class:
         return found is not self.negated
 
 
-# "*", "?", a literal character (never * or ?: they have no escape), or a class.
-_Token = str | _Class
+@dataclass(frozen=True, slots=True)
+class _Repeat:
+    """``*`` (``crosses`` False), ``**`` (True), or ``**/`` (``to_slash``):
+    zero or more characters; ``**/`` also consumes its ``/``."""
+
+    crosses: bool
+    to_slash: bool = False
 
 
-def _tokens(segment: str) -> list[_Token]:
+# A literal character (never * or ?, which have no escape), "?", a class, or a repeat.
+_Token = str | _Class | _Repeat
+
+
+def _class(body: str) -> _Class:
+    negated = body[:1] in ("!", "^")
+    body = body[1:] if negated else body
+    chars: set[str] = set()
+    ranges: list[tuple[str, str]] = []
+    i = 0
+    while i < len(body):
+        if i + 2 < len(body) and body[i + 1] == "-":
+            ranges.append((body[i], body[i + 2]))
+            i += 3
+        else:
+            chars.add(body[i])
+            i += 1
+    return _Class(frozenset(chars), tuple(ranges), negated)
+
+
+def _tokens(pattern: str) -> list[_Token]:
     tokens: list[_Token] = []
     i = 0
-    while i < len(segment):
-        char = segment[i]
-        if char == "*":
-            if not tokens or tokens[-1] != "*":  # ** inside a segment is *
-                tokens.append("*")
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            tokens.append(_Repeat(crosses=True, to_slash=True))
+            i += 3
+        elif pattern.startswith("**", i):
+            tokens.append(_Repeat(crosses=True))
+            i += 2
+        elif pattern[i] == "*":
+            tokens.append(_Repeat(crosses=False))
             i += 1
-        elif char == "[" and (close := segment.find("]", i + 2)) != -1:
-            body = segment[i + 1 : close]
-            negated = body.startswith("!")
-            body = body[1:] if negated else body
-            chars: set[str] = set()
-            ranges: list[tuple[str, str]] = []
-            j = 0
-            while j < len(body):
-                if j + 2 < len(body) and body[j + 1] == "-":
-                    ranges.append((body[j], body[j + 2]))
-                    j += 3
-                else:
-                    chars.add(body[j])
-                    j += 1
-            tokens.append(_Class(frozenset(chars), tuple(ranges), negated))
+        elif pattern[i] == "[" and (close := pattern.find("]", i + 2)) != -1:
+            tokens.append(_class(pattern[i + 1 : close]))
             i = close + 1
         else:
-            tokens.append(char)
+            tokens.append(pattern[i])  # "?" or a literal
             i += 1
     return tokens
 
 
-def _one(token: _Token, char: str) -> bool:
-    if isinstance(token, _Class):
-        return token.matches(char)
-    return token in ("?", char)
-
-
-def _segment_matches(tokens: list[_Token], name: str) -> bool:
-    """Greedy wildcard matching: on a mismatch, the last ``*`` takes one
-    more character and the scan resumes after it."""
-    t = n = 0
-    star, resume = -1, 0
-    while n < len(name):
-        if t < len(tokens) and tokens[t] == "*":
-            star, resume = t, n
-            t += 1
-        elif t < len(tokens) and _one(tokens[t], name[n]):
-            t += 1
-            n += 1
-        elif star != -1:
-            resume += 1
-            t, n = star + 1, resume
-        else:
-            return False
-    return all(token == "*" for token in tokens[t:])
-
-
 class PathGlob:
     def __init__(self, pattern: str) -> None:
-        self._segments: list[list[_Token] | None] = [  # None: ``**``
-            None if segment == _ANY_DIRECTORIES else _tokens(segment) for segment in pattern.split("/")
-        ]
+        self._tokens = _tokens(pattern)
 
     def matches(self, path: str) -> bool:
-        """Whether ``path`` (``a/b/c.jpg``, no leading slash) matches."""
-        end = len(self._segments)
-        states = self._skipping_directories({0})
-        for part in path.split("/"):
-            reached: set[int] = set()
-            for position in states:
-                if position == end:
+        """Whether all of ``path`` matches the whole pattern."""
+        # A state is a token's index, and for ``**/`` whether it has taken
+        # characters already: then it must go on to its ``/`` (it matched
+        # nothing, or directories).
+        states = self._closure({(0, False)})
+        end = (len(self._tokens), False)
+        for char in path:
+            advanced: set[tuple[int, bool]] = set()
+            for index, _inside in states:
+                if index == len(self._tokens):
                     continue
-                tokens = self._segments[position]
-                if tokens is None:
-                    reached.update((position, position + 1))  # ** takes this one, and maybe more
-                elif _segment_matches(tokens, part):
-                    reached.add(position + 1)
-            states = self._skipping_directories(reached)
+                token = self._tokens[index]
+                if isinstance(token, _Repeat):
+                    if token.to_slash:
+                        advanced.add((index, True))
+                        if char == "/":
+                            advanced.add((index + 1, False))  # the directories end here
+                    elif token.crosses or char != "/":
+                        advanced.add((index, False))  # one more character of the repeat
+                elif isinstance(token, _Class):
+                    if token.matches(char):
+                        advanced.add((index + 1, False))
+                elif token == char or (token == "?" and char != "/"):
+                    advanced.add((index + 1, False))
+            states = self._closure(advanced)
             if not states:
                 return False
         return end in states
 
-    def _skipping_directories(self, states: set[int]) -> set[int]:
-        """``states`` plus, past each ``**`` not at the end, the position
-        after it: there it may match no directory at all."""
+    def _closure(self, states: set[tuple[int, bool]]) -> set[tuple[int, bool]]:
+        """``states`` plus, past each repeat not inside a ``**/``, the state
+        after it: a repeat may match nothing."""
         found = set(states)
-        for start in states:
-            position = start
-            while position + 1 < len(self._segments) and self._segments[position] is None:
-                position += 1
-                found.add(position)
+        for start, inside in states:
+            index = start
+            while not inside and index < len(self._tokens) and isinstance(self._tokens[index], _Repeat):
+                index += 1
+                found.add((index, False))
         return found

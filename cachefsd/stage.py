@@ -31,9 +31,10 @@ same events (dicts, sent as JSON lines by the daemon):
 
 Include patterns are matched against the mount-relative path without its
 leading slash (``train/shard-0001.tar``), with path-aware glob rules
-(``globs``): ``*`` and ``?`` never cross a ``/``, ``**`` matches any number
-of directories (``train/**/*.jpg``; ``train/**`` is everything under
-``train``), ``[...]`` is a character class. A pattern without a ``/`` is
+(``globs``): ``*`` and ``?`` never cross a ``/``, ``**/`` matches any
+number of directories (``train/**/*.jpg``) and ``**`` anything
+(``train/**`` is everything under ``train``), ``[...]`` is a character
+class. A pattern without a ``/`` is
 matched against the file name alone, at any depth, as in ``.gitignore``
 (``*.tar`` selects every tar file).
 
