@@ -474,20 +474,27 @@ class Prefetcher:
         """Fetch a run of consecutive blocks with one GET, then account for
         each block as it turned out."""
         first, last = run[0][0], run[-1][0]
+        fetched: set[int] = set()
         try:
             fetched = self._reader.fetch_run_ahead(info, range(first, last + 1), next_use=position)
-        except CachefsdError as exc:
-            log.info("prefetch of %s blocks %d-%d failed: %s", info.key, first, last, exc)
+        except Exception as exc:
+            # A bug too (logged with its traceback), not only a failed GET:
+            # either way the run's blocks and its slot must be given back,
+            # or prefetch would stop for good once every slot leaked.
+            failed = isinstance(exc, CachefsdError)
+            level = logging.INFO if failed else logging.ERROR
+            message = "prefetch of %s blocks %d-%d failed: %s"
+            log.log(level, message, info.key, first, last, exc, exc_info=not failed)
             retry_at = time.monotonic() + FAILED_RETRY_SECONDS
             with self._lock:
                 for _, ref, _ in run:
                     self._failed[ref] = retry_at
-            fetched = set()
-        for index, ref, nbytes in run:
-            self._account(info, index, ref, nbytes, index in fetched, job)
-        with self._lock:
-            self._gets_in_flight -= 1
-        self._wake.set()
+        finally:
+            for index, ref, nbytes in run:
+                self._account(info, index, ref, nbytes, index in fetched, job)
+            with self._lock:
+                self._gets_in_flight -= 1
+            self._wake.set()
 
     def _account(
         self, info: ObjectInfo, index: int, ref: BlockRef, nbytes: int, fetched: bool, job: str

@@ -299,7 +299,10 @@ class S3Store:
                 IfMatch=f'"{_strip_quotes(etag)}"',
             )
             async with response["Body"] as body:
-                data = await _read_body(body, int(response["ContentLength"]))
+                length = response.get("ContentLength")
+                # Without a length (a chunked body, from a proxy or an
+                # S3-compatible store), read it whole.
+                data = await body.read() if length is None else await _read_body(body, int(length))
         except ClientError as exc:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if status == _RANGE_NOT_SATISFIABLE:

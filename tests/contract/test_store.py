@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import boto3
 import pytest
 import requests
+from aiohttp import web
 from botocore.exceptions import ClientError
 from google.api_core import exceptions as api_exceptions
 from google.auth import exceptions as auth_exceptions
@@ -466,6 +467,42 @@ def test_gcs_unreachable_endpoint_names_it(monkeypatch: pytest.MonkeyPatch) -> N
     assert caught.value.retryable
     assert f"cannot reach Google Cloud Storage at http://127.0.0.1:{port}" in str(caught.value)
     assert "Secret9" not in _full_text(caught.value)
+
+
+def test_s3_reads_a_chunked_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy or an S3-compatible store may send a GET's body chunked, with
+    no Content-Length: the range is still read whole."""
+    data = os.urandom(1 << 20)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        first, last = (int(end) for end in request.headers["Range"].removeprefix("bytes=").split("-"))
+        headers = {"ETag": '"abc"', "Content-Range": f"bytes {first}-{last}/{len(data)}"}
+        response = web.StreamResponse(status=206, headers=headers)
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(data[first : last + 1])
+        await response.write_eof()
+        return response
+
+    async def body() -> bytes | bytearray:
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", get)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        store = S3Store(
+            "bkt", "", StoreSettings(endpoint_url=f"http://127.0.0.1:{port}"), ATTEMPT_TIMEOUT_SECONDS
+        )
+        try:
+            return await store.get_range("k", 4096, 4096 + 70_000, "abc")
+        finally:
+            await store.close()
+            await runner.cleanup()
+
+    assert _run_alone(body) == data[4096 : 4096 + 70_000]
 
 
 def test_s3_without_credentials_is_access_denied(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -413,3 +414,26 @@ def test_a_stream_through_a_large_file_is_fetched_in_runs_ahead_of_the_reader(
             pieces.append(joined(engine.reader.read(info, offset, BLOCK_SIZE)))
     assert b"".join(pieces) == data
     assert engine.store.get_count <= 4
+
+
+def test_a_prefetch_that_raises_gives_its_slot_back(
+    make_engine: EngineFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in a fetch (not a failed GET, which is a CachefsdError) must
+    not keep its slot: two of them took a concurrency of 2 for good."""
+    engine = make_engine(dataset)
+    fetch_run_ahead = engine.reader.fetch_run_ahead
+    raised: list[str] = []
+
+    def breaks_twice(info: ObjectInfo, indices: range, **kwargs: Any) -> set[int]:
+        if len(raised) < 2:
+            raised.append(info.key)
+            raise RuntimeError("a bug")
+        return fetch_run_ahead(info, indices, **kwargs)
+
+    monkeypatch.setattr(engine.reader, "fetch_run_ahead", breaks_twice)
+    with start(engine, PrefetchSettings(concurrency=2)) as prefetcher:
+        walk_and_open(engine, prefetcher, "train/c0/s00")
+        # All but the file being read and the two whose fetch broke (not retried for a while).
+        wait_for(lambda: engine.store.get_count >= len(dataset) - 3, "the other unread files to be fetched")
+    assert len(raised) == 2
