@@ -14,6 +14,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import socket
@@ -27,6 +28,8 @@ from cachefsd.errors import CachefsdError, ConfigError
 # A daemon that was just unmounted needs a moment to flush its index; a new
 # mount of the same cache waits this long for it before giving up.
 LOCK_WAIT_SECONDS = 15.0
+log = logging.getLogger(__name__)
+
 _POLL_SECONDS = 0.05
 
 
@@ -243,13 +246,25 @@ def create_cache_directory(setting: str, directory: Path) -> None:
     ``setting`` that gave it when that fails."""
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        mode = directory.stat().st_mode
+        found = directory.stat()
     except OSError as exc:
         raise ConfigError(f"{setting}: cannot create {directory}: {exc.strerror}") from exc
-    if mode & 0o022:
-        # Another user who can write here can replace the index, which says
-        # which cached bytes are served for which object.
+    # Another user who can write here can replace the index (which says which
+    # cached bytes are served for which object), or plant symlinks where the
+    # daemon writes its log.
+    uid, mode = os.geteuid(), stat.S_IMODE(found.st_mode)
+    if found.st_uid != uid:
         raise ConfigError(
-            f"{setting}: {directory} is writable by other users (mode {stat.S_IMODE(mode):o}): "
-            "give a directory only you can write (chmod go-w, or a new one)"
+            f"{setting}: {directory} belongs to uid {found.st_uid}, not to this user (uid {uid}): "
+            "give a directory of your own"
+        )
+    if mode & 0o022:
+        if mode & stat.S_ISVTX:  # shared by design (/tmp): not ours to close
+            raise ConfigError(
+                f"{setting}: {directory} is writable by other users (mode {mode:o}): "
+                "give a directory only you can write"
+            )
+        directory.chmod(mode & ~0o022)  # ours (a umask of 002 made it so): made ours alone
+        log.warning(
+            "%s: %s was writable by other users (mode %o), now %o", setting, directory, mode, mode & ~0o022
         )

@@ -145,14 +145,35 @@ def test_a_fuse_device_out_of_reach_is_named_before_libfuse_tries(
         runtime.check_fuse_device()
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770])
-def test_a_cache_directory_others_can_write_is_refused(mode: int, tmp_path: Path) -> None:
+def test_a_shared_cache_directory_is_refused(tmp_path: Path) -> None:
+    """/tmp or a tmpfs root: others may write there whoever owns it."""
     shared = tmp_path / "shared"
     shared.mkdir()
-    shared.chmod(mode)
-    refusal = rf"cache.hot.dir: {shared} is writable by other users \(mode {mode:o}\)"
+    shared.chmod(0o1777)
+    refusal = rf"cache.hot.dir: {shared} is writable by other users \(mode 1777\)"
     with pytest.raises(ConfigError, match=refusal):
         runtime.create_cache_directory("cache.hot.dir", shared)
-    assert shared.stat().st_mode & 0o7777 == mode  # refused, not changed: it may be /tmp
+    assert shared.stat().st_mode & 0o7777 == 0o1777  # refused, not changed
+
+
+def test_a_cache_directory_of_another_user_is_refused(tmp_path: Path) -> None:
+    """Its owner could replace the index, or plant symlinks where the daemon writes."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 1001, 1001)
+    with pytest.raises(ConfigError, match=rf"cache.dir: {theirs} belongs to uid 1001, not to this user"):
+        runtime.create_cache_directory("cache.dir", theirs)
+
+
+@pytest.mark.parametrize(("mode", "private"), [(0o775, 0o755), (0o777, 0o755), (0o770, 0o750)])
+def test_a_cache_directory_of_ones_own_others_could_write_is_made_private(
+    mode: int, private: int, tmp_path: Path
+) -> None:
+    """``mkdir -p`` under a umask of 002 gives 775."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    mine.chmod(mode)
+    runtime.create_cache_directory("cache.dir", mine)
+    assert mine.stat().st_mode & 0o7777 == private
     runtime.create_cache_directory("cache.dir", tmp_path / "new")
     assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700
