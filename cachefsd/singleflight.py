@@ -21,6 +21,11 @@ class SingleFlight(Generic[K, V]):
         self._lock = threading.Lock()
         self._calls: dict[K, Future[V]] = {}
 
+    def busy(self, key: K) -> bool:
+        """Whether some caller is computing ``key`` now."""
+        with self._lock:
+            return key in self._calls
+
     def do(self, key: K, call: Callable[[], V], timeout: float | None) -> V:
         """``call()``'s result, computed once for all concurrent callers of
         ``key``; a follower waits at most ``timeout`` seconds for the leader

@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 
 BRIDGE_MARGIN_SECONDS = 2.0
 # After a failed refresh, how long the expired listing is served before the
-# next attempt (at most the TTL): each attempt makes the lookup that starts
-# it wait up to a fetch deadline.
+# next attempt (whatever the TTL): each attempt makes the lookup that starts
+# it wait up to a fetch deadline (the lookups meanwhile do not wait).
 STALE_RETRY_SECONDS = 30.0
 # The time a dropped listing is saved as taken at: expired, and never served.
 INVALIDATED = 0.0
@@ -107,6 +107,7 @@ class Namespace:
         self._clock = clock
         self._lock = threading.Lock()
         self._dirs: dict[str, _Cached] = {}
+        self._invalidations: dict[str, int] = {}  # prefix -> times its listing was dropped
         self._listing: SingleFlight[str, _Cached] = SingleFlight()
 
     def lookup(self, path: str) -> Node:
@@ -139,6 +140,7 @@ class Namespace:
         prefix = key[: key.rfind("/") + 1]
         with self._lock:
             self._dirs.pop(prefix, None)
+            self._invalidations[prefix] = self._invalidations.get(prefix, 0) + 1
         self._persist(prefix, INVALIDATED, Listing((), ()))
 
     def _cached(self, prefix: str) -> _Cached:
@@ -153,32 +155,41 @@ class Namespace:
                 with self._lock:
                     self._dirs[prefix] = cached
                 return cached
+        stale = None if cached is None or cached.fetched_at == INVALIDATED else cached
+        if stale is not None and self._listing.busy(prefix):
+            # Being listed again: the listing at hand now, rather than a wait
+            # of up to a fetch deadline if the bucket is down.
+            return stale
+        with self._lock:
+            invalidations = self._invalidations.get(prefix, 0)
         try:
-            # Other lookups of the directory wait for its listing as long as
-            # it takes: each of its pages is bounded, not their number.
+            # Other lookups of a directory never listed wait for its listing
+            # as long as it takes: each of its pages is bounded, not their number.
             return self._listing.do(prefix, lambda: self._refresh(prefix), timeout=None)
         except StoreError as exc:
-            if cached is None or cached.fetched_at == INVALIDATED:
+            if stale is None:
                 raise  # nothing was listed before: nothing to serve
-            return self._serve_stale(prefix, cached, exc)
+            return self._serve_stale(prefix, stale, exc, invalidations)
 
-    def _serve_stale(self, prefix: str, stale: _Cached, exc: StoreError) -> _Cached:
+    def _serve_stale(self, prefix: str, stale: _Cached, exc: StoreError, invalidations: int) -> _Cached:
         """Keep serving ``stale`` after a failed refresh, until the next
-        attempt ``STALE_RETRY_SECONDS`` from now."""
+        attempt ``STALE_RETRY_SECONDS`` from now; unless the listing was
+        dropped meanwhile (an object changed under a reader), which must not
+        come back."""
         now = self._clock()
-        retry = min(STALE_RETRY_SECONDS, self._ttl)
+        with self._lock:
+            if self._invalidations.get(prefix, 0) != invalidations:
+                raise exc
+            # Expires again STALE_RETRY_SECONDS from now; its age is only logged.
+            self._dirs[prefix] = _Cached(stale.directory, now - self._ttl + STALE_RETRY_SECONDS)
         log.warning(
             "cannot refresh the listing of %r (%s); serving the one taken %.0f s ago, retrying in %.0f s",
             prefix or "/",
             exc,
             now - stale.fetched_at,
-            retry,
+            STALE_RETRY_SECONDS,
         )
-        # Expires again ``retry`` from now; its own age stays in the log line only.
-        served = _Cached(stale.directory, now - self._ttl + retry)
-        with self._lock:
-            self._dirs[prefix] = served
-        return served
+        return stale
 
     def _from_index(self, prefix: str) -> _Cached | None:
         saved = self._index.load_listing(self._store.cache_key, prefix)

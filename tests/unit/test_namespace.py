@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
@@ -10,6 +11,7 @@ from cachefsd.errors import NotADirectory, ObjectNotFound, StoreError
 from cachefsd.namespace.tree import STALE_RETRY_SECONDS
 from cachefsd.store.base import Listing, ListingPage
 from cachefsd.store.memory import MemoryStore
+from tests.polling import wait_until
 from tests.unit.conftest import EngineFactory, joined
 
 
@@ -132,3 +134,32 @@ def test_a_listing_saved_by_a_previous_mount_serves_through_an_outage(make_engin
     again.clock.now += STALE_RETRY_SECONDS + 1
     with pytest.raises(StoreError):
         again.namespace.lookup("/d/f")
+
+
+def test_lookups_while_a_stale_listing_is_refreshed_use_it_at_once(make_engine: EngineFactory) -> None:
+    """Only the lookup that starts the refresh waits on a bucket that may be
+    down; the others get the listing at hand. And a listing dropped
+    meanwhile (an object changed under a reader) is not put back when the
+    refresh fails."""
+    engine = make_engine({"d/f": b"1"}, ttl=60)
+    engine.namespace.lookup("/d/f")
+    engine.clock.now += 61
+    engine.namespace.listdir("/")  # the root listed again: only d/ is past its TTL
+    engine.faulty.faults.hang = True  # a refresh waits out the fetch deadline, then fails
+    outcome: list[object] = []
+
+    def lookup() -> None:
+        try:
+            outcome.append(engine.namespace.lookup("/d/f").info)
+        except StoreError as exc:
+            outcome.append(exc)
+
+    leader = threading.Thread(target=lookup)
+    leader.start()
+    wait_until(lambda: engine.namespace._listing.busy("d/"), "the refresh of d/ to start", 10.0)
+    assert engine.namespace.lookup("/d/f").info is not None
+    assert engine.namespace._listing.busy("d/")  # answered while the refresh still waits
+    engine.namespace.invalidate("d/f")
+    leader.join(10)
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], StoreError)  # dropped while it was refreshed: not served stale
