@@ -381,7 +381,26 @@ class BlockReader:
         of any of them meanwhile waits for this GET, which never waits in
         line before one (kind "prefetch"). Waits first while other runs
         hold ``AHEAD_MEMORY_BYTES``; the blocks are not claimed meanwhile,
-        so a demand read of one does not wait with it."""
+        so a demand read of one does not wait with it, and those it
+        brought are left out once the wait is over."""
+        wanted = self._uncached(info, indices)
+        if not wanted:
+            return set()
+        start = block_bounds(min(wanted.values()), info.size, self._block_size)[0]
+        end = block_bounds(max(wanted.values()), info.size, self._block_size)[1]
+        with self._ahead_memory.held(end - start):
+            wanted = self._uncached(info, range(min(wanted.values()), max(wanted.values()) + 1))
+
+            def fetch(refs: list[BlockRef]) -> dict[BlockRef, tuple[str, memoryview]]:
+                blocks = {ref: wanted[ref] for ref in refs}
+                return self._fetch_blocks(info, blocks, "prefetch", tier, next_use)
+
+            led = self._in_flight.lead(list(wanted), fetch)
+        return {wanted[ref] for ref in led}
+
+    def _uncached(self, info: ObjectInfo, indices: range) -> dict[BlockRef, int]:
+        """ref -> index of the blocks of ``indices`` that are not cached (nor
+        adopted, without a GET, from another object of the same content)."""
         wanted: dict[BlockRef, int] = {}
         for index in indices:
             ref = self.ref(info, index)
@@ -391,17 +410,7 @@ class BlockReader:
             if self._dedup_by_etag and self._cache.adopt(ref, (info.etag, info.size)):
                 continue
             wanted[ref] = index
-        if not wanted:
-            return set()
-
-        def fetch(refs: list[BlockRef]) -> dict[BlockRef, tuple[str, memoryview]]:
-            return self._fetch_blocks(info, {ref: wanted[ref] for ref in refs}, "prefetch", tier, next_use)
-
-        start = block_bounds(min(wanted.values()), info.size, self._block_size)[0]
-        end = block_bounds(max(wanted.values()), info.size, self._block_size)[1]
-        with self._ahead_memory.held(end - start):
-            led = self._in_flight.lead(list(wanted), fetch)
-        return {wanted[ref] for ref in led}
+        return wanted
 
     def _fetch_blocks(
         self,

@@ -299,23 +299,32 @@ class TieredCache:
             return self.raw_hit(digest)
         if fd is None:
             return None
-        identity = _file_identity(fd)
-        if not self._checked_before(digest, identity):
-            size = tier.size_of(digest)  # bytes on disk: at least the file's
-            if size is None:  # evicted or moved since it was found: a miss
-                os.close(fd)
-                return None
-            buffer = getattr(self._buffers, "frame", None)
-            if buffer is None or len(buffer) < size:
-                buffer = self._buffers.frame = bytearray(size)
-            length = self._checked(tier, digest, lambda: check_raw(tier.read_into(fd, buffer), digest))
-            if length is None:
-                os.close(fd)
-                return None
-            self._events.tier_read(tier.name, length)
-            self._remember_checked(digest, identity)
+        if not self._verified(tier, digest, fd):
+            os.close(fd)
+            return None
         self._read_from(tier, digest)
         return tier.name, fd
+
+    def _verified(self, tier: Tier, digest: str, fd: int) -> bool:
+        """Whether block ``digest``, open as ``fd`` in ``tier``, may be
+        served: checked by this process in this very file before, or now."""
+        identity = self._checked(tier, digest, lambda: _file_identity(fd))
+        if identity is None:
+            return False
+        if self._checked_before(digest, identity):
+            return True
+        size = tier.size_of(digest)  # bytes on disk: at least the file's
+        if size is None:  # evicted or moved since it was found: a miss
+            return False
+        buffer = getattr(self._buffers, "frame", None)
+        if buffer is None or len(buffer) < size:
+            buffer = self._buffers.frame = bytearray(size)
+        length = self._checked(tier, digest, lambda: check_raw(tier.read_into(fd, buffer), digest))
+        if length is None:
+            return False
+        self._events.tier_read(tier.name, length)
+        self._remember_checked(digest, identity)
+        return True
 
     def _checked_before(self, digest: str, identity: tuple[int, int, int]) -> bool:
         """Whether this process verified block ``digest`` in the file that

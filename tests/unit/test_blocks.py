@@ -176,6 +176,29 @@ def test_runs_fetched_ahead_share_one_memory_budget(
         assert joined(engine.reader.read(info, 0, run)) == dataset[key]
 
 
+def test_a_run_that_waited_for_the_budget_leaves_out_blocks_cached_meanwhile(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = 4 * BLOCK_SIZE
+    monkeypatch.setattr(blocks_module, "AHEAD_MEMORY_BYTES", run)
+    data = os.urandom(run)
+    engine = make_engine({"b": data})
+    info = engine.namespace.lookup("/b").info
+    assert info is not None
+    budget = engine.reader._ahead_memory
+    fetched: list[set[int]] = []
+    with budget.held(run):  # other runs hold all of it
+        waiting = threading.Thread(
+            target=lambda: fetched.append(engine.reader.fetch_run_ahead(info, range(4)))
+        )
+        waiting.start()
+        wait_until(lambda: bool(budget._changed._waiters), "the run to wait for the budget", 10.0)  # type: ignore[attr-defined]
+        assert joined(engine.reader.read(info, 0, run)) == data  # a reader brings every block meanwhile
+    waiting.join(10)
+    assert fetched == [set()]  # nothing left to fetch, and nothing claimed as fetched by the run
+    assert engine.store.get_count == 4  # the reader's GETs only
+
+
 def test_served_bytes_are_counted_by_where_they_came_from(make_engine: EngineFactory) -> None:
     data = os.urandom(2 * BLOCK_SIZE)
     engine = make_engine({"f": data})
