@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import uvloop
@@ -67,6 +68,28 @@ class LoopThread:
         finally:
             with self._lock:
                 self._pending.discard(future)
+
+    def iterate(self, stream: AsyncIterator[T], timeout: float) -> Iterator[T]:
+        """The items of ``stream`` (an async generator run on the loop), for
+        a thread that is not the loop's; each waits at most ``timeout``
+        seconds, as ``run``. The stream is closed when the caller stops
+        early, so that its request and connection are released."""
+
+        async def next_item() -> tuple[bool, T | None]:
+            try:
+                return True, await anext(stream)
+            except StopAsyncIteration:
+                return False, None
+
+        try:
+            while True:
+                more, item = self.run(next_item(), timeout)
+                if not more:
+                    return
+                yield item  # type: ignore[misc]  # not None: the stream gave it
+        finally:
+            with contextlib.suppress(StoreError):  # the loop is stopping: nothing to release
+                self.run(stream.aclose(), timeout)  # type: ignore[attr-defined]
 
     def stop(self) -> None:
         with self._lock:

@@ -22,8 +22,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,16 +52,14 @@ BRIDGE_MARGIN_SECONDS = 2.0
 # deadline on a bucket that just failed); the reads after it fetch again.
 GIVEN_UP_SECONDS = 2.0
 # Consecutive blocks of a file fetched ahead (prefetch, stage) with one GET,
-# at most: a stream through a large file costs a request per 32 MiB, not
-# per block (a round trip each, and on moto a read of the whole object
-# each). Within the fetch deadline (30 s) on any link above 1.2 MB/s a
-# connection (an attempt is not cut while its bytes flow, fetch.py).
-RUN_BYTES = 32 << 20
-# Bytes of GETs ahead of the readers (prefetch, stage) in flight at once, all
-# callers together: each run is held whole in RAM until it is admitted, and
-# 24 prefetch GETs (or 16 stage workers) of 32 MiB took the daemon's RSS past
-# 1 GB. Eight runs keep a store busy at a few hundred MB/s.
-AHEAD_MEMORY_BYTES = 8 * RUN_BYTES
+# at most: a stream through a large file costs a request per 128 MiB, not
+# per block (a round trip each, and on moto a read of the whole object each:
+# 32 MiB runs read a 256 MB object at 142 MB/s there, 128 MiB ones at 202).
+# A run is read block by block as it arrives (``Fetcher.stream_range``), so
+# it never is whole in RAM, a reader waiting for its first block does not
+# wait for its last, and a slow link only needs each block within the
+# fetch deadline, not the whole run.
+RUN_BYTES = 128 << 20
 
 log = logging.getLogger(__name__)
 
@@ -136,29 +133,6 @@ class _MemoryBuffer:
                 self._used -= len(evicted)
 
 
-class _ByteBudget:
-    """Bytes a set of threads may hold at once; a thread that would go
-    over waits for others to give theirs back."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._used = 0
-        self._changed = threading.Condition()
-
-    @contextmanager
-    def held(self, nbytes: int) -> Iterator[None]:
-        nbytes = min(nbytes, self._limit)  # a request larger than the whole budget waits for all of it
-        with self._changed:
-            self._changed.wait_for(lambda: self._used + nbytes <= self._limit)
-            self._used += nbytes
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._used -= nbytes
-                self._changed.notify_all()
-
-
 class BlockReader:
     def __init__(
         self,
@@ -180,8 +154,7 @@ class BlockReader:
         # Decoded blocks of compressed tiers, served from RAM while a reader
         # works through them in FUSE-sized pieces.
         self._memory = _MemoryBuffer(MEMORY_BUFFER_BYTES)
-        self._in_flight: SingleFlight[BlockRef, tuple[str, memoryview]] = SingleFlight()
-        self._ahead_memory = _ByteBudget(AHEAD_MEMORY_BYTES)
+        self._in_flight: SingleFlight[BlockRef, tuple[str, bytes | bytearray]] = SingleFlight()
         # A compressed block's concurrent READs (the kernel's read-ahead
         # sends about four) share one read and decode of the whole block.
         self._decoding: SingleFlight[str, bytes | None] = SingleFlight()
@@ -284,14 +257,16 @@ class BlockReader:
         self._remember(ref, data, placement is not None and placement.raw)
         return bytes(data[lo:hi]), "cold", time.monotonic() - started if counts_stall else 0.0
 
-    def _fetch_on_demand(self, info: ObjectInfo, index: int, ref: BlockRef) -> tuple[str, memoryview]:
+    def _fetch_on_demand(self, info: ObjectInfo, index: int, ref: BlockRef) -> tuple[str, bytes | bytearray]:
         """A read's fetch (its readers share it): a failure is logged once
         here, as FUSE only returns an errno."""
+        fetched: dict[BlockRef, tuple[str, bytes | bytearray]] = {}
         try:
-            return self._fetch_blocks(info, {ref: index}, "demand")[ref]
+            self._fetch_blocks(info, {ref: index}, "demand", fetched.__setitem__)
         except StoreError as exc:
             log.warning("read of %s block %d failed: %s", info.key, index, exc)
             raise
+        return fetched[ref]
 
     def _give_up(self, ref: BlockRef, exc: DeadlineExceeded) -> None:
         """Remember that a read of ``ref`` waited out its deadline, for the
@@ -378,29 +353,8 @@ class BlockReader:
         request costs a round trip, and on moto a read of the whole object).
         Returns the indices this call fetched: not those cached, nor those
         whose GET another caller (a demand read) had started. A demand read
-        of any of them meanwhile waits for this GET, which never waits in
-        line before one (kind "prefetch"). Waits first while other runs
-        hold ``AHEAD_MEMORY_BYTES``; the blocks are not claimed meanwhile,
-        so a demand read of one does not wait with it, and those it
-        brought are left out once the wait is over."""
-        wanted = self._uncached(info, indices)
-        if not wanted:
-            return set()
-        start = block_bounds(min(wanted.values()), info.size, self._block_size)[0]
-        end = block_bounds(max(wanted.values()), info.size, self._block_size)[1]
-        with self._ahead_memory.held(end - start):
-            wanted = self._uncached(info, range(min(wanted.values()), max(wanted.values()) + 1))
-
-            def fetch(refs: list[BlockRef]) -> dict[BlockRef, tuple[str, memoryview]]:
-                blocks = {ref: wanted[ref] for ref in refs}
-                return self._fetch_blocks(info, blocks, "prefetch", tier, next_use)
-
-            led = self._in_flight.lead(list(wanted), fetch)
-        return {wanted[ref] for ref in led}
-
-    def _uncached(self, info: ObjectInfo, indices: range) -> dict[BlockRef, int]:
-        """ref -> index of the blocks of ``indices`` that are not cached (nor
-        adopted, without a GET, from another object of the same content)."""
+        of any of them meanwhile waits for this GET, until its block has
+        come, and the GET never waits in line before one (kind "prefetch")."""
         wanted: dict[BlockRef, int] = {}
         for index in indices:
             ref = self.ref(info, index)
@@ -410,37 +364,45 @@ class BlockReader:
             if self._dedup_by_etag and self._cache.adopt(ref, (info.etag, info.size)):
                 continue
             wanted[ref] = index
-        return wanted
+
+        def fetch(
+            refs: list[BlockRef], settle: Callable[[BlockRef, tuple[str, bytes | bytearray]], None]
+        ) -> None:
+            self._fetch_blocks(info, {ref: wanted[ref] for ref in refs}, "prefetch", settle, tier, next_use)
+
+        led = self._in_flight.lead(list(wanted), fetch)
+        return {wanted[ref] for ref in led}
 
     def _fetch_blocks(
         self,
         info: ObjectInfo,
         blocks: dict[BlockRef, int],
         kind: FetchKind,
+        fetched: Callable[[BlockRef, tuple[str, bytes | bytearray]], None],
         tier: str | None = None,
         next_use: float | None = None,
-    ) -> dict[BlockRef, tuple[str, memoryview]]:
+    ) -> None:
         """Fetch ``blocks`` (ref -> index) with one GET of the range from
-        the first to the last (blocks between that others lead are fetched
-        too, and left to them) and admit each; ref -> its hash (computed
-        once, here) and content."""
-        start = block_bounds(min(blocks.values()), info.size, self._block_size)[0]
+        the first to the last, block by block as it arrives (blocks between
+        that others lead are read through and left to them): each is
+        admitted, then handed to ``fetched`` with its hash (computed once,
+        here)."""
+        first = min(blocks.values())
+        start = block_bounds(first, info.size, self._block_size)[0]
         end = block_bounds(max(blocks.values()), info.size, self._block_size)[1]
-        data = self._io.run(
-            self._fetcher.get_range(info.key, start, end, info.etag, kind),
-            self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
-        )
+        refs = {index: ref for ref, index in blocks.items()}
         identity = (info.etag, info.size) if self._dedup_by_etag else None
-        fetched = {}
-        whole = memoryview(data)  # blocks are views of the one buffer the GET filled: no copies
-        for ref, index in blocks.items():
-            block_start, block_end = block_bounds(index, info.size, self._block_size)
-            content = whole[block_start - start : block_end - start]
+        stream = self._fetcher.stream_range(info.key, start, end, info.etag, self._block_size, kind)
+        pieces = self._io.iterate(stream, self._fetcher.deadline + BRIDGE_MARGIN_SECONDS)
+        for index, content in enumerate(pieces, first):
+            ref = refs.get(index)
+            if ref is None:
+                continue
             digest = content_hash(content)
-            ahead = kind == "prefetch"
-            self._cache.admit(ref, digest, content, identity, tier, ahead=ahead, next_use=next_use)
-            fetched[ref] = (digest, content)
-        return fetched
+            self._cache.admit(
+                ref, digest, content, identity, tier, ahead=kind == "prefetch", next_use=next_use
+            )
+            fetched(ref, (digest, content))
 
     def release_version(self, info: ObjectInfo) -> None:
         """Free the cached blocks of a version that no longer exists."""

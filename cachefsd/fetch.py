@@ -14,7 +14,7 @@ import heapq
 import itertools
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Literal, Protocol, TypeVar
 
 from cachefsd.config import FetchSettings
@@ -92,48 +92,88 @@ class Fetcher:
         self, key: str, start: int, end: int, etag: str, kind: FetchKind = "demand"
     ) -> bytes | bytearray:
         """Bytes ``[start, end)`` of version ``etag`` of ``key``, exactly
-        ``end - start`` of them, or a ``StoreError``.
+        ``end - start`` of them, or a ``StoreError`` (``stream_range``'s
+        rules, in one piece)."""
+        pieces = [data async for data in self.stream_range(key, start, end, etag, max(1, end - start), kind)]
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
-        An attempt is not cut at ``attempt_timeout`` while its bytes flow: a
-        32 MiB run at 2 MB/s takes 16 s, and cutting it at 10 s made every
-        attempt fail on any link slower than 3.2 MB/s a connection (a shared
-        1 Gbit/s NIC), and a read that joined it fail with it. A stalled
-        connection is still dropped after ``attempt_timeout`` by the store's
-        own read timeout (S3, GCS), and the deadline bounds it all."""
+    async def stream_range(
+        self, key: str, start: int, end: int, etag: str, piece: int, kind: FetchKind = "demand"
+    ) -> AsyncIterator[bytes | bytearray]:
+        """Bytes ``[start, end)`` of version ``etag`` of ``key``, exactly,
+        as pieces of ``piece`` bytes (the last one shorter), or a
+        ``StoreError``.
 
-        async def attempt() -> bytes | bytearray:
-            data = await self._store.get_range(key, start, end, etag)
-            if len(data) != end - start:
-                raise StoreError(f"short read of {key}: {len(data)} of {end - start} bytes")
-            return data
-
-        return await self.call(key, attempt, kind, attempt_timeout=self._settings.deadline)
+        Each piece must come within the deadline of the one before it (or of
+        the request): a long range on a slow link is never cut for its
+        length (cutting a 32 MiB run at a fixed time failed every attempt
+        below 3.2 MB/s a connection, and a read that joined it with it). A
+        stalled connection is dropped after ``attempt_timeout`` by the
+        store's own read timeout (S3, GCS), and the request is retried from
+        the first byte not received yet, with backoff, until a deadline
+        passes with no piece. The consumer's time between pieces is not
+        counted, and it holds a request slot."""
+        self._slots = self._slots or PrioritySlots(self._settings.concurrency)  # of the running loop
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._settings.deadline
+        attempts, cause = 0, None
+        position = start
+        while True:
+            started, received = time.monotonic(), 0
+            try:
+                await asyncio.wait_for(self._slots.acquire(_PRIORITY[kind]), deadline - loop.time())
+                try:
+                    pieces = self._store.stream_range(key, position, end, etag, piece)
+                    try:
+                        while position < end:
+                            data = await asyncio.wait_for(anext(pieces, b""), deadline - loop.time())
+                            if not data:
+                                raise StoreError(
+                                    f"short read of {key}: {position - start} of {end - start} bytes"
+                                )
+                            position, received = position + len(data), received + len(data)
+                            yield data
+                            deadline = loop.time() + self._settings.deadline
+                        if end <= start:  # nothing to read: the store only checks the version
+                            await asyncio.wait_for(anext(pieces, b""), deadline - loop.time())
+                    finally:
+                        await pieces.aclose()
+                finally:
+                    self._slots.release()
+                self._events.fetch_done(kind, time.monotonic() - started, received)
+                return
+            except StoreError as exc:
+                if not exc.retryable:
+                    self._events.fetch_failed(kind)
+                    raise
+                cause = exc
+            except TimeoutError as exc:
+                cause = cause or exc
+            attempts += 1
+            await self._back_off(key, kind, attempts, cause, deadline)
 
     async def call(
         self,
         what: str,
         attempt: Callable[[], Awaitable[T]],
         kind: FetchKind,
-        attempt_timeout: float | None = None,
     ) -> T:
         """``attempt()``'s result, retried on retryable errors and timeouts
-        until the deadline; each attempt cut at ``attempt_timeout`` (the
-        setting's, by default). ``what`` names the request in errors."""
-        if self._slots is None:  # created lazily: it must belong to the running loop
-            self._slots = PrioritySlots(self._settings.concurrency)
+        until the deadline; each attempt cut at ``attempt_timeout`` (a
+        listing or a HEAD, whose answers are small). ``what`` names the
+        request in errors."""
+        self._slots = self._slots or PrioritySlots(self._settings.concurrency)  # of the running loop
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._settings.deadline
         attempts = 0
         cause: Exception | None = None
-        per_attempt = self._settings.attempt_timeout if attempt_timeout is None else attempt_timeout
         while True:
             remaining = deadline - loop.time()
             started = time.monotonic()
             try:
                 limited = self._limited(attempt, _PRIORITY[kind])
-                result = await asyncio.wait_for(limited, min(per_attempt, remaining))
-                nbytes = len(result) if isinstance(result, bytes | bytearray) else 0
-                self._events.fetch_done(kind, time.monotonic() - started, nbytes)
+                result = await asyncio.wait_for(limited, min(self._settings.attempt_timeout, remaining))
+                self._events.fetch_done(kind, time.monotonic() - started, 0)
                 return result
             except StoreError as exc:
                 if not exc.retryable:
@@ -145,19 +185,25 @@ class Fetcher:
                 # only be the deadline cutting the last attempt short.
                 cause = cause or exc
             attempts += 1
-            # Full jitter (AWS architecture blog): spreads retries of many
-            # readers that failed together, so they do not retry in lockstep.
-            backoff = self._rng.uniform(
-                0, min(self._settings.backoff_max, self._settings.backoff_initial * 2**attempts)
-            )
-            if loop.time() + backoff >= deadline:
-                self._events.fetch_failed(kind)
-                reason = str(cause) or type(cause).__name__
-                raise DeadlineExceeded(
-                    f"{what}: gave up after {attempts} attempts in {self._settings.deadline:g}s: {reason}"
-                ) from cause
-            self._events.fetch_retry(kind)
-            await asyncio.sleep(backoff)
+            await self._back_off(what, kind, attempts, cause, deadline)
+
+    async def _back_off(
+        self, what: str, kind: FetchKind, attempts: int, cause: Exception | None, deadline: float
+    ) -> None:
+        """Wait before the next attempt, or give up if it would come past
+        ``deadline``. Full jitter (AWS architecture blog): spreads retries
+        of many readers that failed together, so they do not retry in lockstep."""
+        backoff = self._rng.uniform(
+            0, min(self._settings.backoff_max, self._settings.backoff_initial * 2**attempts)
+        )
+        if asyncio.get_running_loop().time() + backoff >= deadline:
+            self._events.fetch_failed(kind)
+            reason = str(cause) or type(cause).__name__
+            raise DeadlineExceeded(
+                f"{what}: gave up after {attempts} attempts in {self._settings.deadline:g}s: {reason}"
+            ) from cause
+        self._events.fetch_retry(kind)
+        await asyncio.sleep(backoff)
 
     async def _limited(self, attempt: Callable[[], Awaitable[T]], priority: int) -> T:
         assert self._slots is not None

@@ -36,17 +36,20 @@ class SingleFlight(Generic[K, V]):
             if future is None:
                 future = self._calls[key] = Future()
         if leads:
-            return self._settle({key: future}, lambda: {key: call()})[key]
+            self._settle({key: future}, lambda settle: settle(key, call()))
+            return future.result()
         try:
             return future.result(timeout)
         except FutureTimeout:
             raise DeadlineExceeded(f"waited {timeout:g}s for a shared fetch") from None
 
-    def lead(self, keys: list[K], call: Callable[[list[K]], dict[K, V]]) -> list[K]:
+    def lead(self, keys: list[K], call: Callable[[list[K], Callable[[K, V], None]], None]) -> list[K]:
         """Compute the ``keys`` no other caller is computing with one
-        ``call(led)``, which returns a value for each; callers of ``do``
-        for any of them meanwhile wait for it. Keys already in flight are
-        left to their leader, not waited for. Returns the keys led."""
+        ``call(led, settle)``, which hands each key's value to ``settle``
+        as soon as it has it (a run's first block is read before its last
+        arrives); callers of ``do`` for any of them meanwhile wait for
+        theirs. Keys already in flight are left to their leader, not
+        waited for. Returns the keys led."""
         futures: dict[K, Future[V]] = {}
         with self._lock:
             for key in keys:
@@ -54,22 +57,28 @@ class SingleFlight(Generic[K, V]):
                     futures[key] = self._calls[key] = Future()
         led = list(futures)
         if led:
-            self._settle(futures, lambda: call(led))
+            self._settle(futures, lambda settle: call(led, settle))
         return led
 
-    def _settle(self, futures: dict[K, Future[V]], compute: Callable[[], dict[K, V]]) -> dict[K, V]:
-        """Run the leader's ``compute`` for the keys of ``futures``, hand
-        its values (or its exception) to their followers, free the keys."""
+    def _settle(self, futures: dict[K, Future[V]], compute: Callable[[Callable[[K, V], None]], None]) -> None:
+        """Run the leader's ``compute``, which settles the keys of
+        ``futures`` one by one; hand its exception to those it did not
+        settle, and free the keys."""
+
+        def settle(key: K, value: V) -> None:
+            futures[key].set_result(value)
+
         try:
-            values = compute()
+            compute(settle)
         except BaseException as exc:
             for future in futures.values():
-                future.set_exception(exc)
+                if not future.done():
+                    future.set_exception(exc)
             raise
         else:
             for key, future in futures.items():
-                future.set_result(values[key])
-            return values
+                if not future.done():
+                    future.set_exception(RuntimeError(f"the leader did not compute {key!r}"))
         finally:
             with self._lock:
                 for key in futures:

@@ -12,6 +12,7 @@ the backend's own exception as ``__cause__``.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -97,6 +98,15 @@ class ObjectStore(Protocol):
         fewer bytes only when ``end`` is past the end of the object."""
         ...
 
+    def stream_range(
+        self, key: str, start: int, end: int, etag: str, piece: int
+    ) -> AsyncIterator[bytes | bytearray]:
+        """The same bytes as ``get_range``, as consecutive pieces of
+        ``piece`` bytes (the last one shorter) as they arrive: a long range
+        is never whole in memory, and its first blocks can be used before
+        its last arrive. Ends early only at the end of the object."""
+        ...
+
     async def close(self) -> None:
         """Release connections. The store is not used afterwards."""
         ...
@@ -118,3 +128,27 @@ def redact_url(url: str) -> str:
         port = ""
     prefix = f"{scheme}://" if separator else ""
     return f"{prefix}{host}{port}{parts.path.rstrip('/')}"
+
+
+# A store whose client cannot stream a response (GCS's, a local file, the
+# in-memory fake) serves a long range as GETs of at most this many bytes,
+# cut into pieces: what one of its ranges holds in RAM at once.
+UNSTREAMED_SPAN_BYTES = 8 << 20
+
+
+async def pieces_of(
+    store: ObjectStore, key: str, start: int, end: int, etag: str, piece: int
+) -> AsyncIterator[bytes | bytearray]:
+    """``stream_range`` for a store without streaming of its own, from its
+    ``get_range``."""
+    if end <= start:
+        await store.get_range(key, start, end, etag)  # the version is still checked
+        return
+    span = max(piece, UNSTREAMED_SPAN_BYTES // piece * piece)
+    for first in range(start, end, span):
+        last = min(first + span, end)
+        data = await store.get_range(key, first, last, etag)
+        for offset in range(0, len(data), piece):
+            yield data[offset : offset + piece]
+        if len(data) < last - first:
+            return  # the end of the object

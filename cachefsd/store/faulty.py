@@ -4,6 +4,7 @@ benchmarks of everything that must survive a misbehaving bucket."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from cachefsd.errors import StoreError
@@ -18,6 +19,8 @@ class Faults:
     failures_left: int = 0  # the next N calls raise ``error``
     error: type[StoreError] = StoreError
     hang: bool = False  # every call waits forever (until cancelled)
+    piece_latency_seconds: float = 0.0  # a slow link: the wait before each piece of a stream but the first
+    cut_after_pieces: int = 0  # the next stream breaks (a StoreError) after this many pieces
 
 
 class FaultyStore:
@@ -25,6 +28,7 @@ class FaultyStore:
         self._inner = inner
         self.faults = faults or Faults()
         self.calls = 0
+        self.stream_starts: list[int] = []  # the first byte each stream asked for
         self._gets_now = 0
         self.most_concurrent_gets = 0  # the most GETs that were in flight at once
 
@@ -63,11 +67,26 @@ class FaultyStore:
         return await self._inner.head(key)
 
     async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes | bytearray:
+        await self._inject()
+        return await self._inner.get_range(key, start, end, etag)
+
+    async def stream_range(
+        self, key: str, start: int, end: int, etag: str, piece: int
+    ) -> AsyncIterator[bytes | bytearray]:
         self._gets_now += 1  # the event loop's thread only: no lock
         self.most_concurrent_gets = max(self.most_concurrent_gets, self._gets_now)
         try:
             await self._inject()
-            return await self._inner.get_range(key, start, end, etag)
+            self.stream_starts.append(start)
+            cut, self.faults.cut_after_pieces = self.faults.cut_after_pieces, 0
+            sent = 0
+            async for data in self._inner.stream_range(key, start, end, etag, piece):
+                if cut and sent == cut:
+                    raise self.faults.error("injected fault: the connection broke mid-body")
+                if sent and self.faults.piece_latency_seconds:
+                    await asyncio.sleep(self.faults.piece_latency_seconds)
+                yield data
+                sent += 1
         finally:
             self._gets_now -= 1
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from cachefsd.errors import ObjectChanged, ObjectNotFound, StoreError
-from cachefsd.store.base import Listing, ListingPage, ObjectInfo
+from cachefsd.store.base import Listing, ListingPage, ObjectInfo, pieces_of
 
 
 def _etag(st: os.stat_result) -> str:
@@ -131,6 +132,11 @@ class LocalStore:
             raise StoreError(f"cannot read {key}: {exc.strerror}") from exc
         finally:
             os.close(fd)
+
+    def stream_range(
+        self, key: str, start: int, end: int, etag: str, piece: int
+    ) -> AsyncIterator[bytes | bytearray]:
+        return pieces_of(self, key, start, end, etag, piece)
 
     async def close(self) -> None:
         return None

@@ -5,9 +5,10 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import AsyncIterator
 
 from cachefsd.errors import ObjectChanged, ObjectNotFound
-from cachefsd.store.base import Listing, ListingPage, ObjectInfo
+from cachefsd.store.base import Listing, ListingPage, ObjectInfo, pieces_of
 from cachefsd.store.listing import one_level
 
 
@@ -88,6 +89,11 @@ class MemoryStore:
         if info.etag != etag:
             raise ObjectChanged(key)
         return data[start:end]
+
+    def stream_range(
+        self, key: str, start: int, end: int, etag: str, piece: int
+    ) -> AsyncIterator[bytes | bytearray]:
+        return pieces_of(self, key, start, end, etag, piece)
 
     async def close(self) -> None:
         return None

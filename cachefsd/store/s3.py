@@ -24,7 +24,7 @@ never a URL with a query string or user info.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack
 from typing import Any
 from urllib.parse import urlsplit
@@ -280,13 +280,19 @@ class S3Store:
         )
 
     async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes | bytearray:
+        pieces = [data async for data in self.stream_range(key, start, end, etag, max(1, end - start))]
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    async def stream_range(
+        self, key: str, start: int, end: int, etag: str, piece: int
+    ) -> AsyncIterator[bytes | bytearray]:
         if end <= start:
             # "bytes=5-4" is not a range: S3 would send the whole object.
             # Answer from HEAD so a missing or changed object still raises.
             info = await self.head(key)
             if info.etag != _strip_quotes(etag):
                 raise ObjectChanged(f"{self._target(key)}: etag is now {info.etag}, read pinned to {etag}")
-            return b""
+            return
         full_key = self._root + key
         if not full_key:
             raise ObjectNotFound(self._target(key))
@@ -298,27 +304,33 @@ class S3Store:
                 Range=f"bytes={start}-{end - 1}",
                 IfMatch=f'"{_strip_quotes(etag)}"',
             )
-            async with response["Body"] as body:
-                length = response.get("ContentLength")
-                # Without a length (a chunked body, from a proxy or an
-                # S3-compatible store), read it whole.
-                data = await body.read() if length is None else await _read_body(body, int(length))
         except ClientError as exc:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if status == _RANGE_NOT_SATISFIABLE:
                 # The range starts at or past the end (or the object is
                 # empty). S3 evaluates If-Match first, so the version matched.
-                return b""
+                return
             raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
         except _S3_ERRORS as exc:
             raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
         got = _strip_quotes(response.get("ETag", ""))
         if got != _strip_quotes(etag):
             raise ObjectChanged(f"{self._target(key)}: endpoint returned etag {got}, read pinned to {etag}")
-        if "ContentRange" not in response:
-            # An endpoint that ignores Range sends the whole object.
-            data = data[start:end]
-        return data
+        async with response["Body"] as body:
+            try:
+                if "ContentRange" not in response:
+                    await _skip(body, start)  # an endpoint that ignores Range sends the whole object
+                position = start
+                while position < end:
+                    size = min(piece, end - position)
+                    data = await _read_body(body, size)
+                    if data:
+                        yield data
+                    position += len(data)
+                    if len(data) < size:
+                        return  # the body ended: the end of the object
+            except _S3_ERRORS as exc:
+                raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
 
     async def close(self) -> None:
         stack, self._exit_stack, self._client = self._exit_stack, None, None
@@ -327,10 +339,10 @@ class S3Store:
 
 
 async def _read_body(body: Any, length: int) -> bytearray:
-    """A response body of ``length`` bytes, read into one buffer: ``read()``
-    gathers the chunks and then joins them, so a 32 MiB run held twice its
-    size in RAM. Shorter if the connection ends early (the fetcher retries
-    a short read)."""
+    """The next ``length`` bytes of a response body, read into one buffer
+    (``read()`` gathers chunks and then joins them, twice the size in RAM);
+    fewer only where the body ends. Chunked bodies (no Content-Length, from
+    a proxy or an S3-compatible store) are read the same way."""
     buffer = bytearray(length)
     view = memoryview(buffer)
     filled = 0
@@ -340,3 +352,12 @@ async def _read_body(body: Any, length: int) -> bytearray:
             break
         filled += got
     return buffer if filled == length else buffer[:filled]
+
+
+async def _skip(body: Any, length: int) -> None:
+    """Read and drop the first ``length`` bytes of a response body."""
+    while length > 0:
+        dropped = await body.read(min(length, 1 << 20))
+        if not dropped:
+            return
+        length -= len(dropped)

@@ -304,6 +304,30 @@ def test_get_range_returns_exact_bytes(backend: Backend) -> None:
         assert got == data[start:end], f"range [{start}, {end})"
 
 
+@pytest.mark.parametrize("piece", [1000, 4096, 1 << 20])
+def test_stream_range_gives_the_same_bytes_in_pieces(backend: Backend, piece: int) -> None:
+    """Each piece ``piece`` bytes, the last one shorter; a range past the
+    end ends where the object does; a changed version raises."""
+    data = backend.seed[DEEP_KEY]
+
+    async def body(store: ObjectStore) -> list[list[bytes]]:
+        info = await store.head(DEEP_KEY)
+        streams = []
+        for start, end in _ranges(len(data)):
+            streams.append(
+                [bytes(got) async for got in store.stream_range(DEEP_KEY, start, end, info.etag, piece)]
+            )
+        with pytest.raises(ObjectChanged):
+            async for _ in store.stream_range(DEEP_KEY, 0, 10, info.etag + "0", piece):
+                pass
+        return streams
+
+    for (start, end), pieces in zip(_ranges(len(data)), run(backend, body), strict=True):
+        assert b"".join(pieces) == data[start:end], f"range [{start}, {end})"
+        assert all(len(got) == piece for got in pieces[:-1]), f"range [{start}, {end})"
+        assert all(0 < len(got) <= piece for got in pieces), f"range [{start}, {end})"
+
+
 @pytest.mark.parametrize("key", ["empty.bin", SPACES_KEY, UNICODE_KEY, LONG_NAME, "x/y"])
 def test_get_range_of_awkward_keys(backend: Backend, key: str) -> None:
     data = backend.seed[key]

@@ -12,7 +12,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachefsd import blocks as blocks_module
 from cachefsd.blocks import FileSpan, block_bounds, block_range
 from cachefsd.chunks import cache as cache_module
 from cachefsd.chunks.codec import Codec, content_hash
@@ -145,58 +144,25 @@ def test_only_the_most_recently_served_checks_are_remembered(
     assert checked._value.get() == 3 * BLOCK_SIZE
 
 
-@pytest.mark.parametrize("budget_runs", [1, 3])
-def test_runs_fetched_ahead_share_one_memory_budget(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch, budget_runs: int
-) -> None:
-    """Each run is held whole in RAM until admitted: prefetch and stage
-    together never have more than ``AHEAD_MEMORY_BYTES`` of them in flight."""
-    run = 4 * BLOCK_SIZE
-    monkeypatch.setattr(blocks_module, "AHEAD_MEMORY_BYTES", budget_runs * run)
-    dataset = {f"f{i}": os.urandom(run) for i in range(3)}
-    engine = make_engine(dataset)
-    infos = [engine.namespace.lookup(f"/{key}").info for key in dataset]
-    engine.faulty.faults.latency_seconds = 0.3  # long enough for the three to overlap, unless held back
-    fetched: list[set[int]] = []
-
-    def fetch_ahead(info: ObjectInfo | None) -> None:
-        assert info is not None
-        fetched.append(engine.reader.fetch_run_ahead(info, range(4)))
-
-    threads = [threading.Thread(target=fetch_ahead, args=(info,)) for info in infos]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
-    assert fetched == [{0, 1, 2, 3}] * 3
-    # One run at a time within a budget of one; side by side (the control) within three.
-    assert (engine.faulty.most_concurrent_gets == 1) == (budget_runs == 1)
-    for key, info in zip(dataset, infos, strict=True):
-        assert info is not None
-        assert joined(engine.reader.read(info, 0, run)) == dataset[key]
-
-
-def test_a_run_that_waited_for_the_budget_leaves_out_blocks_cached_meanwhile(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    run = 4 * BLOCK_SIZE
-    monkeypatch.setattr(blocks_module, "AHEAD_MEMORY_BYTES", run)
-    data = os.urandom(run)
-    engine = make_engine({"b": data})
-    info = engine.namespace.lookup("/b").info
+def test_a_read_that_joins_a_run_gets_its_block_before_the_run_ends(make_engine: EngineFactory) -> None:
+    """A run is read block by block as it arrives: its first block is
+    served while its last is still on the way, and no more than a block of
+    it is in RAM at once."""
+    data = os.urandom(4 * BLOCK_SIZE)
+    engine = make_engine({"f": data})
+    info = engine.namespace.lookup("/f").info
     assert info is not None
-    budget = engine.reader._ahead_memory
+    engine.faulty.faults.piece_latency_seconds = 0.3  # a slow link
     fetched: list[set[int]] = []
-    with budget.held(run):  # other runs hold all of it
-        waiting = threading.Thread(
-            target=lambda: fetched.append(engine.reader.fetch_run_ahead(info, range(4)))
-        )
-        waiting.start()
-        wait_until(lambda: bool(budget._changed._waiters), "the run to wait for the budget", 10.0)  # type: ignore[attr-defined]
-        assert joined(engine.reader.read(info, 0, run)) == data  # a reader brings every block meanwhile
-    waiting.join(10)
-    assert fetched == [set()]  # nothing left to fetch, and nothing claimed as fetched by the run
-    assert engine.store.get_count == 4  # the reader's GETs only
+    run = threading.Thread(target=lambda: fetched.append(engine.reader.fetch_run_ahead(info, range(4))))
+    run.start()
+    wait_until(lambda: engine.faulty.stream_starts, "the run's GET to start", 10.0)
+    assert joined(engine.reader.read(info, 0, 10)) == data[:10]
+    assert engine.reader._in_flight.busy(engine.reader.ref(info, 3))  # its last block still to come
+    run.join(10)
+    assert fetched == [{0, 1, 2, 3}]
+    assert engine.faulty.stream_starts == [0]  # one GET
+    assert joined(engine.reader.read(info, 0, len(data))) == data
 
 
 def test_served_bytes_are_counted_by_where_they_came_from(make_engine: EngineFactory) -> None:

@@ -155,16 +155,37 @@ def test_waiting_demand_requests_go_before_waiting_prefetches(io: LoopThread) ->
     assert io.run(scenario(), 5) == ["demand", "prefetch-0", "prefetch-1", "prefetch-2"]
 
 
-def test_a_slow_transfer_is_not_cut_at_the_attempt_timeout(io: LoopThread) -> None:
-    """A 32 MiB run at 2 MB/s outlasts the attempt timeout; retrying it from
-    the start could never succeed. A listing or a HEAD still is cut."""
-    slow = Faults(latency_seconds=FAST_FETCH.attempt_timeout * 2)
+def _streamed(io: LoopThread, fetcher: Fetcher, store: MemoryStore, piece: int) -> list[bytes]:
+    version = etag(store, io)
+
+    async def pieces() -> list[bytes]:
+        return [bytes(data) async for data in fetcher.stream_range("k", 0, 10, version, piece)]
+
+    return io.run(pieces(), 10)
+
+
+def test_a_broken_stream_resumes_where_it_broke(io: LoopThread) -> None:
     store = MemoryStore({"k": b"0123456789"})
+    faulty = FaultyStore(store, Faults(cut_after_pieces=2))
+    events = Events()
+    fetcher = Fetcher(faulty, FAST_FETCH, events)
+    assert _streamed(io, fetcher, store, 3) == [b"012", b"345", b"678", b"9"]
+    assert faulty.stream_starts == [0, 6]  # the second request asks for the bytes not received yet
+    assert events.retries == 1
+
+
+def test_a_slow_stream_is_not_cut_while_its_pieces_come(io: LoopThread) -> None:
+    """Each piece must come within the deadline, not the whole range: a
+    128 MiB run at 2 MB/s takes a minute. A listing or a HEAD, whose answer
+    is small, is still cut at the attempt timeout."""
+    store = MemoryStore({"k": b"0123456789"})
+    slow = Faults(piece_latency_seconds=FAST_FETCH.deadline / 3)
     faulty = FaultyStore(store, slow)
     events = Events()
     fetcher = Fetcher(faulty, FAST_FETCH, events)
-    assert io.run(fetcher.get_range("k", 0, 5, etag(store, io)), 10) == b"01234"
+    assert b"".join(_streamed(io, fetcher, store, 2)) == b"0123456789"  # 5 pieces: 4/3 of a deadline
     assert events.retries == 0
+    slow.piece_latency_seconds, slow.latency_seconds = 0.0, FAST_FETCH.attempt_timeout * 2
     with pytest.raises(DeadlineExceeded):
         io.run(fetcher.call("head k", lambda: faulty.head("k"), "metadata"), 10)
     assert events.retries > 0
