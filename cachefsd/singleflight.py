@@ -63,23 +63,28 @@ class SingleFlight(Generic[K, V]):
     def _settle(self, futures: dict[K, Future[V]], compute: Callable[[Callable[[K, V], None]], None]) -> None:
         """Run the leader's ``compute``, which settles the keys of
         ``futures`` one by one; hand its exception to those it did not
-        settle, and free the keys."""
+        settle. A key is freed as soon as it is settled: its value is then
+        held only by the callers waiting for it (a run's blocks are not all
+        in RAM until its last one comes), and the next caller computes anew
+        (a fetched block is in the cache by then)."""
+        pending = futures  # emptied as keys settle: the caller's dict must not keep their values
 
         def settle(key: K, value: V) -> None:
-            futures[key].set_result(value)
+            future = pending.pop(key)
+            with self._lock:
+                del self._calls[key]
+            future.set_result(value)
 
         try:
             compute(settle)
         except BaseException as exc:
-            for future in futures.values():
-                if not future.done():
-                    future.set_exception(exc)
+            for future in pending.values():
+                future.set_exception(exc)
             raise
         else:
-            for key, future in futures.items():
-                if not future.done():
-                    future.set_exception(RuntimeError(f"the leader did not compute {key!r}"))
+            for key, future in pending.items():
+                future.set_exception(RuntimeError(f"the leader did not compute {key!r}"))
         finally:
             with self._lock:
-                for key in futures:
+                for key in pending:
                     del self._calls[key]
