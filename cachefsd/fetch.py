@@ -116,7 +116,8 @@ class Fetcher:
         self._slots = self._slots or PrioritySlots(self._settings.concurrency)  # of the running loop
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._settings.deadline
-        attempts, cause = 0, None
+        attempts = 0
+        cause: Exception | None = None
         position = start
         while True:
             started, received = time.monotonic(), 0
@@ -142,13 +143,8 @@ class Fetcher:
                     self._slots.release()
                 self._events.fetch_done(kind, time.monotonic() - started, received)
                 return
-            except StoreError as exc:
-                if not exc.retryable:
-                    self._events.fetch_failed(kind)
-                    raise
-                cause = exc
-            except TimeoutError as exc:
-                cause = cause or exc
+            except (StoreError, TimeoutError) as exc:
+                cause = self._worth_retrying(exc, kind, cause)
             attempts += 1
             await self._back_off(key, kind, attempts, cause, deadline)
 
@@ -175,17 +171,24 @@ class Fetcher:
                 result = await asyncio.wait_for(limited, min(self._settings.attempt_timeout, remaining))
                 self._events.fetch_done(kind, time.monotonic() - started, 0)
                 return result
-            except StoreError as exc:
-                if not exc.retryable:
-                    self._events.fetch_failed(kind)
-                    raise
-                cause = exc
-            except TimeoutError as exc:
-                # An error the store gave says more than a timeout, which may
-                # only be the deadline cutting the last attempt short.
-                cause = cause or exc
+            except (StoreError, TimeoutError) as exc:
+                cause = self._worth_retrying(exc, kind, cause)
             attempts += 1
             await self._back_off(what, kind, attempts, cause, deadline)
+
+    def _worth_retrying(
+        self, exc: StoreError | TimeoutError, kind: FetchKind, cause: Exception | None
+    ) -> Exception:
+        """What to report if the attempts run out, after ``exc`` failed one;
+        ``exc`` again, at once, when retrying cannot help. An error the store
+        gave says more than a timeout, which may only be the deadline
+        cutting the last attempt short."""
+        if isinstance(exc, TimeoutError):
+            return cause or exc
+        if not exc.retryable:
+            self._events.fetch_failed(kind)
+            raise exc
+        return exc
 
     async def _back_off(
         self, what: str, kind: FetchKind, attempts: int, cause: Exception | None, deadline: float
