@@ -493,14 +493,18 @@ def test_gcs_unreachable_endpoint_names_it(monkeypatch: pytest.MonkeyPatch) -> N
     assert "Secret9" not in _full_text(caught.value)
 
 
-def test_s3_reads_a_chunked_body(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("endpoint", ["sends chunked bodies", "ignores Range"])
+def test_s3_reads_what_odd_endpoints_send(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A proxy or an S3-compatible store may send a GET's body chunked, with
-    no Content-Length: the range is still read whole."""
+    no Content-Length, or ignore Range and send the whole object: the range
+    is still read exactly, in pieces as in one."""
     data = os.urandom(1 << 20)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
 
     async def get(request: web.Request) -> web.StreamResponse:
+        if endpoint == "ignores Range":
+            return web.Response(body=data, headers={"ETag": '"abc"'})
         first, last = (int(end) for end in request.headers["Range"].removeprefix("bytes=").split("-"))
         headers = {"ETag": '"abc"', "Content-Range": f"bytes {first}-{last}/{len(data)}"}
         response = web.StreamResponse(status=206, headers=headers)
@@ -510,7 +514,7 @@ def test_s3_reads_a_chunked_body(monkeypatch: pytest.MonkeyPatch) -> None:
         await response.write_eof()
         return response
 
-    async def body() -> bytes | bytearray:
+    async def body() -> tuple[bytes | bytearray, list[bytes]]:
         app = web.Application()
         app.router.add_get("/{tail:.*}", get)
         runner = web.AppRunner(app)
@@ -521,12 +525,19 @@ def test_s3_reads_a_chunked_body(monkeypatch: pytest.MonkeyPatch) -> None:
             "bkt", "", StoreSettings(endpoint_url=f"http://127.0.0.1:{port}"), ATTEMPT_TIMEOUT_SECONDS
         )
         try:
-            return await store.get_range("k", 4096, 4096 + 70_000, "abc")
+            whole = await store.get_range("k", 4096, 4096 + 70_000, "abc")
+            pieces = [
+                bytes(piece) async for piece in store.stream_range("k", 4096, 4096 + 70_000, "abc", 16384)
+            ]
+            return whole, pieces
         finally:
             await store.close()
             await runner.cleanup()
 
-    assert _run_alone(body) == data[4096 : 4096 + 70_000]
+    whole, pieces = _run_alone(body)
+    assert whole == data[4096 : 4096 + 70_000]
+    assert b"".join(pieces) == whole
+    assert [len(piece) for piece in pieces] == [16384] * 4 + [70_000 - 4 * 16384]
 
 
 def test_s3_without_credentials_is_access_denied(
