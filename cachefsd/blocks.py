@@ -293,11 +293,11 @@ class BlockReader:
         tier, fd = hit
         return FileSpan(fd, HEADER_SIZE + lo, hi - lo), tier, 0.0
 
-    def _remember(self, ref: BlockRef, data: bytes | memoryview, raw: bool) -> None:
+    def _remember(self, ref: BlockRef, data: bytes | bytearray, raw: bool) -> None:
         """Keep a block's next reads cheap: a raw block is served from its
         file, any other (compressed, or not admitted) decoded from RAM, as
-        a copy: a fetched block is a view that would keep its whole run's
-        buffer alive."""
+        bytes (a fetched block arrives as a bytearray, and the pieces the
+        buffer serves are handed to libfuse as bytes)."""
         if not raw:
             self._memory.put(ref, bytes(data))
 
@@ -336,12 +336,6 @@ class BlockReader:
         """The tier holding block ``index`` of ``info``, or None."""
         digest = self.digest(info, index)
         return None if digest is None else self._cache.tier_of(digest)
-
-    def fetch_ahead(
-        self, info: ObjectInfo, index: int, tier: str | None = None, next_use: float | None = None
-    ) -> bool:
-        """``fetch_run_ahead`` of one block; True if this call fetched it."""
-        return bool(self.fetch_run_ahead(info, range(index, index + 1), tier, next_use))
 
     def fetch_run_ahead(
         self, info: ObjectInfo, indices: range, tier: str | None = None, next_use: float | None = None

@@ -88,15 +88,6 @@ class Fetcher:
     def deadline(self) -> float:
         return self._settings.deadline
 
-    async def get_range(
-        self, key: str, start: int, end: int, etag: str, kind: FetchKind = "demand"
-    ) -> bytes | bytearray:
-        """Bytes ``[start, end)`` of version ``etag`` of ``key``, exactly
-        ``end - start`` of them, or a ``StoreError`` (``stream_range``'s
-        rules, in one piece)."""
-        pieces = [data async for data in self.stream_range(key, start, end, etag, max(1, end - start), kind)]
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
     async def stream_range(
         self, key: str, start: int, end: int, etag: str, piece: int, kind: FetchKind = "demand"
     ) -> AsyncIterator[bytes | bytearray]:
@@ -135,8 +126,6 @@ class Fetcher:
                             position, received = position + len(data), received + len(data)
                             yield data
                             deadline = loop.time() + self._settings.deadline
-                        if end <= start:  # nothing to read: the store only checks the version
-                            await asyncio.wait_for(anext(pieces, b""), deadline - loop.time())
                     finally:
                         await pieces.aclose()
                 finally:

@@ -130,6 +130,13 @@ def redact_url(url: str) -> str:
     return f"{prefix}{host}{port}{parts.path.rstrip('/')}"
 
 
+async def gathered(pieces: AsyncIterator[bytes | bytearray]) -> bytes | bytearray:
+    """A stream's pieces as one buffer (the piece itself when there is one:
+    no copy)."""
+    got = [piece async for piece in pieces]
+    return got[0] if len(got) == 1 else b"".join(got)
+
+
 # A store whose client cannot stream a response (GCS's, a local file, the
 # in-memory fake) serves a long range as GETs of at most this many bytes,
 # cut into pieces: what one of its ranges holds in RAM at once.

@@ -46,7 +46,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from cachefsd.config import StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
-from cachefsd.store.base import Listing, ListingPage, ObjectInfo, redact_url
+from cachefsd.store.base import Listing, ListingPage, ObjectInfo, gathered, redact_url
 
 # Used when neither the settings nor the AWS config name a region. Requests to
 # a bucket in another region are redirected by S3 itself; us-east-1 is what
@@ -280,8 +280,7 @@ class S3Store:
         )
 
     async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes | bytearray:
-        pieces = [data async for data in self.stream_range(key, start, end, etag, max(1, end - start))]
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        return await gathered(self.stream_range(key, start, end, etag, max(1, end - start)))
 
     async def stream_range(
         self, key: str, start: int, end: int, etag: str, piece: int

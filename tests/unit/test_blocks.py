@@ -188,7 +188,7 @@ def test_served_bytes_are_counted_by_where_they_came_from(make_engine: EngineFac
 
 
 def test_a_prefetch_that_joins_a_demand_get_did_not_fetch(make_engine: EngineFactory) -> None:
-    """The prefetcher counts what ``fetch_ahead`` fetched as issued: a GET
+    """The prefetcher counts what ``fetch_run_ahead`` fetched as issued: a GET
     a read had started is the read's, or accuracy reads above the truth."""
     data = os.urandom(BLOCK_SIZE)
     engine = make_engine({"f": data})
@@ -201,11 +201,11 @@ def test_a_prefetch_that_joins_a_demand_get_did_not_fetch(make_engine: EngineFac
     reader.start()
     wait_until(lambda: engine.faulty.calls > calls, "the read's GET to start", 10.0)
     assert engine.store.get_count == 0  # the read's GET is in flight (counted when it lands)
-    assert engine.reader.fetch_ahead(info, 0) is False
+    assert engine.reader.fetch_run_ahead(info, range(1)) == set()
     reader.join(10)
     assert results == [data[:10]]
     assert engine.store.get_count == 1
-    assert engine.reader.fetch_ahead(info, 0) is False  # cached now
+    assert engine.reader.fetch_run_ahead(info, range(1)) == set()  # cached now
 
 
 def test_a_read_that_joined_a_prefetch_which_gave_up_is_not_retried_at_once(
@@ -221,7 +221,7 @@ def test_a_read_that_joined_a_prefetch_which_gave_up_is_not_retried_at_once(
 
     def prefetch_that_gives_up() -> None:
         with contextlib.suppress(DeadlineExceeded):
-            engine.reader.fetch_ahead(info, 0)
+            engine.reader.fetch_run_ahead(info, range(1))
 
     prefetch = threading.Thread(target=prefetch_that_gives_up)
     prefetch.start()

@@ -12,6 +12,7 @@ from cachefsd.aio import LoopThread
 from cachefsd.config import FetchSettings
 from cachefsd.errors import AccessDenied, DeadlineExceeded, ObjectChanged, StoreError
 from cachefsd.fetch import Fetcher, PrioritySlots
+from cachefsd.store.base import gathered
 from cachefsd.store.faulty import Faults, FaultyStore
 from cachefsd.store.memory import MemoryStore
 from tests.unit.conftest import FAST_FETCH
@@ -41,9 +42,14 @@ def etag(store: MemoryStore, io: LoopThread) -> str:
     return io.run(store.head("k"), 5).etag
 
 
+def fetch(io: LoopThread, fetcher: Fetcher, start: int, end: int, version: str, timeout: float) -> bytes:
+    """Bytes ``[start, end)`` of "k" through ``fetcher``, in one piece."""
+    return bytes(io.run(gathered(fetcher.stream_range("k", start, end, version, end - start)), timeout))
+
+
 def test_transient_errors_are_retried(io: LoopThread) -> None:
     fetcher, store, events = setup(Faults(failures_left=3))
-    assert io.run(fetcher.get_range("k", 2, 5, etag(store, io)), 5) == b"234"
+    assert fetch(io, fetcher, 2, 5, etag(store, io), 5) == b"234"
     assert events.retries == 3
     assert events.done == 1
 
@@ -52,7 +58,7 @@ def test_a_hanging_store_fails_within_the_deadline(io: LoopThread) -> None:
     fetcher, store, events = setup(Faults(hang=True))
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded):
-        io.run(fetcher.get_range("k", 0, 5, etag(store, io)), 10)
+        fetch(io, fetcher, 0, 5, etag(store, io), 10)
     assert time.monotonic() - started < FAST_FETCH.deadline + 1
     assert events.failed == 1
 
@@ -96,7 +102,7 @@ def test_a_request_waiting_when_the_loop_stops_fails_at_once() -> None:
 def test_permanent_errors_are_not_retried(io: LoopThread, error: type[Exception]) -> None:
     fetcher, store, events = setup(Faults(failures_left=1, error=error))  # type: ignore[arg-type]
     with pytest.raises(error):
-        io.run(fetcher.get_range("k", 0, 5, etag(store, io)), 5)
+        fetch(io, fetcher, 0, 5, etag(store, io), 5)
     assert events.retries == 0
 
 
@@ -105,13 +111,13 @@ def test_a_changed_object_is_never_read(io: LoopThread) -> None:
     old = etag(store, io)
     store.put("k", b"new content")
     with pytest.raises(ObjectChanged):
-        io.run(fetcher.get_range("k", 0, 5, old), 5)
+        fetch(io, fetcher, 0, 5, old, 5)
 
 
 def test_a_short_read_is_retried_then_fails(io: LoopThread) -> None:
     fetcher, store, _ = setup(Faults())
     with pytest.raises(DeadlineExceeded, match="short read"):
-        io.run(fetcher.get_range("k", 5, 20, etag(store, io)), 10)
+        fetch(io, fetcher, 5, 20, etag(store, io), 10)
 
 
 def test_giving_up_names_the_stores_last_error_not_a_timeout(io: LoopThread) -> None:

@@ -134,7 +134,7 @@ def test_opening_a_cached_sample_starts_loading_its_block(
         info = engine.namespace.lookup("/" + key).info
         assert info is not None
         for index in range(blocks):
-            assert engine.reader.fetch_ahead(info, index)
+            assert engine.reader.fetch_run_ahead(info, range(index, index + 1)) == {index}
     warm = engine.reader.warm
     warmed: list[tuple[str, int, bool, bool]] = []
 

@@ -190,7 +190,7 @@ def test_with_a_hint_a_full_cache_gives_up_what_is_read_last_for_what_is_read_fi
     infos = [engine.namespace.lookup("/" + key).info for key in order]
     assert all(info is not None for info in infos)
     for info in infos[4:]:
-        assert engine.reader.fetch_ahead(info, 0)  # cached, not read yet: due this epoch
+        assert engine.reader.fetch_run_ahead(info, range(1)) == {0}  # cached, not read yet: due this epoch
     prefetcher = Prefetcher(
         model, engine.namespace, engine.reader, PrefetchSettings(concurrency=1), engine.metrics
     )
@@ -299,7 +299,7 @@ def test_with_a_hint_cached_files_are_warmed_nearest_first_within_the_budget(
     infos = [engine.namespace.lookup("/" + key).info for key in order]
     for info in infos:
         assert info is not None
-        engine.reader.fetch_ahead(info, 0)
+        engine.reader.fetch_run_ahead(info, range(1))
     warmed = engine.metrics.prefetch_warmed_bytes._value.get
     warm = engine.reader.warm
     warmed_keys: list[str] = []
@@ -327,7 +327,7 @@ def test_without_a_plan_nothing_is_warmed(make_engine: EngineFactory, dataset: d
     for key in dataset:
         info = engine.namespace.lookup("/" + key).info
         assert info is not None
-        engine.reader.fetch_ahead(info, 0)
+        engine.reader.fetch_run_ahead(info, range(1))
     model = AccessModel()
     prefetcher = Prefetcher(model, engine.namespace, engine.reader, PrefetchSettings(), engine.metrics)
     prefetcher.start()
