@@ -143,8 +143,9 @@ def compile_include(pattern: str | None) -> Callable[[str], bool]:
     (rules in the module docstring and ``globs``)."""
     if pattern is None:
         return lambda _path: True
-    glob = PathGlob(pattern.lstrip("/"))
-    if "/" not in pattern.lstrip("/"):
+    pattern = pattern.lstrip("/")
+    glob = PathGlob(pattern)
+    if "/" not in pattern:
         return lambda path: glob.matches(path.rpartition("/")[2])
     return glob.matches
 

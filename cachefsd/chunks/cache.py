@@ -385,7 +385,7 @@ class TieredCache:
         self,
         ref: BlockRef,
         digest: str,
-        data: bytes | memoryview,
+        data: bytes | bytearray,
         identity: tuple[str, int] | None = None,
         tier: str | None = None,
         ahead: bool = False,
@@ -434,7 +434,7 @@ class TieredCache:
             self._events.cache_error(stored.tier)
             self._forget(stored.hash)
 
-    def _place(self, position: int, digest: str, data: bytes | memoryview, ahead: bool = False) -> int:
+    def _place(self, position: int, digest: str, data: bytes | bytearray, ahead: bool = False) -> int:
         """Write ``data`` into tier ``position``, demoting or evicting what
         its policy gives up for it; the frame's bytes on disk."""
         tier = self._tiers[position]

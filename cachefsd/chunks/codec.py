@@ -39,12 +39,12 @@ class CorruptBlock(Exception):
     """A frame that does not decode to the content its header (or name) claims."""
 
 
-def content_hash(data: bytes | memoryview) -> str:
+def content_hash(data: bytes | bytearray | memoryview) -> str:
     """The name of a block: xxh3_128 of its content, as 32 hex digits."""
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def encode(data: bytes | memoryview, codec: Codec = Codec.RAW) -> bytes:
+def encode(data: bytes | bytearray, codec: Codec = Codec.RAW) -> bytes:
     """A complete frame for ``data``. LZ4 is skipped when it does not shrink
     the block (already-compressed images, tensors): decoding it would be pure cost."""
     payload = data
