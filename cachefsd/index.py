@@ -226,11 +226,13 @@ class Index:
         with self._lock:
             self._refs.clear()
             self._refs_by_hash.clear()
-        with self._lock, self._db:
-            self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM block_refs")
-            self._db.execute("DELETE FROM identities")
-            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (BLOCK_SIZE_META, str(block_size)))
+            with self._db:
+                self._db.execute("BEGIN")
+                self._db.execute("DELETE FROM block_refs")
+                self._db.execute("DELETE FROM identities")
+                self._db.execute(
+                    "INSERT OR REPLACE INTO meta VALUES (?, ?)", (BLOCK_SIZE_META, str(block_size))
+                )
 
     def remove_block(self, digest: str) -> None:
         """Forget a block and every reference to it (eviction, corruption)."""
