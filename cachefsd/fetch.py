@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Literal, Protocol, TypeVar
 
 from cachefsd.config import FetchSettings
-from cachefsd.errors import DeadlineExceeded, StoreError
+from cachefsd.errors import DeadlineExceeded, ObjectChanged, ObjectNotFound, StoreError
 from cachefsd.store.base import ObjectStore
 
 T = TypeVar("T")
@@ -132,6 +132,12 @@ class Fetcher:
                     self._slots.release()
                 self._events.fetch_done(kind, time.monotonic() - started, received)
                 return
+            except ObjectNotFound as exc:
+                # The version the read is pinned to went with its object: to
+                # a reader, the object changed (EIO, and the listing that
+                # showed it is dropped), not "no such file" from read().
+                self._events.fetch_failed(kind)
+                raise ObjectChanged(f"{key} was deleted; the read was pinned to version {etag}") from exc
             except (StoreError, TimeoutError) as exc:
                 cause = self._worth_retrying(exc, kind, cause)
             attempts += 1

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
 from cachefsd.blocks import BlockReader, Piece
-from cachefsd.errors import BadFileHandle, IsADirectory, ObjectChanged, ObjectNotFound, ReadOnly
+from cachefsd.errors import BadFileHandle, IsADirectory, ObjectChanged, ReadOnly
 from cachefsd.namespace.tree import Namespace
 from cachefsd.store.base import ObjectInfo
 
@@ -168,16 +168,12 @@ class FileSystem:
         self._access.read(info, offset, size)
         try:
             return self._reader.read(info, offset, size)
-        except (ObjectChanged, ObjectNotFound) as exc:
-            # Overwritten or deleted since the open: the listing that showed
-            # this version is dropped, so the next open sees what is there
-            # now, and the read fails as any read of a changed object does
-            # (EIO: a loader that takes ENOENT for "no such sample" would
-            # skip it silently).
+        except ObjectChanged:
+            # Overwritten or deleted since the open (the fetcher reports a
+            # deleted version as changed): the listing that showed it is
+            # dropped, so the next open sees what is there now.
             self._namespace.invalidate(info.key)
             self._size_may_be_stale(info)
-            if isinstance(exc, ObjectNotFound):
-                raise ObjectChanged(f"{info.key} was deleted since it was opened") from exc
             raise
 
     def version_gone(self, info: ObjectInfo) -> None:
