@@ -332,6 +332,7 @@ def test_a_mount_stopped_before_it_is_ready_leaves_no_daemon_behind(
     # The command waited for its daemon: had it not stopped it, the daemon
     # would now go on to mount, with the lock released.
     assert not pid_alive(held.daemon), "the daemon outlived the mount command that was stopped"
+    assert not os.path.ismount(held.mountpoint)
 
 
 @pytest.mark.parametrize(

@@ -461,6 +461,18 @@ def test_verify_finds_and_repairs_damage(tmp_path: Path) -> None:
         assert not clean.missing
 
 
+def test_a_repair_the_index_cannot_record_is_reported_unrepaired(tmp_path: Path) -> None:
+    """A full index disk: dropping the bad block fails, and the report says
+    so rather than claiming a repair (the CLI then exits 1)."""
+    with tiered(tmp_path, 1 << 20) as (cache, _):
+        digests = [admit(cache, ref(f"k{i}"), os.urandom(3000)) for i in range(2)]
+        cache.tiers[0].path_of(digests[0]).write_bytes(b"rotten")
+        cache._index._db.execute("PRAGMA query_only = ON")  # sqlite refuses every write, as when full
+        report = cache.verify(repair=True)
+        assert report.corrupt == [digests[0]]
+        assert report.unrepaired == [digests[0]]
+
+
 operations = st.lists(
     st.tuples(
         st.sampled_from(["admit", "read", "release"]),

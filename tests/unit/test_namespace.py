@@ -85,8 +85,12 @@ def test_a_listing_whose_pages_go_in_a_circle_fails_instead_of_listing_forever(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = make_engine({"d/a": b"a"})
+    pages = 0
 
     async def circular(prefix: str, token: str | None) -> ListingPage:
+        nonlocal pages
+        pages += 1
+        assert pages < 100, "listed the same page over and over"  # a regression fails here, at once
         return ListingPage(Listing((), ()), "again")
 
     monkeypatch.setattr(engine.store, "list_page", circular)

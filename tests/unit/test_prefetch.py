@@ -389,9 +389,11 @@ def test_consecutive_blocks_of_a_file_are_fetched_with_one_get(make_engine: Engi
     with start(engine, PrefetchSettings()) as prefetcher:
         prefetcher.hint(["big.bin"])
         wait_for(lambda: all(engine.reader.residency(info, i) for i in range(7)), "the whole file cached")
+        # Counted once the run is over, after its blocks are cached.
+        issued = engine.metrics.prefetch_issued_bytes._value.get
+        wait_for(lambda: issued() == len(data), "the run to be accounted for")
     assert engine.store.get_count == 1
     assert joined(engine.reader.read(info, 0, len(data))) == data
-    assert engine.metrics.prefetch_issued_bytes._value.get() == len(data)
 
 
 def test_a_stream_through_a_large_file_is_fetched_in_runs_ahead_of_the_reader(
