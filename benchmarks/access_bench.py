@@ -218,6 +218,8 @@ def bench_contender(key: str, ctx: Context, repeat: int) -> dict[str, Any]:
         ):
             drop_page_cache()
             result = in_child(target, root, local, *args)
+            if pattern is None and "error" in result:
+                raise RuntimeError(f"caching the object the random reads are of: {result['error']}")
             if pattern is not None:
                 row[pattern] = result
                 log(f"    {pattern}: {result}")
