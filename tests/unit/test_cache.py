@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from cachefsd.cachedir import TierSpec, open_cache, verify
+from cachefsd.cachedir import TierSpec, gc, open_cache, verify
 from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.codec import Codec, content_hash, decode, encode
 from cachefsd.chunks.policy import LruPolicy, MinioPolicy, ObservedEpochs, PlannedUse
@@ -280,9 +280,13 @@ def _reopen(root: Path, block_size: int, migrate: bool = True) -> bool:
     ) as opened:
         found = opened.cache.lookup(ref("k")) is not None
         if not found:
-            data = b"k" * 8192
-            opened.cache.admit(ref("k"), content_hash(data), data)
+            opened.cache.admit(ref("k"), content_hash(_block_at(block_size)), _block_at(block_size))
         return found
+
+
+def _block_at(block_size: int) -> bytes:
+    """Block 0 of k when read at ``block_size``: other bytes at another size."""
+    return f"k at {block_size}".encode() * 512
 
 
 def test_a_cache_mounted_at_another_block_size_forgets_its_blocks(
@@ -297,6 +301,10 @@ def test_a_cache_mounted_at_another_block_size_forgets_its_blocks(
     assert not _reopen(tmp_path, 1 << 20)
     assert "filled at 4.0 MiB blocks, now read at 1.0 MiB" in caplog.text
     assert _reopen(tmp_path, 1 << 20)
+    # The block of the old size went with its references: one block file left, the new one.
+    assert sorted(path.name for path in (tmp_path / "hot" / "blocks").rglob("*") if path.is_file()) == [
+        content_hash(_block_at(1 << 20))
+    ]
 
 
 def test_a_stage_at_another_block_size_refuses_and_keeps_the_cache(tmp_path: Path) -> None:
@@ -385,13 +393,18 @@ def test_a_damaged_index_is_set_aside_not_a_failed_mount(
     assert (tmp_path / "index.sqlite.damaged").read_bytes().startswith(b"not a database")  # for a post-mortem
 
 
-def test_maintenance_reports_a_damaged_index_and_leaves_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "maintain",
+    [lambda d: verify(d, repair=False), lambda d: verify(d, repair=True), gc],
+    ids=["verify", "verify --repair", "gc"],
+)
+def test_maintenance_reports_a_damaged_index_and_leaves_it(tmp_path: Path, maintain: Any) -> None:
     """verify and gc diagnose; they must not replace the evidence with an
     empty index and then say the directory holds no cache."""
     damaged = b"not a database, whatever happened to it" * 100
     (tmp_path / "index.sqlite").write_bytes(damaged)
     with pytest.raises(CachefsdError, match=r"index\.sqlite is damaged .*: the next mount sets it aside"):
-        verify(tmp_path, repair=False)
+        maintain(tmp_path)
     assert (tmp_path / "index.sqlite").read_bytes() == damaged
 
 
