@@ -332,6 +332,18 @@ def _read_direct(path: Path) -> bytes:
     return b"".join(pieces)
 
 
+@contextlib.contextmanager
+def _tiny_disk(path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs at ``path``, owner-only as a cache directory must be;
+    unmounted afterwards."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,mode=0700", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 def test_full_cache_disk_falls_back_to_the_network(
     tmp_path: Path, s3_server: S3TestServer, s3_client: Any, mounter: MountFactory
 ) -> None:
@@ -344,46 +356,43 @@ def test_full_cache_disk_falls_back_to_the_network(
     unique.update({f"small/{i:02d}.bin": os.urandom(KiB + i) for i in range(96)})
     objects = {**unique, **{f"copy/{key}": body for key, body in unique.items()}}
     bucket = _new_bucket(s3_client, objects)
-    cache_dir = tmp_path / "tiny"
-    cache_dir.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,mode=0700", "tmpfs", str(cache_dir)], check=True)
     flags = ("--endpoint-url", s3_server.endpoint_url, "--block-size", "64K", "--cache-size", "64M")
     mount: Mount | None = None
-    try:
-        mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
-        for _ in range(2):
+    with _tiny_disk(tmp_path / "tiny") as cache_dir:
+        try:
+            mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
+            for _ in range(2):
+                for name, body in objects.items():
+                    assert _read_direct(mount.path(name)) == body, f"{name} wrong on a full cache disk"
             for name, body in objects.items():
-                assert _read_direct(mount.path(name)) == body, f"{name} wrong on a full cache disk"
-        for name, body in objects.items():
-            assert mount.path(name).read_bytes() == body
-        # The disk did fill: index commits failed (block writes mostly do
-        # not, as a tier stays within its filesystem's free space).
-        assert "database or disk is full" in (cache_dir / "cachefsd.log").read_text()
-        assert mount.alive
-        mount.unmount()
-        # The cache left room on the disk it filled: the maintenance
-        # commands and the next mount run on it, without a hand clean-up.
-        # Index rows the full disk kept from being dropped are reported;
-        # a repair that cannot drop them (the index's disk is still full)
-        # says so and fails, and never claims it did.
-        result = run_cli("verify", "--cache-dir", str(cache_dir))
-        assert result.stdout.startswith("checked "), result.stdout + result.stderr
-        found_bad = any(line.startswith(("corrupt ", "missing ")) for line in result.stdout.splitlines())
-        assert result.returncode == (1 if found_bad else 0), result.stdout + result.stderr
-        result = run_cli("verify", "--repair", "--cache-dir", str(cache_dir))
-        assert "Traceback" not in result.stderr, result.stderr
-        not_repaired = "not repaired: " in result.stdout
-        assert result.returncode == (1 if not_repaired else 0), result.stdout + result.stderr
-        result = run_cli("gc", "--cache-dir", str(cache_dir))
-        assert result.returncode == 0, result.stdout + result.stderr
-        mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
-        for name, body in objects.items():
-            assert mount.path(name).read_bytes() == body
-        mount.unmount()
-    finally:
-        if mount is not None:
-            force_unmount(mount.mountpoint)
-        subprocess.run(["umount", "-l", str(cache_dir)], check=False)
+                assert mount.path(name).read_bytes() == body
+            # The disk did fill: index commits failed (block writes mostly do
+            # not, as a tier stays within its filesystem's free space).
+            assert "database or disk is full" in (cache_dir / "cachefsd.log").read_text()
+            assert mount.alive
+            mount.unmount()
+            # The cache left room on the disk it filled: the maintenance
+            # commands and the next mount run on it, without a hand clean-up.
+            # Index rows the full disk kept from being dropped are reported;
+            # a repair that cannot drop them (the index's disk is still full)
+            # says so and fails, and never claims it did.
+            result = run_cli("verify", "--cache-dir", str(cache_dir))
+            assert result.stdout.startswith("checked "), result.stdout + result.stderr
+            found_bad = any(line.startswith(("corrupt ", "missing ")) for line in result.stdout.splitlines())
+            assert result.returncode == (1 if found_bad else 0), result.stdout + result.stderr
+            result = run_cli("verify", "--repair", "--cache-dir", str(cache_dir))
+            assert "Traceback" not in result.stderr, result.stderr
+            not_repaired = "not repaired: " in result.stdout
+            assert result.returncode == (1 if not_repaired else 0), result.stdout + result.stderr
+            result = run_cli("gc", "--cache-dir", str(cache_dir))
+            assert result.returncode == 0, result.stdout + result.stderr
+            mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
+            for name, body in objects.items():
+                assert mount.path(name).read_bytes() == body
+            mount.unmount()
+        finally:
+            if mount is not None:
+                force_unmount(mount.mountpoint)
 
 
 def test_an_index_disk_filled_while_no_daemon_runs_is_named(
@@ -392,27 +401,24 @@ def test_an_index_disk_filled_while_no_daemon_runs_is_named(
     """sqlite cannot create its write-ahead log on a disk something else
     filled after a clean unmount, and says only "disk I/O error"."""
     bucket = _new_bucket(s3_client, {"a.bin": b"a" * KiB})
-    cache_dir = tmp_path / "index-disk"
-    cache_dir.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,mode=0700", "tmpfs", str(cache_dir)], check=True)
     flags = ("--endpoint-url", s3_server.endpoint_url, "--hot", str(tmp_path / "hot"), "--hot-size", "8M")
-    try:
-        mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
-        assert mount.path("a.bin").read_bytes() == b"a" * KiB
-        mount.unmount()
-        with open(cache_dir / "filler", "wb", buffering=0) as filler:
-            for chunk in (65536, 4096, 512):
-                with contextlib.suppress(OSError):  # ENOSPC: on to a smaller chunk, to the last byte
-                    while filler.write(b"\0" * chunk):
-                        pass
-        again = ("mount", f"s3://{bucket}", str(mount.mountpoint), "--cache-dir", str(cache_dir), *flags)
-        result = run_cli(*again, "--no-metrics")
-        assert result.returncode != 0
-        assert "cache.dir: cannot open the index" in result.stderr
-        assert "its disk is full: free space on it, or give another --cache-dir" in result.stderr
-    finally:
-        force_unmount(tmp_path / "mnt")
-        subprocess.run(["umount", "-l", str(cache_dir)], check=False)
+    with _tiny_disk(tmp_path / "index-disk") as cache_dir:
+        try:
+            mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
+            assert mount.path("a.bin").read_bytes() == b"a" * KiB
+            mount.unmount()
+            with open(cache_dir / "filler", "wb", buffering=0) as filler:
+                for chunk in (65536, 4096, 512):
+                    with contextlib.suppress(OSError):  # ENOSPC: on to a smaller chunk, to the last byte
+                        while filler.write(b"\0" * chunk):
+                            pass
+            again = ("mount", f"s3://{bucket}", str(mount.mountpoint), "--cache-dir", str(cache_dir), *flags)
+            result = run_cli(*again, "--no-metrics")
+            assert result.returncode != 0
+            assert "cache.dir: cannot open the index" in result.stderr
+            assert "its disk is full: free space on it, or give another --cache-dir" in result.stderr
+        finally:
+            force_unmount(tmp_path / "mnt")
 
 
 # -- two daemons, one cache directory --------------------------------------------------------
