@@ -16,6 +16,7 @@ cached adopts its blocks without a GET (``dedup_by_etag``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -305,6 +306,10 @@ class BlockReader:
         """The content hash cached for block ``index`` of ``info``, or None."""
         return self._cache.lookup(self.ref(info, index))
 
+    def fetching(self, info: ObjectInfo, index: int) -> bool:
+        """Whether a GET of block ``index`` of ``info`` is under way."""
+        return self._in_flight.busy(self.ref(info, index))
+
     def cache_room(self, next_use: float | None = None, wanted: int | None = None) -> int:
         """Bytes the cache would keep of blocks fetched ahead now (planned to
         be read at ``next_use``, if known), counted until ``wanted`` bytes
@@ -338,7 +343,13 @@ class BlockReader:
         return None if digest is None else self._cache.tier_of(digest)
 
     def fetch_run_ahead(
-        self, info: ObjectInfo, indices: range, tier: str | None = None, next_use: float | None = None
+        self,
+        info: ObjectInfo,
+        indices: range,
+        tier: str | None = None,
+        next_use: float | None = None,
+        proceed: Callable[[int], bool] | None = None,
+        led: Callable[[], None] | None = None,
     ) -> set[int]:
         """Bring consecutive blocks ``indices`` of ``info`` into the cache
         before anyone reads them (prefetch, stage), planned to be read at
@@ -348,7 +359,13 @@ class BlockReader:
         Returns the indices this call fetched: not those cached, nor those
         whose GET another caller (a demand read) had started. A demand read
         of any of them meanwhile waits for this GET, until its block has
-        come, and the GET never waits in line before one (kind "prefetch")."""
+        come, and the GET never waits in line before one (kind "prefetch").
+
+        ``proceed(index)``, asked before each block after the first, may
+        stop the GET there: a reader waiting on a later block then fetches
+        it itself. ``led()`` is called once the blocks this call fetches
+        are claimed, before their GET: from then on a read of one waits for
+        this call."""
         wanted: dict[BlockRef, int] = {}
         for index in indices:
             ref = self.ref(info, index)
@@ -359,13 +376,23 @@ class BlockReader:
                 continue
             wanted[ref] = index
 
+        fetched: set[int] = set()
+
         def fetch(
             refs: list[BlockRef], settle: Callable[[BlockRef, tuple[str, bytes | bytearray]], None]
         ) -> None:
-            self._fetch_blocks(info, {ref: wanted[ref] for ref in refs}, "prefetch", settle, tier, next_use)
+            if led is not None:
+                led()
 
-        led = self._in_flight.lead(list(wanted), fetch)
-        return {wanted[ref] for ref in led}
+            def settled(ref: BlockRef, value: tuple[str, bytes | bytearray]) -> None:
+                fetched.add(wanted[ref])
+                settle(ref, value)
+
+            blocks = {ref: wanted[ref] for ref in refs}
+            self._fetch_blocks(info, blocks, "prefetch", settled, tier, next_use, proceed)
+
+        self._in_flight.lead(list(wanted), fetch)
+        return fetched
 
     def _fetch_blocks(
         self,
@@ -375,28 +402,32 @@ class BlockReader:
         fetched: Callable[[BlockRef, tuple[str, bytes | bytearray]], None],
         tier: str | None = None,
         next_use: float | None = None,
+        proceed: Callable[[int], bool] | None = None,
     ) -> None:
         """Fetch ``blocks`` (ref -> index) with one GET of the range from
         the first to the last, block by block as it arrives (blocks between
         that others lead are read through and left to them): each is
         admitted, then handed to ``fetched`` with its hash (computed once,
-        here)."""
+        here). Stops early when ``proceed`` says no to the next block."""
         first = min(blocks.values())
         start = block_bounds(first, info.size, self._block_size)[0]
         end = block_bounds(max(blocks.values()), info.size, self._block_size)[1]
         refs = {index: ref for ref, index in blocks.items()}
         identity = (info.etag, info.size) if self._dedup_by_etag else None
         stream = self._fetcher.stream_range(info.key, start, end, info.etag, self._block_size, kind)
+        last = max(refs)
         pieces = self._io.iterate(stream, self._fetcher.deadline + BRIDGE_MARGIN_SECONDS)
-        for index, content in enumerate(pieces, first):
-            ref = refs.get(index)
-            if ref is None:
-                continue
-            digest = content_hash(content)
-            self._cache.admit(
-                ref, digest, content, identity, tier, ahead=kind == "prefetch", next_use=next_use
-            )
-            fetched(ref, (digest, content))
+        with contextlib.closing(pieces):  # stopping early ends the GET
+            for index, content in enumerate(pieces, first):
+                ref = refs.get(index)
+                if ref is not None:
+                    digest = content_hash(content)
+                    self._cache.admit(
+                        ref, digest, content, identity, tier, ahead=kind == "prefetch", next_use=next_use
+                    )
+                    fetched(ref, (digest, content))
+                if index < last and proceed is not None and not proceed(index + 1):
+                    return
 
     def release_version(self, info: ObjectInfo) -> None:
         """Free the cached blocks of a version that no longer exists."""

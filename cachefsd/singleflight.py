@@ -16,6 +16,11 @@ K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
+class Abandoned(Exception):
+    """The leader stopped without computing the key (a run cut short on
+    purpose): whoever waited for it computes it anew."""
+
+
 class SingleFlight(Generic[K, V]):
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -29,19 +34,23 @@ class SingleFlight(Generic[K, V]):
     def do(self, key: K, call: Callable[[], V], timeout: float | None) -> V:
         """``call()``'s result, computed once for all concurrent callers of
         ``key``; a follower waits at most ``timeout`` seconds for the leader
-        (None: as long as the leader takes, when ``call`` bounds itself)."""
-        with self._lock:
-            future = self._calls.get(key)
-            leads = future is None
-            if future is None:
-                future = self._calls[key] = Future()
-        if leads:
-            self._settle({key: future}, lambda settle: settle(key, call()))
-            return future.result()
-        try:
-            return future.result(timeout)
-        except FutureTimeout:
-            raise DeadlineExceeded(f"waited {timeout:g}s for a shared fetch") from None
+        (None: as long as the leader takes, when ``call`` bounds itself),
+        and takes the lead itself if the leader abandons the key."""
+        while True:
+            with self._lock:
+                future = self._calls.get(key)
+                leads = future is None
+                if future is None:
+                    future = self._calls[key] = Future()
+            if leads:
+                self._settle({key: future}, lambda settle: settle(key, call()))
+                return future.result()
+            try:
+                return future.result(timeout)
+            except FutureTimeout:
+                raise DeadlineExceeded(f"waited {timeout:g}s for a shared fetch") from None
+            except Abandoned:
+                continue
 
     def lead(self, keys: list[K], call: Callable[[list[K], Callable[[K, V], None]], None]) -> list[K]:
         """Compute the ``keys`` no other caller is computing with one
@@ -49,7 +58,9 @@ class SingleFlight(Generic[K, V]):
         as soon as it has it (a run's first block is read before its last
         arrives); callers of ``do`` for any of them meanwhile wait for
         theirs. Keys already in flight are left to their leader, not
-        waited for. Returns the keys led."""
+        waited for. ``call`` may return without settling some keys (it
+        stopped early): their callers compute them themselves. Returns the
+        keys led."""
         futures: dict[K, Future[V]] = {}
         with self._lock:
             for key in keys:
@@ -83,7 +94,7 @@ class SingleFlight(Generic[K, V]):
             raise
         else:
             for key, future in pending.items():
-                future.set_exception(RuntimeError(f"the leader did not compute {key!r}"))
+                future.set_exception(Abandoned(f"the leader stopped before {key!r}"))
         finally:
             with self._lock:
                 for key in pending:

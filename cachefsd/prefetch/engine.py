@@ -17,7 +17,9 @@ Budget, whatever the number of open files:
 - at most ``bandwidth`` bytes per second when set (a token bucket).
 Nothing waits on a prefetch: a demand read of a block being prefetched joins
 its GET (single-flight in ``blocks.py``; the prefetch then counts as used,
-late), and a failed prefetch only logs.
+late), and a failed prefetch only logs. One run starts with a read: a large
+file's first read at its start begins the file's first run, which fetches
+that read's block first (``HEAD_FREE_BYTES``).
 
 Blocks fetched ahead carry their predicted use, which the cache records
 (``chunks.policy.PlannedUse``) before admitting them; with a plan (a hint,
@@ -56,7 +58,7 @@ from cachefsd.config import PrefetchSettings
 from cachefsd.errors import CachefsdError
 from cachefsd.index import BlockRef
 from cachefsd.namespace.tree import Namespace
-from cachefsd.prefetch.access import AccessModel, Prediction
+from cachefsd.prefetch.access import STREAM_FORWARD_SLACK, AccessModel, Prediction
 from cachefsd.store.base import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,19 @@ FAILED_RETRY_SECONDS = 30.0
 # round's pause at 2,500 small files a second is 50 files, 7 MiB), little
 # enough to leave the page cache to others.
 WARM_AHEAD_BYTES = 32 << 20
+# A first read at a large file's start begins the file's first run at once,
+# with its own block first (``_fetch_head``): most readers that start there
+# read on (a tar shard, a video, cp), and one GET for the read and the run
+# saves a request's round trip (on moto, a read of the whole object) over a
+# demand GET followed by a run once a second read has shown the stream.
+# Until that read comes, the run reads no further than this: a reader that
+# only peeked at a header costs at most this much.
+HEAD_FREE_BYTES = 16 << 20
+# How long the run then waits for the reader's second read before it stops.
+HEAD_VERDICT_SECONDS = 5.0
+# How long the first read waits for the run's GET to claim its blocks (a
+# free pool thread takes it at once: this only bounds a surprise).
+HEAD_CLAIM_SECONDS = 1.0
 
 
 class PrefetchEvents(Protocol):
@@ -108,6 +123,30 @@ class _Ahead:
     digest: str
     nbytes: int
     job: str  # root of the job whose prediction fetched it
+
+
+class _Head:
+    """A file's first run, begun by a read at its start before anything
+    shows whether the reader streams or peeked at a header: its GET reads
+    ``free_blocks`` blocks, then goes on only once another read has come
+    inside them (or just past them)."""
+
+    def __init__(self, free_blocks: int) -> None:
+        self.free_blocks = free_blocks
+        self.claimed = threading.Event()  # its blocks are claimed (or it fetches nothing)
+        self.verdict = threading.Event()
+        self.streaming = False
+
+    def decide(self, streaming: bool) -> None:
+        self.streaming = streaming
+        self.verdict.set()
+
+    def goes_on(self, index: int) -> bool:
+        """Whether the GET may read block ``index`` (asked before each block)."""
+        if index < self.free_blocks:
+            return True
+        self.verdict.wait(HEAD_VERDICT_SECONDS)
+        return self.streaming
 
 
 class Reach:
@@ -168,6 +207,7 @@ class Prefetcher:
         # joined the GET, so the prefetch is used (late) and plans nothing.
         self._joined: set[BlockRef] = set()
         self._failed: dict[BlockRef, float] = {}  # block -> when it may be tried again
+        self._heads: dict[BlockRef, _Head] = {}  # a file's block 0 -> its first run awaiting a verdict
         self._reach = Reach(min(settings.lookahead, INITIAL_REACH_BYTES), MIN_REACH_BYTES, settings.lookahead)
         # Cached blocks a plan places, planned in the cache; replanned when a
         # hint arrives (``_replan``) or a job starts an epoch. A read ends a
@@ -198,6 +238,10 @@ class Prefetcher:
         """Also for a prefetcher never started (``--no-prefetch``)."""
         self._stopped.set()
         self._wake.set()
+        with self._lock:
+            heads = list(self._heads.values())
+        for head in heads:
+            head.decide(False)
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -212,6 +256,10 @@ class Prefetcher:
 
     def read(self, info: ObjectInfo, offset: int, size: int) -> None:
         self._model.read(info.key, offset, size, time.monotonic())
+        if self._heads:
+            self._judge_head(info, offset)
+        if offset < self._reader.block_size < info.size:
+            self._fetch_head(info)
         used = 0
         with self._lock:
             for index in block_range(offset, size, info.size, self._reader.block_size):
@@ -228,6 +276,49 @@ class Prefetcher:
         if used:
             self._events.prefetch_used(used)
         self._wake.set()
+
+    def _fetch_head(self, info: ObjectInfo) -> None:
+        """Fetch the first run of a large file with the GET of this read in
+        its first block (``HEAD_FREE_BYTES``; the kernel's first reads of a
+        file come in any order), if that block is neither cached nor being
+        fetched and the budget allows. Returns once the run has claimed its
+        blocks, so that the read waits for this GET."""
+        block_size = self._reader.block_size
+        if not self._thread.is_alive() or self._stopped.is_set():  # --no-prefetch, or stopping
+            return
+        if self._reader.digest(info, 0) is not None or self._reader.fetching(info, 0):
+            return
+        ref = self._reader.ref(info, 0)
+        with self._lock:
+            head = self._heads.get(ref)
+            starts = head is None
+            if head is None:
+                head = self._heads[ref] = _Head(max(1, HEAD_FREE_BYTES // block_size))
+        if starts:
+            prediction = Prediction(info.key, 0, RUN_BYTES, 0.0, job=self._model.job_of(info.key) or "")
+            run: list[tuple[int, BlockRef, int]] = []
+            for index in block_range(0, RUN_BYTES, info.size, block_size):
+                taken = self._take(info, index, prediction)
+                if not isinstance(taken, tuple):
+                    break
+                run.append((index, *taken))
+            if not run:
+                with self._lock:
+                    del self._heads[ref]
+                head.claimed.set()
+                return
+            self._submit(info, run, prediction, head)
+        head.claimed.wait(HEAD_CLAIM_SECONDS)  # or another read of the file is starting it
+
+    def _judge_head(self, info: ObjectInfo, offset: int) -> None:
+        """The verdict on a file's first run, from the next read of the
+        file: inside the blocks read so far or just past them (``access``
+        slack), a stream; further on, a jump (only a header was read)."""
+        ref = self._reader.ref(info, 0)
+        with self._lock:
+            head = self._heads.get(ref)
+        if head is not None and not head.verdict.is_set():
+            head.decide(offset < head.free_blocks * self._reader.block_size + STREAM_FORWARD_SLACK)
 
     def listed(self, entries: dict[str, ObjectInfo | None], directory: str) -> None:
         files = {info.key: info.size for info in entries.values() if info is not None}
@@ -449,11 +540,17 @@ class Prefetcher:
             self._in_flight_bytes += nbytes
         return ref, nbytes
 
-    def _submit(self, info: ObjectInfo, run: list[tuple[int, BlockRef, int]], prediction: Prediction) -> None:
+    def _submit(
+        self,
+        info: ObjectInfo,
+        run: list[tuple[int, BlockRef, int]],
+        prediction: Prediction,
+        head: _Head | None = None,
+    ) -> None:
         with self._lock:
             position = self._opens + prediction.distance
             self._gets_in_flight += 1
-        self._pool.submit(self._fetch, info, run, position, prediction.job)
+        self._pool.submit(self._fetch, info, run, position, prediction.job, head)
 
     def _budget_allows_locked(self, nbytes: int, position: float) -> bool:
         """A free slot, room in the reach, room in the cache for it and for
@@ -469,14 +566,26 @@ class Prefetcher:
         )
 
     def _fetch(
-        self, info: ObjectInfo, run: list[tuple[int, BlockRef, int]], position: float, job: str
+        self,
+        info: ObjectInfo,
+        run: list[tuple[int, BlockRef, int]],
+        position: float,
+        job: str,
+        head: _Head | None,
     ) -> None:
         """Fetch a run of consecutive blocks with one GET, then account for
-        each block as it turned out."""
+        each block as it turned out. A file's first run (``head``) goes on
+        past its free blocks only for a stream."""
         first, last = run[0][0], run[-1][0]
         fetched: set[int] = set()
         try:
-            fetched = self._reader.fetch_run_ahead(info, range(first, last + 1), next_use=position)
+            fetched = self._reader.fetch_run_ahead(
+                info,
+                range(first, last + 1),
+                next_use=position,
+                proceed=None if head is None else head.goes_on,
+                led=None if head is None else head.claimed.set,
+            )
         except Exception as exc:
             # A bug too (logged with its traceback), not only a failed GET:
             # either way the run's blocks and its slot must be given back,
@@ -490,9 +599,13 @@ class Prefetcher:
                 for _, ref, _ in run:
                     self._failed[ref] = retry_at
         finally:
+            if head is not None:
+                head.claimed.set()  # nothing to claim, or the claim failed
             for index, ref, nbytes in run:
                 self._account(info, index, ref, nbytes, index in fetched, job)
             with self._lock:
+                if head is not None and self._heads.get(run[0][1]) is head:
+                    del self._heads[run[0][1]]
                 self._gets_in_flight -= 1
             self._wake.set()
 
