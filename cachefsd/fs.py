@@ -94,6 +94,9 @@ class FileSystem:
         # key -> etag of a version replaced while the kernel may still hold
         # its size; until a getattr gives the kernel the new one.
         self._replaced: dict[str, str] = {}
+        # (key, etag) -> a version gone upstream while a handle still reads
+        # it: its blocks are released when its last handle is.
+        self._gone_while_open: dict[tuple[str, str], ObjectInfo] = {}
         self._next_handle = itertools.count(1)
 
     def getattr(self, path: str) -> Attributes:
@@ -178,8 +181,15 @@ class FileSystem:
 
     def version_gone(self, info: ObjectInfo) -> None:
         """A refreshed listing shows ``info`` overwritten or deleted: its
-        blocks are released, and the kernel may still hold its size."""
-        self._reader.release_version(info)
+        blocks are released, once no handle reads it any more (a handle is
+        pinned to its version, and its cached blocks are all it can still
+        read), and the kernel may still hold its size."""
+        with self._lock:
+            still_open = self._open_versions.get(info.key, Counter())[info.etag] > 0
+            if still_open:
+                self._gone_while_open[(info.key, info.etag)] = info
+        if not still_open:
+            self._reader.release_version(info)
         self._size_may_be_stale(info)
 
     def _size_may_be_stale(self, info: ObjectInfo) -> None:
@@ -196,18 +206,27 @@ class FileSystem:
                 return False
             open_versions = self._open_versions[info.key]
             open_versions[info.etag] -= 1
+            gone = None
             if open_versions[info.etag] == 0:
                 del open_versions[info.etag]
+                gone = self._gone_while_open.pop((info.key, info.etag), None)
             if not open_versions:
                 del self._open_versions[info.key]
-            if handle in self._direct:
-                self._direct.discard(handle)
-                return False
-            self._through_page_cache[info.key] -= 1
-            if self._through_page_cache[info.key]:
-                return False
-            del self._through_page_cache[info.key]
-            return info.key in self._replaced
+            invalidate = self._leaves_page_cache(handle, info.key)
+        if gone is not None:
+            self._reader.release_version(gone)
+        return invalidate
+
+    def _leaves_page_cache(self, handle: int, key: str) -> bool:
+        """``release``'s answer, under the lock."""
+        if handle in self._direct:
+            self._direct.discard(handle)
+            return False
+        self._through_page_cache[key] -= 1
+        if self._through_page_cache[key]:
+            return False
+        del self._through_page_cache[key]
+        return key in self._replaced
 
     def statfs(self) -> dict[str, int]:
         """Sizes for ``df``: the block size, and a read-only filesystem with no free space."""

@@ -62,6 +62,27 @@ def test_a_handle_stays_on_the_version_it_opened(make_engine: EngineFactory) -> 
     assert joined(engine.fs.read(fresh, 3 * BLOCK_SIZE, 0)) == new
 
 
+def test_a_version_replaced_upstream_keeps_its_cached_blocks_while_a_handle_reads_it(
+    make_engine: EngineFactory,
+) -> None:
+    """A refreshed listing that shows an overwrite released the old
+    version's blocks at once: a handle still pinned to it (a loader's open
+    shard, an mmap) then got EIO for bytes that had been on local disk."""
+    old = os.urandom(2 * BLOCK_SIZE)
+    engine = make_engine({"f": old}, ttl=5)
+    handle = engine.fs.open("/f", os.O_RDONLY).handle
+    assert joined(engine.fs.read(handle, len(old), 0)) == old
+    gets = engine.store.get_count
+    engine.store.put("f", os.urandom(2 * BLOCK_SIZE))
+    engine.clock.now += 10
+    engine.fs.getattr("/f")  # the refresh that finds the overwrite
+    assert joined(engine.fs.read(handle, len(old), 0)) == old
+    assert engine.store.get_count == gets  # from the cache, not a failed GET of a gone version
+    assert len(engine.index.blocks()) == 2
+    engine.fs.release(handle)
+    assert engine.index.blocks() == []  # released with its last handle
+
+
 def test_reading_a_deleted_object_fails_as_changed_and_drops_the_listing(make_engine: EngineFactory) -> None:
     data = os.urandom(2 * BLOCK_SIZE)
     engine = make_engine({"f": data, "g": b"g"})
