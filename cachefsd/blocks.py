@@ -306,6 +306,10 @@ class BlockReader:
         """The content hash cached for block ``index`` of ``info``, or None."""
         return self._cache.lookup(self.ref(info, index))
 
+    def cache_usage(self) -> tuple[int, int]:
+        """The cache's capacity and the bytes it holds."""
+        return self._cache.capacity, self._cache.used_bytes
+
     def fetching(self, info: ObjectInfo, index: int) -> bool:
         """Whether a GET of block ``index`` of ``info`` is under way."""
         return self._in_flight.busy(self.ref(info, index))

@@ -37,8 +37,6 @@ from cachefsd.store.base import ObjectInfo
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
 DIR_MODE = stat.S_IFDIR | 0o555
 FILE_MODE = stat.S_IFREG | 0o444
-# st_blocks is counted in 512-byte units, whatever the filesystem.
-STAT_BLOCK_UNIT = 512
 
 
 class AccessEvents(Protocol):
@@ -229,10 +227,18 @@ class FileSystem:
         return key in self._replaced
 
     def statfs(self) -> dict[str, int]:
-        """Sizes for ``df``: the block size, and a read-only filesystem with no free space."""
+        """Sizes for ``df``: a bucket has none, so the cache's (its
+        capacity, and its room as free space), in blocks. With no size,
+        ``df`` left the mount out of its list, as it does pseudo filesystems."""
+        capacity, used = self._reader.cache_usage()
+        unit = self._reader.block_size
+        room = max(0, capacity - used) // unit
         return {
-            "f_bsize": self._reader.block_size,
-            "f_frsize": STAT_BLOCK_UNIT,
+            "f_bsize": unit,
+            "f_frsize": unit,
+            "f_blocks": capacity // unit,
+            "f_bfree": room,
+            "f_bavail": room,
             "f_namemax": 255,
         }
 

@@ -110,6 +110,9 @@ def test_listing_and_bytes_equal_the_bucket(s3_client: Any, mount_bucket: MountB
         assert path.stat().st_size == len(data), key
         assert file_sha256(path) == sha256(data), key
     assert sorted(os.listdir(mount.mountpoint)) == sorted({key.split("/")[0] for key in objects})
+    # df lists it (a filesystem of no size is left out, as pseudo filesystems are).
+    df = subprocess.run(["df", "--output=target"], capture_output=True, text=True, timeout=30, check=True)
+    assert str(mount.mountpoint) in df.stdout.split()
 
 
 def test_random_preads_match_the_object(s3_client: Any, mount_bucket: MountBucket) -> None:

@@ -188,3 +188,16 @@ def test_a_version_whose_size_the_kernel_lacks_is_opened_around_the_page_cache(
     fresh = engine.fs.open("/f", os.O_RDONLY)
     assert (fresh.invalidate_attributes, fresh.direct_io) == (False, False)
     engine.fs.release(fresh.handle)
+
+
+def test_df_shows_the_cache_capacity_and_its_room(make_engine: EngineFactory) -> None:
+    """With no size at all, ``df`` left the mount out of its list."""
+    data = os.urandom(3 * BLOCK_SIZE)
+    engine = make_engine({"f": data}, capacity=64 * BLOCK_SIZE)
+    before = engine.fs.statfs()
+    assert before["f_frsize"] * before["f_blocks"] == 64 * BLOCK_SIZE
+    assert before["f_bsize"] == before["f_frsize"]
+    handle = engine.fs.open("/f", os.O_RDONLY).handle
+    assert joined(engine.fs.read(handle, len(data), 0)) == data
+    after = engine.fs.statfs()
+    assert after["f_bavail"] == after["f_bfree"] < before["f_bfree"]
