@@ -36,11 +36,12 @@ class Directory:
 
     entries: dict[str, ObjectInfo | None]
     hidden: int  # keys under this prefix that cannot be paths
+    shadowed: int  # objects named as a subdirectory here (the directory wins)
 
 
 def directory_from_listing(prefix: str, listing: Listing) -> Directory:
     entries: dict[str, ObjectInfo | None] = {}
-    hidden = 0
+    hidden = shadowed = 0
     for common in listing.prefixes:
         name = common[len(prefix) : -1]
         if is_valid_name(name):
@@ -53,9 +54,11 @@ def directory_from_listing(prefix: str, listing: Listing) -> Directory:
             continue  # the directory's own marker object
         if not is_valid_name(name):
             hidden += 1
-        elif name not in entries:
+        elif name in entries:
+            shadowed += 1
+        else:
             entries[name] = info
-    return Directory(entries=entries, hidden=hidden)
+    return Directory(entries=entries, hidden=hidden, shadowed=shadowed)
 
 
 def split_path(path: str) -> list[str]:

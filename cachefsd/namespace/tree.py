@@ -233,6 +233,12 @@ class Namespace:
                 cached.directory.hidden,
                 prefix,
             )
+        if cached.directory.shadowed:
+            log.warning(
+                "%d objects under %r have the name of a directory there and are hidden (the directory wins)",
+                cached.directory.shadowed,
+                prefix,
+            )
         with self._lock:
             previous = self._dirs.get(prefix)
             self._dirs[prefix] = cached

@@ -28,6 +28,7 @@ def test_directory_wins_over_an_object_of_the_same_name() -> None:
     listing = Listing(objects=(info("p/x"), info("p/y")), prefixes=("p/x/",))
     directory = directory_from_listing("p/", listing)
     assert directory.entries == {"x": None, "y": info("p/y")}
+    assert (directory.hidden, directory.shadowed) == (0, 1)  # counted, so the daemon logs it
 
 
 def test_marker_and_escaping_keys_are_not_entries() -> None:

@@ -167,3 +167,13 @@ def test_lookups_while_a_stale_listing_is_refreshed_use_it_at_once(make_engine: 
     leader.join(10)
     assert len(outcome) == 1
     assert isinstance(outcome[0], StoreError)  # dropped while it was refreshed: not served stale
+
+
+def test_objects_a_directory_hides_are_logged(
+    make_engine: EngineFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loader scanning the mount silently lost such samples."""
+    engine = make_engine({"d/x": b"object", "d/x/y": b"under the directory", "d/z": b"z"})
+    with caplog.at_level(logging.WARNING, logger="cachefsd.namespace.tree"):
+        assert sorted(name for name, _ in engine.fs.readdir("/d")) == [".", "..", "x", "z"]
+    assert "1 objects under 'd/' have the name of a directory there and are hidden" in caplog.text
