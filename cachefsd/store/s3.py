@@ -24,6 +24,7 @@ never a URL with a query string or user info.
 from __future__ import annotations
 
 import asyncio
+import datetime
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack
 from typing import Any
@@ -43,6 +44,7 @@ from botocore.exceptions import (
     TokenRetrievalError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
+from botocore.utils import parse_timestamp
 
 from cachefsd.config import StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
@@ -146,6 +148,22 @@ def _normalise_prefix(prefix: str) -> str:
     return prefix.strip("/")
 
 
+def _parse_timestamp(value: str) -> datetime.datetime:
+    """What botocore's default parser returns, about 250 times faster for the
+    ISO 8601 form of every ``LastModified`` in a listing.
+
+    botocore parses each timestamp with dateutil, about 60 µs apiece: 60 ms
+    of CPU for a 1,000-key page, half of what the daemon spends on a cold
+    listing, and a cold ``find`` or ImageFolder scan of a large dataset is
+    one page after another. Anything ``fromisoformat`` does not read as a
+    zoned time (HEAD's RFC 1123 header, epoch numbers) goes to botocore's."""
+    try:
+        parsed = datetime.datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        return parse_timestamp(value)
+    return parsed if parsed.tzinfo is not None else parse_timestamp(value)
+
+
 class S3Store:
     """Objects under ``s3://bucket/prefix``, keys relative to the prefix."""
 
@@ -158,6 +176,9 @@ class S3Store:
         self._attempt_timeout = attempt_timeout
         # Owned by the event loop thread; _client_lock serialises the first use.
         self._session: AioSession = get_session()
+        self._session.get_component("response_parser_factory").set_parser_defaults(
+            timestamp_parser=_parse_timestamp
+        )
         self._client: Any = None
         self._exit_stack: AsyncExitStack | None = None
         self._client_lock = asyncio.Lock()
