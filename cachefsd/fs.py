@@ -29,6 +29,7 @@ from typing import NoReturn, Protocol
 
 from cachefsd.blocks import BlockReader, Piece
 from cachefsd.errors import BadFileHandle, IsADirectory, ObjectChanged, ReadOnly
+from cachefsd.namespace.names import inode_number
 from cachefsd.namespace.tree import Namespace
 from cachefsd.store.base import ObjectInfo
 
@@ -65,6 +66,7 @@ class Attributes:
     uid: int
     gid: int
     nlink: int
+    ino: int
 
 
 class FileSystem:
@@ -99,20 +101,28 @@ class FileSystem:
 
     def getattr(self, path: str) -> Attributes:
         node = self._namespace.lookup(path)
+        ino = inode_number(path)
         if node.info is None:
-            return Attributes(DIR_MODE, 0, self._mounted_at, self._uid, self._gid, nlink=2)
+            return Attributes(DIR_MODE, 0, self._mounted_at, self._uid, self._gid, nlink=2, ino=ino)
         if node.info.key in self._replaced:  # rare: only a replaced version takes the lock
             with self._lock:
                 if self._replaced.get(node.info.key, node.info.etag) != node.info.etag:
                     del self._replaced[node.info.key]  # the kernel now has the new size
-        return Attributes(FILE_MODE, node.info.size, node.info.mtime, self._uid, self._gid, nlink=1)
+        return Attributes(FILE_MODE, node.info.size, node.info.mtime, self._uid, self._gid, nlink=1, ino=ino)
 
-    def readdir(self, path: str) -> list[tuple[str, int]]:
-        """``(name, mode)`` of every entry, ``.`` and ``..`` included."""
+    def readdir(self, path: str) -> list[tuple[str, int, int]]:
+        """``(name, mode, inode number)`` of every entry, ``.`` and ``..`` included."""
         entries = self._namespace.listdir(path)
         self._access.listed(entries, path.strip("/"))
-        listing = [(".", DIR_MODE), ("..", DIR_MODE)]
-        listing.extend((name, DIR_MODE if info is None else FILE_MODE) for name, info in entries.items())
+        here = path.rstrip("/")
+        listing = [
+            (".", DIR_MODE, inode_number(path)),
+            ("..", DIR_MODE, inode_number(here.rpartition("/")[0] or "/")),
+        ]
+        listing.extend(
+            (name, DIR_MODE if info is None else FILE_MODE, inode_number(f"{here}/{name}"))
+            for name, info in entries.items()
+        )
         return listing
 
     def open(self, path: str, flags: int) -> OpenFile:

@@ -225,6 +225,7 @@ def _stat(attributes: Attributes) -> dict[str, Any]:
         "st_ctime": attributes.mtime,
         "st_atime": attributes.mtime,
         "st_blocks": -(-attributes.size // 512),
+        "st_ino": attributes.ino,
     }
 
 
@@ -267,6 +268,7 @@ class FuseOperations(mfusepy.Operations):
             config_3.negative_timeout = 0
             config_3.auto_cache = 0
             config_3.kernel_cache = 0
+            config_3.use_ino = 1  # ours (``names.inode_number``), stable, and the same in readdir
         self.mounted = True
         threading.Thread(
             target=_set_read_ahead,
@@ -281,8 +283,8 @@ class FuseOperations(mfusepy.Operations):
         return _stat(self._fs.getattr(path))
 
     @_translated
-    def readdir(self, path: str, fh: int) -> list[tuple[str, int, int]]:
-        return [(name, mode, 0) for name, mode in self._fs.readdir(path)]
+    def readdir(self, path: str, fh: int) -> list[tuple[str, dict[str, int], int]]:
+        return [(name, {"st_mode": mode, "st_ino": ino}, 0) for name, mode, ino in self._fs.readdir(path)]
 
     @_translated
     def open(self, path: str, fi: Any) -> int:

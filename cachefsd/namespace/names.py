@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import xxhash
+
 from cachefsd.store.base import Listing, ObjectInfo
 
 NAME_MAX = 255
@@ -59,6 +61,16 @@ def directory_from_listing(prefix: str, listing: Listing) -> Directory:
         else:
             entries[name] = info
     return Directory(entries=entries, hidden=hidden, shadowed=shadowed)
+
+
+def inode_number(path: str) -> int:
+    """The inode number of the node at ``path`` (``/a/b``): a hash of the
+    path, so that it stays the same when the kernel forgets the node and
+    looks it up again (libfuse's own numbers then change: tools that key on
+    device and inode saw a new file), and in directory listings. Never 0 or
+    1, which some tools read as "no inode"; 63 bits, as signed 64-bit readers
+    expect."""
+    return 2 + xxhash.xxh3_64_intdigest(path.encode("utf-8", "surrogateescape")) % ((1 << 63) - 2)
 
 
 def split_path(path: str) -> list[str]:

@@ -110,6 +110,12 @@ def test_listing_and_bytes_equal_the_bucket(s3_client: Any, mount_bucket: MountB
         assert path.stat().st_size == len(data), key
         assert file_sha256(path) == sha256(data), key
     assert sorted(os.listdir(mount.mountpoint)) == sorted({key.split("/")[0] for key in objects})
+    # Inode numbers are the same in readdir and stat, and after the kernel
+    # forgot the nodes (tools key on device and inode).
+    inodes = {entry.name: entry.inode() for entry in os.scandir(mount.path("e"))}
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+    assert inodes == {name: mount.path(f"e/{name}").stat().st_ino for name in inodes}
+    assert len(set(inodes.values())) == len(inodes) == 2
     # df lists it (a filesystem of no size is left out, as pseudo filesystems are).
     df = subprocess.run(["df", "--output=target"], capture_output=True, text=True, timeout=30, check=True)
     assert str(mount.mountpoint) in df.stdout.split()

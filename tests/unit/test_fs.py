@@ -37,7 +37,7 @@ def test_attributes(make_engine: EngineFactory) -> None:
     assert stat.S_ISREG(file.mode)
     assert file.size == 5
     assert file.mode & 0o222 == 0
-    assert ("f", file.mode) in engine.fs.readdir("/d")
+    assert ("f", file.mode, file.ino) in engine.fs.readdir("/d")  # the inode number of stat, in readdir too
     with pytest.raises(IsADirectory):
         engine.fs.open("/d", os.O_RDONLY)
     with pytest.raises(ObjectNotFound):

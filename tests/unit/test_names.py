@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachefsd.namespace.names import directory_from_listing, is_valid_name
+from cachefsd.namespace.names import directory_from_listing, inode_number, is_valid_name
 from cachefsd.store.base import Listing, ObjectInfo
 
 
@@ -39,3 +39,11 @@ def test_marker_and_escaping_keys_are_not_entries() -> None:
     directory = directory_from_listing("p/", listing)
     assert directory.entries == {"ok": info("p/ok"), "sub": None}
     assert directory.hidden == 4
+
+
+def test_inode_numbers_are_stable_distinct_and_never_0_or_1() -> None:
+    paths = ["/", "/a", "/a/b", "/b", "/a/b/c.jpg", "/ünïcødé"] + [f"/d/{i}" for i in range(10_000)]
+    numbers = [inode_number(path) for path in paths]
+    assert numbers == [inode_number(path) for path in paths]
+    assert len(set(numbers)) == len(paths)
+    assert all(2 <= number < 1 << 63 for number in numbers)
