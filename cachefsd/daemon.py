@@ -131,7 +131,8 @@ def engine(settings: Settings, lock_wait: float | None = None, mounting: bool = 
             _warn_of_small_disks(opened.cache)
             store = open_store(settings.source, settings.store, settings.fetch.attempt_timeout)
             try:
-                io.run(store.check(), MOUNT_CHECK_SECONDS)
+                if not io.run(store.check(), MOUNT_CHECK_SECONDS):
+                    log.warning("%s holds no objects: is its prefix mistyped?", store.uri)
                 fetcher = Fetcher(store, settings.fetch, metrics)
                 dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
                 reader = BlockReader(

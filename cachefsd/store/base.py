@@ -72,9 +72,10 @@ class ObjectStore(Protocol):
         objects and buckets, so cached blocks can be shared without a GET."""
         ...
 
-    async def check(self) -> None:
+    async def check(self) -> bool:
         """Prove the source exists and the credentials work, or raise
-        ``ObjectNotFound`` / ``AccessDenied`` / ``StoreError`` quickly."""
+        ``ObjectNotFound`` / ``AccessDenied`` / ``StoreError`` quickly;
+        whether it holds anything (a mistyped prefix holds nothing)."""
         ...
 
     async def list_page(self, prefix: str, token: str | None) -> ListingPage:

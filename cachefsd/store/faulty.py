@@ -54,9 +54,9 @@ class FaultyStore:
             self.faults.failures_left -= 1
             raise self.faults.error("injected fault")
 
-    async def check(self) -> None:
+    async def check(self) -> bool:
         await self._inject()
-        await self._inner.check()
+        return await self._inner.check()
 
     async def list_page(self, prefix: str, token: str | None) -> ListingPage:
         await self._inject()

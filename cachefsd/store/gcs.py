@@ -181,21 +181,20 @@ class GcsStore:
                 self._bucket = client.bucket(self._bucket_name)
         return self._bucket
 
-    async def check(self) -> None:
+    async def check(self) -> bool:
         """Lists one key: needs only object read permission, unlike fetching
         the bucket's metadata, and fails with 404 for a missing bucket."""
         bucket = await self._get_bucket()
 
-        def call() -> None:
+        def call() -> bool:
             assert self._client is not None
             blobs = self._client.list_blobs(
                 bucket, prefix=self._root, max_results=1, timeout=self._attempt_timeout, retry=None
             )
-            for _ in blobs:
-                pass
+            return any(True for _ in blobs)
 
         try:
-            await self._run(self._target(), call)
+            return await self._run(self._target(), call)
         except ObjectNotFound as exc:
             raise ObjectNotFound(f"bucket '{self._bucket_name}' does not exist") from exc.__cause__
 

@@ -56,11 +56,13 @@ class LocalStore:
             raise ObjectNotFound(key)
         return path
 
-    async def check(self) -> None:
+    async def check(self) -> bool:
         if not self._root.is_dir():
             raise ObjectNotFound(f"{self._root} is not a directory")
         if not os.access(self._root, os.R_OK | os.X_OK):
             raise StoreError(f"{self._root} is not readable")
+        with os.scandir(self._root) as entries:
+            return any(True for _ in entries)
 
     async def list_page(self, prefix: str, token: str | None) -> ListingPage:
         """The whole directory in one page."""

@@ -56,8 +56,9 @@ class MemoryStore:
         with self._lock:
             del self._objects[key]
 
-    async def check(self) -> None:
-        return None
+    async def check(self) -> bool:
+        with self._lock:
+            return bool(self._objects)
 
     async def list_page(self, prefix: str, token: str | None) -> ListingPage:
         with self._lock:

@@ -249,12 +249,13 @@ class S3Store:
                 self._client = client
         return self._client
 
-    async def check(self) -> None:
+    async def check(self) -> bool:
         client = await self._get_client()
         try:
-            await client.list_objects_v2(Bucket=self._bucket, Prefix=self._root, MaxKeys=1)
+            page = await client.list_objects_v2(Bucket=self._bucket, Prefix=self._root, MaxKeys=1)
         except _S3_ERRORS as exc:
             raise _translate(exc, target=self._target(), endpoint=self._endpoint) from exc
+        return bool(page.get("Contents"))
 
     async def list_page(self, prefix: str, token: str | None) -> ListingPage:
         client = await self._get_client()

@@ -20,6 +20,7 @@ because S3Store's aiohttp session belongs to the loop that created it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import random
@@ -121,6 +122,7 @@ class Backend:
     open: Callable[[], ObjectStore]
     put: Callable[[str, bytes], None]
     seed: Mapping[str, bytes]
+    open_empty: Callable[[], ObjectStore]  # the same kind of source, holding nothing
 
 
 def run(backend: Backend, body: Callable[[ObjectStore], Awaitable[T]]) -> T:
@@ -148,7 +150,7 @@ def _memory_backend() -> Backend:
     def put(key: str, data: bytes) -> None:
         store.put(key, data)
 
-    return Backend("memory", lambda: store, put, SEED)
+    return Backend("memory", lambda: store, put, SEED, lambda: MemoryStore({}))
 
 
 def _local_backend(root: Path) -> Backend:
@@ -166,7 +168,9 @@ def _local_backend(root: Path) -> Backend:
         path = root / key
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-    return Backend("local", lambda: LocalStore(root), put, seed)
+    empty = root.with_name(root.name + "-empty")
+    empty.mkdir()
+    return Backend("local", lambda: LocalStore(root), put, seed, lambda: LocalStore(empty))
 
 
 def _s3_backend(client: Any, settings: StoreSettings) -> Backend:
@@ -184,6 +188,7 @@ def _s3_backend(client: Any, settings: StoreSettings) -> Backend:
         lambda: S3Store(bucket, f"/{REMOTE_PREFIX}/", settings, ATTEMPT_TIMEOUT_SECONDS),
         put,
         SEED,
+        lambda: S3Store(bucket, f"/{REMOTE_PREFIX}-typo/", settings, ATTEMPT_TIMEOUT_SECONDS),
     )
 
 
@@ -202,6 +207,7 @@ def _gcs_backend(client: storage.Client) -> Backend:
         lambda: GcsStore(bucket_name, f"/{REMOTE_PREFIX}/", ATTEMPT_TIMEOUT_SECONDS),
         put,
         SEED,
+        lambda: GcsStore(bucket_name, f"/{REMOTE_PREFIX}-typo/", ATTEMPT_TIMEOUT_SECONDS),
     )
 
 
@@ -227,11 +233,15 @@ def _reference(backend: Backend, prefix: str) -> tuple[list[tuple[str, int]], li
 # -- the contract ---------------------------------------------------------------
 
 
-def test_check_passes(backend: Backend) -> None:
-    async def body(store: ObjectStore) -> None:
-        await store.check()
+def test_check_passes_and_says_whether_the_source_holds_anything(backend: Backend) -> None:
+    """A mistyped prefix mounted an empty tree without a word."""
 
-    run(backend, body)
+    async def body(store: ObjectStore) -> bool:
+        return await store.check()
+
+    assert run(backend, body) is True
+    empty = dataclasses.replace(backend, open=backend.open_empty)
+    assert run(empty, body) is False
 
 
 @pytest.mark.parametrize("prefix", LISTED_PREFIXES)

@@ -532,3 +532,13 @@ def test_demo_reads_two_epochs_and_the_second_hits_the_cache() -> None:
     assert prefetched is not None, result.stdout
     assert parse_size(prefetched[1].replace(" ", "")) > 0, result.stdout
     assert "unmounted" in result.stdout
+
+
+def test_a_source_holding_nothing_is_a_warning_at_mount(tmp_path: Path, mounter: MountFactory) -> None:
+    """A mistyped prefix mounted an empty tree without a word."""
+    source = tmp_path / "source"
+    source.mkdir()
+    mount = mounter(str(source))
+    assert os.listdir(mount.mountpoint) == []
+    expected = f"cachefsd: warning: file://{source} holds no objects: is its prefix mistyped?"
+    assert mount.warnings.strip() == expected
