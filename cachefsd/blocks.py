@@ -24,6 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -134,6 +135,47 @@ class _MemoryBuffer:
                 self._used -= len(evicted)
 
 
+# A fetched block: its hash and its content.
+Fetched = tuple[str, bytes | bytearray]
+# Hands a fetched block to the callers waiting for it.
+Settle = Callable[[BlockRef, Fetched], None]
+
+
+class ClaimedRun:
+    """Blocks of a run claimed by ``BlockReader.claim_run_ahead``: reads of
+    them wait until ``fetch`` (or ``abandon``) is called, once."""
+
+    def __init__(
+        self,
+        flight: SingleFlight[BlockRef, Fetched],
+        claimed: dict[BlockRef, Future[Fetched]],
+        fetch: Callable[[list[BlockRef], Settle], None],
+    ) -> None:
+        self._flight = flight
+        self._claimed = claimed
+        self._fetch = fetch
+
+    def fetch(self) -> set[int]:
+        """Fetch the claimed blocks with one GET; the indices fetched."""
+        fetched: set[int] = set()
+
+        def call(refs: list[BlockRef], settle: Settle) -> None:
+            def settled(ref: BlockRef, value: Fetched) -> None:
+                fetched.add(ref.block)
+                settle(ref, value)
+
+            self._fetch(refs, settled)
+
+        if self._claimed:
+            self._flight.compute(self._claimed, call)
+        return fetched
+
+    def abandon(self) -> None:
+        """Give the claimed blocks up unfetched: their readers fetch them."""
+        if self._claimed:
+            self._flight.compute(self._claimed, lambda refs, settle: None)
+
+
 class BlockReader:
     def __init__(
         self,
@@ -155,7 +197,7 @@ class BlockReader:
         # Decoded blocks of compressed tiers, served from RAM while a reader
         # works through them in FUSE-sized pieces.
         self._memory = _MemoryBuffer(MEMORY_BUFFER_BYTES)
-        self._in_flight: SingleFlight[BlockRef, tuple[str, bytes | bytearray]] = SingleFlight()
+        self._in_flight: SingleFlight[BlockRef, Fetched] = SingleFlight()
         # A compressed block's concurrent READs (the kernel's read-ahead
         # sends about four) share one read and decode of the whole block.
         self._decoding: SingleFlight[str, bytes | None] = SingleFlight()
@@ -258,10 +300,10 @@ class BlockReader:
         self._remember(ref, data, placement is not None and placement.raw)
         return bytes(data[lo:hi]), "cold", time.monotonic() - started if counts_stall else 0.0
 
-    def _fetch_on_demand(self, info: ObjectInfo, index: int, ref: BlockRef) -> tuple[str, bytes | bytearray]:
+    def _fetch_on_demand(self, info: ObjectInfo, index: int, ref: BlockRef) -> Fetched:
         """A read's fetch (its readers share it): a failure is logged once
         here, as FUSE only returns an errno."""
-        fetched: dict[BlockRef, tuple[str, bytes | bytearray]] = {}
+        fetched: dict[BlockRef, Fetched] = {}
         try:
             self._fetch_blocks(info, {ref: index}, "demand", fetched.__setitem__)
         except StoreError as exc:
@@ -347,13 +389,7 @@ class BlockReader:
         return None if digest is None else self._cache.tier_of(digest)
 
     def fetch_run_ahead(
-        self,
-        info: ObjectInfo,
-        indices: range,
-        tier: str | None = None,
-        next_use: float | None = None,
-        proceed: Callable[[int], bool] | None = None,
-        led: Callable[[], None] | None = None,
+        self, info: ObjectInfo, indices: range, tier: str | None = None, next_use: float | None = None
     ) -> set[int]:
         """Bring consecutive blocks ``indices`` of ``info`` into the cache
         before anyone reads them (prefetch, stage), planned to be read at
@@ -363,13 +399,24 @@ class BlockReader:
         Returns the indices this call fetched: not those cached, nor those
         whose GET another caller (a demand read) had started. A demand read
         of any of them meanwhile waits for this GET, until its block has
-        come, and the GET never waits in line before one (kind "prefetch").
+        come, and the GET never waits in line before one (kind "prefetch")."""
+        return self.claim_run_ahead(info, indices, tier, next_use).fetch()
 
-        ``proceed(index)``, asked before each block after the first, may
-        stop the GET there: a reader waiting on a later block then fetches
-        it itself. ``led()`` is called once the blocks this call fetches
-        are claimed, before their GET: from then on a read of one waits for
-        this call."""
+    def claim_run_ahead(
+        self,
+        info: ObjectInfo,
+        indices: range,
+        tier: str | None = None,
+        next_use: float | None = None,
+        proceed: Callable[[int], bool] | None = None,
+        kind: FetchKind = "prefetch",
+    ) -> ClaimedRun:
+        """``fetch_run_ahead`` in two steps: the blocks are claimed now (a
+        read of one waits for this run from now on), and fetched when the
+        returned run's ``fetch`` is called, on any thread. ``proceed(index)``,
+        asked before each block after the first, may stop the GET there: a
+        reader waiting on a later block then fetches it itself. ``kind``
+        "demand" when a reader waits on the run's first block."""
         wanted: dict[BlockRef, int] = {}
         for index in indices:
             ref = self.ref(info, index)
@@ -379,40 +426,31 @@ class BlockReader:
             if self._dedup_by_etag and self._cache.adopt(ref, (info.etag, info.size)):
                 continue
             wanted[ref] = index
+        claimed = self._in_flight.claim(list(wanted))
 
-        fetched: set[int] = set()
-
-        def fetch(
-            refs: list[BlockRef], settle: Callable[[BlockRef, tuple[str, bytes | bytearray]], None]
-        ) -> None:
-            if led is not None:
-                led()
-
-            def settled(ref: BlockRef, value: tuple[str, bytes | bytearray]) -> None:
-                fetched.add(wanted[ref])
-                settle(ref, value)
-
+        def fetch(refs: list[BlockRef], settle: Settle) -> None:
             blocks = {ref: wanted[ref] for ref in refs}
-            self._fetch_blocks(info, blocks, "prefetch", settled, tier, next_use, proceed)
+            self._fetch_blocks(info, blocks, kind, settle, tier, next_use, proceed, ahead=True)
 
-        self._in_flight.lead(list(wanted), fetch)
-        return fetched
+        return ClaimedRun(self._in_flight, claimed, fetch)
 
     def _fetch_blocks(
         self,
         info: ObjectInfo,
         blocks: dict[BlockRef, int],
         kind: FetchKind,
-        fetched: Callable[[BlockRef, tuple[str, bytes | bytearray]], None],
+        fetched: Settle,
         tier: str | None = None,
         next_use: float | None = None,
         proceed: Callable[[int], bool] | None = None,
+        ahead: bool = False,
     ) -> None:
         """Fetch ``blocks`` (ref -> index) with one GET of the range from
         the first to the last, block by block as it arrives (blocks between
         that others lead are read through and left to them): each is
-        admitted, then handed to ``fetched`` with its hash (computed once,
-        here). Stops early when ``proceed`` says no to the next block."""
+        admitted (``ahead`` of its read, or for a read), then handed to
+        ``fetched`` with its hash (computed once, here). Stops early when
+        ``proceed`` says no to the next block."""
         first = min(blocks.values())
         start = block_bounds(first, info.size, self._block_size)[0]
         end = block_bounds(max(blocks.values()), info.size, self._block_size)[1]
@@ -426,9 +464,7 @@ class BlockReader:
                 ref = refs.get(index)
                 if ref is not None:
                     digest = content_hash(content)
-                    self._cache.admit(
-                        ref, digest, content, identity, tier, ahead=kind == "prefetch", next_use=next_use
-                    )
+                    self._cache.admit(ref, digest, content, identity, tier, ahead=ahead, next_use=next_use)
                     fetched(ref, (digest, content))
                 if index < last and proceed is not None and not proceed(index + 1):
                     return

@@ -124,7 +124,11 @@ class Fetcher:
                                     f"short read of {key}: {position - start} of {end - start} bytes"
                                 )
                             position, received = position + len(data), received + len(data)
-                            yield data
+                            try:
+                                yield data
+                            except GeneratorExit:  # the consumer stopped early: still a request
+                                self._events.fetch_done(kind, time.monotonic() - started, received)
+                                raise
                             deadline = loop.time() + self._settings.deadline
                     finally:
                         await pieces.aclose()

@@ -143,6 +143,8 @@ class FileSystem:
         with self._lock:
             handle = next(self._next_handle)
             self._handles[handle] = info
+            # Listed again (re-uploaded with the same content): current, not gone.
+            self._gone_while_open.pop((info.key, info.etag), None)
             open_versions = self._open_versions.setdefault(info.key, Counter())
             other_version_open = any(etag != info.etag for etag in open_versions)
             open_versions[info.etag] += 1

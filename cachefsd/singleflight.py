@@ -35,7 +35,8 @@ class SingleFlight(Generic[K, V]):
         """``call()``'s result, computed once for all concurrent callers of
         ``key``; a follower waits at most ``timeout`` seconds for the leader
         (None: as long as the leader takes, when ``call`` bounds itself),
-        and takes the lead itself if the leader abandons the key."""
+        and takes the lead itself if the leader abandons the key (a wait
+        per leader)."""
         while True:
             with self._lock:
                 future = self._calls.get(key)
@@ -52,23 +53,36 @@ class SingleFlight(Generic[K, V]):
             except Abandoned:
                 continue
 
-    def lead(self, keys: list[K], call: Callable[[list[K], Callable[[K, V], None]], None]) -> list[K]:
-        """Compute the ``keys`` no other caller is computing with one
-        ``call(led, settle)``, which hands each key's value to ``settle``
-        as soon as it has it (a run's first block is read before its last
-        arrives); callers of ``do`` for any of them meanwhile wait for
-        theirs. Keys already in flight are left to their leader, not
-        waited for. ``call`` may return without settling some keys (it
-        stopped early): their callers compute them themselves. Returns the
-        keys led."""
-        futures: dict[K, Future[V]] = {}
+    def claim(self, keys: list[K]) -> dict[K, Future[V]]:
+        """Take the lead of the ``keys`` no other caller is computing (those
+        are left to their leader, not waited for): from now on callers of
+        ``do`` for any of them wait for ``compute``, which the caller must
+        then run, on any thread."""
+        claimed: dict[K, Future[V]] = {}
         with self._lock:
             for key in keys:
                 if key not in self._calls:
-                    futures[key] = self._calls[key] = Future()
-        led = list(futures)
+                    claimed[key] = self._calls[key] = Future()
+        return claimed
+
+    def compute(
+        self, claimed: dict[K, Future[V]], call: Callable[[list[K], Callable[[K, V], None]], None]
+    ) -> None:
+        """Compute the ``claimed`` keys with one ``call(keys, settle)``,
+        which hands each key's value to ``settle`` as soon as it has it (a
+        run's first block is read before its last arrives). ``call`` may
+        return without settling some keys (it stopped early): their callers
+        compute them themselves. Its exception goes to the callers of the
+        keys it did not settle."""
+        keys = list(claimed)
+        self._settle(claimed, lambda settle: call(keys, settle))
+
+    def lead(self, keys: list[K], call: Callable[[list[K], Callable[[K, V], None]], None]) -> list[K]:
+        """``claim`` and ``compute`` on this thread; returns the keys led."""
+        claimed = self.claim(keys)
+        led = list(claimed)
         if led:
-            self._settle(futures, lambda settle: call(led, settle))
+            self.compute(claimed, call)
         return led
 
     def _settle(self, futures: dict[K, Future[V]], compute: Callable[[Callable[[K, V], None]], None]) -> None:
@@ -77,7 +91,9 @@ class SingleFlight(Generic[K, V]):
         settle. A key is freed as soon as it is settled: its value is then
         held only by the callers waiting for it (a run's blocks are not all
         in RAM until its last one comes), and the next caller computes anew
-        (a fetched block is in the cache by then)."""
+        (a fetched block is in the cache by then). Keys left unsettled are
+        freed before their callers learn of it, so that one retrying leads
+        anew rather than finding the same failed call."""
         pending = futures  # emptied as keys settle: the caller's dict must not keep their values
 
         def settle(key: K, value: V) -> None:
@@ -89,13 +105,15 @@ class SingleFlight(Generic[K, V]):
         try:
             compute(settle)
         except BaseException as exc:
+            self._free(pending)
             for future in pending.values():
                 future.set_exception(exc)
             raise
-        else:
-            for key, future in pending.items():
-                future.set_exception(Abandoned(f"the leader stopped before {key!r}"))
-        finally:
-            with self._lock:
-                for key in pending:
-                    del self._calls[key]
+        self._free(pending)
+        for key, future in pending.items():
+            future.set_exception(Abandoned(f"the leader stopped before {key!r}"))
+
+    def _free(self, pending: dict[K, Future[V]]) -> None:
+        with self._lock:
+            for key in pending:
+                del self._calls[key]

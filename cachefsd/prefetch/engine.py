@@ -15,11 +15,12 @@ Budget, whatever the number of open files:
   eviction policy would give up) in flight: a block the cache refuses on
   arrival was fetched for nothing;
 - at most ``bandwidth`` bytes per second when set (a token bucket).
-Nothing waits on a prefetch: a demand read of a block being prefetched joins
-its GET (single-flight in ``blocks.py``; the prefetch then counts as used,
-late), and a failed prefetch only logs. One run starts with a read: a large
-file's first read at its start begins the file's first run, which fetches
-that read's block first (``HEAD_FREE_BYTES``).
+A demand read of a block being prefetched joins its GET (single-flight in
+``blocks.py``; the prefetch then counts as used, late), and a failed
+prefetch only logs. One run starts with a read, on the reader's thread: a
+large file's first read in its first block begins the file's first run,
+whose GET brings that read's block first, at a demand read's priority
+(``HEAD_FREE_BYTES``).
 
 Blocks fetched ahead carry their predicted use, which the cache records
 (``chunks.policy.PlannedUse``) before admitting them; with a plan (a hint,
@@ -37,9 +38,10 @@ cache (``posix_fadvise(WILLNEED)``, which does not wait), at most
 the cache disk either. A dataset larger than RAM is read from the cache
 disk every epoch; without this, each small file's read waits for it.
 
-Concurrency: ``_lock`` guards ``_ahead``, ``_ahead_bytes``, the reach and
-the token bucket; the model has its own lock. Lock order: this lock, then
-the model's.
+Concurrency: ``_lock`` guards ``_ahead``, ``_ahead_bytes``, the blocks and
+GETs in flight, ``_heads``, the reach and the token bucket; the model has
+its own lock. Lock order: this lock, then the model's. A head run's pool
+thread may wait for its verdict (``_Head.goes_on``) holding no lock.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from cachefsd.blocks import RUN_BYTES, BlockReader, block_range
+from cachefsd.blocks import RUN_BYTES, BlockReader, ClaimedRun, block_range
 from cachefsd.config import PrefetchSettings
 from cachefsd.errors import CachefsdError
 from cachefsd.index import BlockRef
@@ -97,13 +99,13 @@ WARM_AHEAD_BYTES = 32 << 20
 # read on (a tar shard, a video, cp), and one GET for the read and the run
 # saves a request's round trip (on moto, a read of the whole object) over a
 # demand GET followed by a run once a second read has shown the stream.
-# Until that read comes, the run reads no further than this: a reader that
-# only peeked at a header costs at most this much.
+# Until that read comes, the run reads no further than this (or one block,
+# if larger): a reader that only peeked at a header costs that much.
 HEAD_FREE_BYTES = 16 << 20
 # How long the run then waits for the reader's second read before it stops.
-HEAD_VERDICT_SECONDS = 5.0
-# How long the first read waits for the run's GET to claim its blocks (a
-# free pool thread takes it at once: this only bounds a surprise).
+HEAD_VERDICT_SECONDS = 2.0
+# How long a read waits for another read of the same file to claim its
+# first run's blocks (a few dictionary updates: this only bounds a surprise).
 HEAD_CLAIM_SECONDS = 1.0
 
 
@@ -281,39 +283,62 @@ class Prefetcher:
         """Fetch the first run of a large file with the GET of this read in
         its first block (``HEAD_FREE_BYTES``; the kernel's first reads of a
         file come in any order), if that block is neither cached nor being
-        fetched and the budget allows. Returns once the run has claimed its
-        blocks, so that the read waits for this GET."""
+        fetched and the budget allows. The run's blocks are claimed before
+        this returns, so that the read waits for its GET, which runs at a
+        demand read's priority."""
         block_size = self._reader.block_size
         if not self._thread.is_alive() or self._stopped.is_set():  # --no-prefetch, or stopping
             return
         if self._reader.digest(info, 0) is not None or self._reader.fetching(info, 0):
             return
         ref = self._reader.ref(info, 0)
+        prediction = Prediction(info.key, 0, RUN_BYTES, 0.0, job=self._model.job_of(info.key) or "")
         with self._lock:
             head = self._heads.get(ref)
-            starts = head is None
             if head is None:
+                run = self._take_run_locked(info, prediction)
+                if not run:
+                    return
                 head = self._heads[ref] = _Head(max(1, HEAD_FREE_BYTES // block_size))
-        if starts:
-            prediction = Prediction(info.key, 0, RUN_BYTES, 0.0, job=self._model.job_of(info.key) or "")
-            run: list[tuple[int, BlockRef, int]] = []
-            for index in block_range(0, RUN_BYTES, info.size, block_size):
-                taken = self._take(info, index, prediction)
-                if not isinstance(taken, tuple):
-                    break
-                run.append((index, *taken))
-            if not run:
-                with self._lock:
-                    del self._heads[ref]
-                head.claimed.set()
-                return
-            self._submit(info, run, prediction, head)
-        head.claimed.wait(HEAD_CLAIM_SECONDS)  # or another read of the file is starting it
+                self._gets_in_flight += 1  # with the blocks, so that reads at once cannot overrun it
+                position = self._opens + prediction.distance
+                starts = True
+            else:
+                starts = False
+        if not starts:
+            head.claimed.wait(HEAD_CLAIM_SECONDS)  # another read of the file is starting it
+            return
+        claim = None
+        try:
+            indices = range(run[0][0], run[-1][0] + 1)
+            claim = self._reader.claim_run_ahead(
+                info, indices, next_use=position, proceed=head.goes_on, kind="demand"
+            )
+            head.claimed.set()
+            self._pool.submit(self._fetch, info, run, position, prediction.job, head, claim)
+        except BaseException:
+            head.claimed.set()
+            if claim is not None:
+                claim.abandon()
+            self._run_over(info, run, set(), prediction.job, head)
+            raise
+
+    def _take_run_locked(self, info: ObjectInfo, prediction: Prediction) -> list[tuple[int, BlockRef, int]]:
+        """The blocks of a file's first run the budget allows, from block 0
+        on; none if block 0 needs no fetch or the budget is spent."""
+        run: list[tuple[int, BlockRef, int]] = []
+        for index in block_range(0, RUN_BYTES, info.size, self._reader.block_size):
+            taken = self._take_locked(info, index, prediction)
+            if not isinstance(taken, tuple):
+                break
+            run.append((index, *taken))
+        return run
 
     def _judge_head(self, info: ObjectInfo, offset: int) -> None:
         """The verdict on a file's first run, from the next read of the
-        file: inside the blocks read so far or just past them (``access``
-        slack), a stream; further on, a jump (only a header was read)."""
+        file (by any reader): inside the run's free blocks or just past
+        them (``access`` slack), a stream; further on, a jump (only a header
+        was read)."""
         ref = self._reader.ref(info, 0)
         with self._lock:
             head = self._heads.get(ref)
@@ -519,38 +544,36 @@ class Prefetcher:
         """Claim block ``index`` of ``info`` for a fetch if it needs one and
         the budget allows: its ref and bytes; True when it needs no fetch;
         False when the budget is spent (stop this round)."""
-        ref = self._reader.ref(info, index)
-        start = index * self._reader.block_size
-        nbytes = min(self._reader.block_size, info.size - start)
         with self._lock:
-            if ref in self._ahead or ref in self._in_flight:
+            return self._take_locked(info, index, prediction)
+
+    def _take_locked(
+        self, info: ObjectInfo, index: int, prediction: Prediction
+    ) -> tuple[BlockRef, int] | bool:
+        ref = self._reader.ref(info, index)
+        nbytes = min(self._reader.block_size, info.size - index * self._reader.block_size)
+        if ref in self._ahead or ref in self._in_flight:
+            return True
+        retry_at = self._failed.get(ref)
+        if retry_at is not None:
+            if time.monotonic() < retry_at:
                 return True
-            retry_at = self._failed.get(ref)
-            if retry_at is not None:
-                if time.monotonic() < retry_at:
-                    return True
-                del self._failed[ref]
-            position = self._opens + prediction.distance
-            if not self._budget_allows_locked(nbytes, position):
-                return False
-            if self._reader.digest(info, index) is not None:
-                self._refund_locked(nbytes)
-                return True
-            self._in_flight[ref] = nbytes
-            self._in_flight_bytes += nbytes
+            del self._failed[ref]
+        position = self._opens + prediction.distance
+        if not self._budget_allows_locked(nbytes, position):
+            return False
+        if self._reader.digest(info, index) is not None:
+            self._refund_locked(nbytes)
+            return True
+        self._in_flight[ref] = nbytes
+        self._in_flight_bytes += nbytes
         return ref, nbytes
 
-    def _submit(
-        self,
-        info: ObjectInfo,
-        run: list[tuple[int, BlockRef, int]],
-        prediction: Prediction,
-        head: _Head | None = None,
-    ) -> None:
+    def _submit(self, info: ObjectInfo, run: list[tuple[int, BlockRef, int]], prediction: Prediction) -> None:
         with self._lock:
             position = self._opens + prediction.distance
             self._gets_in_flight += 1
-        self._pool.submit(self._fetch, info, run, position, prediction.job, head)
+        self._pool.submit(self._fetch, info, run, position, prediction.job, None, None)
 
     def _budget_allows_locked(self, nbytes: int, position: float) -> bool:
         """A free slot, room in the reach, room in the cache for it and for
@@ -572,20 +595,18 @@ class Prefetcher:
         position: float,
         job: str,
         head: _Head | None,
+        claim: ClaimedRun | None,
     ) -> None:
         """Fetch a run of consecutive blocks with one GET, then account for
-        each block as it turned out. A file's first run (``head``) goes on
-        past its free blocks only for a stream."""
+        each block as it turned out. A file's first run (``head``) comes
+        with its blocks already ``claim``ed."""
         first, last = run[0][0], run[-1][0]
         fetched: set[int] = set()
         try:
-            fetched = self._reader.fetch_run_ahead(
-                info,
-                range(first, last + 1),
-                next_use=position,
-                proceed=None if head is None else head.goes_on,
-                led=None if head is None else head.claimed.set,
-            )
+            if claim is None:
+                fetched = self._reader.fetch_run_ahead(info, range(first, last + 1), next_use=position)
+            else:
+                fetched = claim.fetch()
         except Exception as exc:
             # A bug too (logged with its traceback), not only a failed GET:
             # either way the run's blocks and its slot must be given back,
@@ -599,15 +620,24 @@ class Prefetcher:
                 for _, ref, _ in run:
                     self._failed[ref] = retry_at
         finally:
-            if head is not None:
-                head.claimed.set()  # nothing to claim, or the claim failed
-            for index, ref, nbytes in run:
-                self._account(info, index, ref, nbytes, index in fetched, job)
-            with self._lock:
-                if head is not None and self._heads.get(run[0][1]) is head:
-                    del self._heads[run[0][1]]
-                self._gets_in_flight -= 1
-            self._wake.set()
+            self._run_over(info, run, fetched, job, head)
+
+    def _run_over(
+        self,
+        info: ObjectInfo,
+        run: list[tuple[int, BlockRef, int]],
+        fetched: set[int],
+        job: str,
+        head: _Head | None,
+    ) -> None:
+        """Account for each block of a run as it turned out, and give its slot back."""
+        for index, ref, nbytes in run:
+            self._account(info, index, ref, nbytes, index in fetched, job)
+        with self._lock:
+            if head is not None and self._heads.get(run[0][1]) is head:
+                del self._heads[run[0][1]]
+            self._gets_in_flight -= 1
+        self._wake.set()
 
     def _account(
         self, info: ObjectInfo, index: int, ref: BlockRef, nbytes: int, fetched: bool, job: str

@@ -28,7 +28,7 @@ class FaultyStore:
         self._inner = inner
         self.faults = faults or Faults()
         self.calls = 0
-        self.stream_starts: list[int] = []  # the first byte each stream asked for
+        self.streams: list[tuple[int, int]] = []  # the range each stream asked for
         self._gets_now = 0
         self.most_concurrent_gets = 0  # the most GETs that were in flight at once
 
@@ -77,7 +77,7 @@ class FaultyStore:
         self.most_concurrent_gets = max(self.most_concurrent_gets, self._gets_now)
         try:
             await self._inject()
-            self.stream_starts.append(start)
+            self.streams.append((start, end))
             cut, self.faults.cut_after_pieces = self.faults.cut_after_pieces, 0
             sent = 0
             async for data in self._inner.stream_range(key, start, end, etag, piece):

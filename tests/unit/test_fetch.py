@@ -176,7 +176,7 @@ def test_a_broken_stream_resumes_where_it_broke(io: LoopThread) -> None:
     events = Events()
     fetcher = Fetcher(faulty, FAST_FETCH, events)
     assert _streamed(io, fetcher, store, 3) == [b"012", b"345", b"678", b"9"]
-    assert faulty.stream_starts == [0, 6]  # the second request asks for the bytes not received yet
+    assert faulty.streams == [(0, 10), (6, 10)]  # the second request asks for the bytes not received yet
     assert events.retries == 1
 
 
@@ -195,3 +195,20 @@ def test_a_slow_stream_is_not_cut_while_its_pieces_come(io: LoopThread) -> None:
     with pytest.raises(DeadlineExceeded):
         io.run(fetcher.call("head k", lambda: faulty.head("k"), "metadata"), 10)
     assert events.retries > 0
+
+
+def test_a_stream_stopped_early_still_counts_as_a_request(io: LoopThread) -> None:
+    """A file's first run stops after its free blocks for a reader that only
+    peeked at a header: its GET went uncounted in the fetch metrics."""
+    fetcher, store, events = setup(Faults())
+    version = etag(store, io)
+
+    async def first_piece() -> bytes:
+        stream = fetcher.stream_range("k", 0, 10, version, 3)
+        try:
+            return bytes(await anext(stream))
+        finally:
+            await stream.aclose()
+
+    assert io.run(first_piece(), 10) == b"012"
+    assert events.done == 1

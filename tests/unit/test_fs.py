@@ -83,6 +83,27 @@ def test_a_version_replaced_upstream_keeps_its_cached_blocks_while_a_handle_read
     assert engine.index.blocks() == []  # released with its last handle
 
 
+def test_a_version_gone_and_listed_again_keeps_its_blocks_when_its_old_handle_closes(
+    make_engine: EngineFactory,
+) -> None:
+    """Deleted while open, then uploaded again with the same content (the
+    same etag): the old handle's close must not release the current version."""
+    data = os.urandom(2 * BLOCK_SIZE)
+    engine = make_engine({"f": data, "g": b"g"}, ttl=5)
+    handle = engine.fs.open("/f", os.O_RDONLY).handle
+    assert joined(engine.fs.read(handle, len(data), 0)) == data
+    engine.store.delete("f")
+    engine.clock.now += 10
+    engine.fs.readdir("/")  # the refresh that finds it gone
+    engine.store.put("f", data)
+    engine.clock.now += 10
+    again = engine.fs.open("/f", os.O_RDONLY).handle
+    assert joined(engine.fs.read(again, len(data), 0)) == data
+    engine.fs.release(again)
+    engine.fs.release(handle)
+    assert len(engine.index.blocks()) == 2
+
+
 def test_reading_a_deleted_object_fails_as_changed_and_drops_the_listing(make_engine: EngineFactory) -> None:
     data = os.urandom(2 * BLOCK_SIZE)
     engine = make_engine({"f": data, "g": b"g"})

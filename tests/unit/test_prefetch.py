@@ -4,6 +4,7 @@ predicts, within its budget, and counts what was used."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -519,3 +520,27 @@ def test_a_read_waiting_on_a_block_of_a_stopped_run_fetches_it_itself(
         reader = ThreadPoolExecutor(1).submit(engine.reader.read, info, 10 * BLOCK_SIZE, 100)
         prefetcher.read(info, 60 * BLOCK_SIZE, 512)
         assert joined(reader.result(POLL_SECONDS)) == data[10 * BLOCK_SIZE : 10 * BLOCK_SIZE + 100]
+
+
+def test_first_reads_of_many_large_files_at_once_start_no_more_runs_than_the_concurrency(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each read claimed budget before any counted its GET: eight first
+    reads at once started eight runs at a concurrency of 2."""
+    monkeypatch.setattr(engine_module, "HEAD_FREE_BYTES", 4 * BLOCK_SIZE)
+    monkeypatch.setattr(engine_module, "HEAD_VERDICT_SECONDS", 0.5)
+    files = {f"shard-{i}.tar": os.urandom(80 * BLOCK_SIZE) for i in range(8)}
+    engine = make_engine(files)
+    infos = [engine.namespace.lookup("/" + key).info for key in files]
+    together = threading.Barrier(len(infos))
+
+    def first_read(info: ObjectInfo) -> bytes:
+        together.wait(POLL_SECONDS)
+        prefetcher.read(info, 0, 512)
+        return joined(engine.reader.read(info, 0, 512))
+
+    with start(engine, PrefetchSettings(concurrency=2)) as prefetcher, ThreadPoolExecutor(len(infos)) as pool:
+        firsts = list(pool.map(first_read, infos))
+    assert firsts == [data[:512] for data in files.values()]
+    runs = [(start, end) for start, end in engine.faulty.streams if end - start > BLOCK_SIZE]
+    assert len(runs) == 2
