@@ -54,7 +54,15 @@ def tier_specs(settings: CacheSettings) -> list[TierSpec]:
     specs = []
     for name, tier in settings.tiers():
         create_cache_directory(settings.tier_setting(name), tier.dir)
-        specs.append(TierSpec(name, str(tier.dir), resolve_tier_size(tier.size, tier.dir), tier.codec))
+        capacity = resolve_tier_size(tier.size, tier.dir)
+        if capacity < settings.block_size:
+            # Not even one block: every read would go to the store, and a
+            # mistyped size ("500" for 500G) would empty a warm cache.
+            raise ConfigError(
+                f"{settings.tier_size_setting(name)}: {human_bytes(capacity)} holds not even one "
+                f"{human_bytes(settings.block_size)} block"
+            )
+        specs.append(TierSpec(name, str(tier.dir), capacity, tier.codec))
     return specs
 
 
@@ -151,6 +159,10 @@ def _settle_block_size(index: Index, cache_dir: Path, block_size: int, migrate: 
         log.warning("cannot drop the references of the old block size from the index: %s", exc)
 
 
+def _layout(specs: list[TierSpec]) -> list[tuple[str, Path, int, str]]:
+    return [(spec.name, Path(spec.dir).resolve(), spec.capacity, spec.codec) for spec in specs]
+
+
 def require_cache(cache_dir: Path) -> None:
     """Refuse a directory no daemon has used, before anything is created
     there: a command that only reads a cache (``verify``, ``gc``, a
@@ -182,13 +194,17 @@ def open_cache(
     planned: PlannedUse | None = None,
     block_size: int | None = None,
     migrate_block_size: bool = False,
+    keep_recorded_layout: bool = False,
 ) -> Iterator[OpenCache]:
     """Lock, open and reconcile a cache. ``specs`` None means the layout
-    recorded by the last daemon (for maintenance commands); ``planned`` is
-    the prefetcher's plan, which the epoch-aware policy reads; ``block_size``
-    the size the blocks are read at (None for maintenance, which reads
-    blocks by their hashes only), and ``migrate_block_size`` whether a
-    cache filled at another is dropped (a mount) or refused."""
+    recorded by the last daemon (for maintenance commands), and so does
+    ``keep_recorded_layout`` when there is one (an offline stage: a layout
+    of its own, or the defaults, would trim or drop the daemon's tiers);
+    ``planned`` is the prefetcher's plan, which the epoch-aware policy
+    reads; ``block_size`` the size the blocks are read at (None for
+    maintenance, which reads blocks by their hashes only), and
+    ``migrate_block_size`` whether a cache filled at another is dropped (a
+    mount) or refused."""
     if specs is None:
         require_cache(cache_dir)
     create_cache_directory("cache.dir", cache_dir)
@@ -199,15 +215,18 @@ def open_cache(
         stack.callback(index.close)
         if block_size is not None:
             _settle_block_size(index, cache_dir, block_size, migrate_block_size)
-        if specs is None:
-            recorded = index.load_meta(_TIERS_META)
-            if recorded is None:
-                raise _no_cache(cache_dir)
+        recorded = index.load_meta(_TIERS_META) if specs is None or keep_recorded_layout else None
+        if specs is None and recorded is None:
+            raise _no_cache(cache_dir)
+        if recorded is not None:
             # A tier recorded inside the cache directory, relative to it: it
             # moves with the directory (``mv``, a copy, another mount path).
-            specs = [
+            kept = [
                 TierSpec(**{**spec, "dir": str(cache_dir / spec["dir"])}) for spec in json.loads(recorded)
             ]
+            if specs is not None and _layout(specs) != _layout(kept):
+                log.warning("%s: the cache's own tiers apply, as its daemon laid them out", cache_dir)
+            specs = kept
         else:
             try:
                 index.save_meta(_TIERS_META, json.dumps([_recorded(spec, cache_dir) for spec in specs]))

@@ -212,6 +212,11 @@ class CacheSettings(_Section):
         for the single tier of a cache without ``[cache.hot]``/``[cache.warm]``."""
         return "cache.dir" if self.hot is None and self.warm is None else f"cache.{name}.dir"
 
+    def tier_size_setting(self, name: str) -> str:
+        """The setting that sizes tier ``name``: ``cache.size`` for the
+        single tier, else ``cache.{name}.size``."""
+        return "cache.size" if self.hot is None and self.warm is None else f"cache.{name}.size"
+
     def tiers(self) -> list[tuple[str, TierSettings]]:
         """The tiers in order, fastest first."""
         if self.hot is None and self.warm is None:

@@ -105,34 +105,42 @@ def _warn_of_small_disks(cache: TieredCache) -> None:
 
 
 @contextmanager
-def engine(settings: Settings, lock_wait: float | None = None, mounting: bool = False) -> Iterator[Engine]:
-    """Open the cache (locks, reconcile), prove the source reachable, and
+def engine(
+    settings: Settings,
+    lock_wait: float | None = None,
+    mounting: bool = False,
+    keep_recorded_layout: bool = False,
+) -> Iterator[Engine]:
+    """Prove the source reachable, open the cache (locks, reconcile), and
     build the data path; close it all on exit. ``mounting`` for the
     daemon's, which may drop a cache filled at another block size (an
-    offline stage refuses it)."""
+    offline stage refuses it); ``keep_recorded_layout`` for an offline
+    stage, which fills a cache as its daemon laid it out."""
     metrics = Metrics(CollectorRegistry())
     model = AccessModel()
     metrics.watch_epoch(model.current)
     planned = PlannedUse()
-    specs = tier_specs(settings.cache)
     io = LoopThread()
     try:
-        with open_cache(
-            settings.cache.dir,
-            specs,
-            settings.cache.policy,
-            model,
-            metrics,
-            lock_wait,
-            planned,
-            settings.cache.block_size,
-            migrate_block_size=mounting,
-        ) as opened:
-            _warn_of_small_disks(opened.cache)
-            store = open_store(settings.source, settings.store, settings.fetch.attempt_timeout)
-            try:
-                if not io.run(store.check(), MOUNT_CHECK_SECONDS):
-                    log.warning("%s holds no objects: is its prefix mistyped?", store.uri)
+        # The source first: a mount that fails on it must not have opened
+        # (and trimmed to a mistyped capacity) the cache.
+        store = open_store(settings.source, settings.store, settings.fetch.attempt_timeout)
+        try:
+            if not io.run(store.check(), MOUNT_CHECK_SECONDS):
+                log.warning("%s holds no objects: is its prefix mistyped?", store.uri)
+            with open_cache(
+                settings.cache.dir,
+                tier_specs(settings.cache),
+                settings.cache.policy,
+                model,
+                metrics,
+                lock_wait,
+                planned,
+                settings.cache.block_size,
+                migrate_block_size=mounting,
+                keep_recorded_layout=keep_recorded_layout,
+            ) as opened:
+                _warn_of_small_disks(opened.cache)
                 fetcher = Fetcher(store, settings.fetch, metrics)
                 dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
                 reader = BlockReader(
@@ -158,9 +166,9 @@ def engine(settings: Settings, lock_wait: float | None = None, mounting: bool = 
                 yield Engine(
                     store, opened.cache, opened.index, reader, namespace, metrics, prefetcher, model, fs
                 )
-            finally:
-                with contextlib.suppress(CachefsdError):
-                    io.run(store.close(), MOUNT_CHECK_SECONDS)
+        finally:
+            with contextlib.suppress(CachefsdError):
+                io.run(store.close(), MOUNT_CHECK_SECONDS)
     finally:
         io.stop()
 

@@ -633,7 +633,7 @@ def stage_offline(settings: Settings, request: StageRequest, report: Report) -> 
 
     if request.check:
         require_cache(settings.cache.dir)
-    with daemon.engine(settings) as parts:
+    with daemon.engine(settings, keep_recorded_layout=True) as parts:
         tiers = [tier.name for tier in parts.cache.tiers]
         return stage_files(parts.namespace, parts.reader, tiers, request, report)
 

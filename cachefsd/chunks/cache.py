@@ -43,6 +43,7 @@ from typing import Literal, Protocol, TypeVar
 from cachefsd.chunks.codec import Codec, CorruptBlock, check_raw, decode, encode
 from cachefsd.chunks.policy import PlannedUse
 from cachefsd.chunks.tier import NoRoom, Tier, disk_bytes
+from cachefsd.config import human_bytes
 from cachefsd.index import BlockRef, Index, StoredBlock
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ class TieredCache:
         stored = self._index.blocks()  # least recently used first
         kept: dict[str, StoredBlock] = {}
         used = dict.fromkeys(self._by_name, 0)
+        trimmed: dict[str, list[int]] = {}  # tier -> blocks, bytes dropped for want of room (or of the tier)
         for block in reversed(stored):  # most recent first: they are kept when a tier overflows
             tier = self._by_name.get(block.tier)
             file_size = None if tier is None else on_disk[tier.name].pop(block.hash, None)
@@ -168,11 +170,17 @@ class TieredCache:
                 or block.hash in garbage
                 or not fits
             ):
-                if tier is not None and block.hash not in garbage:
-                    if file_size is None:
-                        damage.missing.append(block.hash)
-                    elif disk_bytes(file_size) != block.disk_bytes:
-                        damage.corrupt.append(block.hash)
+                intact = file_size is not None and disk_bytes(file_size) == block.disk_bytes
+                if block.hash in garbage:
+                    pass
+                elif tier is None or intact:  # no room for it, or no tier
+                    counts = trimmed.setdefault(block.tier, [0, 0])
+                    counts[0] += 1
+                    counts[1] += block.disk_bytes
+                elif file_size is None:
+                    damage.missing.append(block.hash)
+                else:
+                    damage.corrupt.append(block.hash)
                 self._drop(block.hash, tier)
                 continue
             used[block.tier] += block.disk_bytes
@@ -186,6 +194,11 @@ class TieredCache:
                 tier.delete(orphan)
                 orphans += 1
         log.info("cache reconciled: %d blocks kept, %d orphan files removed", len(kept), orphans)
+        for name, (blocks, nbytes) in trimmed.items():
+            # A smaller capacity (or a tier left out) empties a warm cache: say so.
+            why = "beyond its capacity" if name in self._by_name else "the tier is no longer configured"
+            message = "%s tier: %d cached blocks (%s) evicted at start: %s"
+            log.warning(message, name, blocks, human_bytes(nbytes), why)
         self._report_usage()
         return damage
 

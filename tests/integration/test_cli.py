@@ -21,7 +21,7 @@ import pytest
 from cachefsd.config import parse_size
 from cachefsd.runtime import CacheDirLock, pid_alive, read_state, state_path
 from cachefsd.testing.s3_server import S3TestServer
-from tests.integration.conftest import MountFactory, free_port, run_cli
+from tests.integration.conftest import MountFactory, force_unmount, free_port, run_cli
 from tests.integration.datasets import new_bucket, put_objects
 from tests.polling import wait_until
 
@@ -542,3 +542,68 @@ def test_a_source_holding_nothing_is_a_warning_at_mount(tmp_path: Path, mounter:
     assert os.listdir(mount.mountpoint) == []
     expected = f"cachefsd: warning: file://{source} holds no objects: is its prefix mistyped?"
     assert mount.warnings.strip() == expected
+
+
+def _block_files(*directories: Path) -> int:
+    files = (path for directory in directories for path in directory.rglob("*"))
+    return sum(1 for path in files if path.parent.parent.name == "blocks")
+
+
+def test_an_offline_stage_keeps_the_cache_as_its_daemon_laid_it_out(
+    tmp_path: Path, mounter: MountFactory
+) -> None:
+    """``stage SOURCE --cache-dir D`` (the README's form, even ``--check``)
+    laid the cache out anew from its defaults: a tiered cache lost its warm
+    tier's blocks, a large one was trimmed to 10G."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for i in range(6):
+        (source / f"f{i}.bin").write_bytes(os.urandom(200_000))
+    cache, hot, warm = tmp_path / "cache", tmp_path / "hot", tmp_path / "warm"
+    tiers = ("--hot", str(hot), "--hot-size", "512K", "--warm", str(warm), "--warm-size", "8M")
+    mount = mounter(str(source), "--block-size", "64K", *tiers, cache_dir=cache)
+    for i in range(6):
+        assert mount.path(f"f{i}.bin").read_bytes() == (source / f"f{i}.bin").read_bytes()
+    mount.unmount()
+    blocks = _block_files(hot, warm)
+    assert blocks >= 6 * 3
+
+    check = ("stage", str(source), "--cache-dir", str(cache), "--block-size", "64K", "--check")
+    status, stdout, stderr = cli(*check)
+    assert status == 0, stderr
+    assert stdout.startswith("resident: 100.0% of 6 files"), stdout
+    assert _block_files(hot, warm) == blocks
+    assert "the cache's own tiers apply" in stderr
+
+
+def test_a_failed_mount_or_a_size_below_a_block_leaves_the_cache_as_it_was(
+    tmp_path: Path, mounter: MountFactory
+) -> None:
+    """The cache was trimmed to the new size before the source was checked:
+    a mount that then failed on a missing bucket had emptied it anyway; and
+    "500" (for 500G) was a valid size."""
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "f.bin").write_bytes(os.urandom(1_000_000))
+    cache = tmp_path / "cache"
+    mount = mounter(str(source), "--block-size", "64K", cache_dir=cache)
+    assert mount.path("f.bin").read_bytes() == (source / "f.bin").read_bytes()
+    mount.unmount()
+    blocks = _block_files(cache)
+    assert blocks == 16
+    mountpoint = tmp_path / "again"
+    mountpoint.mkdir()
+    flags = ("--cache-dir", str(cache), "--block-size", "64K", "--no-metrics")
+    try:
+        missing = str(tmp_path / "missing")
+        status, _, stderr = cli("mount", missing, str(mountpoint), *flags, "--cache-size", "128K")
+        assert status != 0
+        assert "missing" in stderr
+        assert _block_files(cache) == blocks
+        status, _, stderr = cli("mount", str(source), str(mountpoint), *flags, "--cache-size", "500")
+        assert status != 0
+        assert "cache.size: 500 B holds not even one 64.0 KiB block" in stderr
+        assert _block_files(cache) == blocks
+    finally:
+        if os.path.ismount(mountpoint):
+            force_unmount(mountpoint)

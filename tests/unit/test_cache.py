@@ -3,6 +3,7 @@ crash reconciliation, verification."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -447,16 +448,21 @@ def test_reconcile_after_a_crash(tmp_path: Path) -> None:
         assert cache.used_bytes == on_disk(tmp_path) + on_disk(tmp_path, "warm")
 
 
-def test_a_smaller_capacity_on_restart_keeps_the_most_recent(tmp_path: Path) -> None:
+def test_a_smaller_capacity_on_restart_keeps_the_most_recent_and_says_what_it_evicted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mistyped size emptied a warm cache, and the log said only "3 blocks kept"."""
     with tiered(tmp_path, 1 << 20) as (cache, _):
         for i in range(10):
             admit(cache, ref(f"k{i}"), os.urandom(8000))
         cache.save_recency()
-    with tiered(tmp_path, 3 * disk_bytes(8040)) as (cache, _):
+    with caplog.at_level(logging.WARNING), tiered(tmp_path, 3 * disk_bytes(8040)) as (cache, _):
         assert on_disk(tmp_path) <= cache.capacity
         assert cache.tiers[0].block_count == 3
         assert read(cache, ref("k9")) is not None
         assert read(cache, ref("k0")) is None
+    assert "hot tier: 7 cached blocks (" in caplog.text
+    assert "evicted at start: beyond its capacity" in caplog.text
 
 
 def test_verify_finds_and_repairs_damage(tmp_path: Path) -> None:
