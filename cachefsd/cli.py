@@ -272,29 +272,34 @@ def _mount_background(argv: list[str], settings: Settings) -> int:
     if line == "ready":
         print(f"cachefsd: mounted {settings.source} on {settings.mountpoint} (pid {child.pid})")
         return 0
-    if not line:
-        if child.poll() is None:
+    if line is None:
+        _stop(child, settings.mountpoint)
+        line = f"the mount was not ready within {MOUNT_READY_SECONDS:g}s; see {log_path}"
+    elif not line:
+        # The daemon closed the pipe without a word: it is exiting (a crash
+        # at start), and is reaped here, not taken for a slow mount.
+        try:
+            line = f"the daemon exited with status {child.wait(timeout=UNMOUNT_SECONDS)}; see {log_path}"
+        except subprocess.TimeoutExpired:
             _stop(child, settings.mountpoint)
-            line = f"the mount was not ready within {MOUNT_READY_SECONDS:g}s"
-        else:
-            line = f"the daemon exited with status {child.returncode}"
-        line += f"; see {log_path}"
+            line = f"the daemon closed its ready pipe and did not exit; see {log_path}"
     print(f"cachefsd: error: {line}", file=sys.stderr)
     return 1
 
 
-def _ready_line(read_end: int) -> str:
-    """The daemon's last line on the ready pipe ("" if it closed the pipe
-    or stayed silent for ``MOUNT_READY_SECONDS``); its warnings before
-    that line go to stderr."""
+def _ready_line(read_end: int) -> str | None:
+    """The daemon's last line on the ready pipe: "" if it closed the pipe
+    without one, None if it stayed silent for ``MOUNT_READY_SECONDS``; its
+    warnings before that line go to stderr."""
     line = ""
     pending = b""
     deadline = time.monotonic() + MOUNT_READY_SECONDS
     with os.fdopen(read_end, "rb") as ready_pipe:
-        while not line and time.monotonic() < deadline:
-            readable, _, _ = select.select([ready_pipe], [], [], deadline - time.monotonic())
+        while not line:
+            remaining = deadline - time.monotonic()
+            readable, _, _ = select.select([ready_pipe], [], [], max(0.0, remaining))
             if not readable:
-                break
+                return None
             chunk = os.read(ready_pipe.fileno(), 4096)
             if not chunk:
                 break

@@ -607,3 +607,30 @@ def test_a_failed_mount_or_a_size_below_a_block_leaves_the_cache_as_it_was(
     finally:
         if os.path.ismount(mountpoint):
             force_unmount(mountpoint)
+
+
+def test_a_daemon_dying_at_start_is_reported_as_such(tmp_path: Path) -> None:
+    """Its ready pipe closes a moment before it can be reaped: that was
+    reported as "the mount was not ready within 60s"."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    # Only the daemon (the one process given --ready-fd) closes its pipe, then dies.
+    (hooks / "sitecustomize.py").write_text(
+        "import os, sys, time\n"
+        "if '--ready-fd' in sys.argv:\n"
+        "    os.close(int(sys.argv[sys.argv.index('--ready-fd') + 1]))\n"
+        "    time.sleep(0.5)\n"
+        "    os._exit(3)\n"
+    )
+    source, mountpoint = tmp_path / "source", tmp_path / "mnt"
+    source.mkdir()
+    mountpoint.mkdir()
+    path = os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")])
+    command = ("mount", str(source), str(mountpoint), "--cache-dir", str(tmp_path / "cache"), "--no-metrics")
+    try:
+        status, _, stderr = cli(*command, env={"PYTHONPATH": path})
+    finally:
+        if os.path.ismount(mountpoint):
+            force_unmount(mountpoint)
+    assert status == 1
+    assert stderr.startswith("cachefsd: error: the daemon exited with status 3"), stderr
