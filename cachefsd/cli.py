@@ -23,6 +23,7 @@ from cachefsd.config import Settings, load_settings
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.runtime import (
     MOUNT_TYPE,
+    check_allow_other,
     check_fuse_device,
     check_mountpoint,
     create_cache_directory,
@@ -238,6 +239,7 @@ def _mount_background(argv: list[str], settings: Settings) -> int:
     # What the daemon would refuse, refused before the cache directory and
     # its log are created for a mount that cannot happen.
     check_fuse_device()
+    check_allow_other(settings.fuse.allow_other)
     check_mountpoint(settings.mountpoint.resolve(), settings.cache.directories())
     log_path = settings.cache.dir / "cachefsd.log"
     create_cache_directory("cache.dir", settings.cache.dir)

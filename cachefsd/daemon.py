@@ -35,7 +35,7 @@ from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import Prefetcher
-from cachefsd.runtime import MountState, check_fuse_device, check_mountpoint, write_state
+from cachefsd.runtime import MountState, check_allow_other, check_fuse_device, check_mountpoint, write_state
 from cachefsd.stage import MountHandlers
 from cachefsd.stats import DaemonStats, Residency
 from cachefsd.store import open_store
@@ -177,6 +177,7 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
     """Mount ``settings.source`` and serve until unmounted."""
     mountpoint = settings.mountpoint.resolve()
     check_fuse_device()
+    check_allow_other(settings.fuse.allow_other)
     check_mountpoint(mountpoint, settings.cache.directories())
     with engine(settings, mounting=True) as parts:
         metrics_addr = _start_metrics(settings, parts.metrics.registry)

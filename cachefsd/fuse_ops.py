@@ -37,6 +37,18 @@ log = logging.getLogger(__name__)
 
 # fuse_main()'s return code when its session loop ended with an error (helper.c).
 FUSE_MAIN_LOOP_ENDED = 8
+# What fuse_main()'s other return codes mean (helper.c); the reason itself,
+# if any, is on the daemon's stderr (its log), from libfuse or fusermount3.
+_FUSE_MAIN_FAILURES = {
+    1: "invalid mount options",
+    2: "no mountpoint",
+    3: "the FUSE session could not be set up",
+    4: "the mount was refused (fusermount3 says why in the log)",
+    5: "it could not go to the background",
+    6: "its signal handlers could not be set",
+    7: "the filesystem failed to start",
+    FUSE_MAIN_LOOP_ENDED: "the session ended before the mount was ready",
+}
 # libfuse workers beyond those that may all be waiting on GETs (``serve``).
 SPARE_WORKERS = 8
 
@@ -405,7 +417,9 @@ def serve(
         # failed") after what was an orderly unmount; mfusepy raises that
         # code. Codes 1-7 are failures to mount and stay errors.
         if exc.args != (FUSE_MAIN_LOOP_ENDED,) or not operations.mounted:
-            raise
+            code = exc.args[0] if exc.args else None
+            reason = _FUSE_MAIN_FAILURES.get(code, "it failed") if isinstance(code, int) else "it failed"
+            raise CachefsdError(f"libfuse could not mount {mountpoint}: {reason} (code {code})") from exc
         log.info("FUSE session ended by a signal (libfuse code %d)", FUSE_MAIN_LOOP_ENDED)
     finally:
         _close_all_spans()

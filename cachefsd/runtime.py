@@ -34,6 +34,7 @@ _POLL_SECONDS = 0.05
 
 
 FUSE_DEVICE = "/dev/fuse"
+FUSE_CONF = Path("/etc/fuse.conf")
 # The type the kernel's mount table gives a cachefsd mount (``fuse.<subtype>``).
 MOUNT_TYPE = "fuse.cachefsd"
 
@@ -211,6 +212,24 @@ def check_fuse_device() -> None:
         raise CachefsdError(
             f"cannot use {FUSE_DEVICE} as uid {os.getuid()}: FUSE needs it present (apt-get install "
             "fuse3) and readable and writable (mode 0666, Debian's default), or cachefsd run as root"
+        )
+
+
+def check_allow_other(allow_other: bool, uid: int | None = None, fuse_conf: Path = FUSE_CONF) -> None:
+    """fusermount3 lets a user's mount allow other users only when
+    ``fuse_conf`` has ``user_allow_other``; it says so on its stderr (the
+    daemon's log), and libfuse then returns a bare code ("unexpected
+    error: 4"). ``uid`` is the mounting user's (default: this process's)."""
+    if not allow_other or (os.geteuid() if uid is None else uid) == 0:
+        return
+    try:
+        lines = fuse_conf.read_text().splitlines()
+    except OSError:
+        lines = []
+    if not any(line.split("#", 1)[0].strip() == "user_allow_other" for line in lines):
+        raise ConfigError(
+            f"fuse.allow_other: a user's mount may allow other users only when {fuse_conf} "
+            "has the line user_allow_other (or mount as root)"
         )
 
 

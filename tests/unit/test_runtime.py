@@ -15,7 +15,7 @@ import pytest
 from cachefsd import runtime
 from cachefsd.cli import LogfmtFormatter
 from cachefsd.errors import CachefsdError, ConfigError
-from cachefsd.runtime import MountState, notify_systemd, pid_alive, read_state, write_state
+from cachefsd.runtime import MountState, check_allow_other, notify_systemd, pid_alive, read_state, write_state
 from tests.polling import wait_until
 
 
@@ -177,3 +177,17 @@ def test_a_cache_directory_of_ones_own_others_could_write_is_made_private(
     assert mine.stat().st_mode & 0o7777 == private
     runtime.create_cache_directory("cache.dir", tmp_path / "new")
     assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700
+
+
+def test_allow_other_for_a_user_needs_user_allow_other_in_fuse_conf(tmp_path: Path) -> None:
+    """fusermount3 refuses it, and libfuse said only "unexpected error: 4"."""
+    conf = tmp_path / "fuse.conf"
+    conf.write_text("# user_allow_other\nmount_max = 1000\n")
+    with pytest.raises(ConfigError, match=r"^fuse\.allow_other: .* has the line user_allow_other"):
+        check_allow_other(True, uid=1000, fuse_conf=conf)
+    check_allow_other(False, uid=1000, fuse_conf=conf)
+    check_allow_other(True, uid=0, fuse_conf=conf)  # root's mount needs no permission
+    conf.write_text("user_allow_other  # for cachefsd\n")
+    check_allow_other(True, uid=1000, fuse_conf=conf)
+    with pytest.raises(ConfigError, match=r"^fuse\.allow_other: "):
+        check_allow_other(True, uid=1000, fuse_conf=tmp_path / "absent")
