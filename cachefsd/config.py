@@ -8,6 +8,7 @@ about. Each component receives only its own slice (``settings.fetch``, ...).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -74,10 +75,13 @@ def human_bytes(count: float) -> str:
 
 
 def parse_duration(value: Any) -> float:
-    """``30``, ``30s``, ``5m``, ``1h``, ``1d`` -> seconds."""
+    """``30``, ``30s``, ``5m``, ``1h``, ``1d`` -> seconds; finite (TOML
+    has ``inf``: a deadline of it would let a read hang for good)."""
     if isinstance(value, bool):
         raise ValueError("expected a duration like 30s or 1h")
     if isinstance(value, int | float):
+        if not math.isfinite(value):
+            raise ValueError(f"invalid duration {value!r}: must be finite")
         return float(value)
     match = _NUMBER_WITH_UNIT.match(str(value))
     if not match or match.group(2).lower() not in _DURATION_UNITS:
@@ -194,6 +198,14 @@ class CacheSettings(_Section):
         return value
 
     @model_validator(mode="after")
+    def _size_of_one_tier_only(self) -> CacheSettings:
+        """With tiers, each has its size: a ``--cache-size`` beside them was
+        ignored without a word."""
+        if (self.hot is not None or self.warm is not None) and "size" in self.model_fields_set:
+            raise ValueError("size is for a cache without tiers: with hot or warm, give each tier's size")
+        return self
+
+    @model_validator(mode="after")
     def _tiers_apart(self) -> CacheSettings:
         """Both tiers name a block file by its hash: in one directory, a
         demotion's warm copy would be the hot copy it then deletes."""
@@ -229,7 +241,7 @@ class StoreSettings(_Section):
     region: str | None = None
     # A TCP connect to a reachable endpoint takes milliseconds; 5 s lets a
     # wrong endpoint fail the mount quickly without tripping on a busy network.
-    connect_timeout: Duration = 5.0
+    connect_timeout: Duration = Field(default=5.0, gt=0)
     max_connections: Count = Field(default=64, ge=1, le=1024)
 
     @field_validator("endpoint_url")

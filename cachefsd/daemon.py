@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ipaddress
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -68,6 +69,10 @@ def _start_metrics(settings: Settings, registry: CollectorRegistry) -> str | Non
             exc.strerror,
         )
         return None
+    if not ipaddress.ip_address(server.server_address[0]).is_loopback:
+        log.warning(
+            "metrics are served beyond this node (%s): they name datasets and sizes", settings.metrics.addr
+        )
     return f"{host}:{server.server_port}"
 
 

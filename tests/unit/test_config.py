@@ -64,6 +64,13 @@ def test_precedence_is_defaults_then_file_then_env_then_flags(tmp_path: Path) ->
         ({"namespace": {"metadata_ttl": "soon"}}, {}, "namespace.metadata_ttl"),
         ({"namespace": {"metadata_ttl": "0"}}, {}, "namespace.metadata_ttl: Input should be greater"),
         ({"fetch": {"concurrency": True}}, {}, "fetch.concurrency: expected a whole number"),
+        ({"fetch": {"deadline": float("inf")}}, {}, "fetch.deadline: invalid duration inf: must be finite"),
+        ({"store": {"connect_timeout": "0s"}}, {}, "store.connect_timeout: Input should be greater than 0"),
+        (
+            {"cache": {"size": "20G", "hot": {"dir": "/c/h", "size": "1G"}}},
+            {},
+            "cache: size is for a cache without tiers",
+        ),
         ({"cache": {"dir": "~no-such-user-here/c"}}, {}, "cache.dir: cannot resolve"),
         ({"source": ""}, {}, "source: empty"),
         ({"source": "file://data"}, {}, "source: 'file://data': a file:// URL needs an absolute path"),

@@ -464,3 +464,15 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     problems = [line for line in (result.stdout + result.stderr).splitlines() if "cachefsd@" in line]
     assert result.returncode == 0, result.stderr
     assert not problems, "\n".join(problems)
+
+
+def test_the_readme_configuration_example_is_valid(tmp_path: Path) -> None:
+    """Users copy it whole."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("```toml\n") + len("```toml\n")
+    config = tmp_path / "cachefsd.toml"
+    config.write_text(readme[start : readme.index("```", start)])
+    required = {"source": "s3://bucket", "mountpoint": str(tmp_path / "mnt")}
+    settings = load_settings(config, required, environ={})
+    assert settings.cache.hot is not None
+    assert settings.cache.warm is not None
