@@ -482,8 +482,9 @@ class _BlockFetch:
                 self._counters.bytes_fetched += length
             else:  # it was cached, or a read's GET (which this joined) fetched it
                 self._counters.bytes_cached += length
-            if self._blocks.residency(run.state.selected.info, index) is None:
-                self._cache_full = True  # fetched, by whoever, and refused
+            info = run.state.selected.info
+            if self._blocks.residency(info, index) is None and not self._blocks.fetching(info, index):
+                self._cache_full = True  # fetched, by whoever, and refused (not still on its way)
             self._block_done(run.state)
 
     def _block_done(self, state: _FileProgress) -> None:

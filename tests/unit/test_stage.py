@@ -27,6 +27,7 @@ from cachefsd.stage import (
     stage_files,
     summary_lines,
 )
+from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory
 
 OBJECTS = {
@@ -181,6 +182,33 @@ def test_a_file_of_several_blocks_is_staged_with_one_get(make_engine: EngineFact
     summary, _ = run(engine)
     assert summary["fetched_bytes"] == TOTAL
     assert engine.store.get_count == len([data for data in OBJECTS.values() if data])
+
+
+def test_a_block_a_read_is_fetching_does_not_stop_the_stage_as_a_full_cache(
+    make_engine: EngineFactory,
+) -> None:
+    """A block another GET leads (a read, a file's first run) is left to
+    it; not cached yet when the stage's run ends, it was taken for a
+    refusal, and the stage stopped with the rest "not staged"."""
+    objects = {f"shard-{index}": os.urandom(2 * BLOCK_SIZE) for index in range(6)}
+    engine = make_engine(objects)
+    first = engine.namespace.lookup("/shard-0").info
+    assert first is not None
+    engine.faulty.faults.latency_seconds = 0.4  # within the attempt timeout
+    reader = threading.Thread(target=engine.reader.read, args=(first, 0, 1))
+    reader.start()
+    try:
+        wait_until(lambda: engine.reader.fetching(first, 0), "the read's GET to start", 10.0)
+        engine.faulty.faults.latency_seconds = 0.0
+        ignore = lambda _: None  # noqa: E731
+        summary = stage_files(engine.namespace, engine.reader, ["hot"], StageRequest(), ignore, workers=1)
+    finally:
+        reader.join(10)
+    assert summary["fetched_bytes"] == 11 * BLOCK_SIZE  # all but the block the read fetches
+    for key in objects:
+        info = engine.namespace.lookup(f"/{key}").info
+        assert info is not None
+        assert all(engine.reader.residency(info, index) for index in (0, 1))
 
 
 @pytest.mark.parametrize("policy", [MinioPolicy, LruPolicy])
