@@ -443,16 +443,22 @@ def test_a_prefetch_that_raises_gives_its_slot_back(
     assert len(raised) == 2
 
 
+def shard_engine(make_engine: EngineFactory) -> tuple[Engine, ObjectInfo, bytes]:
+    """An engine over one object of 80 blocks, ``shard.tar``."""
+    data = os.urandom(80 * BLOCK_SIZE)
+    engine = make_engine({"shard.tar": data})
+    info = engine.namespace.lookup("/shard.tar").info
+    assert info is not None
+    return engine, info, data
+
+
 def test_a_first_read_at_a_large_files_start_brings_its_first_run_with_the_same_get(
     make_engine: EngineFactory,
 ) -> None:
     """A demand GET for the first block and a run once a second read showed
     the stream cost a request's round trip more (a cold 100 MB tar shard
     on moto at 20 ms: two GETs, the second 0.15 s after the first)."""
-    data = os.urandom(80 * BLOCK_SIZE)
-    engine = make_engine({"shard.tar": data})
-    info = engine.namespace.lookup("/shard.tar").info
-    assert info is not None
+    engine, info, data = shard_engine(make_engine)
     with start(engine, PrefetchSettings()) as prefetcher:
         prefetcher.opened(info)
         prefetcher.read(info, 0, 512)
@@ -462,13 +468,11 @@ def test_a_first_read_at_a_large_files_start_brings_its_first_run_with_the_same_
     assert joined(engine.reader.read(info, 0, len(data))) == data
 
 
-def peeked_run(engine: Engine, settings: PrefetchSettings, then_read_at: int | None) -> float:
+def peeked_run(engine: Engine, info: ObjectInfo, then_read_at: int | None) -> float:
     """Bytes issued by a file's first run with 4 free blocks, after a
     512-byte read at its start and maybe one more read."""
-    info = engine.namespace.lookup("/shard.tar").info
-    assert info is not None
     issued = engine.metrics.prefetch_issued_bytes._value.get
-    with start(engine, settings) as prefetcher:
+    with start(engine, PrefetchSettings()) as prefetcher:
         prefetcher.opened(info)
         prefetcher.read(info, 0, 512)
         if then_read_at is not None:
@@ -483,8 +487,8 @@ def test_a_jump_away_from_a_files_start_stops_its_first_run_after_its_free_block
 ) -> None:
     """A reader that only peeked at a header costs the free blocks, not a run."""
     monkeypatch.setattr(engine_module, "HEAD_FREE_BYTES", 4 * BLOCK_SIZE)
-    engine = make_engine({"shard.tar": os.urandom(80 * BLOCK_SIZE)})
-    assert peeked_run(engine, PrefetchSettings(), then_read_at=60 * BLOCK_SIZE) == 4 * BLOCK_SIZE
+    engine, info, _ = shard_engine(make_engine)
+    assert peeked_run(engine, info, then_read_at=60 * BLOCK_SIZE) == 4 * BLOCK_SIZE
 
 
 def test_a_first_run_with_no_second_read_stops_after_its_free_blocks(
@@ -492,16 +496,16 @@ def test_a_first_run_with_no_second_read_stops_after_its_free_blocks(
 ) -> None:
     monkeypatch.setattr(engine_module, "HEAD_FREE_BYTES", 4 * BLOCK_SIZE)
     monkeypatch.setattr(engine_module, "HEAD_VERDICT_SECONDS", 0.05)
-    engine = make_engine({"shard.tar": os.urandom(80 * BLOCK_SIZE)})
-    assert peeked_run(engine, PrefetchSettings(), then_read_at=None) == 4 * BLOCK_SIZE
+    engine, info, _ = shard_engine(make_engine)
+    assert peeked_run(engine, info, then_read_at=None) == 4 * BLOCK_SIZE
 
 
 def test_a_second_read_near_the_start_lets_the_first_run_go_on(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(engine_module, "HEAD_FREE_BYTES", 4 * BLOCK_SIZE)
-    engine = make_engine({"shard.tar": os.urandom(80 * BLOCK_SIZE)})
-    assert peeked_run(engine, PrefetchSettings(), then_read_at=512) == 80 * BLOCK_SIZE
+    engine, info, _ = shard_engine(make_engine)
+    assert peeked_run(engine, info, then_read_at=512) == 80 * BLOCK_SIZE
     assert engine.store.get_count == 1
 
 
@@ -509,10 +513,7 @@ def test_a_read_waiting_on_a_block_of_a_stopped_run_fetches_it_itself(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(engine_module, "HEAD_FREE_BYTES", 4 * BLOCK_SIZE)
-    data = os.urandom(80 * BLOCK_SIZE)
-    engine = make_engine({"shard.tar": data})
-    info = engine.namespace.lookup("/shard.tar").info
-    assert info is not None
+    engine, info, data = shard_engine(make_engine)
     with start(engine, PrefetchSettings()) as prefetcher:
         prefetcher.opened(info)
         prefetcher.read(info, 0, 512)
