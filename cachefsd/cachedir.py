@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -209,7 +210,9 @@ def open_cache(
         require_cache(cache_dir)
     create_cache_directory("cache.dir", cache_dir)
     with ExitStack() as stack:
-        wait = {} if lock_wait is None else {"wait_seconds": lock_wait}
+        wait: dict[str, Any] = {} if lock_wait is None else {"wait_seconds": lock_wait}
+        if specs is None:  # a maintenance command
+            wait["busy"] = "unmount the mount using it first"
         stack.callback(CacheDirLock(cache_dir, **wait).release)
         index = _open_index(cache_dir, maintenance=specs is None)
         stack.callback(index.close)
@@ -234,8 +237,10 @@ def open_cache(
                 log.warning("cannot record the tier layout in the index: %s", exc)
         # One lock a directory, however its path is spelled (a symlink, a
         # layout recorded before directories were made absolute).
-        for directory in {Path(spec.dir).resolve() for spec in specs} - {cache_dir.resolve()}:
-            stack.callback(CacheDirLock(directory, **wait).release)
+        tier_dirs = {Path(spec.dir).resolve(): spec.name for spec in specs}
+        tier_dirs.pop(cache_dir.resolve(), None)
+        for directory, name in tier_dirs.items():
+            stack.callback(CacheDirLock(directory, **wait, setting=f"cache.{name}.dir").release)
         rng = random.Random()
         tiers = [
             Tier(

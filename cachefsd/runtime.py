@@ -163,13 +163,21 @@ def pid_alive(pid: int) -> bool:
 
 
 class CacheDirLock:
-    """An exclusive lock on a cache directory, held until ``release``."""
+    """An exclusive lock on a cache directory, held until ``release``. Its
+    errors name the ``setting`` that gave the directory, and say what to do
+    when another process holds it (``busy``)."""
 
-    def __init__(self, cache_dir: Path, wait_seconds: float = LOCK_WAIT_SECONDS) -> None:
+    def __init__(
+        self,
+        cache_dir: Path,
+        wait_seconds: float = LOCK_WAIT_SECONDS,
+        setting: str = "cache.dir",
+        busy: str = "give each mount its own --cache-dir",
+    ) -> None:
         try:
             self._fd = os.open(cache_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
-            raise CachefsdError(f"cannot lock cache directory {cache_dir}: {exc.strerror}") from exc
+            raise ConfigError(f"{setting}: cannot lock {cache_dir}: {exc.strerror}") from exc
         deadline = time.monotonic() + wait_seconds
         while True:
             try:
@@ -179,10 +187,7 @@ class CacheDirLock:
                 if time.monotonic() >= deadline:
                     holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "another process"
                     os.close(self._fd)
-                    raise CachefsdError(
-                        f"cache directory {cache_dir} is in use by pid {holder}; "
-                        "give each mount its own --cache-dir"
-                    ) from None
+                    raise CachefsdError(f"{setting}: {cache_dir} is in use by pid {holder}; {busy}") from None
                 time.sleep(_POLL_SECONDS)
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, str(os.getpid()).encode(), 0)

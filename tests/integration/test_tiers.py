@@ -390,6 +390,7 @@ def test_maintenance_on_a_mounted_cache_fails_fast_in_one_line(
     assert "\n" not in message, message
     assert "Traceback" not in message
     assert "in use" in message, message
+    assert message.endswith("unmount the mount using it first"), message
     assert elapsed < FAIL_FAST_SECONDS, f"{command} refused only after {elapsed:.1f}s"
     assert mount.alive
     assert mount.path("x.bin").read_bytes() == (source / "x.bin").read_bytes()

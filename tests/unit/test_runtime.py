@@ -15,7 +15,15 @@ import pytest
 from cachefsd import runtime
 from cachefsd.cli import LogfmtFormatter
 from cachefsd.errors import CachefsdError, ConfigError
-from cachefsd.runtime import MountState, check_allow_other, notify_systemd, pid_alive, read_state, write_state
+from cachefsd.runtime import (
+    CacheDirLock,
+    MountState,
+    check_allow_other,
+    notify_systemd,
+    pid_alive,
+    read_state,
+    write_state,
+)
 from tests.polling import wait_until
 
 
@@ -191,3 +199,11 @@ def test_allow_other_for_a_user_needs_user_allow_other_in_fuse_conf(tmp_path: Pa
     check_allow_other(True, uid=1000, fuse_conf=conf)
     with pytest.raises(ConfigError, match=r"^fuse\.allow_other: "):
         check_allow_other(True, uid=1000, fuse_conf=tmp_path / "absent")
+
+
+def test_a_directory_that_cannot_be_locked_is_named_by_its_setting(tmp_path: Path) -> None:
+    """A tier on a read-only filesystem said only "cannot lock cache directory /x"."""
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"^cache\.hot\.dir: cannot lock .*file: Not a directory$"):
+        CacheDirLock(not_a_directory, setting="cache.hot.dir")
