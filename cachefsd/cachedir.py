@@ -52,6 +52,9 @@ class TierSpec:
 
 def tier_specs(settings: CacheSettings) -> list[TierSpec]:
     """The configured tiers, directories created and sizes in bytes."""
+    if (settings.hot is not None or settings.warm is not None) and "size" in settings.model_fields_set:
+        # Not refused: the CLI lists --cache-size beside the tier flags.
+        log.warning("cache.size is not used with hot or warm tiers: each tier's own size applies")
     specs = []
     for name, tier in settings.tiers():
         create_cache_directory(settings.tier_setting(name), tier.dir)

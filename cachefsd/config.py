@@ -198,14 +198,6 @@ class CacheSettings(_Section):
         return value
 
     @model_validator(mode="after")
-    def _size_of_one_tier_only(self) -> CacheSettings:
-        """With tiers, each has its size: a ``--cache-size`` beside them was
-        ignored without a word."""
-        if (self.hot is not None or self.warm is not None) and "size" in self.model_fields_set:
-            raise ValueError("size is for a cache without tiers: with hot or warm, give each tier's size")
-        return self
-
-    @model_validator(mode="after")
     def _tiers_apart(self) -> CacheSettings:
         """Both tiers name a block file by its hash: in one directory, a
         demotion's warm copy would be the hot copy it then deletes."""

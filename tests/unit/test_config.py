@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
 import pytest
 
+from cachefsd.cachedir import tier_specs
 from cachefsd.config import StoreSettings, load_settings, parse_duration, parse_size
 from cachefsd.errors import ConfigError
 from cachefsd.store import open_store
@@ -66,11 +68,6 @@ def test_precedence_is_defaults_then_file_then_env_then_flags(tmp_path: Path) ->
         ({"fetch": {"concurrency": True}}, {}, "fetch.concurrency: expected a whole number"),
         ({"fetch": {"deadline": float("inf")}}, {}, "fetch.deadline: invalid duration inf: must be finite"),
         ({"store": {"connect_timeout": "0s"}}, {}, "store.connect_timeout: Input should be greater than 0"),
-        (
-            {"cache": {"size": "20G", "hot": {"dir": "/c/h", "size": "1G"}}},
-            {},
-            "cache: size is for a cache without tiers",
-        ),
         ({"cache": {"dir": "~no-such-user-here/c"}}, {}, "cache.dir: cannot resolve"),
         ({"source": ""}, {}, "source: empty"),
         ({"source": "file://data"}, {}, "source: 'file://data': a file:// URL needs an absolute path"),
@@ -198,3 +195,14 @@ def test_a_source_is_keyed_by_its_endpoint(endpoint: str | None, key: str) -> No
 )
 def test_urls_are_shown_and_keyed_without_credentials(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+def test_a_cache_size_beside_tiers_is_warned_of_not_silently_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = {"size": "20G", "hot": {"dir": str(tmp_path / "hot"), "size": "1G"}}
+    settings = load_settings(None, {**REQUIRED, "cache": cache}, environ={})
+    with caplog.at_level(logging.WARNING, logger="cachefsd.cachedir"):
+        specs = tier_specs(settings.cache)
+    assert [spec.capacity for spec in specs] == [1 << 30]
+    assert "cache.size is not used with hot or warm tiers" in caplog.text
