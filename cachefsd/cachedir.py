@@ -50,6 +50,11 @@ class TierSpec:
     codec: str
 
 
+# The smallest tier capacity taken, the smallest block size: anything less
+# is a size typed without its unit (or a cache that can hold nothing).
+MIN_TIER_BYTES = 64 << 10
+
+
 def tier_specs(settings: CacheSettings) -> list[TierSpec]:
     """The configured tiers, directories created and sizes in bytes."""
     if (settings.hot is not None or settings.warm is not None) and "size" in settings.model_fields_set:
@@ -59,12 +64,16 @@ def tier_specs(settings: CacheSettings) -> list[TierSpec]:
     for name, tier in settings.tiers():
         create_cache_directory(settings.tier_setting(name), tier.dir)
         capacity = resolve_tier_size(tier.size, tier.dir)
+        setting = settings.tier_size_setting(name)
+        if capacity < MIN_TIER_BYTES:
+            # A size without its unit ("500" for 500G): it would empty a warm cache.
+            raise ConfigError(f"{setting}: {human_bytes(capacity)} is too small for a cache (no unit?)")
         if capacity < settings.block_size:
-            # Not even one block: every read would go to the store, and a
-            # mistyped size ("500" for 500G) would empty a warm cache.
-            raise ConfigError(
-                f"{settings.tier_size_setting(name)}: {human_bytes(capacity)} holds not even one "
-                f"{human_bytes(settings.block_size)} block"
+            log.warning(
+                "%s: %s holds not even one %s block: every read goes to the store",
+                setting,
+                human_bytes(capacity),
+                human_bytes(settings.block_size),
             )
         specs.append(TierSpec(name, str(tier.dir), capacity, tier.codec))
     return specs

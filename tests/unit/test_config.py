@@ -206,3 +206,15 @@ def test_a_cache_size_beside_tiers_is_warned_of_not_silently_ignored(
         specs = tier_specs(settings.cache)
     assert [spec.capacity for spec in specs] == [1 << 30]
     assert "cache.size is not used with hot or warm tiers" in caplog.text
+
+
+def test_a_tier_smaller_than_a_block_is_warned_of_and_one_without_a_unit_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    small = load_settings(None, {**REQUIRED, "cache": {"dir": str(tmp_path), "size": "1M"}}, environ={})
+    with caplog.at_level(logging.WARNING, logger="cachefsd.cachedir"):
+        assert [spec.capacity for spec in tier_specs(small.cache)] == [1 << 20]
+    assert "cache.size: 1.0 MiB holds not even one 4.0 MiB block" in caplog.text
+    typo = load_settings(None, {**REQUIRED, "cache": {"dir": str(tmp_path), "size": "500"}}, environ={})
+    with pytest.raises(ConfigError, match=r"^cache\.size: 500 B is too small for a cache \(no unit\?\)$"):
+        tier_specs(typo.cache)
