@@ -316,12 +316,17 @@ class Prefetcher:
             )
             head.claimed.set()
             self._pool.submit(self._fetch, info, run, position, prediction.job, head, claim)
-        except BaseException:
+        except BaseException as exc:
             head.claimed.set()
             if claim is not None:
                 claim.abandon()
             self._run_over(info, run, set(), prediction.job, head)
-            raise
+            if not isinstance(exc, Exception):
+                raise
+            # Read-ahead that cannot start must not fail the read that
+            # began it (a cache disk error, a pool shut down at unmount):
+            # the read fetches its block itself.
+            log.warning("first run of %s not started: %s", info.key, exc, exc_info=True)
 
     def _take_run_locked(self, info: ObjectInfo, prediction: Prediction) -> list[tuple[int, BlockRef, int]]:
         """The blocks of a file's first run the budget allows, from block 0

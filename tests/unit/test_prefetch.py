@@ -545,3 +545,21 @@ def test_first_reads_of_many_large_files_at_once_start_no_more_runs_than_the_con
     assert firsts == [data[:512] for data in files.values()]
     runs = [(start, end) for start, end in engine.faulty.streams if end - start > BLOCK_SIZE]
     assert len(runs) == 2
+
+
+def test_a_first_run_that_cannot_start_does_not_fail_the_read(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read-ahead is the prefetcher's business: an error starting it (here
+    the claim; a cache disk error, a pool shut down) failed the read too."""
+    engine, info, data = shard_engine(make_engine)
+
+    def breaks(*args: Any, **kwargs: Any) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(engine.reader, "claim_run_ahead", breaks)
+    with start(engine, PrefetchSettings()) as prefetcher:
+        prefetcher.opened(info)
+        prefetcher.read(info, 0, 512)
+        assert joined(engine.reader.read(info, 0, 512)) == data[:512]
+    assert engine.store.get_count == 1  # the read's own GET
