@@ -77,14 +77,6 @@ class SingleFlight(Generic[K, V]):
         keys = list(claimed)
         self._settle(claimed, lambda settle: call(keys, settle))
 
-    def lead(self, keys: list[K], call: Callable[[list[K], Callable[[K, V], None]], None]) -> list[K]:
-        """``claim`` and ``compute`` on this thread; returns the keys led."""
-        claimed = self.claim(keys)
-        led = list(claimed)
-        if led:
-            self.compute(claimed, call)
-        return led
-
     def _settle(self, futures: dict[K, Future[V]], compute: Callable[[Callable[[K, V], None]], None]) -> None:
         """Run the leader's ``compute``, which settles the keys of
         ``futures`` one by one; hand its exception to those it did not
