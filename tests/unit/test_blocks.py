@@ -159,7 +159,7 @@ def test_a_read_that_joins_a_run_gets_its_block_before_the_run_ends(make_engine:
     run.start()
     wait_until(lambda: engine.faulty.streams, "the run's GET to start", 10.0)
     assert joined(engine.reader.read(info, 0, 10)) == data[:10]
-    assert engine.reader._in_flight.busy(engine.reader.ref(info, 3))  # its last block still to come
+    assert engine.reader.fetching(info, 3)  # its last block still to come
     run.join(10)
     assert fetched == [{0, 1, 2, 3}]
     assert [start for start, _ in engine.faulty.streams] == [0]  # one GET
