@@ -578,7 +578,7 @@ class Prefetcher:
         with self._lock:
             position = self._opens + prediction.distance
             self._gets_in_flight += 1
-        self._pool.submit(self._fetch, info, run, position, prediction.job, None, None)
+        self._pool.submit(self._fetch, info, run, position, prediction.job)
 
     def _budget_allows_locked(self, nbytes: int, position: float) -> bool:
         """A free slot, room in the reach, room in the cache for it and for
@@ -599,8 +599,8 @@ class Prefetcher:
         run: list[tuple[int, BlockRef, int]],
         position: float,
         job: str,
-        head: _Head | None,
-        claim: ClaimedRun | None,
+        head: _Head | None = None,
+        claim: ClaimedRun | None = None,
     ) -> None:
         """Fetch a run of consecutive blocks with one GET, then account for
         each block as it turned out. A file's first run (``head``) comes
