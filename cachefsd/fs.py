@@ -195,7 +195,7 @@ class FileSystem:
         pinned to its version, and its cached blocks are all it can still
         read), and the kernel may still hold its size."""
         with self._lock:
-            still_open = self._open_versions.get(info.key, Counter())[info.etag] > 0
+            still_open = info.etag in self._open_versions.get(info.key, ())  # counts are dropped at 0
             if still_open:
                 self._gone_while_open[(info.key, info.etag)] = info
         if not still_open:
