@@ -418,7 +418,7 @@ def serve(
         # code. Codes 1-7 are failures to mount and stay errors.
         if exc.args != (FUSE_MAIN_LOOP_ENDED,) or not operations.mounted:
             code = exc.args[0] if exc.args else None
-            reason = _FUSE_MAIN_FAILURES.get(code, "it failed") if isinstance(code, int) else "it failed"
+            reason = _FUSE_MAIN_FAILURES.get(code, "it failed")
             raise CachefsdError(f"libfuse could not mount {mountpoint}: {reason} (code {code})") from exc
         log.info("FUSE session ended by a signal (libfuse code %d)", FUSE_MAIN_LOOP_ENDED)
     finally:
