@@ -35,7 +35,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
@@ -159,7 +159,9 @@ class TieredCache:
         stored = self._index.blocks()  # least recently used first
         kept: dict[str, StoredBlock] = {}
         used = dict.fromkeys(self._by_name, 0)
-        trimmed: dict[str, list[int]] = {}  # tier -> blocks, bytes dropped for want of room (or of the tier)
+        # Tier -> blocks and bytes dropped for want of room (or of the tier).
+        trimmed_blocks: Counter[str] = Counter()
+        trimmed_bytes: Counter[str] = Counter()
         for block in reversed(stored):  # most recent first: they are kept when a tier overflows
             tier = self._by_name.get(block.tier)
             file_size = None if tier is None else on_disk[tier.name].pop(block.hash, None)
@@ -170,17 +172,15 @@ class TieredCache:
                 or block.hash in garbage
                 or not fits
             ):
-                intact = file_size is not None and disk_bytes(file_size) == block.disk_bytes
-                if block.hash in garbage:
-                    pass
-                elif tier is None or intact:  # no room for it, or no tier
-                    counts = trimmed.setdefault(block.tier, [0, 0])
-                    counts[0] += 1
-                    counts[1] += block.disk_bytes
-                elif file_size is None:
-                    damage.missing.append(block.hash)
-                else:
-                    damage.corrupt.append(block.hash)
+                if block.hash not in garbage:
+                    intact = file_size is not None and disk_bytes(file_size) == block.disk_bytes
+                    if tier is None or intact:  # no room for it, or no tier
+                        trimmed_blocks[block.tier] += 1
+                        trimmed_bytes[block.tier] += block.disk_bytes
+                    elif file_size is None:
+                        damage.missing.append(block.hash)
+                    else:
+                        damage.corrupt.append(block.hash)
                 self._drop(block.hash, tier)
                 continue
             used[block.tier] += block.disk_bytes
@@ -194,11 +194,11 @@ class TieredCache:
                 tier.delete(orphan)
                 orphans += 1
         log.info("cache reconciled: %d blocks kept, %d orphan files removed", len(kept), orphans)
-        for name, (blocks, nbytes) in trimmed.items():
+        for name, blocks in trimmed_blocks.items():
             # A smaller capacity (or a tier left out) empties a warm cache: say so.
             why = "beyond its capacity" if name in self._by_name else "the tier is no longer configured"
             message = "%s tier: %d cached blocks (%s) evicted at start: %s"
-            log.warning(message, name, blocks, human_bytes(nbytes), why)
+            log.warning(message, name, blocks, human_bytes(trimmed_bytes[name]), why)
         self._report_usage()
         return damage
 
