@@ -191,7 +191,7 @@ class GcsStore:
             blobs = self._client.list_blobs(
                 bucket, prefix=self._root, max_results=1, timeout=self._attempt_timeout, retry=None
             )
-            return any(True for _ in blobs)
+            return any(blobs)
 
         try:
             return await self._run(self._target(), call)

@@ -62,7 +62,7 @@ class LocalStore:
         if not os.access(self._root, os.R_OK | os.X_OK):
             raise StoreError(f"{self._root} is not readable")
         with os.scandir(self._root) as entries:
-            return any(True for _ in entries)
+            return any(entries)
 
     async def list_page(self, prefix: str, token: str | None) -> ListingPage:
         """The whole directory in one page."""
