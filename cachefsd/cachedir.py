@@ -64,7 +64,7 @@ def tier_specs(settings: CacheSettings) -> list[TierSpec]:
     for name, tier in settings.tiers():
         create_cache_directory(settings.tier_setting(name), tier.dir)
         capacity = resolve_tier_size(tier.size, tier.dir)
-        setting = settings.tier_size_setting(name)
+        setting = settings.tier_setting(name, "size")
         if capacity < MIN_TIER_BYTES:
             # A size without its unit ("500" for 500G): it would empty a warm cache.
             raise ConfigError(f"{setting}: {human_bytes(capacity)} is too small for a cache (no unit?)")

@@ -211,15 +211,11 @@ class CacheSettings(_Section):
         tiers = [(self.tier_setting(name), tier.dir) for name, tier in self.tiers()]
         return [("cache.dir", self.dir), *(entry for entry in tiers if entry[0] != "cache.dir")]
 
-    def tier_setting(self, name: str) -> str:
-        """The setting that names tier ``name``'s directory: ``cache.dir``
-        for the single tier of a cache without ``[cache.hot]``/``[cache.warm]``."""
-        return "cache.dir" if self.hot is None and self.warm is None else f"cache.{name}.dir"
-
-    def tier_size_setting(self, name: str) -> str:
-        """The setting that sizes tier ``name``: ``cache.size`` for the
-        single tier, else ``cache.{name}.size``."""
-        return "cache.size" if self.hot is None and self.warm is None else f"cache.{name}.size"
+    def tier_setting(self, name: str, field: str = "dir") -> str:
+        """The setting of tier ``name``'s ``field`` (``dir``, ``size``):
+        ``cache.dir`` for the single tier of a cache without
+        ``[cache.hot]``/``[cache.warm]``, else ``cache.hot.dir``."""
+        return f"cache.{field}" if self.hot is None and self.warm is None else f"cache.{name}.{field}"
 
     def tiers(self) -> list[tuple[str, TierSettings]]:
         """The tiers in order, fastest first."""
