@@ -443,6 +443,12 @@ def test_a_prefetch_that_raises_gives_its_slot_back(
     assert len(raised) == 2
 
 
+@pytest.fixture(name="four_free_blocks")
+def fixture_four_free_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file's first run reads 4 blocks before it waits for a verdict."""
+    monkeypatch.setattr(engine_module, "HEAD_FREE_BYTES", 4 * BLOCK_SIZE)
+
+
 def shard_engine(make_engine: EngineFactory) -> tuple[Engine, ObjectInfo, bytes]:
     """An engine over one object of 80 blocks, ``shard.tar``."""
     data = os.urandom(80 * BLOCK_SIZE)
@@ -482,37 +488,33 @@ def peeked_run(engine: Engine, info: ObjectInfo, then_read_at: int | None) -> fl
     return issued()
 
 
+@pytest.mark.usefixtures("four_free_blocks")
 def test_a_jump_away_from_a_files_start_stops_its_first_run_after_its_free_blocks(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+    make_engine: EngineFactory,
 ) -> None:
     """A reader that only peeked at a header costs the free blocks, not a run."""
-    monkeypatch.setattr(engine_module, "HEAD_FREE_BYTES", 4 * BLOCK_SIZE)
     engine, info, _ = shard_engine(make_engine)
     assert peeked_run(engine, info, then_read_at=60 * BLOCK_SIZE) == 4 * BLOCK_SIZE
 
 
+@pytest.mark.usefixtures("four_free_blocks")
 def test_a_first_run_with_no_second_read_stops_after_its_free_blocks(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine_module, "HEAD_FREE_BYTES", 4 * BLOCK_SIZE)
     monkeypatch.setattr(engine_module, "HEAD_VERDICT_SECONDS", 0.05)
     engine, info, _ = shard_engine(make_engine)
     assert peeked_run(engine, info, then_read_at=None) == 4 * BLOCK_SIZE
 
 
-def test_a_second_read_near_the_start_lets_the_first_run_go_on(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(engine_module, "HEAD_FREE_BYTES", 4 * BLOCK_SIZE)
+@pytest.mark.usefixtures("four_free_blocks")
+def test_a_second_read_near_the_start_lets_the_first_run_go_on(make_engine: EngineFactory) -> None:
     engine, info, _ = shard_engine(make_engine)
     assert peeked_run(engine, info, then_read_at=512) == 80 * BLOCK_SIZE
     assert engine.store.get_count == 1
 
 
-def test_a_read_waiting_on_a_block_of_a_stopped_run_fetches_it_itself(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(engine_module, "HEAD_FREE_BYTES", 4 * BLOCK_SIZE)
+@pytest.mark.usefixtures("four_free_blocks")
+def test_a_read_waiting_on_a_block_of_a_stopped_run_fetches_it_itself(make_engine: EngineFactory) -> None:
     engine, info, data = shard_engine(make_engine)
     with start(engine, PrefetchSettings()) as prefetcher:
         prefetcher.opened(info)
@@ -521,14 +523,16 @@ def test_a_read_waiting_on_a_block_of_a_stopped_run_fetches_it_itself(
         reader = ThreadPoolExecutor(1).submit(engine.reader.read, info, 10 * BLOCK_SIZE, 100)
         prefetcher.read(info, 60 * BLOCK_SIZE, 512)
         assert joined(reader.result(POLL_SECONDS)) == data[10 * BLOCK_SIZE : 10 * BLOCK_SIZE + 100]
+    # The run stopped after its free blocks; block 10 came with the reader's own GET.
+    assert [start for start, _ in engine.faulty.streams] == [0, 10 * BLOCK_SIZE]
 
 
+@pytest.mark.usefixtures("four_free_blocks")
 def test_first_reads_of_many_large_files_at_once_start_no_more_runs_than_the_concurrency(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each read claimed budget before any counted its GET: eight first
     reads at once started eight runs at a concurrency of 2."""
-    monkeypatch.setattr(engine_module, "HEAD_FREE_BYTES", 4 * BLOCK_SIZE)
     monkeypatch.setattr(engine_module, "HEAD_VERDICT_SECONDS", 0.5)
     files = {f"shard-{i}.tar": os.urandom(80 * BLOCK_SIZE) for i in range(8)}
     engine = make_engine(files)
