@@ -44,6 +44,7 @@ def test_marker_and_escaping_keys_are_not_entries() -> None:
 def test_inode_numbers_are_stable_distinct_and_never_0_or_1() -> None:
     paths = ["/", "/a", "/a/b", "/b", "/a/b/c.jpg", "/ünïcødé"] + [f"/d/{i}" for i in range(10_000)]
     numbers = [inode_number(path) for path in paths]
-    assert numbers == [inode_number(path) for path in paths]
+    # The same in every process and release, so a remount keeps them: pinned.
+    assert numbers[:2] == [5134827694651168304, 7102927890839267337]
     assert len(set(numbers)) == len(paths)
     assert all(2 <= number < 1 << 63 for number in numbers)
