@@ -369,21 +369,42 @@ def _deep_merge(base: dict[str, Any], override: Mapping[str, Any], where: str = 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """``CACHEFSD_CACHE__SIZE=20G`` -> ``{"cache": {"size": "20G"}}``."""
     tree: dict[str, Any] = {}
-    for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX):
-            continue
-        path = name[len(ENV_PREFIX) :].lower().split("__")
+    for name, path in _env_settings(environ).items():
         node = tree
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = value
+        node[path[-1]] = environ[name]
     return tree
 
 
-def _describe(error: ValidationError) -> str:
+def _env_settings(environ: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """Each ``CACHEFSD_*`` variable and the settings path it sets."""
+    return {
+        name: tuple(name[len(ENV_PREFIX) :].lower().split("__"))
+        for name in environ
+        if name.startswith(ENV_PREFIX)
+    }
+
+
+def _set_in(tree: Mapping[str, Any], path: tuple[str, ...]) -> bool:
+    for part in path:
+        if not isinstance(tree, Mapping) or part not in tree:
+            return False
+        tree = tree[part]
+    return True
+
+
+def _describe(error: ValidationError, env_origins: Mapping[tuple[str, ...], str]) -> str:
+    """Every bad field, by its settings path, and by its variable when an
+    environment variable set it: ``cache.siz`` alone did not say it came
+    from a stray ``CACHEFSD_CACHE__SIZ`` in a pod spec."""
     lines = []
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "config"
+        loc = tuple(str(part) for part in item["loc"])
+        field = ".".join(loc) or "config"
+        origin = next((name for path, name in env_origins.items() if loc[: len(path)] == path), None)
+        if origin is not None:
+            field += f" (from {origin})"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown setting"
@@ -412,4 +433,6 @@ def load_settings(
     try:
         return Settings.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from exc
+        env_settings = _env_settings(environ).items()
+        env_origins = {path: name for name, path in env_settings if not _set_in(flags, path)}
+        raise ConfigError(_describe(exc, env_origins)) from exc

@@ -62,7 +62,9 @@ def test_precedence_is_defaults_then_file_then_env_then_flags(tmp_path: Path) ->
             {},
             "store.endpoint_url: credentials in the URL",
         ),
-        ({}, {"CACHEFSD_CACHE__SZIE": "1G"}, "cache.szie"),
+        ({}, {"CACHEFSD_CACHE__SZIE": "1G"}, "cache.szie (from CACHEFSD_CACHE__SZIE): unknown setting"),
+        ({}, {"CACHEFSD_CACHE__SIZE": "lots"}, "cache.size (from CACHEFSD_CACHE__SIZE): invalid size 'lots'"),
+        ({}, {"CACHEFSD_FETCH": "fast"}, "fetch (from CACHEFSD_FETCH): Input should be a valid dictionary"),
         ({"namespace": {"metadata_ttl": "soon"}}, {}, "namespace.metadata_ttl"),
         ({"namespace": {"metadata_ttl": "0"}}, {}, "namespace.metadata_ttl: Input should be greater"),
         ({"fetch": {"concurrency": True}}, {}, "fetch.concurrency: expected a whole number"),
@@ -82,6 +84,12 @@ def test_bad_values_name_their_field(flags: dict[str, object], environ: dict[str
     with pytest.raises(ConfigError, match=re.escape(field)) as refused:
         load_settings(None, {**REQUIRED, **flags}, environ=environ)
     assert "pw" not in str(refused.value)  # a credential is never echoed
+
+
+def test_a_bad_flag_is_not_blamed_on_the_variable_it_overrides() -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_settings(None, {**REQUIRED, "cache": {"size": "lots"}}, environ={"CACHEFSD_CACHE__SIZE": "20G"})
+    assert str(refused.value).startswith("cache.size: invalid size 'lots'")
 
 
 @pytest.mark.parametrize(
