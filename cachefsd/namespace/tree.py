@@ -139,7 +139,12 @@ class Namespace:
         so the next lookup sees the bucket's current state."""
         prefix = key[: key.rfind("/") + 1]
         with self._lock:
-            self._dirs.pop(prefix, None)
+            cached = self._dirs.get(prefix)
+            if cached is not None:
+                # Kept, expired, for the next listing to be compared with:
+                # the other objects of the directory that changed meanwhile
+                # are reported gone too (the kernel may hold their old sizes).
+                self._dirs[prefix] = _Cached(cached.directory, INVALIDATED)
             self._invalidations[prefix] = self._invalidations.get(prefix, 0) + 1
         self._persist(prefix, INVALIDATED, Listing((), ()))
 
@@ -151,9 +156,13 @@ class Namespace:
             return cached
         if cached is None:
             cached = self._from_index(prefix)
-            if cached is not None and now - cached.fetched_at < self._ttl:
+            if cached is not None:
+                # Fresh, it serves; expired, it is what the listing below is
+                # compared with (an object replaced while unmounted has its
+                # old version's blocks released).
                 with self._lock:
-                    self._dirs[prefix] = cached
+                    self._dirs.setdefault(prefix, cached)
+            if cached is not None and now - cached.fetched_at < self._ttl:
                 return cached
         stale = None if cached is None or cached.fetched_at == INVALIDATED else cached
         if stale is not None and self._listing.busy(prefix):
@@ -241,10 +250,14 @@ class Namespace:
             )
         with self._lock:
             previous = self._dirs.get(prefix)
+        if previous is not None:
+            # Before any lookup can see the new versions: an open of one
+            # must know that the kernel may hold the old one's size (reads
+            # through the page cache were cut at it, hunt N).
+            self._report_gone_versions(previous.directory, cached.directory)
+        with self._lock:
             self._dirs[prefix] = cached
         self._persist(prefix, fetched_at, listing)
-        if previous is not None:
-            self._report_gone_versions(previous.directory, cached.directory)
         return cached
 
     def _persist(self, prefix: str, fetched_at: float, listing: Listing) -> None:

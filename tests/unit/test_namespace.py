@@ -9,7 +9,7 @@ import pytest
 
 from cachefsd.errors import NotADirectory, ObjectNotFound, StoreError
 from cachefsd.namespace.tree import STALE_RETRY_SECONDS
-from cachefsd.store.base import Listing, ListingPage
+from cachefsd.store.base import Listing, ListingPage, ObjectInfo
 from cachefsd.store.memory import MemoryStore
 from tests.polling import wait_until
 from tests.unit.conftest import EngineFactory, joined
@@ -66,6 +66,60 @@ def test_a_changed_object_releases_its_old_blocks(make_engine: EngineFactory) ->
     assert new is not None
     assert new.etag != old.etag
     assert engine.cache.used_bytes == 0
+
+
+def test_a_version_is_reported_gone_before_a_lookup_can_see_its_successor(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An open of the new version must already know that the kernel may
+    hold the old one's size: published first, a reader's open slipped in
+    between and read through the page cache, cut at the old size."""
+    engine = make_engine({"f": b"old"}, ttl=5)
+    old = engine.namespace.lookup("/f").info
+    assert old is not None
+    seen_while_reported: list[str] = []
+    release = engine.reader.release_version
+
+    def recorded_release(info: ObjectInfo) -> None:
+        current = engine.namespace.lookup("/f").info
+        assert current is not None
+        seen_while_reported.append(current.etag)
+        release(info)
+
+    monkeypatch.setattr(engine.reader, "release_version", recorded_release)
+    engine.store.put("f", b"new version")
+    engine.clock.now += 6
+    assert engine.namespace.lookup("/f").info != old
+    assert seen_while_reported == [old.etag]
+
+
+def test_a_dropped_listing_still_reports_every_version_gone_meanwhile(make_engine: EngineFactory) -> None:
+    """A read that finds its object changed drops the listing; the next one
+    must still be compared with it, or the other objects that changed meanwhile
+    keep their old blocks (and the kernel their old sizes, unnoticed)."""
+    engine = make_engine({"d/a": b"a old", "d/b": b"b old"}, ttl=5)
+    for key in ("d/a", "d/b"):
+        info = engine.namespace.lookup("/" + key).info
+        assert info is not None
+        joined(engine.reader.read(info, 0, 100))
+    engine.store.put("d/a", b"a new")
+    engine.store.put("d/b", b"b new")
+    engine.namespace.invalidate("d/a")
+    engine.namespace.lookup("/d/a")
+    assert engine.cache.used_bytes == 0
+
+
+def test_an_object_replaced_while_unmounted_releases_its_old_blocks(make_engine: EngineFactory) -> None:
+    engine = make_engine({"d/f": b"old content"}, ttl=5)
+    old = engine.namespace.lookup("/d/f").info
+    assert old is not None
+    joined(engine.reader.read(old, 0, 100))
+    engine.store.put("d/f", b"new content!")
+    again = make_engine(store=engine.store, cache_dir=engine.cache_dir, ttl=5)
+    again.clock.now = engine.clock.now + 6
+    assert again.cache.used_bytes > 0
+    again.namespace.lookup("/d/f")
+    assert again.cache.used_bytes == 0
 
 
 def test_a_listing_of_many_pages_may_take_longer_than_one_request_may(make_engine: EngineFactory) -> None:
