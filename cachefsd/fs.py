@@ -92,7 +92,10 @@ class FileSystem:
         self._direct: set[int] = set()  # handles opened direct_io
         self._page_cache_version: dict[str, str] = {}  # key -> etag the kernel may hold pages of
         # key -> etag of a version replaced while the kernel may still hold
-        # its size; until a getattr gives the kernel the new one.
+        # its size; until we drop the kernel's attributes of the key (an open
+        # or a release says when). Our getattr replies prove nothing: the
+        # kernel discards one that raced another update of the attributes,
+        # and kept the old size (reads cut at it, hunt N).
         self._replaced: dict[str, str] = {}
         # (key, etag) -> a version gone upstream while a handle still reads
         # it: its blocks are released when its last handle is.
@@ -104,10 +107,6 @@ class FileSystem:
         ino = inode_number(path)
         if node.info is None:
             return Attributes(DIR_MODE, 0, self._mounted_at, self._uid, self._gid, nlink=2, ino=ino)
-        if node.info.key in self._replaced:  # rare: only a replaced version takes the lock
-            with self._lock:
-                if self._replaced.get(node.info.key, node.info.etag) != node.info.etag:
-                    del self._replaced[node.info.key]  # the kernel now has the new size
         return Attributes(FILE_MODE, node.info.size, node.info.mtime, self._uid, self._gid, nlink=1, ino=ino)
 
     def readdir(self, path: str) -> list[tuple[str, int, int]]:
@@ -162,12 +161,10 @@ class FileSystem:
             stale_size = self._replaced.get(info.key, info.etag) != info.etag
             if other_version_open or stale_size:
                 self._direct.add(handle)
-                return OpenFile(
-                    handle,
-                    keep_cache=False,
-                    direct_io=True,
-                    invalidate_attributes=stale_size and not self._through_page_cache[info.key],
-                )
+                invalidate = stale_size and not self._through_page_cache[info.key]
+                if invalidate:
+                    del self._replaced[info.key]
+                return OpenFile(handle, keep_cache=False, direct_io=True, invalidate_attributes=invalidate)
             self._through_page_cache[info.key] += 1
             keep_cache = self._page_cache_version.get(info.key) == info.etag
             self._page_cache_version[info.key] = info.etag
@@ -236,7 +233,7 @@ class FileSystem:
         if self._through_page_cache[key]:
             return False
         del self._through_page_cache[key]
-        return key in self._replaced
+        return self._replaced.pop(key, None) is not None
 
     def statfs(self) -> dict[str, int]:
         """Sizes for ``df``: a bucket has none, so the cache's (its

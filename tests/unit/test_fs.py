@@ -211,6 +211,23 @@ def test_a_version_whose_size_the_kernel_lacks_is_opened_around_the_page_cache(
     engine.fs.release(fresh.handle)
 
 
+def test_a_getattr_reply_is_not_taken_for_the_kernel_having_the_new_size(make_engine: EngineFactory) -> None:
+    """The kernel discards an attribute reply that raced another update, and
+    keeps the old size: a read through the page cache was then cut at it.
+    Only dropping the kernel's attributes ends the stale size."""
+    engine = make_engine({"f": b"short"}, ttl=5)
+    engine.fs.getattr("/f")
+    engine.store.put("f", b"a longer version")
+    engine.clock.now += 6
+    assert engine.fs.getattr("/f").size == 16  # a reply the kernel may discard
+    stale = engine.fs.open("/f", os.O_RDONLY)
+    assert (stale.invalidate_attributes, stale.direct_io) == (True, True)
+    engine.fs.release(stale.handle)
+    fresh = engine.fs.open("/f", os.O_RDONLY)  # after the invalidation
+    assert (fresh.invalidate_attributes, fresh.direct_io) == (False, False)
+    engine.fs.release(fresh.handle)
+
+
 def test_df_shows_the_cache_capacity_and_its_room(make_engine: EngineFactory) -> None:
     """With no size at all, ``df`` left the mount out of its list."""
     data = os.urandom(3 * BLOCK_SIZE)
