@@ -58,6 +58,11 @@ _DISK_ERRORS = (OSError, sqlite3.Error)
 # checked again on its next read, which for small blocks (a file of a sample
 # each) costs little next to the read itself.
 CHECKED_FILES_REMEMBERED = 1 << 15
+# A tier whose disk failed a write takes no blocks (and offers no room to
+# prefetch) for this long, then is tried again: a read-only or vanished
+# disk made prefetch fetch the same blocks over and over, 1.2 GB in 10 s,
+# with a warning for each (hunt N).
+DISK_ERROR_BACKOFF_SECONDS = 30.0
 
 DedupWhere = Literal["disk", "wire"]
 T = TypeVar("T")
@@ -128,6 +133,7 @@ class TieredCache:
         # in: out of its accounting before the copy is written, they must
         # not look uncached to a reader meanwhile (it would GET them again).
         self._moving: dict[str, Tier] = {}
+        self._failing_until: dict[str, float] = {}  # tier name -> end of its backoff (``admit``)
 
     @property
     def tiers(self) -> list[Tier]:
@@ -239,8 +245,12 @@ class TieredCache:
         return digest, data
 
     def room(self, incoming_use: float | None = None, wanted: int | None = None) -> int:
-        """Bytes new blocks could take now, over all tiers (``Tier.room``)."""
-        return sum(tier.room(incoming_use, wanted) for tier in self._tiers)
+        """Bytes new blocks could take now, over all tiers (``Tier.room``)
+        but those whose disk is failing."""
+        return sum(tier.room(incoming_use, wanted) for tier in self._tiers if not self._failing(tier))
+
+    def _failing(self, tier: Tier) -> bool:
+        return time.monotonic() < self._failing_until.get(tier.name, 0.0)
 
     def plan(self, digest: str, position: float) -> bool:
         """Plan resident block ``digest`` to be read next at ``position``;
@@ -422,12 +432,21 @@ class TieredCache:
                 return
             for position in range(first, len(self._tiers)):
                 target = self._tiers[position]
+                if self._failing(target):
+                    continue
                 try:
                     size = self._place(position, digest, data, ahead)
                 except NoRoom:
                     continue
                 except _DISK_ERRORS as exc:
-                    log.warning("cannot cache block %s in the %s tier: %s", digest, target.name, exc)
+                    self._failing_until[target.name] = time.monotonic() + DISK_ERROR_BACKOFF_SECONDS
+                    log.warning(
+                        "cannot cache block %s in the %s tier: %s; the tier takes no blocks for %.0f s",
+                        digest,
+                        target.name,
+                        exc,
+                        DISK_ERROR_BACKOFF_SECONDS,
+                    )
                     self._events.cache_error(target.name)
                     continue
                 self._record(ref, StoredBlock(digest, target.name, size, len(data), time.time()), identity)

@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from cachefsd.cachedir import TierSpec, gc, open_cache, verify
+from cachefsd.chunks import cache as cache_module
 from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.codec import Codec, content_hash, decode, encode
 from cachefsd.chunks.policy import LruPolicy, MinioPolicy, ObservedEpochs, PlannedUse
@@ -28,6 +30,7 @@ from cachefsd.index import BlockRef, Index
 from cachefsd.metrics import Metrics
 from tests.polling import wait_until
 
+real_monotonic = time.monotonic
 COMPRESSIBLE = b"training sample " * 4096  # 64 KiB that lz4 shrinks a lot
 
 
@@ -418,6 +421,28 @@ def test_an_unwritable_tier_falls_through_to_the_next(tmp_path: Path) -> None:
         assert read(cache, ref("k")) == data
         assert cache.tiers[1].holds(digest)
         assert metrics.cache_errors.labels("hot")._value.get() >= 1
+
+
+def test_a_tier_whose_disk_fails_is_left_alone_for_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read-only or vanished disk: no room offered to prefetch (which
+    fetched the same blocks over and over), one warning, not one a block."""
+    with tiered(tmp_path, hot=1 << 20) as (cache, metrics):
+        assert cache.room() > 0
+        shutil.rmtree(tmp_path / "hot" / "tmp")  # every write fails
+        with caplog.at_level(logging.WARNING):
+            admit(cache, ref("a"), os.urandom(5000))
+            admit(cache, ref("b"), os.urandom(5000))
+        assert [record.message.startswith("cannot cache block") for record in caplog.records] == [True]
+        assert metrics.cache_errors.labels("hot")._value.get() == 1
+        assert cache.room() == 0
+        (tmp_path / "hot" / "tmp").mkdir()
+        backoff = cache_module.DISK_ERROR_BACKOFF_SECONDS
+        monkeypatch.setattr(time, "monotonic", lambda: real_monotonic() + backoff)
+        assert cache.room() > 0  # tried again after the backoff
+        admit(cache, ref("c"), b"c" * 5000)
+        assert read(cache, ref("c")) == b"c" * 5000
 
 
 def test_reconcile_after_a_crash(tmp_path: Path) -> None:
