@@ -31,7 +31,7 @@ from typing import Protocol
 from cachefsd.aio import LoopThread
 from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.codec import HEADER_SIZE, content_hash
-from cachefsd.errors import DeadlineExceeded, StoreError
+from cachefsd.errors import DeadlineExceeded, ObjectChanged, StoreError
 from cachefsd.fetch import Fetcher, FetchKind
 from cachefsd.index import BlockRef
 from cachefsd.singleflight import SingleFlight
@@ -53,6 +53,10 @@ BRIDGE_MARGIN_SECONDS = 2.0
 # is nearly always the kernel's retry (if another reader's, it is spared a
 # deadline on a bucket that just failed); the reads after it fetch again.
 GIVEN_UP_SECONDS = 2.0
+# Versions found changed or deleted upstream, remembered (most recent) so
+# that a handle still pinned to one fails its uncached reads at once: each
+# was a GET answered 412 and a warning, 156 a second from one reader (hunt M).
+GONE_VERSIONS_REMEMBERED = 4096
 # Consecutive blocks of a file fetched ahead (prefetch, stage) with one GET,
 # at most: a stream through a large file costs a request per 128 MiB, not
 # per block (a round trip each, and on moto a read of the whole object each:
@@ -201,13 +205,14 @@ class BlockReader:
         # A compressed block's concurrent READs (the kernel's read-ahead
         # sends about four) share one read and decode of the whole block.
         self._decoding: SingleFlight[str, bytes | None] = SingleFlight()
-        # _waits_lock guards the two below.
+        # _waits_lock guards the three below.
         self._waits_lock = threading.Lock()
         self._given_up: dict[BlockRef, tuple[float, DeadlineExceeded]] = {}
         # Blocks a read already counts its wait on: the kernel's read-ahead
         # sends several READs of one block at once, and their waits on one
         # GET are one stall, not several.
         self._stalling: set[BlockRef] = set()
+        self._gone: OrderedDict[tuple[str, str], ObjectChanged] = OrderedDict()  # (key, etag) -> why
 
     @property
     def block_size(self) -> int:
@@ -300,14 +305,33 @@ class BlockReader:
         self._remember(ref, data, placement is not None and placement.raw)
         return bytes(data[lo:hi]), "cold", time.monotonic() - started if counts_stall else 0.0
 
+    def opened(self, info: ObjectInfo) -> None:
+        """Version ``info`` is listed (an open found it): if it was found gone,
+        it came back (deleted, then uploaded again with the same content),
+        and its reads fetch again."""
+        version = (info.key, info.etag)
+        if version in self._gone:  # without the lock: nearly always absent
+            with self._waits_lock:
+                self._gone.pop(version, None)
+
     def _fetch_on_demand(self, info: ObjectInfo, index: int, ref: BlockRef) -> Fetched:
         """A read's fetch (its readers share it): a failure is logged once
         here, as FUSE only returns an errno."""
+        version = (info.key, info.etag)
+        with self._waits_lock:
+            gone = self._gone.get(version)
+        if gone is not None:
+            raise ObjectChanged(str(gone))
         fetched: dict[BlockRef, Fetched] = {}
         try:
             self._fetch_blocks(info, {ref: index}, "demand", fetched.__setitem__)
         except StoreError as exc:
             log.warning("read of %s block %d failed: %s", info.key, index, exc)
+            if isinstance(exc, ObjectChanged):
+                with self._waits_lock:
+                    self._gone[version] = exc
+                    if len(self._gone) > GONE_VERSIONS_REMEMBERED:
+                        self._gone.popitem(last=False)
             raise
         return fetched[ref]
 

@@ -131,6 +131,7 @@ class FileSystem:
         if info is None:
             raise IsADirectory(path)
         self._access.opened(info)
+        self._reader.opened(info)
         if 0 < info.size <= self._reader.block_size:
             # A sample file: unless the kernel still holds its pages, its
             # READ follows this reply. Loading its block from the cache disk

@@ -140,6 +140,8 @@ class Namespace:
         prefix = key[: key.rfind("/") + 1]
         with self._lock:
             cached = self._dirs.get(prefix)
+            if cached is not None and cached.fetched_at == INVALIDATED:
+                return  # dropped already, and not listed since: every read of a gone version lands here
             if cached is not None:
                 # Kept, expired, for the next listing to be compared with:
                 # the other objects of the directory that changed meanwhile

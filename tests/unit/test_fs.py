@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 
@@ -102,6 +103,29 @@ def test_a_version_gone_and_listed_again_keeps_its_blocks_when_its_old_handle_cl
     engine.fs.release(again)
     engine.fs.release(handle)
     assert len(engine.index.blocks()) == 2
+
+
+def test_a_handle_on_a_gone_version_fails_its_next_reads_without_asking_the_store(
+    make_engine: EngineFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each read was a GET answered 412, a warning and a listing dropped
+    and saved again: 156 a second from one reader (hunt M)."""
+    data = os.urandom(3 * BLOCK_SIZE)
+    engine = make_engine({"d/f": data})
+    handle = engine.fs.open("/d/f", os.O_RDONLY).handle
+    engine.store.put("d/f", b"replaced")
+    gets = engine.store.get_count
+    with caplog.at_level(logging.WARNING):
+        for offset in (BLOCK_SIZE, 2 * BLOCK_SIZE, BLOCK_SIZE):
+            with pytest.raises(ObjectChanged):
+                engine.fs.read(handle, BLOCK_SIZE, offset)
+    assert engine.store.get_count == gets + 1
+    assert len([record for record in caplog.records if "failed" in record.message]) == 1
+    engine.fs.release(handle)
+    engine.store.put("d/f", data)  # the same content again: the same version, back
+    engine.clock.now += 3600
+    again = engine.fs.open("/d/f", os.O_RDONLY).handle
+    assert joined(engine.fs.read(again, 3 * BLOCK_SIZE, 0)) == data
 
 
 def test_reading_a_deleted_object_fails_as_changed_and_drops_the_listing(make_engine: EngineFactory) -> None:
