@@ -341,9 +341,13 @@ class Prefetcher:
 
     def _judge_head(self, info: ObjectInfo, offset: int) -> None:
         """The verdict on a file's first run, from the next read of the
-        file (by any reader): inside the run's free blocks or just past
-        them (``access`` slack), a stream; further on, a jump (only a header
-        was read)."""
+        file (by any reader) past its first block: inside the run's free
+        blocks or just past them (``access`` slack), a stream; further on, a
+        jump (only a header was read). A read in the first block says
+        nothing: a header read again, or the kernel's read-ahead of the
+        first read, took a run of 128 MiB for a stream (hunt O)."""
+        if offset < self._reader.block_size:
+            return
         ref = self._reader.ref(info, 0)
         with self._lock:
             head = self._heads.get(ref)

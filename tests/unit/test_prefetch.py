@@ -507,10 +507,23 @@ def test_a_first_run_with_no_second_read_stops_after_its_free_blocks(
 
 
 @pytest.mark.usefixtures("four_free_blocks")
-def test_a_second_read_near_the_start_lets_the_first_run_go_on(make_engine: EngineFactory) -> None:
+def test_a_second_read_past_the_first_block_lets_the_first_run_go_on(make_engine: EngineFactory) -> None:
     engine, info, _ = shard_engine(make_engine)
-    assert peeked_run(engine, info, then_read_at=512) == 80 * BLOCK_SIZE
+    assert peeked_run(engine, info, then_read_at=BLOCK_SIZE) == 80 * BLOCK_SIZE
     assert engine.store.get_count == 1
+
+
+@pytest.mark.usefixtures("four_free_blocks")
+def test_a_header_read_again_does_not_let_the_first_run_go_on(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second read in the first block (the header again, or the kernel's
+    read-ahead of the first read) is no sign of a stream (hunt O)."""
+    monkeypatch.setattr(engine_module, "HEAD_VERDICT_SECONDS", 0.05)
+    engine, info, _ = shard_engine(make_engine)
+    # The run's free blocks, and what the young stream that two reads at the
+    # start make fetches ahead, not the run's 80 blocks.
+    assert peeked_run(engine, info, then_read_at=512) < 80 * BLOCK_SIZE
 
 
 @pytest.mark.usefixtures("four_free_blocks")
