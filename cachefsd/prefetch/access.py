@@ -52,8 +52,8 @@ the file is not found.
 
 Predictions, per job, in priority order:
 
-1. sequential streams inside large files: after two contiguous reads, the
-   window after the last byte read. The window starts at
+1. sequential streams inside large files: once ``STREAM_CONFIRM_BYTES``
+   have been read contiguously, the window after the last byte read. The window starts at
    ``STREAM_INITIAL_WINDOW`` and doubles each time the reader consumes a
    whole window, up to ``STREAM_MAX_WINDOW`` (Mountpoint for S3 grows its
    read window the same way); a non-contiguous read starts a new stream;
@@ -127,8 +127,12 @@ STREAM_INITIAL_WINDOW: Final = 1 << 20
 # stream, enough to fill a fast link from an object store (about 100 MB/s
 # per GET), while the prefetcher's global byte budget bounds the total.
 STREAM_MAX_WINDOW: Final = 64 << 20
-# Two contiguous reads make a stream: one read alone may be random access.
-STREAM_CONFIRM_READS: Final = 2
+# Bytes read contiguously that make a stream. Not a count of reads: the
+# kernel sends one 1 MiB pread as several contiguous READs, and one mmap
+# fault as a read-around of up to its read-ahead (a block, 4 MiB); two
+# READs made every random reader a stream, fetched ahead by up to two
+# runs (hunt O: 1.6 GB for ten 1 MiB preads of a 6 GiB file).
+STREAM_CONFIRM_BYTES: Final = 8 << 20
 # Files up to this size are one default block, fetched whole by their first
 # read; only larger files get streams.
 STREAM_MIN_FILE_BYTES: Final = 4 << 20
@@ -208,12 +212,12 @@ class Prediction:
 class _Stream:
     """A sequential reader inside one file."""
 
+    start: int  # where its first read began
     end: int  # one past the last byte read
     size: int  # file size, -1 if unknown
     last_read: float
     window: int = STREAM_INITIAL_WINDOW
     consumed: int = 0  # bytes read since the window last grew
-    reads: int = 1
 
 
 class _Plan:
@@ -387,7 +391,6 @@ class AccessModel:
             ):
                 grown = max(0, end - stream.end)
                 stream.end = max(stream.end, end)
-                stream.reads += 1
                 stream.consumed += grown
                 stream.last_read = now
                 stream.size = size
@@ -397,7 +400,7 @@ class AccessModel:
                 job.streams.move_to_end(path)
                 return
             # New stream, or a broken one starting over at the initial window.
-            job.streams[path] = _Stream(end=end, size=size, last_read=now, consumed=length)
+            job.streams[path] = _Stream(start=offset, end=end, size=size, last_read=now, consumed=length)
             job.streams.move_to_end(path)
             while len(job.streams) > MAX_STREAMS_PER_JOB:
                 job.streams.popitem(last=False)
@@ -713,7 +716,7 @@ class AccessModel:
 
     def _stream_live_locked(self, stream: _Stream) -> bool:
         return (
-            stream.reads >= STREAM_CONFIRM_READS
+            stream.end - stream.start >= STREAM_CONFIRM_BYTES
             and (stream.size < 0 or stream.end < stream.size)
             and self._now - stream.last_read <= STREAM_IDLE_SECONDS
         )

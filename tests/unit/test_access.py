@@ -15,6 +15,7 @@ from cachefsd.prefetch.access import (
     FILE_PREDICTION_BYTES,
     JOB_IDLE_SECONDS,
     PLAN_PROBATION_OPENS,
+    STREAM_CONFIRM_BYTES,
     STREAM_IDLE_SECONDS,
     STREAM_INITIAL_WINDOW,
     STREAM_MAX_WINDOW,
@@ -301,20 +302,21 @@ def test_a_sequential_reader_gets_a_growing_window_after_its_last_read() -> None
     size = 1 << 30
     model.opened(shard, size, 0.0)
     chunk = 256 * KIB
-    model.read(shard, 0, chunk, 0.0)
-    assert stream_predictions(model) == []  # one read may be random access
-    model.read(shard, chunk, chunk, 0.0)
-    assert stream_predictions(model) == [Prediction(shard, 2 * chunk, STREAM_INITIAL_WINDOW, 0.0)]
-    offset = 2 * chunk
+    offset = 0
+    while offset + chunk < STREAM_CONFIRM_BYTES:
+        model.read(shard, offset, chunk, 0.0)
+        offset += chunk
+        # A random reader's read-around (several contiguous READs) is not a stream.
+        assert stream_predictions(model) == []
     windows = []
     while offset < 200 * MIB:
         model.read(shard, offset, chunk, 0.0)
         offset += chunk
         windows.append(stream_predictions(model)[0].length)
-    # Doubles each time a whole window has been consumed, up to the maximum.
-    # Four reads of a quarter window consume the first window: it doubles.
-    assert windows[:2] == [STREAM_INITIAL_WINDOW, 2 * STREAM_INITIAL_WINDOW]
-    assert sorted(set(windows)) == [STREAM_INITIAL_WINDOW << k for k in range(7)]
+    # The window doubled each time a whole window was consumed, before the
+    # stream was confirmed too (1 + 2 + 4 MiB), up to the maximum.
+    assert windows[0] == 8 * STREAM_INITIAL_WINDOW
+    assert sorted(set(windows)) == [8 * STREAM_INITIAL_WINDOW << k for k in range(4)]
     assert windows[-1] == STREAM_MAX_WINDOW
     assert windows == sorted(windows)
 
@@ -325,21 +327,27 @@ def test_a_seek_resets_the_stream_window() -> None:
     model.opened(shard, 1 << 30, 0.0)
     for offset in range(0, 8 * MIB, MIB):
         model.read(shard, offset, MIB, 0.0)
-    assert stream_predictions(model)[0].length > STREAM_INITIAL_WINDOW
+    grown = stream_predictions(model)[0].length
+    assert grown > 2 * STREAM_INITIAL_WINDOW
     model.read(shard, 500 * MIB, 256 * KIB, 0.0)
     assert stream_predictions(model) == []
-    model.read(shard, 500 * MIB + 256 * KIB, 256 * KIB, 0.0)
-    assert stream_predictions(model) == [Prediction(shard, 500 * MIB + 512 * KIB, STREAM_INITIAL_WINDOW, 0.0)]
+    model.read(shard, 500 * MIB + 256 * KIB, STREAM_CONFIRM_BYTES, 0.0)
+    (again,) = stream_predictions(model)
+    # Started over from the initial window (doubled once by that long read).
+    assert again.offset == 500 * MIB + 256 * KIB + STREAM_CONFIRM_BYTES
+    assert again.length == 2 * STREAM_INITIAL_WINDOW
 
 
 def test_small_gaps_and_reordered_reads_continue_a_stream() -> None:
     model = AccessModel()
     shard = "s/big.bin"
     model.opened(shard, 1 << 30, 0.0)
-    model.read(shard, 0, 128 * KIB, 0.0)
-    model.read(shard, 256 * KIB, 128 * KIB, 0.0)  # page cache served the gap
-    model.read(shard, 128 * KIB, 128 * KIB, 0.0)  # a late FUSE thread
-    assert stream_predictions(model) == [Prediction(shard, 384 * KIB, STREAM_INITIAL_WINDOW, 0.0)]
+    model.read(shard, 0, STREAM_CONFIRM_BYTES, 0.0)
+    end = STREAM_CONFIRM_BYTES + 256 * KIB
+    model.read(shard, end - 128 * KIB, 128 * KIB, 0.0)  # page cache served the gap
+    model.read(shard, end - 256 * KIB, 128 * KIB, 0.0)  # a late FUSE thread
+    (prediction,) = stream_predictions(model)
+    assert prediction.offset == end
 
 
 def test_stream_window_is_clipped_to_the_file_and_stops_at_its_end() -> None:
@@ -362,7 +370,7 @@ def test_small_files_and_idle_streams_are_not_streamed() -> None:
     assert stream_predictions(model) == []
     model.opened("s/big.bin", 1 << 30, 0.0)
     model.read("s/big.bin", 0, MIB, 0.0)
-    model.read("s/big.bin", MIB, MIB, 0.0)
+    model.read("s/big.bin", MIB, STREAM_CONFIRM_BYTES, 0.0)
     assert len(stream_predictions(model)) == 1
     model.opened("s/other.bin", SMALL, STREAM_IDLE_SECONDS + 1.0)
     assert stream_predictions(model) == []
