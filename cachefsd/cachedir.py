@@ -110,7 +110,11 @@ def _open_index(cache_dir: Path, maintenance: bool) -> Index:
         log.warning("%s; starting a new index", exc)
         kept = None
     except sqlite3.DatabaseError as exc:
-        if exc.sqlite_errorcode & 0xFF not in _DAMAGED:  # extended codes: SQLITE_CORRUPT_INDEX, ...
+        # Extended codes (SQLITE_CORRUPT_INDEX, ...) by their primary code.
+        # None: raised by Python's sqlite3 reading a row, a value that is
+        # not UTF-8 text (a flipped byte); that is damage too (hunt N).
+        code = getattr(exc, "sqlite_errorcode", None)
+        if code is not None and code & 0xFF not in _DAMAGED:
             raise ConfigError(f"cache.dir: cannot open the index {path}: {exc}{_if_full(cache_dir)}") from exc
         if maintenance:
             raise CachefsdError(f"{path} is damaged ({exc}): the next mount sets it aside") from exc

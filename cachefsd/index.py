@@ -90,6 +90,13 @@ class Index:
         self._path = path
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        try:
+            self._load()
+        except BaseException:
+            self._db.close()  # a damaged index is set aside: not held open meanwhile
+            raise
+
+    def _load(self) -> None:
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL is durable against process crashes (the kill -9 case) and
         # cheap; a power loss can lose the last commits, which only costs
@@ -100,8 +107,7 @@ class Index:
         if row is None:
             self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         elif int(row[0]) != SCHEMA_VERSION:
-            self._db.close()
-            raise IndexSchemaMismatch(f"{path} has schema {row[0]}, expected {SCHEMA_VERSION}")
+            raise IndexSchemaMismatch(f"{self._path} has schema {row[0]}, expected {SCHEMA_VERSION}")
         self._refs: dict[BlockRef, str] = {}
         self._refs_by_hash: dict[str, set[BlockRef]] = {}
         for source, key, etag, block, digest in self._db.execute(

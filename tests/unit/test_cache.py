@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sqlite3
 import tempfile
 import threading
 import time
@@ -395,6 +396,27 @@ def test_a_damaged_index_is_set_aside_not_a_failed_mount(
         assert read(opened.cache, ref("k")) == data
     assert "index.sqlite is damaged (file is not a database)" in caplog.text
     assert (tmp_path / "index.sqlite.damaged").read_bytes().startswith(b"not a database")  # for a post-mortem
+
+
+def test_an_index_with_a_value_that_is_not_text_is_set_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flipped byte in a text column: Python's sqlite3 raises an error
+    with no SQLite code, which the mount took for an internal error (hunt N)."""
+    (tmp_path / "hot").mkdir()
+    spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
+    with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
+        data = os.urandom(100)
+        opened.cache.admit(ref("k"), content_hash(data), data)
+    database = sqlite3.connect(tmp_path / "index.sqlite", isolation_level=None)
+    database.execute("UPDATE block_refs SET hash = CAST(x'68ff74' AS TEXT)")
+    database.close()
+    with pytest.raises(CachefsdError, match=r"index\.sqlite is damaged .*: the next mount sets it aside"):
+        verify(tmp_path, repair=False)
+    with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
+        assert read(opened.cache, ref("k")) is None  # its blocks are fetched again
+    assert "index.sqlite is damaged" in caplog.text
+    assert (tmp_path / "index.sqlite.damaged").exists()
 
 
 @pytest.mark.parametrize(
