@@ -197,7 +197,11 @@ class TieredCache:
         orphans = 0
         for tier in self._tiers:
             for orphan in on_disk[tier.name]:
-                tier.delete(orphan)
+                try:
+                    tier.delete(orphan)
+                except OSError as exc:  # immutable, say: it stays, and the mount goes on
+                    log.warning("cannot remove orphan block %s from the %s tier: %s", orphan, tier.name, exc)
+                    continue
                 orphans += 1
         log.info("cache reconciled: %d blocks kept, %d orphan files removed", len(kept), orphans)
         for name, blocks in trimmed_blocks.items():

@@ -16,6 +16,7 @@ happens outside it.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -24,6 +25,8 @@ from pathlib import Path
 
 from cachefsd.chunks.codec import Codec
 from cachefsd.chunks.policy import EvictionPolicy
+
+log = logging.getLogger(__name__)
 
 # Descriptors held from a warm for the read that follows it (``open``). One
 # whose read never comes (the kernel still had the file's pages) is closed
@@ -254,11 +257,37 @@ class Tier:
         self.path_of(digest).unlink(missing_ok=True)
 
     def files(self) -> dict[str, int]:
-        """Every block file on disk -> its size; temp files are deleted."""
+        """Every block file on disk -> its size. Temp files are deleted, and
+        so is anything else that is no block file where its name puts it (a
+        stray file, a block in the wrong shard): it took room the tier did
+        not count, and one refused the mount (hunt N)."""
         for leftover in self._tmp_dir.iterdir():
-            leftover.unlink(missing_ok=True)
-        return {
-            block_file.name: block_file.stat().st_size
-            for shard in self._blocks_dir.iterdir()
-            for block_file in shard.iterdir()
-        }
+            _remove(leftover)
+        found: dict[str, int] = {}
+        for shard in self._blocks_dir.iterdir():
+            if not shard.is_dir() or shard.is_symlink():
+                _remove(shard)
+                continue
+            for block_file in shard.iterdir():
+                if _belongs(block_file, shard.name):
+                    found[block_file.name] = block_file.stat().st_size
+                else:
+                    _remove(block_file)
+        return found
+
+
+def _belongs(block_file: Path, shard: str) -> bool:
+    """Whether ``block_file`` is a block's (named by ``codec.content_hash``,
+    32 hex digits) in the shard its name puts it in."""
+    name = block_file.name
+    hexadecimal = all(char in "0123456789abcdef" for char in name)
+    return len(name) == 32 and hexadecimal and name[:2] == shard and block_file.is_file()
+
+
+def _remove(path: Path) -> None:
+    """Delete a file that does not belong in a tier; one that cannot be
+    (immutable, a directory) is logged, not a failed start."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("cannot remove %s from the cache: %s", path, exc)

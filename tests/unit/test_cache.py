@@ -495,6 +495,28 @@ def test_reconcile_after_a_crash(tmp_path: Path) -> None:
         assert cache.used_bytes == on_disk(tmp_path) + on_disk(tmp_path, "warm")
 
 
+def test_files_that_are_no_blocks_where_they_lie_are_removed_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stray file among the shards refused the mount; one in the wrong
+    shard, or not named by a hash, survived every gc and took room no tier
+    counted; one that cannot be removed is logged, not a failed start (hunt N)."""
+    data = os.urandom(3000)
+    with tiered(tmp_path, 1 << 20) as (cache, _):
+        admit(cache, ref("k"), data)
+    blocks = tmp_path / "hot" / "blocks"
+    digest = content_hash(data)
+    strays = [blocks / "stray", blocks / "zz" / digest, blocks / digest[:2] / "notes.txt"]
+    (blocks / "zz").mkdir()
+    for stray in strays:
+        stray.write_bytes(b"x" * 5000)
+    (blocks / digest[:2] / "0123456789abcdef0123456789abcdef").mkdir()  # cannot be unlinked
+    with caplog.at_level(logging.WARNING), tiered(tmp_path, 1 << 20) as (cache, _):
+        assert read(cache, ref("k")) == data
+        assert not any(stray.exists() for stray in strays)
+    assert "cannot remove" in caplog.text
+
+
 def test_a_smaller_capacity_on_restart_keeps_the_most_recent_and_says_what_it_evicted(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
