@@ -90,7 +90,8 @@ class FileSystem:
         self._open_versions: dict[str, Counter[str]] = {}  # key -> etag -> open handles
         self._through_page_cache: Counter[str] = Counter()  # key -> open handles not direct_io
         self._direct: set[int] = set()  # handles opened direct_io
-        self._page_cache_version: dict[str, str] = {}  # key -> etag the kernel may hold pages of
+        # key -> the version the kernel may hold pages of
+        self._page_cache_version: dict[str, ObjectInfo] = {}
         # key -> etag of a version replaced while the kernel may still hold
         # its size; until we drop the kernel's attributes of the key (an open
         # or a release says when). Our getattr replies prove nothing: the
@@ -103,11 +104,26 @@ class FileSystem:
         self._next_handle = itertools.count(1)
 
     def getattr(self, path: str) -> Attributes:
-        node = self._namespace.lookup(path)
+        info = self._namespace.lookup(path).info
         ino = inode_number(path)
-        if node.info is None:
+        if info is None:
             return Attributes(DIR_MODE, 0, self._mounted_at, self._uid, self._gid, nlink=2, ino=ino)
-        return Attributes(FILE_MODE, node.info.size, node.info.mtime, self._uid, self._gid, nlink=1, ino=ino)
+        held = self._page_cache_version.get(info.key)  # without the lock: nearly always this version
+        if held is not None and held.etag != info.etag:
+            info = self._size_holder(info)
+        return Attributes(FILE_MODE, info.size, info.mtime, self._uid, self._gid, nlink=1, ino=ino)
+
+    def _size_holder(self, current: ObjectInfo) -> ObjectInfo:
+        """The version whose size the kernel is to have: while handles read
+        an older one through the page cache, that one. Given the new, smaller
+        size, the kernel cut their reads at it, and their mappings got
+        SIGBUS past it (hunt O); the last one's release drops the kernel's
+        attributes, and the next stat gets the new size."""
+        with self._lock:
+            held = self._page_cache_version.get(current.key)
+            if held is not None and self._through_page_cache[current.key]:
+                return held
+        return current
 
     def readdir(self, path: str) -> list[tuple[str, int, int]]:
         """``(name, mode, inode number)`` of every entry, ``.`` and ``..`` included."""
@@ -167,8 +183,9 @@ class FileSystem:
                     del self._replaced[info.key]
                 return OpenFile(handle, keep_cache=False, direct_io=True, invalidate_attributes=invalidate)
             self._through_page_cache[info.key] += 1
-            keep_cache = self._page_cache_version.get(info.key) == info.etag
-            self._page_cache_version[info.key] = info.etag
+            held = self._page_cache_version.get(info.key)
+            keep_cache = held is not None and held.etag == info.etag
+            self._page_cache_version[info.key] = info
         return OpenFile(handle, keep_cache=keep_cache, direct_io=False)
 
     def read(self, handle: int, size: int, offset: int) -> list[Piece]:
