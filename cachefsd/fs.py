@@ -121,9 +121,12 @@ class FileSystem:
         attributes, and the next stat gets the new size."""
         with self._lock:
             held = self._page_cache_version.get(current.key)
-            if held is not None and self._through_page_cache[current.key]:
-                return held
-        return current
+            if held is None or not self._through_page_cache[current.key]:
+                return current
+            # The kernel will hold this old size: until its attributes are
+            # dropped, the new version's opens read around the page cache.
+            self._replaced[current.key] = held.etag
+            return held
 
     def readdir(self, path: str) -> list[tuple[str, int, int]]:
         """``(name, mode, inode number)`` of every entry, ``.`` and ``..`` included."""
