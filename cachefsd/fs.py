@@ -49,13 +49,24 @@ class AccessEvents(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class StaleSize:
+    """The kernel may hold the size of version ``etag`` of ``key``: the FUSE
+    layer drops its attributes of the path, then says so
+    (``FileSystem.attributes_dropped``). Until then the path stays marked:
+    an open in between read through the page cache, at the old size."""
+
+    key: str
+    etag: str
+
+
+@dataclass(frozen=True, slots=True)
 class OpenFile:
     handle: int
     keep_cache: bool  # the kernel's cached pages of this path are of this version
     direct_io: bool  # stay out of the page cache: another version is open, or the size is stale
     # The kernel may hold an older version's size: drop its attributes now
     # (only when no other handle of the path is open, see ``open``).
-    invalidate_attributes: bool = False
+    invalidate_attributes: StaleSize | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,9 +192,9 @@ class FileSystem:
             stale_size = self._replaced.get(info.key, info.etag) != info.etag
             if other_version_open or stale_size:
                 self._direct.add(handle)
-                invalidate = stale_size and not self._through_page_cache[info.key]
-                if invalidate:
-                    del self._replaced[info.key]
+                invalidate = None
+                if stale_size and not self._through_page_cache[info.key]:
+                    invalidate = StaleSize(info.key, self._replaced[info.key])
                 return OpenFile(handle, keep_cache=False, direct_io=True, invalidate_attributes=invalidate)
             self._through_page_cache[info.key] += 1
             held = self._page_cache_version.get(info.key)
@@ -207,31 +218,34 @@ class FileSystem:
             self._size_may_be_stale(info)
             raise
 
+    def version_replaced(self, info: ObjectInfo) -> None:
+        """A refreshed listing, not yet visible, shows ``info`` overwritten
+        or deleted: the kernel may still hold its size."""
+        self._size_may_be_stale(info)
+
     def version_gone(self, info: ObjectInfo) -> None:
-        """A refreshed listing shows ``info`` overwritten or deleted: its
-        blocks are released, once no handle reads it any more (a handle is
-        pinned to its version, and its cached blocks are all it can still
-        read), and the kernel may still hold its size."""
+        """The refreshed listing is visible: ``info``'s blocks are released,
+        once no handle reads it any more (a handle is pinned to its version,
+        and its cached blocks are all it can still read)."""
         with self._lock:
             still_open = info.etag in self._open_versions.get(info.key, ())  # counts are dropped at 0
             if still_open:
                 self._gone_while_open[(info.key, info.etag)] = info
         if not still_open:
             self._reader.release_version(info)
-        self._size_may_be_stale(info)
 
     def _size_may_be_stale(self, info: ObjectInfo) -> None:
         with self._lock:
             self._replaced[info.key] = info.etag
 
-    def release(self, handle: int) -> bool:
-        """True when the kernel's attributes of the path are to be dropped
+    def release(self, handle: int) -> StaleSize | None:
+        """What the kernel's attributes of the path are to be dropped for,
         now: they may be stale, and this was the last handle reading through
         the page cache, which an open of the new version had to wait for."""
         with self._lock:
             info = self._handles.pop(handle, None)
             if info is None:
-                return False
+                return None
             open_versions = self._open_versions[info.key]
             open_versions[info.etag] -= 1
             gone = None
@@ -245,16 +259,24 @@ class FileSystem:
             self._reader.release_version(gone)
         return invalidate
 
-    def _leaves_page_cache(self, handle: int, key: str) -> bool:
+    def _leaves_page_cache(self, handle: int, key: str) -> StaleSize | None:
         """``release``'s answer, under the lock."""
         if handle in self._direct:
             self._direct.discard(handle)
-            return False
+            return None
         self._through_page_cache[key] -= 1
         if self._through_page_cache[key]:
-            return False
+            return None
         del self._through_page_cache[key]
-        return self._replaced.pop(key, None) is not None
+        replaced = self._replaced.get(key)
+        return None if replaced is None else StaleSize(key, replaced)
+
+    def attributes_dropped(self, stale: StaleSize) -> None:
+        """The kernel no longer holds the attributes ``stale`` was about:
+        its next stat asks us. Unless the path was marked again meanwhile."""
+        with self._lock:
+            if self._replaced.get(stale.key) == stale.etag:
+                del self._replaced[stale.key]
 
     def statfs(self) -> dict[str, int]:
         """Sizes for ``df``: a bucket has none, so the cache's (its

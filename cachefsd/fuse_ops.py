@@ -301,8 +301,9 @@ class FuseOperations(mfusepy.Operations):
     @_translated
     def open(self, path: str, fi: Any) -> int:
         opened = self._fs.open(path, fi.flags)
-        if opened.invalidate_attributes:
+        if opened.invalidate_attributes is not None:
             _invalidate_attributes(path)
+            self._fs.attributes_dropped(opened.invalidate_attributes)
         fi.fh, fi.keep_cache, fi.direct_io = opened.handle, opened.keep_cache, opened.direct_io
         return 0
 
@@ -313,8 +314,10 @@ class FuseOperations(mfusepy.Operations):
 
     @_translated
     def release(self, path: str, fi: Any) -> int:
-        if self._fs.release(fi.fh) and path:
+        stale = self._fs.release(fi.fh)
+        if stale is not None and path:
             _invalidate_attributes(path)
+            self._fs.attributes_dropped(stale)
         return 0
 
     @_translated

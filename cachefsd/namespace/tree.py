@@ -7,8 +7,11 @@ are saved in the index, so a remount of a known source lists from disk, not
 the network, while they are fresh.
 
 An expired listing is refreshed on its next use. When a refresh shows that
-an object changed (new etag) or disappeared, ``on_version_gone`` is called so
-the blocks of the old version can be released. When a refresh fails (the
+an object changed (new etag) or disappeared, ``on_version_replaced`` is
+called before any lookup can see the new listing (the kernel may hold the
+old version's size), and ``on_version_gone`` after (the blocks of the old
+version can be released: before, an open served the old listing meanwhile
+would have found them gone). When a refresh fails (the
 bucket is down, credentials expired), the expired listing goes on serving,
 with a warning, and the refresh is tried again ``STALE_RETRY_SECONDS`` later:
 the cached blocks of its files stay readable through an outage, and lookups
@@ -95,6 +98,7 @@ class Namespace:
         io: LoopThread,
         index: Index,
         ttl: float,
+        on_version_replaced: Callable[[ObjectInfo], None],
         on_version_gone: Callable[[ObjectInfo], None],
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -103,6 +107,7 @@ class Namespace:
         self._io = io
         self._index = index
         self._ttl = ttl
+        self._on_version_replaced = on_version_replaced
         self._on_version_gone = on_version_gone
         self._clock = clock
         self._lock = threading.Lock()
@@ -252,14 +257,17 @@ class Namespace:
             )
         with self._lock:
             previous = self._dirs.get(prefix)
-        if previous is not None:
+        gone = [] if previous is None else _gone_versions(previous.directory, cached.directory)
+        for info in gone:
             # Before any lookup can see the new versions: an open of one
             # must know that the kernel may hold the old one's size (reads
             # through the page cache were cut at it, hunt N).
-            self._report_gone_versions(previous.directory, cached.directory)
+            self._on_version_replaced(info)
         with self._lock:
             self._dirs[prefix] = cached
         self._persist(prefix, fetched_at, listing)
+        for info in gone:
+            self._on_version_gone(info)
         return cached
 
     def _persist(self, prefix: str, fetched_at: float, listing: Listing) -> None:
@@ -271,10 +279,12 @@ class Namespace:
         except sqlite3.Error as exc:
             log.warning("cannot save the listing of %r in the index: %s", prefix or "/", exc)
 
-    def _report_gone_versions(self, old: Directory, new: Directory) -> None:
-        for name, info in old.entries.items():
-            if info is None:
-                continue
-            current = new.entries.get(name)
-            if current is None or current.etag != info.etag:
-                self._on_version_gone(info)
+
+def _gone_versions(old: Directory, new: Directory) -> list[ObjectInfo]:
+    """The versions listed in ``old`` that ``new`` shows replaced or deleted."""
+    gone = []
+    for name, info in old.entries.items():
+        current = new.entries.get(name)
+        if info is not None and (current is None or current.etag != info.etag):
+            gone.append(info)
+    return gone

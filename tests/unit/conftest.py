@@ -111,8 +111,9 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         fetcher = Fetcher(faulty, FAST_FETCH, metrics)
         reader = BlockReader(store.uri, BLOCK_SIZE, cache, fetcher, io, metrics, dedup_by_etag=True)
         clock = Clock()
-        gone = lambda info: fs.version_gone(info)  # noqa: E731, PLW0108 - fs is built below
-        namespace = Namespace(faulty, fetcher, io, index, ttl, gone, clock)
+        replaced = lambda info: fs.version_replaced(info)  # noqa: E731, PLW0108 - fs is built below
+        gone = lambda info: fs.version_gone(info)  # noqa: E731, PLW0108
+        namespace = Namespace(faulty, fetcher, io, index, ttl, replaced, gone, clock)
         prefetcher = Prefetcher(AccessModel(), namespace, reader, PrefetchSettings(), metrics)
         fs = FileSystem(namespace, reader, uid=0, gid=0, access=prefetcher)
         return Engine(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -68,29 +69,37 @@ def test_a_changed_object_releases_its_old_blocks(make_engine: EngineFactory) ->
     assert engine.cache.used_bytes == 0
 
 
-def test_a_version_is_reported_gone_before_a_lookup_can_see_its_successor(
+def test_a_version_is_marked_replaced_before_its_successor_is_visible_and_released_after(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An open of the new version must already know that the kernel may
-    hold the old one's size: published first, a reader's open slipped in
-    between and read through the page cache, cut at the old size."""
+    hold the old one's size (published first, a reader's open slipped in
+    between and read through the page cache, cut at the old size); and an
+    open of the old version, served the old listing while the refresh runs,
+    must still find its cached blocks (released first, its reads got EIO)."""
     engine = make_engine({"f": b"old"}, ttl=5)
     old = engine.namespace.lookup("/f").info
     assert old is not None
-    seen_while_reported: list[str] = []
-    release = engine.reader.release_version
+    joined(engine.reader.read(old, 0, 100))
+    seen: dict[str, str] = {}
 
-    def recorded_release(info: ObjectInfo) -> None:
-        current = engine.namespace.lookup("/f").info
-        assert current is not None
-        seen_while_reported.append(current.etag)
-        release(info)
+    def seen_by(phase: str, then: Callable[[ObjectInfo], None]) -> Callable[[ObjectInfo], None]:
+        def recorded(info: ObjectInfo) -> None:
+            current = engine.namespace.lookup("/f").info
+            assert current is not None
+            seen[phase] = current.etag
+            then(info)
 
-    monkeypatch.setattr(engine.reader, "release_version", recorded_release)
+        return recorded
+
+    monkeypatch.setattr(engine.fs, "version_replaced", seen_by("replaced", engine.fs.version_replaced))
+    monkeypatch.setattr(engine.fs, "version_gone", seen_by("gone", engine.fs.version_gone))
     engine.store.put("f", b"new version")
     engine.clock.now += 6
-    assert engine.namespace.lookup("/f").info != old
-    assert seen_while_reported == [old.etag]
+    new = engine.namespace.lookup("/f").info
+    assert new is not None
+    assert seen == {"replaced": old.etag, "gone": new.etag}
+    assert engine.cache.used_bytes == 0  # released, once the new listing was visible
 
 
 def test_a_dropped_listing_still_reports_every_version_gone_meanwhile(make_engine: EngineFactory) -> None:
