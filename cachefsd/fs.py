@@ -57,6 +57,11 @@ class StaleSize:
 
     key: str
     etag: str
+    # A version gone upstream whose last handle this was: its blocks are
+    # released after the attributes are dropped. Released before, on the
+    # libfuse worker, a fresh open after the close often came first, and
+    # was shown the old size.
+    gone: ObjectInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +106,7 @@ class FileSystem:
         self._open_versions: dict[str, Counter[str]] = {}  # key -> etag -> open handles
         self._through_page_cache: Counter[str] = Counter()  # key -> open handles not direct_io
         self._direct: set[int] = set()  # handles opened direct_io
-        # key -> the version the kernel may hold pages of
-        self._page_cache_version: dict[str, ObjectInfo] = {}
+        self._page_cache_version: dict[str, str] = {}  # key -> etag the kernel may hold pages of
         # key -> etag of a version replaced while the kernel may still hold
         # its size; until we drop the kernel's attributes of the key (an open
         # or a release says when). Our getattr replies prove nothing: the
@@ -119,25 +123,7 @@ class FileSystem:
         ino = inode_number(path)
         if info is None:
             return Attributes(DIR_MODE, 0, self._mounted_at, self._uid, self._gid, nlink=2, ino=ino)
-        held = self._page_cache_version.get(info.key)  # without the lock: nearly always this version
-        if held is not None and held.etag != info.etag:
-            info = self._size_holder(info)
         return Attributes(FILE_MODE, info.size, info.mtime, self._uid, self._gid, nlink=1, ino=ino)
-
-    def _size_holder(self, current: ObjectInfo) -> ObjectInfo:
-        """The version whose size the kernel is to have: while handles read
-        an older one through the page cache, that one. Given the new, smaller
-        size, the kernel cut their reads at it, and their mappings got
-        SIGBUS past it (hunt O); the last one's release drops the kernel's
-        attributes, and the next stat gets the new size."""
-        with self._lock:
-            held = self._page_cache_version.get(current.key)
-            if held is None or not self._through_page_cache[current.key]:
-                return current
-            # The kernel will hold this old size: until its attributes are
-            # dropped, the new version's opens read around the page cache.
-            self._replaced[current.key] = held.etag
-            return held
 
     def readdir(self, path: str) -> list[tuple[str, int, int]]:
         """``(name, mode, inode number)`` of every entry, ``.`` and ``..`` included."""
@@ -197,9 +183,8 @@ class FileSystem:
                     invalidate = StaleSize(info.key, self._replaced[info.key])
                 return OpenFile(handle, keep_cache=False, direct_io=True, invalidate_attributes=invalidate)
             self._through_page_cache[info.key] += 1
-            held = self._page_cache_version.get(info.key)
-            keep_cache = held is not None and held.etag == info.etag
-            self._page_cache_version[info.key] = info
+            keep_cache = self._page_cache_version.get(info.key) == info.etag
+            self._page_cache_version[info.key] = info.etag
         return OpenFile(handle, keep_cache=keep_cache, direct_io=False)
 
     def read(self, handle: int, size: int, offset: int) -> list[Piece]:
@@ -254,10 +239,12 @@ class FileSystem:
                 gone = self._gone_while_open.pop((info.key, info.etag), None)
             if not open_versions:
                 del self._open_versions[info.key]
-            invalidate = self._leaves_page_cache(handle, info.key)
+            stale = self._leaves_page_cache(handle, info.key)
+        if stale is not None:
+            return StaleSize(stale.key, stale.etag, gone)
         if gone is not None:
             self._reader.release_version(gone)
-        return invalidate
+        return None
 
     def _leaves_page_cache(self, handle: int, key: str) -> StaleSize | None:
         """``release``'s answer, under the lock."""
@@ -277,6 +264,8 @@ class FileSystem:
         with self._lock:
             if self._replaced.get(stale.key) == stale.etag:
                 del self._replaced[stale.key]
+        if stale.gone is not None:
+            self._reader.release_version(stale.gone)
 
     def statfs(self) -> dict[str, int]:
         """Sizes for ``df``: a bucket has none, so the cache's (its

@@ -315,8 +315,9 @@ class FuseOperations(mfusepy.Operations):
     @_translated
     def release(self, path: str, fi: Any) -> int:
         stale = self._fs.release(fi.fh)
-        if stale is not None and path:
-            _invalidate_attributes(path)
+        if stale is not None:
+            if path:  # else libfuse knows the node no more: the kernel holds nothing
+                _invalidate_attributes(path)
             self._fs.attributes_dropped(stale)
         return 0
 
