@@ -199,7 +199,7 @@ class FileSystem:
             # Overwritten or deleted since the open (the fetcher reports a
             # deleted version as changed): the listing that showed it is
             # dropped, so the next open sees what is there now.
-            self._namespace.invalidate(info.key)
+            self._namespace.invalidate(info)
             self._size_may_be_stale(info)
             raise
 

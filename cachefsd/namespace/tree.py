@@ -139,14 +139,21 @@ class Namespace:
                 raise NotADirectory("/" + "/".join(parts[: depth + 1]))
         return self._cached(dir_prefix(parts)).directory
 
-    def invalidate(self, key: str) -> None:
-        """Forget the listing that holds ``key`` (its object changed under us),
-        so the next lookup sees the bucket's current state."""
-        prefix = key[: key.rfind("/") + 1]
+    def invalidate(self, info: ObjectInfo) -> None:
+        """Forget the listing that shows version ``info`` (it changed under
+        us), so the next lookup sees the bucket's current state. Nothing to
+        do if it was dropped already, or listed again since without that
+        version: every read of a handle on a gone version comes here, and
+        each dropped the fresh listing (a LIST of the whole directory again)."""
+        prefix = info.key[: info.key.rfind("/") + 1]
+        name = info.key[len(prefix) :]
         with self._lock:
             cached = self._dirs.get(prefix)
             if cached is not None and cached.fetched_at == INVALIDATED:
-                return  # dropped already, and not listed since: every read of a gone version lands here
+                return
+            listed = None if cached is None else cached.directory.entries.get(name)
+            if cached is not None and (listed is None or listed.etag != info.etag):
+                return
             if cached is not None:
                 # Kept, expired, for the next listing to be compared with:
                 # the other objects of the directory that changed meanwhile

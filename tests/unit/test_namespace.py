@@ -107,15 +107,34 @@ def test_a_dropped_listing_still_reports_every_version_gone_meanwhile(make_engin
     must still be compared with it, or the other objects that changed meanwhile
     keep their old blocks (and the kernel their old sizes, unnoticed)."""
     engine = make_engine({"d/a": b"a old", "d/b": b"b old"}, ttl=5)
+    versions = []
     for key in ("d/a", "d/b"):
         info = engine.namespace.lookup("/" + key).info
         assert info is not None
         joined(engine.reader.read(info, 0, 100))
+        versions.append(info)
     engine.store.put("d/a", b"a new")
     engine.store.put("d/b", b"b new")
-    engine.namespace.invalidate("d/a")
+    engine.namespace.invalidate(versions[0])
     engine.namespace.lookup("/d/a")
     assert engine.cache.used_bytes == 0
+
+
+def test_dropping_a_listing_for_a_version_it_no_longer_shows_does_nothing(make_engine: EngineFactory) -> None:
+    """Every read of a handle on a gone version drops the listing that
+    shows that version; once listed again without it, dropping the fresh
+    listing would LIST the whole directory again, read after read."""
+    engine = make_engine({"d/f": b"old"}, ttl=3600)
+    old = engine.namespace.lookup("/d/f").info
+    assert old is not None
+    engine.store.put("d/f", b"new content")
+    engine.namespace.invalidate(old)
+    engine.namespace.lookup("/d/f")  # listed again: the new version
+    lists = engine.store.list_count
+    for _ in range(3):
+        engine.namespace.invalidate(old)
+        engine.namespace.lookup("/d/f")
+    assert engine.store.list_count == lists
 
 
 def test_an_object_replaced_while_unmounted_releases_its_old_blocks(make_engine: EngineFactory) -> None:
@@ -195,9 +214,10 @@ def test_a_listing_saved_by_a_previous_mount_serves_through_an_outage(make_engin
     again = make_engine(store=engine.store, cache_dir=engine.cache_dir, ttl=60)
     again.clock.now = engine.clock.now + 3600
     again.faulty.faults.failures_left = 1_000_000
-    assert again.namespace.lookup("/d/f").info is not None
+    listed = again.namespace.lookup("/d/f").info
+    assert listed is not None
     # A listing dropped because an object changed under a reader is not served stale.
-    again.namespace.invalidate("d/f")
+    again.namespace.invalidate(listed)
     again.clock.now += STALE_RETRY_SECONDS + 1
     with pytest.raises(StoreError):
         again.namespace.lookup("/d/f")
@@ -224,9 +244,10 @@ def test_lookups_while_a_stale_listing_is_refreshed_use_it_at_once(make_engine: 
     leader = threading.Thread(target=lookup)
     leader.start()
     wait_until(lambda: engine.namespace._listing.busy("d/"), "the refresh of d/ to start", 10.0)
-    assert engine.namespace.lookup("/d/f").info is not None
+    listed = engine.namespace.lookup("/d/f").info
+    assert listed is not None
     assert engine.namespace._listing.busy("d/")  # answered while the refresh still waits
-    engine.namespace.invalidate("d/f")
+    engine.namespace.invalidate(listed)
     leader.join(10)
     assert len(outcome) == 1
     assert isinstance(outcome[0], StoreError)  # dropped while it was refreshed: not served stale
