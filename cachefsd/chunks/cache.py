@@ -450,15 +450,7 @@ class TieredCache:
                 except NoRoom:
                     continue
                 except _DISK_ERRORS as exc:
-                    self._failing_until[target.name] = time.monotonic() + DISK_ERROR_BACKOFF_SECONDS
-                    log.warning(
-                        "cannot cache block %s in the %s tier: %s; the tier takes no blocks for %.0f s",
-                        digest,
-                        target.name,
-                        exc,
-                        DISK_ERROR_BACKOFF_SECONDS,
-                    )
-                    self._events.cache_error(target.name)
+                    self._disk_failed(target, f"cannot cache block {digest} in it", exc)
                     continue
                 self._record(ref, StoredBlock(digest, target.name, size, len(data), time.time()), identity)
                 break
@@ -511,20 +503,32 @@ class TieredCache:
                 self._moving.pop(digest, None)
             self._events.block_evicted(tier.name)
 
+    def _disk_failed(self, tier: Tier, what: str, exc: BaseException) -> None:
+        """A write to ``tier`` failed: it takes no blocks for a while (its
+        room is 0), with one warning."""
+        self._failing_until[tier.name] = time.monotonic() + DISK_ERROR_BACKOFF_SECONDS
+        log.warning(
+            "%s tier: %s: %s; it takes no blocks for %.0f s", tier.name, what, exc, DISK_ERROR_BACKOFF_SECONDS
+        )
+        self._events.cache_error(tier.name)
+
     def _demote(self, digest: str, position: int) -> bool:
-        source = self._tiers[position]
+        source, target = self._tiers[position], self._tiers[position + 1]
+        if self._failing(target):
+            return False
         try:
             data = decode(source.read(digest), digest)
             self._place(position + 1, digest, data)
         except (NoRoom, CorruptBlock):
             return False
         except _DISK_ERRORS as exc:
-            log.warning("cannot demote block %s: %s", digest, exc)
-            self._events.cache_error(self._tiers[position + 1].name)
+            self._disk_failed(target, f"cannot demote block {digest} to it", exc)
             return False
         return self._rehome(digest, source, self._tiers[position + 1], "demotion")
 
     def _promote(self, digest: str, data: bytes, source: Tier) -> None:
+        if self._failing(self._tiers[0]):
+            return
         with self._move_lock:
             self._moving[digest] = source
             try:
@@ -537,8 +541,7 @@ class TieredCache:
                     source.add(digest, size)
                     return
                 except _DISK_ERRORS as exc:
-                    log.warning("cannot promote block %s: %s", digest, exc)
-                    self._events.cache_error(self._tiers[0].name)
+                    self._disk_failed(self._tiers[0], f"cannot promote block {digest} to it", exc)
                     source.add(digest, size)
                     return
                 self._rehome(digest, source, self._tiers[0], "promotion")
