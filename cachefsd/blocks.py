@@ -205,14 +205,15 @@ class BlockReader:
         # A compressed block's concurrent READs (the kernel's read-ahead
         # sends about four) share one read and decode of the whole block.
         self._decoding: SingleFlight[str, bytes | None] = SingleFlight()
-        # _waits_lock guards the three below.
+        # _waits_lock guards the three below (the last is no wait, but as
+        # small and as rarely touched).
         self._waits_lock = threading.Lock()
         self._given_up: dict[BlockRef, tuple[float, DeadlineExceeded]] = {}
         # Blocks a read already counts its wait on: the kernel's read-ahead
         # sends several READs of one block at once, and their waits on one
         # GET are one stall, not several.
         self._stalling: set[BlockRef] = set()
-        self._gone: OrderedDict[tuple[str, str], ObjectChanged] = OrderedDict()  # (key, etag) -> why
+        self._gone: OrderedDict[tuple[str, str], str] = OrderedDict()  # (key, etag) -> why
 
     @property
     def block_size(self) -> int:
@@ -321,7 +322,7 @@ class BlockReader:
         with self._waits_lock:
             gone = self._gone.get(version)
         if gone is not None:
-            raise ObjectChanged(str(gone))
+            raise ObjectChanged(gone)
         fetched: dict[BlockRef, Fetched] = {}
         try:
             self._fetch_blocks(info, {ref: index}, "demand", fetched.__setitem__)
@@ -329,7 +330,7 @@ class BlockReader:
             log.warning("read of %s block %d failed: %s", info.key, index, exc)
             if isinstance(exc, ObjectChanged):
                 with self._waits_lock:
-                    self._gone[version] = exc
+                    self._gone[version] = str(exc)
                     if len(self._gone) > GONE_VERSIONS_REMEMBERED:
                         self._gone.popitem(last=False)
             raise

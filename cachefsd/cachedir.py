@@ -111,10 +111,12 @@ def _open_index(cache_dir: Path, maintenance: bool) -> Index:
         kept = None
     except sqlite3.DatabaseError as exc:
         # Extended codes (SQLITE_CORRUPT_INDEX, ...) by their primary code.
-        # None: raised by Python's sqlite3 reading a row, a value that is
-        # not UTF-8 text (a flipped byte); that is damage too (hunt N).
+        # An OperationalError with none: raised by Python's sqlite3 reading
+        # a value that is not UTF-8 text (a flipped byte), damage too (hunt
+        # N). Not any error without a code: a ProgrammingError is our bug.
         code = getattr(exc, "sqlite_errorcode", None)
-        if code is not None and code & 0xFF not in _DAMAGED:
+        damaged = code & 0xFF in _DAMAGED if code is not None else isinstance(exc, sqlite3.OperationalError)
+        if not damaged:
             raise ConfigError(f"cache.dir: cannot open the index {path}: {exc}{_if_full(cache_dir)}") from exc
         if maintenance:
             raise CachefsdError(f"{path} is damaged ({exc}): the next mount sets it aside") from exc

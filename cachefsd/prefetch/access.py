@@ -119,9 +119,9 @@ MIN_EPOCH_FRACTION: Final = 0.5
 REOPEN_PEEK_WINDOW: Final = 32
 REOPEN_PEEK_DIVISOR: Final = 16
 
-# First prediction window of a sequential stream: 1 MiB, like Mountpoint for
-# S3's initial read window. Smaller than a block, so a "stream" that was
-# really two random reads costs little.
+# First window of a sequential stream: 1 MiB, like Mountpoint for S3's
+# initial read window. It grows while the stream is confirmed, so a stream
+# predicts 8 MiB when it first does (``STREAM_CONFIRM_BYTES``).
 STREAM_INITIAL_WINDOW: Final = 1 << 20
 # Largest window: 64 MiB is 16 default 4 MiB blocks in flight for one
 # stream, enough to fill a fast link from an object store (about 100 MB/s

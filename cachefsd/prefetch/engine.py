@@ -99,10 +99,11 @@ WARM_AHEAD_BYTES = 32 << 20
 # read on (a tar shard, a video, cp), and one GET for the read and the run
 # saves a request's round trip (on moto, a read of the whole object) over a
 # demand GET followed by a run once a second read has shown the stream.
-# Until that read comes, the run reads no further than this (or one block,
-# if larger): a reader that only peeked at a header costs that much.
+# Until a read past the first block comes, the run reads no further than
+# this (or one block, if larger): a reader that only peeked at a header
+# costs that much.
 HEAD_FREE_BYTES = 16 << 20
-# How long the run then waits for the reader's second read before it stops.
+# How long the run then waits for a read past the first block before it stops.
 HEAD_VERDICT_SECONDS = 2.0
 # How long a read waits for another read of the same file to claim its
 # first run's blocks (a few dictionary updates: this only bounds a surprise).

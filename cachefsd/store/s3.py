@@ -336,7 +336,7 @@ class S3Store:
             raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
         got = _strip_quotes(response.get("ETag", ""))
         if got != _strip_quotes(etag):
-            async with response["Body"]:  # its connection goes back to the pool now, not at GC
+            async with response["Body"]:  # its connection is closed now, not at garbage collection
                 pass
             raise ObjectChanged(f"{self._target(key)}: endpoint returned etag {got}, read pinned to {etag}")
         async with response["Body"] as body:
