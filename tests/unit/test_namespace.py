@@ -13,7 +13,7 @@ from cachefsd.namespace.tree import STALE_RETRY_SECONDS
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo
 from cachefsd.store.memory import MemoryStore
 from tests.polling import wait_until
-from tests.unit.conftest import EngineFactory, joined
+from tests.unit.conftest import Engine, EngineFactory, joined
 
 
 def test_lookup_resolves_through_parent_listings(make_engine: EngineFactory) -> None:
@@ -55,13 +55,20 @@ def test_a_restart_lists_from_the_index_while_fresh(make_engine: EngineFactory) 
     assert engine.store.list_count == lists
 
 
-def test_a_changed_object_releases_its_old_blocks(make_engine: EngineFactory) -> None:
-    engine = make_engine({"f": b"old content"}, ttl=5)
-    old = engine.namespace.lookup("/f").info
+def cached_then_replaced(make_engine: EngineFactory, key: str) -> tuple[Engine, ObjectInfo]:
+    """An engine whose object ``key`` was read (so cached), then replaced
+    upstream; and its old version."""
+    engine = make_engine({key: b"old content"}, ttl=5)
+    old = engine.namespace.lookup("/" + key).info
     assert old is not None
     joined(engine.reader.read(old, 0, 100))
     assert engine.cache.used_bytes > 0
-    engine.store.put("f", b"new content!")
+    engine.store.put(key, b"new content!")
+    return engine, old
+
+
+def test_a_changed_object_releases_its_old_blocks(make_engine: EngineFactory) -> None:
+    engine, old = cached_then_replaced(make_engine, "f")
     engine.clock.now += 6
     new = engine.namespace.lookup("/f").info
     assert new is not None
@@ -138,11 +145,7 @@ def test_dropping_a_listing_for_a_version_it_no_longer_shows_does_nothing(make_e
 
 
 def test_an_object_replaced_while_unmounted_releases_its_old_blocks(make_engine: EngineFactory) -> None:
-    engine = make_engine({"d/f": b"old content"}, ttl=5)
-    old = engine.namespace.lookup("/d/f").info
-    assert old is not None
-    joined(engine.reader.read(old, 0, 100))
-    engine.store.put("d/f", b"new content!")
+    engine, _ = cached_then_replaced(make_engine, "d/f")
     again = make_engine(store=engine.store, cache_dir=engine.cache_dir, ttl=5)
     again.clock.now = engine.clock.now + 6
     assert again.cache.used_bytes > 0
