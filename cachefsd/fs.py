@@ -200,13 +200,14 @@ class FileSystem:
             # deleted version as changed): the listing that showed it is
             # dropped, so the next open sees what is there now.
             self._namespace.invalidate(info)
-            self._size_may_be_stale(info)
+            self.version_replaced(info)
             raise
 
     def version_replaced(self, info: ObjectInfo) -> None:
         """A refreshed listing, not yet visible, shows ``info`` overwritten
-        or deleted: the kernel may still hold its size."""
-        self._size_may_be_stale(info)
+        or deleted (or a read found it so): the kernel may still hold its size."""
+        with self._lock:
+            self._replaced[info.key] = info.etag
 
     def version_gone(self, info: ObjectInfo) -> None:
         """The refreshed listing is visible: ``info``'s blocks are released,
@@ -218,10 +219,6 @@ class FileSystem:
                 self._gone_while_open[(info.key, info.etag)] = info
         if not still_open:
             self._reader.release_version(info)
-
-    def _size_may_be_stale(self, info: ObjectInfo) -> None:
-        with self._lock:
-            self._replaced[info.key] = info.etag
 
     def release(self, handle: int) -> StaleSize | None:
         """What the kernel's attributes of the path are to be dropped for,
@@ -239,15 +236,17 @@ class FileSystem:
                 gone = self._gone_while_open.pop((info.key, info.etag), None)
             if not open_versions:
                 del self._open_versions[info.key]
-            stale = self._leaves_page_cache(handle, info.key)
-        if stale is not None:
-            return StaleSize(stale.key, stale.etag, gone)
+            replaced = self._leaves_page_cache(handle, info.key)
+        if replaced is not None:
+            return StaleSize(info.key, replaced, gone)
         if gone is not None:
             self._reader.release_version(gone)
         return None
 
-    def _leaves_page_cache(self, handle: int, key: str) -> StaleSize | None:
-        """``release``'s answer, under the lock."""
+    def _leaves_page_cache(self, handle: int, key: str) -> str | None:
+        """For ``release``, under the lock: the etag of the replaced version
+        whose size the kernel may hold, if this was the path's last handle
+        reading through the page cache."""
         if handle in self._direct:
             self._direct.discard(handle)
             return None
@@ -255,8 +254,7 @@ class FileSystem:
         if self._through_page_cache[key]:
             return None
         del self._through_page_cache[key]
-        replaced = self._replaced.get(key)
-        return None if replaced is None else StaleSize(key, replaced)
+        return self._replaced.get(key)
 
     def attributes_dropped(self, stale: StaleSize) -> None:
         """The kernel no longer holds the attributes ``stale`` was about:
