@@ -149,12 +149,10 @@ class Namespace:
         name = info.key[len(prefix) :]
         with self._lock:
             cached = self._dirs.get(prefix)
-            if cached is not None and cached.fetched_at == INVALIDATED:
-                return
-            listed = None if cached is None else cached.directory.entries.get(name)
-            if cached is not None and (listed is None or listed.etag != info.etag):
-                return
             if cached is not None:
+                listed = cached.directory.entries.get(name)
+                if cached.fetched_at == INVALIDATED or listed is None or listed.etag != info.etag:
+                    return
                 # Kept, expired, for the next listing to be compared with:
                 # the other objects of the directory that changed meanwhile
                 # are reported gone too (the kernel may hold their old sizes).
