@@ -9,8 +9,9 @@ import stat
 import pytest
 
 from cachefsd.errors import BadFileHandle, IsADirectory, ObjectChanged, ObjectNotFound, ReadOnly
+from cachefsd.fs import StaleSize
 from cachefsd.store.base import ObjectInfo
-from tests.unit.conftest import BLOCK_SIZE, EngineFactory, joined
+from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory, joined
 
 
 @pytest.mark.parametrize(
@@ -63,6 +64,16 @@ def test_a_handle_stays_on_the_version_it_opened(make_engine: EngineFactory) -> 
     assert joined(engine.fs.read(fresh, 3 * BLOCK_SIZE, 0)) == new
 
 
+def released_as_fuse_does(engine: Engine, handle: int) -> StaleSize | None:
+    """``release``, then what the FUSE layer does with its answer: the
+    kernel's attributes dropped, then ``attributes_dropped`` (which releases
+    a gone version's blocks)."""
+    stale = engine.fs.release(handle)
+    if stale is not None:
+        engine.fs.attributes_dropped(stale)
+    return stale
+
+
 def test_a_version_replaced_upstream_keeps_its_cached_blocks_while_a_handle_reads_it(
     make_engine: EngineFactory,
 ) -> None:
@@ -104,7 +115,7 @@ def test_a_version_gone_and_listed_again_keeps_its_blocks_when_its_old_handle_cl
     again = engine.fs.open("/f", os.O_RDONLY).handle
     assert joined(engine.fs.read(again, len(data), 0)) == data
     engine.fs.release(again)
-    engine.fs.release(handle)
+    released_as_fuse_does(engine, handle)
     assert len(engine.index.blocks()) == 2
 
 
@@ -183,9 +194,7 @@ def test_a_new_version_opened_beside_an_old_one_bypasses_the_page_cache(make_eng
     # attributes (and pages) now would wait for them; its release does it.
     assert new.invalidate_attributes is None
     assert joined(engine.fs.read(new.handle, 100, 0)) == b"version two"
-    stale = engine.fs.release(old.handle)
-    assert stale is not None
-    engine.fs.attributes_dropped(stale)  # as the FUSE layer does, once it has
+    assert released_as_fuse_does(engine, old.handle) is not None
     assert engine.fs.release(new.handle) is None
     engine.fs.getattr("/f")  # the kernel's lookup: its own TTL is past too
     # The old version's pages may still be in the kernel: not kept.
