@@ -348,6 +348,9 @@ def test_small_gaps_and_reordered_reads_continue_a_stream() -> None:
     model.read(shard, end - 256 * KIB, 128 * KIB, 0.0)  # a late FUSE thread
     (prediction,) = stream_predictions(model)
     assert prediction.offset == end
+    # The same stream: its window grew (a doubling a read that consumed it),
+    # where one started over would predict nothing before 8 MiB.
+    assert prediction.length == 2 * STREAM_INITIAL_WINDOW
 
 
 def test_stream_window_is_clipped_to_the_file_and_stops_at_its_end() -> None:

@@ -486,19 +486,25 @@ def test_a_tier_whose_disk_fails_is_left_alone_for_a_while(
         assert read(cache, ref("c")) == b"c" * 5000
 
 
-def test_a_failing_hot_tier_is_not_promoted_into(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Each warm hit tried a hot write, with a warning each (review)."""
+@pytest.mark.parametrize("broken", ["hot", "warm"])
+def test_a_failing_tier_is_neither_promoted_nor_demoted_into(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, broken: str
+) -> None:
+    """Each warm hit tried a hot write, and each eviction from hot a warm
+    one, with a warning each (review)."""
     blocks = {f"k{i}": os.urandom(5000) for i in range(4)}
-    with tiered(tmp_path, hot=12_000, warm=1 << 20) as (cache, metrics):
+    with tiered(tmp_path, hot=12_000, warm=1 << 20) as (cache, metrics), caplog.at_level(logging.WARNING):
+        if broken == "warm":  # before the admissions, whose evictions demote
+            shutil.rmtree(tmp_path / "warm" / "tmp")
         for key, data in blocks.items():
             admit(cache, ref(key), data)
-        shutil.rmtree(tmp_path / "hot" / "tmp")  # every hot write fails
-        with caplog.at_level(logging.WARNING):
-            for _ in range(5):
-                for key, data in blocks.items():
-                    assert read(cache, ref(key)) == data
-        assert metrics.cache_errors.labels("hot")._value.get() == 1
-        assert len([record for record in caplog.records if "tier:" in record.message]) == 1
+        if broken == "hot":  # after them: the warm hits below promote
+            shutil.rmtree(tmp_path / "hot" / "tmp")
+        for _ in range(5):
+            for key, data in blocks.items():
+                assert read(cache, ref(key)) in (data, None)  # a block not demoted is dropped
+        assert metrics.cache_errors.labels(broken)._value.get() == 1
+        assert len([record for record in caplog.records if record.message.startswith(f"{broken} tier:")]) == 1
 
 
 def test_reconcile_after_a_crash(tmp_path: Path) -> None:

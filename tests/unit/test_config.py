@@ -205,15 +205,19 @@ def test_urls_are_shown_and_keyed_without_credentials(url: str, shown: str) -> N
     assert redact_url(url) == shown
 
 
+@pytest.mark.parametrize("size_given", [True, False])
 def test_a_cache_size_beside_tiers_is_warned_of_not_silently_ignored(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, size_given: bool
 ) -> None:
-    cache = {"size": "20G", "hot": {"dir": str(tmp_path / "hot"), "size": "1G"}}
+    cache: dict[str, object] = {"hot": {"dir": str(tmp_path / "hot"), "size": "1G"}}
+    if size_given:
+        cache["size"] = "20G"
     settings = load_settings(None, {**REQUIRED, "cache": cache}, environ={})
     with caplog.at_level(logging.WARNING, logger="cachefsd.cachedir"):
         specs = tier_specs(settings.cache)
     assert [spec.capacity for spec in specs] == [1 << 30]
-    assert "cache.size is not used with hot or warm tiers" in caplog.text
+    # Only when it was given: its default is no mistake of the user's.
+    assert ("cache.size is not used with hot or warm tiers" in caplog.text) == size_given
 
 
 def test_a_tier_smaller_than_a_block_is_warned_of_and_one_without_a_unit_refused(
