@@ -214,6 +214,7 @@ def open_cache(
     block_size: int | None = None,
     migrate_block_size: bool = False,
     keep_recorded_layout: bool = False,
+    inspect_only: bool = False,
 ) -> Iterator[OpenCache]:
     """Lock, open and reconcile a cache. ``specs`` None means the layout
     recorded by the last daemon (for maintenance commands), and so does
@@ -223,7 +224,8 @@ def open_cache(
     reads; ``block_size`` the size the blocks are read at (None for
     maintenance, which reads blocks by their hashes only), and
     ``migrate_block_size`` whether a cache filled at another is dropped (a
-    mount) or refused."""
+    mount) or refused; ``inspect_only`` that nothing in the cache is
+    changed (``verify`` without ``--repair``): damage is found, not dropped."""
     if specs is None:
         require_cache(cache_dir)
     create_cache_directory("cache.dir", cache_dir)
@@ -271,31 +273,40 @@ def open_cache(
             for spec in specs
         ]
         cache = TieredCache(tiers, index, events, planned)
-        dropped = cache.reconcile()
+        dropped = cache.reconcile(tidy=not inspect_only)
         yield OpenCache(index, cache, dropped)
-        cache.save_recency()
+        if not inspect_only:
+            cache.save_recency()
 
 
 @contextmanager
-def _maintenance(cache_dir: Path) -> Iterator[OpenCache]:
+def _maintenance(cache_dir: Path, inspect_only: bool = False) -> Iterator[OpenCache]:
     """The cache as the last daemon laid it out, for an offline command:
     it never waits for a running daemon, and its metrics go nowhere."""
     with open_cache(
-        cache_dir, None, LRU, ObservedEpochs(), Metrics(CollectorRegistry()), lock_wait=_NO_WAIT
+        cache_dir,
+        None,
+        LRU,
+        ObservedEpochs(),
+        Metrics(CollectorRegistry()),
+        lock_wait=_NO_WAIT,
+        inspect_only=inspect_only,
     ) as opened:
         yield opened
 
 
 def verify(cache_dir: Path, repair: bool) -> VerifyReport:
     """Every block checked, counting the damage that opening the cache
-    already found and dropped (a missing file, a file of the wrong size)."""
-    with _maintenance(cache_dir) as opened:
+    found (a missing file, a file of the wrong size): dropped with
+    ``repair``, as the bad hashes are, and otherwise left as it is."""
+    with _maintenance(cache_dir, inspect_only=not repair) as opened:
         found, dropped = opened.cache.verify(repair), opened.dropped
         return VerifyReport(
             found.checked + len(dropped.corrupt) + len(dropped.missing),
             dropped.corrupt + found.corrupt,
             dropped.missing + found.missing,
             found.unrepaired,
+            dropped.orphans,
         )
 
 

@@ -407,6 +407,9 @@ def _cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
     report = cachedir.verify(_cache_dir(args), args.repair)
     bad = report.corrupt + report.missing
     print(f"checked {report.checked} blocks: {len(report.corrupt)} corrupt, {len(report.missing)} missing")
+    if report.orphans:
+        what = "removed" if args.repair else "left (verify --repair, gc and the next mount remove them)"
+        print(f"{report.orphans} files that are no cached block: {what}")
     for digest in report.corrupt:
         print(f"corrupt {digest}")
     for digest in report.missing:

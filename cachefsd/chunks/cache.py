@@ -35,7 +35,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
@@ -98,15 +98,20 @@ class VerifyReport:
     missing: list[str]
     # Bad blocks a repair could not drop from the index (its disk is full).
     unrepaired: list[str] = field(default_factory=list)
+    # Files no block row names (left by a crash, or strays): a repair, a
+    # gc and the next mount remove them.
+    orphans: int = 0
 
 
 @dataclass(frozen=True)
 class Damage:
-    """Blocks ``reconcile`` dropped: a row whose file is of the wrong size
-    (corrupt) or gone (missing)."""
+    """What ``reconcile`` found (and, tidying, dropped): blocks whose row
+    names a file of the wrong size (corrupt) or none (missing), and files
+    in the tiers that no row names (orphans: crash leftovers, strays)."""
 
     corrupt: list[str]
     missing: list[str]
+    orphans: int = 0
 
 
 def _file_identity(fd: int) -> tuple[int, int, int]:
@@ -160,62 +165,83 @@ class TieredCache:
 
     # -- start-up -------------------------------------------------------
 
-    def reconcile(self) -> Damage:
+    def reconcile(self, tidy: bool = True) -> Damage:
         """Make files, index and accounting agree after whatever happened
         last time, and trim every tier to its (possibly new) capacity; the
-        damage found on the way (dropped, as the rest)."""
-        damage = Damage([], [])
-        on_disk = {tier.name: tier.files() for tier in self._tiers}
-        garbage = set(self._index.unreferenced())
+        damage found on the way (dropped, as the rest). Without ``tidy``
+        (``verify`` without ``--repair``) nothing on disk or in the index
+        changes: the damage is only found, and the tiers account for the
+        blocks that are intact."""
+        on_disk: dict[str, dict[str, int]] = {}
+        strays = 0
+        for tier in self._tiers:
+            on_disk[tier.name], not_blocks = tier.files(tidy)
+            strays += not_blocks
         stored = self._index.blocks()  # least recently used first
-        kept: dict[str, StoredBlock] = {}
-        used = dict.fromkeys(self._by_name, 0)
-        # Tier -> blocks and bytes dropped for want of room (or of the tier).
-        trimmed_blocks: Counter[str] = Counter()
-        trimmed_bytes: Counter[str] = Counter()
-        for block in reversed(stored):  # most recent first: they are kept when a tier overflows
-            tier = self._by_name.get(block.tier)
-            file_size = None if tier is None else on_disk[tier.name].pop(block.hash, None)
-            fits = tier is not None and used[tier.name] + block.disk_bytes <= tier.capacity
-            if (
-                file_size is None
-                or disk_bytes(file_size) != block.disk_bytes
-                or block.hash in garbage
-                or not fits
-            ):
-                if block.hash not in garbage:
-                    intact = file_size is not None and disk_bytes(file_size) == block.disk_bytes
-                    if tier is None or intact:  # no room for it, or no tier
-                        trimmed_blocks[block.tier] += 1
-                        trimmed_bytes[block.tier] += block.disk_bytes
-                    elif file_size is None:
-                        damage.missing.append(block.hash)
-                    else:
-                        damage.corrupt.append(block.hash)
-                self._drop(block.hash, tier)
-                continue
-            used[block.tier] += block.disk_bytes
-            kept[block.hash] = block
+        kept, damage, trimmed = self._judge_rows(stored, on_disk, tidy)
         for block in stored:  # admit in recency order so the policies see it
             if block.hash in kept:
                 self._by_name[block.tier].add(block.hash, block.disk_bytes)
-        orphans = 0
+        # What no row took: block files never recorded (a crash), and strays.
+        orphans = strays + sum(len(files) for files in on_disk.values())
+        damage = Damage(damage.corrupt, damage.missing, orphans)
+        if not tidy:
+            log.info("cache inspected: %d blocks intact, %d orphan files", len(kept), damage.orphans)
+            return damage
         for tier in self._tiers:
             for orphan in on_disk[tier.name]:
                 try:
                     tier.delete(orphan)
                 except OSError as exc:  # immutable, say: it stays, and the mount goes on
                     log.warning("cannot remove orphan block %s from the %s tier: %s", orphan, tier.name, exc)
-                    continue
-                orphans += 1
-        log.info("cache reconciled: %d blocks kept, %d orphan files removed", len(kept), orphans)
-        for name, blocks in trimmed_blocks.items():
+        log.info("cache reconciled: %d blocks kept, %d orphan files removed", len(kept), damage.orphans)
+        if damage.corrupt or damage.missing:
+            log.warning(
+                "cache: dropped %d blocks whose file was of the wrong size and %d whose file was gone; "
+                "they are fetched again when read",
+                len(damage.corrupt),
+                len(damage.missing),
+            )
+        for name, (blocks, nbytes) in trimmed.items():
             # A smaller capacity (or a tier left out) empties a warm cache: say so.
             why = "beyond its capacity" if name in self._by_name else "the tier is no longer configured"
             message = "%s tier: %d cached blocks (%s) evicted at start: %s"
-            log.warning(message, name, blocks, human_bytes(trimmed_bytes[name]), why)
+            log.warning(message, name, blocks, human_bytes(nbytes), why)
         self._report_usage()
         return damage
+
+    def _judge_rows(
+        self, stored: list[StoredBlock], on_disk: dict[str, dict[str, int]], tidy: bool
+    ) -> tuple[dict[str, StoredBlock], Damage, dict[str, tuple[int, int]]]:
+        """For ``reconcile``: the rows kept (their files taken out of
+        ``on_disk``), the damaged ones, and per tier the blocks and bytes
+        trimmed for want of room (or of the tier); all but the kept are
+        dropped when ``tidy``."""
+        garbage = set(self._index.unreferenced())
+        damage = Damage([], [])
+        kept: dict[str, StoredBlock] = {}
+        used = dict.fromkeys(self._by_name, 0)
+        trimmed: dict[str, tuple[int, int]] = {}
+        for block in reversed(stored):  # most recent first: they are kept when a tier overflows
+            tier = self._by_name.get(block.tier)
+            file_size = None if tier is None else on_disk[tier.name].pop(block.hash, None)
+            intact = file_size is not None and disk_bytes(file_size) == block.disk_bytes
+            fits = tier is not None and used[tier.name] + block.disk_bytes <= tier.capacity
+            if intact and fits and block.hash not in garbage:
+                used[block.tier] += block.disk_bytes
+                kept[block.hash] = block
+                continue
+            if block.hash not in garbage:  # an unreferenced block is no loss
+                if tier is None or intact:  # no room for it, or no tier
+                    blocks, nbytes = trimmed.get(block.tier, (0, 0))
+                    trimmed[block.tier] = (blocks + 1, nbytes + block.disk_bytes)
+                elif file_size is None:
+                    damage.missing.append(block.hash)
+                else:
+                    damage.corrupt.append(block.hash)
+            if tidy:
+                self._drop(block.hash, tier)
+        return kept, damage, trimmed
 
     def save_recency(self) -> None:
         """Persist the order of use so eviction order survives a restart;

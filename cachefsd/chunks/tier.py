@@ -256,24 +256,27 @@ class Tier:
             os.close(fd)
         self.path_of(digest).unlink(missing_ok=True)
 
-    def files(self) -> dict[str, int]:
-        """Every block file on disk -> its size. Temp files are deleted, and
-        so is anything else that is no block file where its name puts it (a
-        stray file, a block in the wrong shard): it took room the tier did
-        not count, and one refused the mount (hunt N)."""
-        for leftover in self._tmp_dir.iterdir():
-            _remove(leftover)
+    def files(self, tidy: bool = True) -> tuple[dict[str, int], int]:
+        """Every block file on disk -> its size, and how many files are
+        not blocks: temp files, and anything else that is no block file
+        where its name puts it (a stray file, a block in the wrong shard).
+        With ``tidy`` those are deleted: they took room the tier did not
+        count, and one refused the mount (hunt N)."""
         found: dict[str, int] = {}
+        strays = [*self._tmp_dir.iterdir()]
         for shard in self._blocks_dir.iterdir():
             if not shard.is_dir() or shard.is_symlink():
-                _remove(shard)
+                strays.append(shard)
                 continue
             for block_file in shard.iterdir():
                 if _belongs(block_file, shard.name):
                     found[block_file.name] = block_file.stat().st_size
                 else:
-                    _remove(block_file)
-        return found
+                    strays.append(block_file)
+        if tidy:
+            for stray in strays:
+                _remove(stray)
+        return found, len(strays)
 
 
 def _belongs(block_file: Path, shard: str) -> bool:

@@ -589,6 +589,47 @@ def test_verify_finds_and_repairs_damage(tmp_path: Path) -> None:
         assert not clean.missing
 
 
+def _snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` and its bytes, the index as SQL."""
+    files = {str(path.relative_to(root)): path.read_bytes() for path in root.rglob("*") if path.is_file()}
+    database = sqlite3.connect(root / "index.sqlite")
+    files["index as SQL"] = "\n".join(database.iterdump()).encode()
+    database.close()
+    return {name: data for name, data in files.items() if not name.startswith("index.sqlite")}
+
+
+def test_verify_without_repair_reports_damage_and_changes_nothing(tmp_path: Path) -> None:
+    """Without --repair it is a check: a row whose file is gone or of the
+    wrong size, and files no row names, are reported, and left as found."""
+    (tmp_path / "hot").mkdir()
+    spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
+    with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
+        digests = [admit(opened.cache, ref(f"k{i}"), os.urandom(3000)) for i in range(3)]
+        tier = opened.cache.tiers[0]
+    tier.path_of(digests[0]).write_bytes(b"short")
+    tier.path_of(digests[1]).unlink()
+    orphan = os.urandom(3000)
+    tier.path_of(content_hash(orphan)).parent.mkdir(exist_ok=True)
+    tier.path_of(content_hash(orphan)).write_bytes(encode(orphan))
+    (tmp_path / "hot" / "tmp" / "deadbeef.1").write_bytes(b"partial")
+    before = _snapshot(tmp_path)
+
+    for _ in range(2):
+        report = verify(tmp_path, repair=False)
+        assert (report.checked, report.corrupt, report.missing, report.orphans) == (
+            3,
+            [digests[0]],
+            [digests[1]],
+            2,
+        )
+        assert _snapshot(tmp_path) == before
+
+    report = verify(tmp_path, repair=True)
+    assert (report.corrupt, report.missing, report.orphans) == ([digests[0]], [digests[1]], 2)
+    report = verify(tmp_path, repair=False)
+    assert (report.checked, report.corrupt, report.missing, report.orphans) == (1, [], [], 0)
+
+
 def test_a_repair_the_index_cannot_record_is_reported_unrepaired(tmp_path: Path) -> None:
     """A full index disk: dropping the bad block fails, and the report says
     so rather than claiming a repair (the CLI then exits 1)."""
