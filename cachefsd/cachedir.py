@@ -108,32 +108,45 @@ def _open_index(cache_dir: Path, maintenance: bool) -> Index:
         if maintenance:
             raise CachefsdError(f"{exc}: the next mount starts a new one") from exc
         log.warning("%s; starting a new index", exc)
-        kept = None
+        _discard_index(path, keep=False)
     except sqlite3.DatabaseError as exc:
-        # Extended codes (SQLITE_CORRUPT_INDEX, ...) by their primary code.
-        # An OperationalError with none: raised by Python's sqlite3 reading
-        # a value that is not UTF-8 text (a flipped byte), damage too (hunt
-        # N). Not any error without a code: a ProgrammingError is our bug.
-        code = getattr(exc, "sqlite_errorcode", None)
-        damaged = code & 0xFF in _DAMAGED if code is not None else isinstance(exc, sqlite3.OperationalError)
-        if not damaged:
+        if not _is_damage(exc):
             raise ConfigError(f"cache.dir: cannot open the index {path}: {exc}{_if_full(cache_dir)}") from exc
-        if maintenance:
-            raise CachefsdError(f"{path} is damaged ({exc}): the next mount sets it aside") from exc
-        kept = path.with_name(f"{_INDEX_NAME}.damaged")
-        log.warning(
-            "%s is damaged (%s); kept as %s, starting a new index: cached blocks are fetched again",
-            path,
-            exc,
-            kept,
-        )
+        _set_aside(path, exc, maintenance)
+    return Index(path)
+
+
+def _is_damage(exc: sqlite3.DatabaseError) -> bool:
+    """Whether sqlite says the index file is not an intact database.
+    Extended codes (SQLITE_CORRUPT_INDEX, ...) count by their primary code.
+    An OperationalError with none is raised by Python's sqlite3 reading a
+    value that is not UTF-8 text (a flipped byte), damage too (hunt N). Not
+    any error without a code: a ProgrammingError is our bug."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code & 0xFF in _DAMAGED if code is not None else isinstance(exc, sqlite3.OperationalError)
+
+
+def _set_aside(path: Path, exc: sqlite3.DatabaseError, maintenance: bool) -> None:
+    """Keep a damaged index as ``*.damaged`` so the next open starts a new one."""
+    if maintenance:
+        raise CachefsdError(f"{path} is damaged ({exc}): the next mount sets it aside") from exc
+    kept = path.with_name(f"{_INDEX_NAME}.damaged")
+    log.warning(
+        "%s is damaged (%s); kept as %s, starting a new index: cached blocks are fetched again",
+        path,
+        exc,
+        kept,
+    )
+    _discard_index(path, keep=True)
+
+
+def _discard_index(path: Path, keep: bool) -> None:
     for suffix in ("", "-wal", "-shm"):
         old = Path(f"{path}{suffix}")
-        if kept is not None and suffix == "" and old.exists():
-            old.replace(kept)
+        if keep and suffix == "" and old.exists():
+            old.replace(path.with_name(f"{_INDEX_NAME}.damaged"))
         else:
             old.unlink(missing_ok=True)
-    return Index(path)
 
 
 def _if_full(cache_dir: Path) -> str:
@@ -226,41 +239,26 @@ def open_cache(
     ``migrate_block_size`` whether a cache filled at another is dropped (a
     mount) or refused; ``inspect_only`` that nothing in the cache is
     changed (``verify`` without ``--repair``): damage is found, not dropped."""
-    if specs is None:
+    maintenance = specs is None
+    if maintenance:
         require_cache(cache_dir)
     create_cache_directory("cache.dir", cache_dir)
-    with ExitStack() as stack:
-        wait: dict[str, Any] = {} if lock_wait is None else {"wait_seconds": lock_wait}
-        if specs is None:  # a maintenance command
-            wait["busy"] = "unmount the mount using it first"
-        stack.callback(CacheDirLock(cache_dir, **wait).release)
-        index = _open_index(cache_dir, maintenance=specs is None)
-        stack.callback(index.close)
+    wait: dict[str, Any] = {} if lock_wait is None else {"wait_seconds": lock_wait}
+    if maintenance:
+        wait["busy"] = "unmount the mount using it first"
+
+    def open_in(attempt: ExitStack) -> OpenCache:
+        index = _open_index(cache_dir, maintenance)
+        attempt.callback(index.close)
         if block_size is not None:
             _settle_block_size(index, cache_dir, block_size, migrate_block_size)
-        recorded = index.load_meta(_TIERS_META) if specs is None or keep_recorded_layout else None
-        if specs is None and recorded is None:
-            raise _no_cache(cache_dir)
-        if recorded is not None:
-            # A tier recorded inside the cache directory, relative to it: it
-            # moves with the directory (``mv``, a copy, another mount path).
-            kept = [
-                TierSpec(**{**spec, "dir": str(cache_dir / spec["dir"])}) for spec in json.loads(recorded)
-            ]
-            if specs is not None and _layout(specs) != _layout(kept):
-                log.warning("%s: the cache's own tiers apply, as its daemon laid them out", cache_dir)
-            specs = kept
-        else:
-            try:
-                index.save_meta(_TIERS_META, json.dumps([_recorded(spec, cache_dir) for spec in specs]))
-            except sqlite3.Error as exc:  # a full disk: the cache works, maintenance sees the old layout
-                log.warning("cannot record the tier layout in the index: %s", exc)
+        layout = _tier_layout(index, cache_dir, specs, keep_recorded_layout)
         # One lock a directory, however its path is spelled (a symlink, a
         # layout recorded before directories were made absolute).
-        tier_dirs = {Path(spec.dir).resolve(): spec.name for spec in specs}
+        tier_dirs = {Path(spec.dir).resolve(): spec.name for spec in layout}
         tier_dirs.pop(cache_dir.resolve(), None)
         for directory, name in tier_dirs.items():
-            stack.callback(CacheDirLock(directory, **wait, setting=f"cache.{name}.dir").release)
+            attempt.callback(CacheDirLock(directory, **wait, setting=f"cache.{name}.dir").release)
         rng = random.Random()
         tiers = [
             Tier(
@@ -270,13 +268,50 @@ def open_cache(
                 _CODECS[spec.codec],
                 make_policy(policy, epochs, rng, planned),
             )
-            for spec in specs
+            for spec in layout
         ]
         cache = TieredCache(tiers, index, events, planned)
-        dropped = cache.reconcile(tidy=not inspect_only)
-        yield OpenCache(index, cache, dropped)
+        return OpenCache(index, cache, cache.reconcile(tidy=not inspect_only))
+
+    with ExitStack() as stack:
+        stack.callback(CacheDirLock(cache_dir, **wait).release)
+        attempt = stack.enter_context(ExitStack())
+        try:
+            opened = open_in(attempt)
+        except sqlite3.DatabaseError as exc:
+            # Damage the index's load did not read (the blocks table, read
+            # by reconcile): the same as damage found on load.
+            attempt.close()  # the index, and the tiers' locks, which the next attempt takes
+            if not _is_damage(exc):
+                raise
+            _set_aside(cache_dir / _INDEX_NAME, exc, maintenance)
+            opened = open_in(stack.enter_context(ExitStack()))
+        yield opened
         if not inspect_only:
-            cache.save_recency()
+            opened.cache.save_recency()
+
+
+def _tier_layout(
+    index: Index, cache_dir: Path, specs: list[TierSpec] | None, keep_recorded_layout: bool
+) -> list[TierSpec]:
+    """The tiers to open: the layout the index records when asked for it
+    (``specs`` None, or ``keep_recorded_layout``) and there is one, else
+    ``specs``, which the index then records."""
+    recorded = index.load_meta(_TIERS_META) if specs is None or keep_recorded_layout else None
+    if recorded is not None:
+        # A tier recorded inside the cache directory, relative to it: it
+        # moves with the directory (``mv``, a copy, another mount path).
+        kept = [TierSpec(**{**spec, "dir": str(cache_dir / spec["dir"])}) for spec in json.loads(recorded)]
+        if specs is not None and _layout(specs) != _layout(kept):
+            log.warning("%s: the cache's own tiers apply, as its daemon laid them out", cache_dir)
+        return kept
+    if specs is None:
+        raise _no_cache(cache_dir)
+    try:
+        index.save_meta(_TIERS_META, json.dumps([_recorded(spec, cache_dir) for spec in specs]))
+    except sqlite3.Error as exc:  # a full disk: the cache works, maintenance sees the old layout
+        log.warning("cannot record the tier layout in the index: %s", exc)
+    return specs
 
 
 @contextmanager

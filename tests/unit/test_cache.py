@@ -420,6 +420,36 @@ def test_an_index_with_a_value_that_is_not_text_is_set_aside(
     assert (tmp_path / "index.sqlite.damaged").exists()
 
 
+def test_damage_only_reconcile_reads_is_set_aside_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The load reads the references, not the blocks table: damage there
+    surfaced in reconcile and refused the mount ("database disk image is
+    malformed"). It is set aside as damage found on load is, with the
+    tier's lock taken again by the second attempt."""
+    spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
+    (tmp_path / "hot").mkdir()
+    cache_dir = tmp_path / "cache"
+    with open_cache(cache_dir, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
+        data = os.urandom(100)
+        opened.cache.admit(ref("k"), content_hash(data), data)
+    database = sqlite3.connect(cache_dir / "index.sqlite", isolation_level=None)
+    database.execute("UPDATE blocks SET tier = CAST(x'68ff74' AS TEXT)")
+    database.close()
+    damaged = (cache_dir / "index.sqlite").read_bytes()
+    with pytest.raises(CachefsdError, match=r"index\.sqlite is damaged .*: the next mount sets it aside"):
+        verify(cache_dir, repair=False)
+    assert (cache_dir / "index.sqlite").read_bytes() == damaged
+    with open_cache(cache_dir, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
+        assert read(opened.cache, ref("k")) is None  # its block is fetched again
+        assert opened.cache.tiers[0].block_count == 0
+        opened.cache.admit(ref("k"), content_hash(data), data)
+        assert read(opened.cache, ref("k")) == data
+    assert "index.sqlite is damaged" in caplog.text
+    assert (cache_dir / "index.sqlite.damaged").exists()
+    assert verify(cache_dir, repair=False).checked == 1
+
+
 @pytest.mark.parametrize(
     "maintain",
     [lambda d: verify(d, repair=False), lambda d: verify(d, repair=True), gc],
