@@ -253,6 +253,8 @@ def open_cache(
         if block_size is not None:
             _settle_block_size(index, cache_dir, block_size, migrate_block_size)
         layout = _tier_layout(index, cache_dir, specs, keep_recorded_layout)
+        if maintenance:
+            _require_tiers(layout)
         # One lock a directory, however its path is spelled (a symlink, a
         # layout recorded before directories were made absolute).
         tier_dirs = {Path(spec.dir).resolve(): spec.name for spec in layout}
@@ -289,6 +291,19 @@ def open_cache(
         yield opened
         if not inspect_only:
             opened.cache.save_recency()
+
+
+def _require_tiers(layout: list[TierSpec]) -> None:
+    """A maintenance command works on the tiers the index records, and
+    creates none: a directory that holds no blocks is not one (a tier
+    deleted or moved since, or a damaged record naming another directory,
+    whose files reconcile must not touch)."""
+    for spec in layout:
+        if not (Path(spec.dir) / "blocks").is_dir():
+            raise CachefsdError(
+                f"the index records the {spec.name} tier at {spec.dir}, which holds no cached blocks "
+                "(deleted or moved?); the next mount lays its tiers out again"
+            )
 
 
 def _tier_layout(

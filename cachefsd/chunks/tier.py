@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
+import stat
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -257,20 +259,29 @@ class Tier:
         self.path_of(digest).unlink(missing_ok=True)
 
     def files(self, tidy: bool = True) -> tuple[dict[str, int], int]:
-        """Every block file on disk -> its size, and how many files are
-        not blocks: temp files, and anything else that is no block file
-        where its name puts it (a stray file, a block in the wrong shard).
-        With ``tidy`` those are deleted: they took room the tier did not
-        count, and one refused the mount (hunt N)."""
+        """Every block file on disk -> its size, and how many of our files
+        are no block where they lie: temp files, and blocks in the wrong
+        shard. With ``tidy`` those are deleted: they take room the tier does
+        not count.
+
+        Only what is provably ours is touched: a name of ours (a hash, a
+        temp name) as a regular file. A tier may be a directory the user
+        gave that holds other files (``--cache-dir /scratch``, whose
+        ``tmp`` may be the user's own), or a damaged index's record may
+        name the wrong one: anything else is left alone, and not counted."""
         found: dict[str, int] = {}
-        strays = [*self._tmp_dir.iterdir()]
-        for shard in self._blocks_dir.iterdir():
-            if not shard.is_dir() or shard.is_symlink():
-                strays.append(shard)
+        strays = [entry for entry in _entries(self._tmp_dir) if _TEMP_NAME.fullmatch(entry.name)]
+        for shard in _entries(self._blocks_dir):
+            if not _SHARD_NAME.fullmatch(shard.name) or not _is_directory(shard):
                 continue
-            for block_file in shard.iterdir():
-                if _belongs(block_file, shard.name):
-                    found[block_file.name] = block_file.stat().st_size
+            for block_file in _entries(shard):
+                if not _BLOCK_NAME.fullmatch(block_file.name):
+                    continue
+                status = block_file.lstat()
+                if not stat.S_ISREG(status.st_mode):
+                    continue
+                if block_file.name.startswith(shard.name):
+                    found[block_file.name] = status.st_size
                 else:
                     strays.append(block_file)
         if tidy:
@@ -279,17 +290,30 @@ class Tier:
         return found, len(strays)
 
 
-def _belongs(block_file: Path, shard: str) -> bool:
-    """Whether ``block_file`` is a block's (named by ``codec.content_hash``,
-    32 hex digits) in the shard its name puts it in."""
-    name = block_file.name
-    hexadecimal = all(char in "0123456789abcdef" for char in name)
-    return len(name) == 32 and hexadecimal and name[:2] == shard and block_file.is_file()
+# The names of our files: a block is named by its hash (``codec.content_hash``,
+# 32 hex digits) in the shard of its first two; a temp file by the hash and a
+# random suffix (``Tier.write``).
+_BLOCK_NAME = re.compile(r"[0-9a-f]{32}")
+_SHARD_NAME = re.compile(r"[0-9a-f]{2}")
+_TEMP_NAME = re.compile(r"[0-9a-f]{32}\.[0-9a-f]{8}")
+
+
+def _entries(directory: Path) -> list[Path]:
+    """A directory's entries; none if it is gone or not a directory."""
+    try:
+        return list(directory.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _is_directory(path: Path) -> bool:
+    """A real directory, not a symlink to one (never followed out of the tier)."""
+    return stat.S_ISDIR(path.lstat().st_mode)
 
 
 def _remove(path: Path) -> None:
-    """Delete a file that does not belong in a tier; one that cannot be
-    (immutable, a directory) is logged, not a failed start."""
+    """Delete a file of ours that does not belong where it lies; one that
+    cannot be (immutable, a directory) is logged, not a failed start."""
     try:
         path.unlink(missing_ok=True)
     except OSError as exc:

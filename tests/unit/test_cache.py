@@ -3,6 +3,7 @@ crash reconciliation, verification."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -545,7 +546,7 @@ def test_reconcile_after_a_crash(tmp_path: Path) -> None:
     # What a kill -9 can leave: a half-written temp file, a renamed file whose
     # row was never committed, a row whose file is gone, and a block copied
     # to the warm tier by a demotion that never reached the index.
-    (tmp_path / "hot" / "tmp" / "deadbeef.1234").write_bytes(b"partial")
+    (tmp_path / "hot" / "tmp" / f"{content_hash(kept)}.12345678").write_bytes(b"partial")
     orphan = os.urandom(3000)
     orphan_path = tmp_path / "hot" / "blocks" / content_hash(orphan)[:2] / content_hash(orphan)
     orphan_path.parent.mkdir(exist_ok=True)
@@ -565,26 +566,61 @@ def test_reconcile_after_a_crash(tmp_path: Path) -> None:
         assert cache.used_bytes == on_disk(tmp_path) + on_disk(tmp_path, "warm")
 
 
-def test_files_that_are_no_blocks_where_they_lie_are_removed_at_start(
+def test_start_up_removes_only_our_own_misplaced_files(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A stray file among the shards refused the mount; one in the wrong
-    shard, or not named by a hash, survived every gc and took room no tier
-    counted; one that cannot be removed is logged, not a failed start (hunt N)."""
+    """A tier may be a directory the user gave that holds their own files
+    (``--cache-dir /scratch``, with its own ``tmp``): start-up deleted every
+    file in ``tmp`` and every name that was no block (hunt P: all of /tmp).
+    Only our names are ours: a temp file, a block in the wrong shard; a
+    stray (hunt N) no longer refuses the mount, and is left alone."""
     data = os.urandom(3000)
     with tiered(tmp_path, 1 << 20) as (cache, _):
         admit(cache, ref("k"), data)
-    blocks = tmp_path / "hot" / "blocks"
-    digest = content_hash(data)
-    strays = [blocks / "stray", blocks / "zz" / digest, blocks / digest[:2] / "notes.txt"]
-    (blocks / "zz").mkdir()
-    for stray in strays:
-        stray.write_bytes(b"x" * 5000)
-    (blocks / digest[:2] / "0123456789abcdef0123456789abcdef").mkdir()  # cannot be unlinked
+    tier, digest = tmp_path / "hot", content_hash(data)
+    ours = [tier / "tmp" / f"{digest}.0123abcd", tier / "blocks" / "ff" / digest]
+    theirs = [
+        tier / "tmp" / "notes.txt",
+        tier / "blocks" / "stray",
+        tier / "blocks" / "zz" / digest,
+        tier / "blocks" / digest[:2] / "notes.txt",
+        tier / "blocks" / digest[:2] / f"{digest}.bak",
+    ]
+    for path in ours + theirs:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"x" * 5000)
+    (tier / "blocks" / digest[:2] / "0123456789abcdef0123456789abcdef").mkdir()  # not a file: left
+    (tier / "tmp" / f"{'0' * 32}.00000000").mkdir()  # our name, cannot be unlinked: logged
     with caplog.at_level(logging.WARNING), tiered(tmp_path, 1 << 20) as (cache, _):
         assert read(cache, ref("k")) == data
-        assert not any(stray.exists() for stray in strays)
+        assert cache.used_bytes == disk_bytes(len(encode(data)))
+    assert not any(path.exists() for path in ours)
+    assert all(path.read_bytes() == b"x" * 5000 for path in theirs)
     assert "cannot remove" in caplog.text
+
+
+@pytest.mark.parametrize("maintain", [lambda d: verify(d, repair=False), gc], ids=["verify", "gc"])
+def test_maintenance_refuses_a_recorded_tier_that_holds_no_blocks(tmp_path: Path, maintain: Any) -> None:
+    """A tier deleted since, or a damaged record naming another directory
+    ('.' flipped to '/' named /, and verify deleted every file in /tmp):
+    the command says so, and creates or deletes nothing there."""
+    spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
+    (tmp_path / "hot").mkdir()
+    cache_dir = tmp_path / "cache"
+    with open_cache(cache_dir, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
+        data = os.urandom(100)
+        opened.cache.admit(ref("k"), content_hash(data), data)
+    victim = tmp_path / "victim"
+    (victim / "tmp").mkdir(parents=True)
+    (victim / "tmp" / "precious").write_bytes(b"mine")
+    database = sqlite3.connect(cache_dir / "index.sqlite", isolation_level=None)
+    layout = json.dumps([{"name": "hot", "dir": str(victim), "capacity": 1 << 20, "codec": "raw"}])
+    database.execute("UPDATE meta SET value = ? WHERE name = 'tiers'", (layout,))
+    database.close()
+    with pytest.raises(CachefsdError, match=r"the hot tier at .*victim, which holds no cached blocks"):
+        maintain(cache_dir)
+    left = sorted(path.relative_to(victim) for path in victim.rglob("*"))
+    assert left == [Path("tmp"), Path("tmp/precious")]
 
 
 def test_a_smaller_capacity_on_restart_keeps_the_most_recent_and_says_what_it_evicted(
@@ -641,7 +677,7 @@ def test_verify_without_repair_reports_damage_and_changes_nothing(tmp_path: Path
     orphan = os.urandom(3000)
     tier.path_of(content_hash(orphan)).parent.mkdir(exist_ok=True)
     tier.path_of(content_hash(orphan)).write_bytes(encode(orphan))
-    (tmp_path / "hot" / "tmp" / "deadbeef.1").write_bytes(b"partial")
+    (tmp_path / "hot" / "tmp" / f"{content_hash(orphan)}.0000abcd").write_bytes(b"partial")
     before = _snapshot(tmp_path)
 
     for _ in range(2):
