@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import xxhash
+
 from cachefsd.aio import LoopThread
 from cachefsd.errors import NotADirectory, ObjectNotFound, StoreError
 from cachefsd.fetch import Fetcher
@@ -73,17 +75,27 @@ class _Cached:
 
 
 def _encode(listing: Listing) -> bytes:
-    return json.dumps(
+    """A listing as saved in the index: the xxh3-64 of its JSON (in hex), a
+    newline, the JSON. A row damaged on disk (one flipped digit of a size
+    served a file short, on every mount: hunt P) fails the check on load,
+    and the directory is listed again."""
+    body = json.dumps(
         {
             "objects": [[o.key, o.size, o.etag, o.mtime] for o in listing.objects],
             "prefixes": list(listing.prefixes),
         },
         separators=(",", ":"),
     ).encode()
+    return xxhash.xxh3_64_hexdigest(body).encode() + b"\n" + body
 
 
-def _decode(payload: bytes) -> Listing:
-    raw = json.loads(payload)
+def _decode(payload: bytes) -> Listing | None:
+    """The saved listing, or None if it is not intact (or was saved without
+    its checksum, before it had one: listed again, once)."""
+    checksum, _, body = payload.partition(b"\n")
+    if checksum != xxhash.xxh3_64_hexdigest(body).encode():
+        return None
+    raw = json.loads(body)
     return Listing(
         objects=tuple(ObjectInfo(key, size, etag, mtime) for key, size, etag, mtime in raw["objects"]),
         prefixes=tuple(raw["prefixes"]),
@@ -213,10 +225,23 @@ class Namespace:
         return stale
 
     def _from_index(self, prefix: str) -> _Cached | None:
-        saved = self._index.load_listing(self._store.cache_key, prefix)
+        """The listing saved by an earlier mount, if any and intact: the
+        index is a cache, and a damaged row costs a listing, never a lookup."""
+        try:
+            saved = self._index.load_listing(self._store.cache_key, prefix)
+        except sqlite3.Error as exc:
+            log.warning("cannot load the saved listing of %r (%s); listing it again", prefix or "/", exc)
+            return None
         if saved is None:
             return None
-        return _Cached(directory_from_listing(prefix, _decode(saved[1])), saved[0])
+        fetched_at, payload = saved
+        listing = _decode(payload) if isinstance(payload, bytes) and isinstance(fetched_at, float) else None
+        if listing is None:
+            saved_before_the_checksum = isinstance(payload, bytes) and payload.startswith(b"{")
+            if not saved_before_the_checksum:
+                log.warning("the saved listing of %r is damaged; listing it again", prefix or "/")
+            return None
+        return _Cached(directory_from_listing(prefix, listing), fetched_at)
 
     def _list(self, prefix: str) -> Listing:
         """Every page of the listing of ``prefix``, each page one request

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 from collections.abc import Callable
 
@@ -53,6 +54,40 @@ def test_a_restart_lists_from_the_index_while_fresh(make_engine: EngineFactory) 
     again.clock.now = engine.clock.now + 1
     assert again.namespace.lookup("/d/f").info is not None
     assert engine.store.list_count == lists
+
+
+@pytest.mark.parametrize(
+    ("damage", "warned"),
+    [
+        (lambda payload: payload.replace(b'["d/f",1,', b'["d/f",9,'), True),  # one digit of a size
+        (lambda payload: payload.partition(b"\n")[2], False),  # saved before listings had a checksum
+        (lambda payload: payload.decode(), True),  # not even a blob
+    ],
+    ids=["a flipped digit", "no checksum", "text"],
+)
+def test_a_saved_listing_that_is_not_intact_is_listed_again(
+    make_engine: EngineFactory,
+    caplog: pytest.LogCaptureFixture,
+    damage: Callable[[bytes], object],
+    warned: bool,
+) -> None:
+    """A listing row is trusted on the next mount: damaged, it served a
+    file 30 bytes short, or its directory EIO, on every mount (hunt P)."""
+    engine = make_engine({"d/f": b"1"})
+    engine.namespace.lookup("/d/f")
+    database = sqlite3.connect(engine.cache_dir / "index.sqlite", isolation_level=None)
+    (payload,) = database.execute("SELECT payload FROM listings WHERE prefix = 'd/'").fetchone()
+    database.execute("UPDATE listings SET payload = ? WHERE prefix = 'd/'", (damage(payload),))
+    database.close()
+    lists = engine.store.list_count
+    again = make_engine(store=engine.store, cache_dir=engine.cache_dir)
+    again.clock.now = engine.clock.now + 1
+    with caplog.at_level(logging.WARNING):
+        info = again.namespace.lookup("/d/f").info
+    assert info is not None
+    assert info.size == 1
+    assert engine.store.list_count == lists + 1
+    assert ("the saved listing of 'd/' is damaged; listing it again" in caplog.text) == warned
 
 
 def cached_then_replaced(make_engine: EngineFactory, key: str) -> tuple[Engine, ObjectInfo]:
