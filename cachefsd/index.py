@@ -18,6 +18,7 @@ guarded by the same lock.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import threading
 from dataclasses import dataclass
@@ -85,6 +86,45 @@ class IndexSchemaMismatch(Exception):
     """The index was written by another schema version."""
 
 
+class IndexDamaged(Exception):
+    """A value the index holds that we could not have written: damage that
+    sqlite's own checks do not see (a flipped byte in a row, a torn page's
+    empty rows). The index is set aside, as one sqlite finds corrupt."""
+
+
+# A block's name: xxh3_128 in hex (``codec.content_hash``).
+_HASH = re.compile(r"[0-9a-f]{32}")
+
+
+def _integer(value: object, what: str) -> int:
+    """A count, a size or a number the index stores as text."""
+    if isinstance(value, str) and value.isdecimal():
+        value = int(value)
+    if type(value) is not int or value < 0:
+        raise IndexDamaged(f"{what} is {value!r}")
+    return value
+
+
+def _block_name(digest: object) -> str:
+    if not isinstance(digest, str) or not _HASH.fullmatch(digest):
+        raise IndexDamaged(f"block name {digest!r}")
+    return digest
+
+
+def _stored_block(
+    digest: object, tier: object, disk_bytes: object, raw_bytes: object, last_used: object
+) -> StoredBlock:
+    if not isinstance(tier, str) or not isinstance(last_used, float | int):
+        raise IndexDamaged(f"block {digest!r}: tier {tier!r}, last used {last_used!r}")
+    return StoredBlock(
+        _block_name(digest),
+        tier,
+        _integer(disk_bytes, "a block's size on disk"),
+        _integer(raw_bytes, "a block's size"),
+        last_used,
+    )
+
+
 class Index:
     def __init__(self, path: Path) -> None:
         self._path = path
@@ -106,14 +146,19 @@ class Index:
         row = self._db.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone()
         if row is None:
             self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        elif int(row[0]) != SCHEMA_VERSION:
+        elif _integer(row[0], "the schema version") != SCHEMA_VERSION:
             raise IndexSchemaMismatch(f"{self._path} has schema {row[0]}, expected {SCHEMA_VERSION}")
         self._refs: dict[BlockRef, str] = {}
         self._refs_by_hash: dict[str, set[BlockRef]] = {}
         for source, key, etag, block, digest in self._db.execute(
             "SELECT source, key, etag, block, hash FROM block_refs"
         ):
-            self._add_ref_locked(BlockRef(source, key, etag, block), digest)
+            ref = BlockRef(source, key, etag, _integer(block, "a block number"))
+            # A key sqlite holds once: twice, a flipped block number made one
+            # block's row name another's, whose bytes it then served (hunt P).
+            if not (type(source) is str and type(key) is str and type(etag) is str) or ref in self._refs:
+                raise IndexDamaged(f"block reference {ref}")
+            self._add_ref_locked(ref, _block_name(digest))
 
     def _add_ref_locked(self, ref: BlockRef, digest: str) -> None:
         previous = self._refs.get(ref)
@@ -146,7 +191,7 @@ class Index:
             rows = self._db.execute(
                 "SELECT hash, tier, disk_bytes, raw_bytes, last_used FROM blocks ORDER BY last_used"
             ).fetchall()
-        return [StoredBlock(*row) for row in rows]
+        return [_stored_block(*row) for row in rows]
 
     def record(self, ref: BlockRef, stored: StoredBlock, identity: tuple[str, int] | None = None) -> None:
         """Name ``stored.hash`` as the content of ``ref``, adding the block if
@@ -201,7 +246,8 @@ class Index:
         is judged by its blocks (``_refs_fit``); 0 when they do not fit."""
         recorded = self.load_meta(BLOCK_SIZE_META)
         if recorded is not None:
-            return None if int(recorded) == block_size else int(recorded)
+            previous = _integer(recorded, "the block size")
+            return None if previous == block_size else previous
         with self._lock:
             return None if self._refs_fit_locked(block_size) else 0
 

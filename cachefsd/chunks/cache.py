@@ -44,7 +44,7 @@ from cachefsd.chunks.codec import Codec, CorruptBlock, check_raw, decode, encode
 from cachefsd.chunks.policy import PlannedUse
 from cachefsd.chunks.tier import NoRoom, Tier, disk_bytes
 from cachefsd.config import human_bytes
-from cachefsd.index import BlockRef, Index, StoredBlock
+from cachefsd.index import BlockRef, Index, IndexDamaged, StoredBlock
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class TieredCache:
             self._index.save_last_used(
                 {block.hash: now - (len(blocks) - i) * 1e-6 for i, block in enumerate(blocks)}
             )
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, IndexDamaged) as exc:
             log.warning("cannot save the order of use of cached blocks: %s", exc)
 
     # -- read path ------------------------------------------------------

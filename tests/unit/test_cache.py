@@ -400,55 +400,86 @@ def test_a_damaged_index_is_set_aside_not_a_failed_mount(
     assert (tmp_path / "index.sqlite.damaged").read_bytes().startswith(b"not a database")  # for a post-mortem
 
 
-def test_an_index_with_a_value_that_is_not_text_is_set_aside(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A flipped byte in a text column: Python's sqlite3 raises an error
-    with no SQLite code, which the mount took for an internal error (hunt N)."""
-    (tmp_path / "hot").mkdir()
-    spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
-    with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
-        data = os.urandom(100)
-        opened.cache.admit(ref("k"), content_hash(data), data)
-    database = sqlite3.connect(tmp_path / "index.sqlite", isolation_level=None)
-    database.execute("UPDATE block_refs SET hash = CAST(x'68ff74' AS TEXT)")
-    database.close()
-    with pytest.raises(CachefsdError, match=r"index\.sqlite is damaged .*: the next mount sets it aside"):
-        verify(tmp_path, repair=False)
-    with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
-        assert read(opened.cache, ref("k")) is None  # its blocks are fetched again
-    assert "index.sqlite is damaged" in caplog.text
-    assert (tmp_path / "index.sqlite.damaged").exists()
+# A block reference twice: the primary key's index damaged, a flipped block
+# number made one block's row name another's, whose bytes it then served.
+_DUPLICATE_REFERENCE = """
+ALTER TABLE block_refs RENAME TO damaged;
+CREATE TABLE block_refs (source TEXT, key TEXT, etag TEXT, block INTEGER, hash TEXT);
+INSERT INTO block_refs SELECT * FROM damaged;
+INSERT INTO block_refs SELECT source, key, etag, block, 'ffffffffffffffffffffffffffffffff' FROM damaged;
+DROP TABLE damaged;
+CREATE INDEX block_refs_by_hash ON block_refs(hash);
+"""
 
 
-def test_damage_only_reconcile_reads_is_set_aside_too(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    "damage",
+    [
+        # Not UTF-8 text: Python's sqlite3 fails with no SQLite code (hunt N).
+        "UPDATE block_refs SET hash = CAST(x'68ff74' AS TEXT)",
+        # In the blocks table, which the load does not read but reconcile
+        # does: "database disk image is malformed" refused the mount (hunt P).
+        "UPDATE blocks SET tier = CAST(x'68ff74' AS TEXT)",
+        # Values sqlite stores as they come, that we never wrote (hunt P).
+        "UPDATE blocks SET disk_bytes = 'x'",
+        "UPDATE blocks SET hash = 'not/a/hash'",
+        "UPDATE block_refs SET block = -1",
+        "UPDATE meta SET value = 'two' WHERE name = 'schema_version'",
+        "UPDATE meta SET value = '4M' WHERE name = 'block_size'",  # read by a mount, not by verify
+        _DUPLICATE_REFERENCE,
+        # A damaged schema: "no such column: last_used" (SQLITE_ERROR) refused every mount.
+        "PRAGMA writable_schema = ON; "
+        "UPDATE sqlite_master SET sql = replace(sql, 'last_used REAL', 'last_usex REAL') "
+        "WHERE name = 'blocks'",
+    ],
+)
+def test_a_damaged_index_is_reported_by_verify_and_set_aside_by_a_mount(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
 ) -> None:
-    """The load reads the references, not the blocks table: damage there
-    surfaced in reconcile and refused the mount ("database disk image is
-    malformed"). It is set aside as damage found on load is, with the
-    tier's lock taken again by the second attempt."""
     spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
-    (tmp_path / "hot").mkdir()
+    (tmp_path / "hot").mkdir()  # a tier of its own: the second attempt takes its lock again
     cache_dir = tmp_path / "cache"
-    with open_cache(cache_dir, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
-        data = os.urandom(100)
+
+    def mount() -> Any:
+        return open_cache(
+            cache_dir, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry()), block_size=1 << 20
+        )
+
+    data = os.urandom(100)
+    with mount() as opened:
         opened.cache.admit(ref("k"), content_hash(data), data)
     database = sqlite3.connect(cache_dir / "index.sqlite", isolation_level=None)
-    database.execute("UPDATE blocks SET tier = CAST(x'68ff74' AS TEXT)")
+    database.executescript(damage)
     database.close()
-    damaged = (cache_dir / "index.sqlite").read_bytes()
-    with pytest.raises(CachefsdError, match=r"index\.sqlite is damaged .*: the next mount sets it aside"):
-        verify(cache_dir, repair=False)
-    assert (cache_dir / "index.sqlite").read_bytes() == damaged
-    with open_cache(cache_dir, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
+    if "block_size" not in damage:
+        damaged = (cache_dir / "index.sqlite").read_bytes()
+        with pytest.raises(CachefsdError, match=r"index\.sqlite is damaged .*: the next mount sets it aside"):
+            verify(cache_dir, repair=False)
+        assert (cache_dir / "index.sqlite").read_bytes() == damaged
+    with mount() as opened:
         assert read(opened.cache, ref("k")) is None  # its block is fetched again
         assert opened.cache.tiers[0].block_count == 0
         opened.cache.admit(ref("k"), content_hash(data), data)
         assert read(opened.cache, ref("k")) == data
     assert "index.sqlite is damaged" in caplog.text
-    assert (cache_dir / "index.sqlite.damaged").exists()
+    assert (cache_dir / "index.sqlite.damaged").exists()  # for a post-mortem
     assert verify(cache_dir, repair=False).checked == 1
+
+
+@pytest.mark.parametrize(
+    "layout", ["[{", '[{"name": "hot"}]', '[{"name": "hot", "dir": ".", "capacity": 1, "codec": "rav"}]']
+)
+def test_a_damaged_tier_layout_is_reported_by_verify(tmp_path: Path, layout: str) -> None:
+    """verify reads the layout the index records (the mount does not):
+    damaged, it printed a traceback (hunt P)."""
+    spec = TierSpec("hot", str(tmp_path), 1 << 20, "raw")
+    with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())):
+        pass
+    database = sqlite3.connect(tmp_path / "index.sqlite", isolation_level=None)
+    database.execute("UPDATE meta SET value = ? WHERE name = 'tiers'", (layout,))
+    database.close()
+    with pytest.raises(CachefsdError, match=r"index\.sqlite is damaged \(the recorded tier layout: .*\)"):
+        verify(tmp_path, repair=False)
 
 
 @pytest.mark.parametrize(

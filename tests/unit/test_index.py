@@ -7,11 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from cachefsd.chunks.codec import content_hash
 from cachefsd.index import BlockRef, Index, IndexSchemaMismatch, StoredBlock
 
 
-def stored(digest: str) -> StoredBlock:
-    return StoredBlock(digest, "hot", 4096, 10, 0.0)
+def stored(name: str) -> StoredBlock:
+    return StoredBlock(hashed(name), "hot", 4096, 10, 0.0)
+
+
+def hashed(name: str) -> str:
+    """A block name (32 hex digits) for a readable one."""
+    return content_hash(name.encode())
 
 
 def test_records_survive_reopen(tmp_path: Path) -> None:
@@ -22,8 +28,8 @@ def test_records_survive_reopen(tmp_path: Path) -> None:
     index.save_listing("s3://b", "", 123.0, b"payload")
     index.close()
     reopened = Index(path)
-    assert reopened.lookup(ref) == "h1"
-    assert [block.hash for block in reopened.blocks()] == ["h1"]
+    assert reopened.lookup(ref) == hashed("h1")
+    assert [block.hash for block in reopened.blocks()] == [hashed("h1")]
     assert reopened.load_listing("s3://b", "") == (123.0, b"payload")
     reopened.close()
 
@@ -34,10 +40,10 @@ def test_a_block_shared_by_two_versions_is_freed_only_with_the_last(tmp_path: Pa
     index.record(old, stored("shared"))
     index.record(new, stored("shared"))
     index.record(BlockRef("src", "k", "old", 1), stored("only-old"))
-    assert sorted(index.release_version("src", "k", "old", block_count=2)) == ["only-old"]
+    assert sorted(index.release_version("src", "k", "old", block_count=2)) == [hashed("only-old")]
     assert index.lookup(old) is None
-    assert index.lookup(new) == "shared"
-    assert index.unreferenced() == ["only-old"]
+    assert index.lookup(new) == hashed("shared")
+    assert index.unreferenced() == [hashed("only-old")]
     index.close()
 
 
@@ -46,7 +52,7 @@ def test_remove_block_drops_every_reference(tmp_path: Path) -> None:
     refs = [BlockRef("src", f"k{i}", "e", 0) for i in range(3)]
     for ref in refs:
         index.record(ref, stored("same"))
-    index.remove_block("same")
+    index.remove_block(hashed("same"))
     assert all(index.lookup(ref) is None for ref in refs)
     assert index.blocks() == []
     index.close()
@@ -64,8 +70,8 @@ def test_an_index_of_another_schema_is_refused(tmp_path: Path) -> None:
 def test_content_identity_finds_blocks_of_other_objects(tmp_path: Path) -> None:
     index = Index(tmp_path / "index.sqlite")
     index.record(BlockRef("s3://a", "x", "md5", 2), stored("h"), identity=("md5", 10_000))
-    assert index.lookup_identity("md5", 10_000, 2) == "h"
+    assert index.lookup_identity("md5", 10_000, 2) == hashed("h")
     assert index.lookup_identity("md5", 10_001, 2) is None  # same etag, other size: not the same content
-    index.remove_block("h")
+    index.remove_block(hashed("h"))
     assert index.lookup_identity("md5", 10_000, 2) is None
     index.close()
