@@ -42,7 +42,7 @@ from typing import Literal, Protocol, TypeVar
 
 from cachefsd.chunks.codec import Codec, CorruptBlock, check_raw, decode, encode
 from cachefsd.chunks.policy import PlannedUse
-from cachefsd.chunks.tier import NoRoom, Tier, disk_bytes
+from cachefsd.chunks.tier import NoRoom, Tier, UnplaceableBlock, disk_bytes
 from cachefsd.config import human_bytes
 from cachefsd.index import BlockRef, Index, IndexDamaged, StoredBlock
 
@@ -509,6 +509,8 @@ class TieredCache:
         self._give_up(position, victims)
         try:
             tier.write(digest, frame)
+        except UnplaceableBlock:
+            raise  # nothing of it was placed: what is in the way is not ours to delete
         except OSError:
             tier.delete(digest)
             raise
@@ -531,7 +533,13 @@ class TieredCache:
 
     def _disk_failed(self, tier: Tier, what: str, exc: BaseException) -> None:
         """A write to ``tier`` failed: it takes no blocks for a while (its
-        room is 0), with one warning."""
+        room is 0), with one warning. Unless the disk took the bytes and
+        only this block's name is blocked: then only this block is not
+        cached (one bad path stopped the whole tier, hunt P)."""
+        if isinstance(exc, UnplaceableBlock):
+            log.warning("%s tier: %s: %s", tier.name, what, exc)
+            self._events.cache_error(tier.name)
+            return
         self._failing_until[tier.name] = time.monotonic() + DISK_ERROR_BACKOFF_SECONDS
         log.warning(
             "%s tier: %s: %s; it takes no blocks for %.0f s", tier.name, what, exc, DISK_ERROR_BACKOFF_SECONDS

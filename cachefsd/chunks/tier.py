@@ -61,6 +61,12 @@ class NoRoom(Exception):
         self.victims = victims
 
 
+class UnplaceableBlock(OSError):
+    """A block was written, but something is in the way of its name (a
+    directory, an immutable file, a file where its shard goes): this
+    block's problem, not the disk's, which took the bytes."""
+
+
 class Tier:
     def __init__(self, name: str, root: Path, capacity: int, codec: Codec, policy: EvictionPolicy) -> None:
         self.name = name
@@ -192,8 +198,12 @@ class Tier:
             raise
         os.close(fd)
         final = self.path_of(digest)
-        final.parent.mkdir(mode=0o700, exist_ok=True)
-        os.replace(temp, final)
+        try:
+            final.parent.mkdir(mode=0o700, exist_ok=True)
+            os.replace(temp, final)
+        except OSError as exc:
+            temp.unlink(missing_ok=True)
+            raise UnplaceableBlock(exc.errno, exc.strerror, str(final)) from exc
 
     def read(self, digest: str) -> bytes:
         with open(self.path_of(digest), "rb") as block_file:

@@ -548,6 +548,26 @@ def test_a_tier_whose_disk_fails_is_left_alone_for_a_while(
         assert read(cache, ref("c")) == b"c" * 5000
 
 
+def test_a_block_whose_name_is_blocked_leaves_the_tier_taking_others(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory (or an immutable file) where one block's file goes: the
+    disk is fine, so only that block is not cached; it stopped the whole
+    tier for 30 s, and at every mount (hunt P)."""
+    blocked, other = os.urandom(5000), os.urandom(5000)
+    with tiered(tmp_path, hot=1 << 20) as (cache, metrics):
+        cache.tiers[0].path_of(content_hash(blocked)).mkdir(parents=True)
+        with caplog.at_level(logging.WARNING):
+            admit(cache, ref("blocked"), blocked)
+        assert "Is a directory" in caplog.text
+        assert metrics.cache_errors.labels("hot")._value.get() == 1
+        assert read(cache, ref("blocked")) is None
+        assert cache.room() > 0
+        admit(cache, ref("other"), other)
+        assert read(cache, ref("other")) == other
+        assert list((tmp_path / "hot" / "tmp").iterdir()) == []
+
+
 @pytest.mark.parametrize("broken", ["hot", "warm"])
 def test_a_failing_tier_is_neither_promoted_nor_demoted_into(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, broken: str
