@@ -29,7 +29,7 @@ from cachefsd.chunks.policy import LRU, EpochClock, ObservedEpochs, PlannedUse, 
 from cachefsd.chunks.tier import Tier
 from cachefsd.config import CacheSettings, human_bytes, resolve_tier_size
 from cachefsd.errors import CachefsdError, ConfigError
-from cachefsd.index import BLOCK_SIZE_META, Index, IndexDamaged, IndexSchemaMismatch
+from cachefsd.index import BLOCK_SIZE_META, Index, IndexDamaged, IndexSchemaMismatch, damage_note, is_damage
 from cachefsd.metrics import Metrics
 from cachefsd.runtime import CacheDirLock, create_cache_directory
 
@@ -82,20 +82,6 @@ def tier_specs(settings: CacheSettings) -> list[TierSpec]:
 # Free bytes under which the cache disk counts as full: sqlite needs a few
 # pages for the write-ahead log and its index.
 _FULL_DISK_BYTES = 1 << 20
-# What sqlite says of an index that is not an intact database of ours:
-# corrupt, not a database, or a format, schema or SQL it cannot read back (a
-# damaged header: "unsupported file format"; a damaged schema: "no such
-# column"). Not what the environment causes (a full or read-only disk,
-# permissions, locks): the user must hear about those, and a new index
-# would fail the same way.
-_DAMAGED = (
-    sqlite3.SQLITE_CORRUPT,
-    sqlite3.SQLITE_NOTADB,
-    sqlite3.SQLITE_ERROR,
-    sqlite3.SQLITE_FORMAT,
-    sqlite3.SQLITE_MISMATCH,
-    sqlite3.SQLITE_SCHEMA,
-)
 
 
 def _recorded(spec: TierSpec, cache_dir: Path) -> dict[str, object]:
@@ -122,22 +108,10 @@ def _open_index(cache_dir: Path, maintenance: bool) -> Index:
         log.warning("%s; starting a new index", exc)
         _discard_index(path, keep=False)
     except (sqlite3.DatabaseError, IndexDamaged) as exc:
-        if not _is_damage(exc):
+        if not is_damage(exc):
             raise ConfigError(f"cache.dir: cannot open the index {path}: {exc}{_if_full(cache_dir)}") from exc
         _set_aside(path, exc, maintenance)
     return Index(path)
-
-
-def _is_damage(exc: sqlite3.DatabaseError | IndexDamaged) -> bool:
-    """Whether the index file is not an intact one of ours. sqlite's
-    extended codes (SQLITE_CORRUPT_INDEX, ...) count by their primary code.
-    An OperationalError with none is raised by Python's sqlite3 reading a
-    value that is not UTF-8 text (a flipped byte), damage too (hunt N). Not
-    any error without a code: a ProgrammingError is our bug."""
-    if isinstance(exc, IndexDamaged):
-        return True
-    code = getattr(exc, "sqlite_errorcode", None)
-    return code & 0xFF in _DAMAGED if code is not None else isinstance(exc, sqlite3.OperationalError)
 
 
 def _set_aside(path: Path, exc: sqlite3.DatabaseError | IndexDamaged, maintenance: bool) -> None:
@@ -161,6 +135,7 @@ def _discard_index(path: Path, keep: bool) -> None:
             old.replace(path.with_name(f"{_INDEX_NAME}.damaged"))
         else:
             old.unlink(missing_ok=True)
+    damage_note(path).unlink(missing_ok=True)
 
 
 def _if_full(cache_dir: Path) -> str:
@@ -298,7 +273,7 @@ def open_cache(
             # Damage the index's load did not read (the blocks table, read
             # by reconcile): the same as damage found on load.
             attempt.close()  # the index, and the tiers' locks, which the next attempt takes
-            if not _is_damage(exc):
+            if not is_damage(exc):
                 raise
             _set_aside(cache_dir / _INDEX_NAME, exc, maintenance)
             opened = open_in(stack.enter_context(ExitStack()))

@@ -18,11 +18,17 @@ guarded by the same lock.
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
 import sqlite3
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Concatenate, ParamSpec, TypeVar
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 2
 # The meta row naming the block size the references were made at.
@@ -92,6 +98,61 @@ class IndexDamaged(Exception):
     empty rows). The index is set aside, as one sqlite finds corrupt."""
 
 
+# What sqlite says of an index that is not an intact database of ours:
+# corrupt, not a database, or a format, schema or SQL it cannot read back (a
+# damaged header: "unsupported file format"; a damaged schema: "no such
+# column"). Not what the environment causes (a full or read-only disk,
+# permissions, locks): the user must hear about those, and a new index
+# would fail the same way.
+_DAMAGED = (
+    sqlite3.SQLITE_CORRUPT,
+    sqlite3.SQLITE_NOTADB,
+    sqlite3.SQLITE_ERROR,
+    sqlite3.SQLITE_FORMAT,
+    sqlite3.SQLITE_MISMATCH,
+    sqlite3.SQLITE_SCHEMA,
+)
+
+
+def is_damage(exc: sqlite3.DatabaseError | IndexDamaged) -> bool:
+    """Whether the index file is not an intact one of ours. sqlite's
+    extended codes (SQLITE_CORRUPT_INDEX, ...) count by their primary code.
+    An OperationalError with none is raised by Python's sqlite3 reading a
+    value that is not UTF-8 text (a flipped byte), damage too (hunt N). Not
+    any error without a code: a ProgrammingError is our bug."""
+    if isinstance(exc, IndexDamaged):
+        return True
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code & 0xFF in _DAMAGED if code is not None else isinstance(exc, sqlite3.OperationalError)
+
+
+def damage_note(path: Path) -> Path:
+    """Where a daemon notes damage it found in the index at ``path`` while
+    serving, for the next open to set the index aside."""
+    return path.with_name(f"{path.name}.damage-found")
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _noting_damage(method: Callable[Concatenate[Index, P], R]) -> Callable[Concatenate[Index, P], R]:
+    """Damage sqlite notices only when a statement reaches it (a page of an
+    index that only writes read, hunt P) is noted for the next open: the
+    error still goes to the caller, for whom the cache is best effort."""
+
+    @functools.wraps(method)
+    def wrapper(index: Index, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(index, *args, **kwargs)
+        except (sqlite3.DatabaseError, IndexDamaged) as exc:
+            if is_damage(exc):
+                index.note_damage(exc)
+            raise
+
+    return wrapper
+
+
 # A block's name: xxh3_128 in hex (``codec.content_hash``).
 _HASH = re.compile(r"[0-9a-f]{32}")
 
@@ -137,6 +198,9 @@ class Index:
             raise
 
     def _load(self) -> None:
+        note = damage_note(self._path)
+        if note.exists():
+            raise IndexDamaged(f"found while serving: {note.read_text(errors='replace').strip()}")
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL is durable against process crashes (the kill -9 case) and
         # cheap; a power loss can lose the last commits, which only costs
@@ -175,6 +239,17 @@ class Index:
             del self._refs_by_hash[digest]
         return digest
 
+    def note_damage(self, exc: sqlite3.DatabaseError | IndexDamaged) -> None:
+        """Note damage found while serving (``_noting_damage``), once."""
+        note = damage_note(self._path)
+        if note.exists():
+            return
+        log.error("%s is damaged (%s): the next mount sets it aside", self._path, exc)
+        try:
+            note.write_text(f"{exc}\n")
+        except OSError as write_failed:
+            log.warning("cannot note the damage in %s: %s", note, write_failed)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -185,6 +260,7 @@ class Index:
         with self._lock:
             return self._refs.get(ref)
 
+    @_noting_damage
     def blocks(self) -> list[StoredBlock]:
         """Every stored block, least recently used first."""
         with self._lock:
@@ -193,6 +269,7 @@ class Index:
             ).fetchall()
         return [_stored_block(*row) for row in rows]
 
+    @_noting_damage
     def record(self, ref: BlockRef, stored: StoredBlock, identity: tuple[str, int] | None = None) -> None:
         """Name ``stored.hash`` as the content of ``ref``, adding the block if
         new. ``identity`` (etag, object size) also files the block under the
@@ -214,6 +291,7 @@ class Index:
                 )
             self._add_ref_locked(ref, stored.hash)
 
+    @_noting_damage
     def lookup_identity(self, etag: str, size: int, block: int) -> str | None:
         """A cached block of any object with this content identity."""
         with self._lock:
@@ -222,6 +300,7 @@ class Index:
             ).fetchone()
         return None if row is None else row[0]
 
+    @_noting_damage
     def move_block(self, digest: str, tier: str, disk_bytes: int) -> None:
         """The block now lives in ``tier`` (promotion, demotion)."""
         with self._lock, self._db:
@@ -229,15 +308,18 @@ class Index:
                 "UPDATE blocks SET tier=?, disk_bytes=? WHERE hash=?", (tier, disk_bytes, digest)
             )
 
+    @_noting_damage
     def save_meta(self, name: str, value: str) -> None:
         with self._lock, self._db:
             self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (name, value))
 
+    @_noting_damage
     def load_meta(self, name: str) -> str | None:
         with self._lock:
             row = self._db.execute("SELECT value FROM meta WHERE name=?", (name,)).fetchone()
         return None if row is None else row[0]
 
+    @_noting_damage
     def filled_at(self, block_size: int) -> int | None:
         """The block size this cache was filled at, when it is not
         ``block_size``; None when the references fit ``block_size``. Block i
@@ -269,6 +351,7 @@ class Index:
         ).fetchone()
         return too_large is None and short_first is None
 
+    @_noting_damage
     def use_block_size(self, block_size: int) -> None:
         """Drop every reference (and identity), made at another block size
         as ``filled_at`` said, and record ``block_size``; the blocks are
@@ -286,6 +369,7 @@ class Index:
                     "INSERT OR REPLACE INTO meta VALUES (?, ?)", (BLOCK_SIZE_META, str(block_size))
                 )
 
+    @_noting_damage
     def remove_block(self, digest: str) -> None:
         """Forget a block and every reference to it (eviction, corruption)."""
         with self._lock, self._db:
@@ -296,6 +380,7 @@ class Index:
             for ref in self._refs_by_hash.pop(digest, set()):
                 del self._refs[ref]
 
+    @_noting_damage
     def release_version(self, source: str, key: str, etag: str, block_count: int) -> list[str]:
         """Drop the references of one version of ``key`` (it changed or was
         deleted); return the hashes nothing references any more, for the
@@ -312,6 +397,7 @@ class Index:
             )
             return [digest for digest in hashes if digest not in self._refs_by_hash]
 
+    @_noting_damage
     def unreferenced(self) -> list[str]:
         with self._lock:
             rows = self._db.execute(
@@ -319,6 +405,7 @@ class Index:
             ).fetchall()
         return [row[0] for row in rows]
 
+    @_noting_damage
     def save_last_used(self, last_used: dict[str, float]) -> None:
         """Persist recency so eviction order survives a restart."""
         with self._lock, self._db:
@@ -327,6 +414,7 @@ class Index:
                 "UPDATE blocks SET last_used=? WHERE hash=?", [(t, h) for h, t in last_used.items()]
             )
 
+    @_noting_damage
     def resident_bytes_by_prefix(self, source: str) -> list[tuple[str, str, int]]:
         """(prefix, tier, raw bytes) of the cached blocks ``source``'s keys
         reference, where prefix is a key's first path component (``''`` for
@@ -360,12 +448,14 @@ class Index:
 
     # -- listings ---------------------------------------------------------
 
+    @_noting_damage
     def save_listing(self, source: str, prefix: str, fetched_at: float, payload: bytes) -> None:
         with self._lock, self._db:
             self._db.execute(
                 "INSERT OR REPLACE INTO listings VALUES (?, ?, ?, ?)", (source, prefix, fetched_at, payload)
             )
 
+    @_noting_damage
     def load_listing(self, source: str, prefix: str) -> tuple[float, bytes] | None:
         with self._lock:
             row = self._db.execute(

@@ -466,6 +466,37 @@ def test_a_damaged_index_is_reported_by_verify_and_set_aside_by_a_mount(
     assert verify(cache_dir, repair=False).checked == 1
 
 
+def test_damage_found_while_serving_is_set_aside_by_the_next_mount(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Damage sqlite only notices when a write reaches it: each admission
+    failed to be recorded, at every mount, and verify said clean (hunt P)."""
+    spec = TierSpec("hot", str(tmp_path), 1 << 20, "raw")
+
+    def mount() -> Any:
+        return open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry()))
+
+    first, second = os.urandom(100), os.urandom(100)
+    with mount() as opened:
+        opened.cache.admit(ref("first"), content_hash(first), first)
+        database = sqlite3.connect(tmp_path / "index.sqlite", isolation_level=None)
+        database.executescript(  # a damaged schema, seen by the daemon's next statement
+            "PRAGMA writable_schema = ON; UPDATE sqlite_master SET sql = 'CREATE TABLE blocks (' "
+            "WHERE name = 'blocks'; PRAGMA schema_version = 100; PRAGMA writable_schema = OFF;"
+        )
+        database.close()
+        with caplog.at_level(logging.ERROR):
+            opened.cache.admit(ref("second"), content_hash(second), second)  # best effort: no error
+        assert "index.sqlite is damaged (malformed database schema" in caplog.text
+    with pytest.raises(CachefsdError, match=r"index\.sqlite is damaged \(found while serving: malformed"):
+        verify(tmp_path, repair=False)
+    with mount() as opened:
+        assert read(opened.cache, ref("first")) is None  # set aside: fetched again
+        opened.cache.admit(ref("second"), content_hash(second), second)
+        assert read(opened.cache, ref("second")) == second
+    assert verify(tmp_path, repair=False).checked == 1
+
+
 @pytest.mark.parametrize(
     "layout", ["[{", '[{"name": "hot"}]', '[{"name": "hot", "dir": ".", "capacity": 1, "codec": "rav"}]']
 )
