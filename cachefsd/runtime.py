@@ -189,8 +189,11 @@ class CacheDirLock:
                     os.close(self._fd)
                     raise CachefsdError(f"{setting}: {cache_dir} is in use by pid {holder}; {busy}") from None
                 time.sleep(_POLL_SECONDS)
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+        try:  # who holds it, for the message above: on a full disk, the lock holds all the same
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+        except OSError as exc:
+            log.warning("%s: cannot write this process's pid in %s: %s", setting, cache_dir / "lock", exc)
 
     def release(self) -> None:
         os.close(self._fd)

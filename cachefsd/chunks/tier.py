@@ -27,6 +27,7 @@ from pathlib import Path
 
 from cachefsd.chunks.codec import Codec
 from cachefsd.chunks.policy import EvictionPolicy
+from cachefsd.errors import CachefsdError
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,12 @@ class Tier:
         self._held: OrderedDict[str, int] = OrderedDict()  # hash -> descriptor, guarded by _lock
         self._deletions = 0  # written under _lock; a warm holds nothing across one
         for directory in (self._blocks_dir, self._tmp_dir):
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError) as exc:  # not ours to remove
+                raise CachefsdError(
+                    f"the {name} tier cannot use {root}: {directory} is in the way ({exc.strerror}); move it"
+                ) from exc
 
     @property
     def used_bytes(self) -> int:

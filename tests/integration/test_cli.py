@@ -88,6 +88,16 @@ def _case_cache_dir_in_the_mount(
     return ["s3://bucket", "--cache-dir", str(tmp_path / "mnt" / "cache")], {}, "is inside the mountpoint"
 
 
+def _case_a_file_in_the_tiers_way(
+    tmp_path: Path, s3_server: S3TestServer
+) -> tuple[list[str], dict[str, str], str]:
+    (tmp_path / "cache").mkdir(mode=0o700)
+    (tmp_path / "cache" / "blocks").write_bytes(b"not ours to remove")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "sample.bin").write_bytes(b"data")
+    return [str(tmp_path / "src")], {}, "is in the way"
+
+
 MOUNT_FAILURES = {
     "unreachable endpoint": _case_unreachable,
     "missing bucket": _case_missing_bucket,
@@ -96,6 +106,7 @@ MOUNT_FAILURES = {
     "bad environment value": _case_bad_env,
     "cache dir is a file": _case_cache_dir_is_a_file,
     "cache dir inside the mountpoint": _case_cache_dir_in_the_mount,
+    "a file in the tier's way": _case_a_file_in_the_tiers_way,
 }
 
 

@@ -344,6 +344,26 @@ def _tiny_disk(path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+def test_a_new_cache_on_a_full_disk_fails_the_mount_saying_so(tmp_path: Path) -> None:
+    """The lock file's pid could not be written: "unexpected error: [Errno
+    28]" (hunt P). The pid is only for messages; the index names the cause."""
+    source, mountpoint = tmp_path / "src", tmp_path / "mnt"
+    source.mkdir()
+    mountpoint.mkdir()
+    with _tiny_disk(tmp_path / "tiny") as disk:
+        with contextlib.suppress(OSError), open(disk / "filler", "wb") as filler:
+            while True:
+                filler.write(b"\0" * 65536)
+        cache_dir = disk / "cache"
+        cache_dir.mkdir(mode=0o700)
+        result = run_cli("mount", str(source), str(mountpoint), "--cache-dir", str(cache_dir), "--no-metrics")
+    assert result.returncode != 0
+    assert not os.path.ismount(mountpoint)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "unexpected error" not in result.stderr, result.stderr
+    assert "its disk is full" in result.stderr, result.stderr
+
+
 def test_full_cache_disk_falls_back_to_the_network(
     tmp_path: Path, s3_server: S3TestServer, s3_client: Any, mounter: MountFactory
 ) -> None:
