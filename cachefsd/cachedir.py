@@ -342,10 +342,15 @@ def _maintenance(cache_dir: Path, inspect_only: bool = False) -> Iterator[OpenCa
 
 
 def verify(cache_dir: Path, repair: bool) -> VerifyReport:
-    """Every block checked, counting the damage that opening the cache
-    found (a missing file, a file of the wrong size): dropped with
-    ``repair``, as the bad hashes are, and otherwise left as it is."""
+    """The index and every block checked, counting the damage that opening
+    the cache found (a missing file, a file of the wrong size): dropped
+    with ``repair``, as the bad hashes are, and otherwise left as it is. A
+    damaged index is an error, and noted for the next mount to set aside."""
     with _maintenance(cache_dir, inspect_only=not repair) as opened:
+        try:
+            opened.index.check_integrity()  # noted for the next mount when it fails
+        except IndexDamaged as exc:
+            _set_aside(cache_dir / _INDEX_NAME, exc, maintenance=True)
         found, dropped = opened.cache.verify(repair), opened.dropped
         return VerifyReport(
             found.checked + len(dropped.corrupt) + len(dropped.missing),

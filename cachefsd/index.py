@@ -261,6 +261,16 @@ class Index:
             return self._refs.get(ref)
 
     @_noting_damage
+    def check_integrity(self) -> None:
+        """sqlite's own full check (slow: ``verify`` only). Damage in an
+        index of a table, say, is otherwise only seen by the write that
+        reaches it."""
+        with self._lock:
+            problem = self._db.execute("PRAGMA integrity_check(1)").fetchone()[0]
+        if problem != "ok":
+            raise IndexDamaged(f"integrity check: {problem}")
+
+    @_noting_damage
     def blocks(self) -> list[StoredBlock]:
         """Every stored block, least recently used first."""
         with self._lock:

@@ -427,6 +427,11 @@ CREATE INDEX block_refs_by_hash ON block_refs(hash);
         "UPDATE meta SET value = 'two' WHERE name = 'schema_version'",
         "UPDATE meta SET value = '4M' WHERE name = 'block_size'",  # read by a mount, not by verify
         _DUPLICATE_REFERENCE,
+        # An index of a table that no longer matches it: seen by a write
+        # that reaches it, or by verify's integrity check (hunt P).
+        "PRAGMA writable_schema = ON; "
+        "UPDATE sqlite_master SET sql = 'CREATE INDEX block_refs_by_hash ON block_refs(etag)' "
+        "WHERE name = 'block_refs_by_hash'",
         # A damaged schema: "no such column: last_used" (SQLITE_ERROR) refused every mount.
         "PRAGMA writable_schema = ON; "
         "UPDATE sqlite_master SET sql = replace(sql, 'last_used REAL', 'last_usex REAL') "
