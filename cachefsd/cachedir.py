@@ -106,7 +106,7 @@ def _open_index(cache_dir: Path, maintenance: bool) -> Index:
         if maintenance:
             raise CachefsdError(f"{exc}: the next mount starts a new one") from exc
         log.warning("%s; starting a new index", exc)
-        _discard_index(path, keep=False)
+        _discard_index(path)
     except (sqlite3.DatabaseError, IndexDamaged) as exc:
         if not is_damage(exc):
             raise ConfigError(f"cache.dir: cannot open the index {path}: {exc}{_if_full(cache_dir)}") from exc
@@ -115,7 +115,8 @@ def _open_index(cache_dir: Path, maintenance: bool) -> Index:
 
 
 def _set_aside(path: Path, exc: sqlite3.DatabaseError | IndexDamaged, maintenance: bool) -> None:
-    """Keep a damaged index as ``*.damaged`` so the next open starts a new one."""
+    """Keep a damaged index as ``*.damaged`` so the next open starts a new
+    one; a maintenance command raises instead, leaving it to the next mount."""
     if maintenance:
         raise CachefsdError(f"{path} is damaged ({exc}): the next mount sets it aside") from exc
     kept = path.with_name(f"{_INDEX_NAME}.damaged")
@@ -125,17 +126,15 @@ def _set_aside(path: Path, exc: sqlite3.DatabaseError | IndexDamaged, maintenanc
         exc,
         kept,
     )
-    _discard_index(path, keep=True)
+    _discard_index(path, kept)
 
 
-def _discard_index(path: Path, keep: bool) -> None:
-    for suffix in ("", "-wal", "-shm"):
-        old = Path(f"{path}{suffix}")
-        if keep and suffix == "" and old.exists():
-            old.replace(path.with_name(f"{_INDEX_NAME}.damaged"))
-        else:
-            old.unlink(missing_ok=True)
-    damage_note(path).unlink(missing_ok=True)
+def _discard_index(path: Path, kept: Path | None = None) -> None:
+    """Remove the index (or move it to ``kept``), its journal and its damage note."""
+    if kept is not None and path.exists():
+        path.replace(kept)
+    for leftover in (path, Path(f"{path}-wal"), Path(f"{path}-shm"), damage_note(path)):
+        leftover.unlink(missing_ok=True)
 
 
 def _if_full(cache_dir: Path) -> str:
@@ -242,8 +241,6 @@ def open_cache(
         if block_size is not None:
             _settle_block_size(index, cache_dir, block_size, migrate_block_size)
         layout = _tier_layout(index, cache_dir, specs, keep_recorded_layout)
-        if maintenance:
-            _require_tiers(layout)
         # One lock a directory, however its path is spelled (a symlink, a
         # layout recorded before directories were made absolute).
         tier_dirs = {Path(spec.dir).resolve(): spec.name for spec in layout}
@@ -283,10 +280,10 @@ def open_cache(
 
 
 def _require_tiers(layout: list[TierSpec]) -> None:
-    """A maintenance command works on the tiers the index records, and
-    creates none: a directory that holds no blocks is not one (a tier
-    deleted or moved since, or a damaged record naming another directory,
-    whose files reconcile must not touch)."""
+    """The tiers the index records (for a maintenance command, an offline
+    stage) are used as they are, and none is created: a directory that
+    holds no blocks is not one (a tier deleted or moved since, or a damaged
+    record naming another directory, whose files reconcile must not touch)."""
     for spec in layout:
         if not (Path(spec.dir) / "blocks").is_dir():
             raise CachefsdError(
@@ -313,6 +310,7 @@ def _tier_layout(
             raise IndexDamaged(f"the recorded tier layout: {exc!r}") from exc
         if any(spec.codec not in _CODECS or type(spec.capacity) is not int for spec in kept):
             raise IndexDamaged(f"the recorded tier layout: {recorded!r}")
+        _require_tiers(kept)
         if specs is not None and _layout(specs) != _layout(kept):
             log.warning("%s: the cache's own tiers apply, as its daemon laid them out", cache_dir)
         return kept
@@ -348,8 +346,9 @@ def verify(cache_dir: Path, repair: bool) -> VerifyReport:
     damaged index is an error, and noted for the next mount to set aside."""
     with _maintenance(cache_dir, inspect_only=not repair) as opened:
         try:
-            opened.index.check_integrity()  # noted for the next mount when it fails
+            opened.index.check_integrity()
         except IndexDamaged as exc:
+            opened.index.note_damage(exc)  # for the next mount
             _set_aside(cache_dir / _INDEX_NAME, exc, maintenance=True)
         found, dropped = opened.cache.verify(repair), opened.dropped
         return VerifyReport(

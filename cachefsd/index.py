@@ -98,20 +98,15 @@ class IndexDamaged(Exception):
     empty rows). The index is set aside, as one sqlite finds corrupt."""
 
 
-# What sqlite says of an index that is not an intact database of ours:
-# corrupt, not a database, or a format, schema or SQL it cannot read back (a
-# damaged header: "unsupported file format"; a damaged schema: "no such
-# column"). Not what the environment causes (a full or read-only disk,
-# permissions, locks): the user must hear about those, and a new index
-# would fail the same way.
-_DAMAGED = (
-    sqlite3.SQLITE_CORRUPT,
-    sqlite3.SQLITE_NOTADB,
-    sqlite3.SQLITE_ERROR,
-    sqlite3.SQLITE_FORMAT,
-    sqlite3.SQLITE_MISMATCH,
-    sqlite3.SQLITE_SCHEMA,
-)
+# What sqlite says of an index that is not an intact database of ours: its
+# pages are corrupt, or it is not a database. Not what the environment
+# causes (a full or read-only disk, permissions, locks): the user must hear
+# about those, and a new index would fail the same way.
+_DAMAGED = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+# SQLITE_ERROR is any failed statement, our bugs too, which must not throw
+# a warm cache away: it is damage only when our own fixed schema cannot be
+# read back (a damaged header, a damaged sqlite_schema row).
+_DAMAGED_SCHEMA = ("unsupported file format", "no such table", "no such column")
 
 
 def is_damage(exc: sqlite3.DatabaseError | IndexDamaged) -> bool:
@@ -123,7 +118,11 @@ def is_damage(exc: sqlite3.DatabaseError | IndexDamaged) -> bool:
     if isinstance(exc, IndexDamaged):
         return True
     code = getattr(exc, "sqlite_errorcode", None)
-    return code & 0xFF in _DAMAGED if code is not None else isinstance(exc, sqlite3.OperationalError)
+    if code is None:
+        return isinstance(exc, sqlite3.OperationalError)
+    if code & 0xFF == sqlite3.SQLITE_ERROR:
+        return str(exc).startswith(_DAMAGED_SCHEMA)
+    return code & 0xFF in _DAMAGED
 
 
 def damage_note(path: Path) -> Path:
@@ -146,8 +145,8 @@ def _noting_damage(method: Callable[Concatenate[Index, P], R]) -> Callable[Conca
         try:
             return method(index, *args, **kwargs)
         except (sqlite3.DatabaseError, IndexDamaged) as exc:
-            if is_damage(exc):
-                index.note_damage(exc)
+            if is_damage(exc) and index.note_damage(exc):
+                log.error("%s is damaged (%s): the next mount sets it aside", index.path, exc)
             raise
 
     return wrapper
@@ -239,16 +238,22 @@ class Index:
             del self._refs_by_hash[digest]
         return digest
 
-    def note_damage(self, exc: sqlite3.DatabaseError | IndexDamaged) -> None:
-        """Note damage found while serving (``_noting_damage``), once."""
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def note_damage(self, exc: sqlite3.DatabaseError | IndexDamaged) -> bool:
+        """Note damage found after the load, for the next open to set the
+        index aside; False if it was noted already (or cannot be)."""
         note = damage_note(self._path)
         if note.exists():
-            return
-        log.error("%s is damaged (%s): the next mount sets it aside", self._path, exc)
+            return False
         try:
             note.write_text(f"{exc}\n")
         except OSError as write_failed:
-            log.warning("cannot note the damage in %s: %s", note, write_failed)
+            log.warning("cannot note the damage of %s in %s: %s", self._path, note, write_failed)
+            return False
+        return True
 
     def close(self) -> None:
         with self._lock:
@@ -260,7 +265,6 @@ class Index:
         with self._lock:
             return self._refs.get(ref)
 
-    @_noting_damage
     def check_integrity(self) -> None:
         """sqlite's own full check (slow: ``verify`` only). Damage in an
         index of a table, say, is otherwise only seen by the write that

@@ -37,7 +37,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, TypeVar
 
 from cachefsd.chunks.codec import Codec, CorruptBlock, check_raw, decode, encode
@@ -144,6 +144,9 @@ class TieredCache:
         # not look uncached to a reader meanwhile (it would GET them again).
         self._moving: dict[str, Tier] = {}
         self._failing_until: dict[str, float] = {}  # tier name -> end of its backoff (``admit``)
+        # Tier name -> blocks whose name is blocked there (``UnplaceableBlock``):
+        # not tried again until a restart, each try cost a write and a warning.
+        self._unplaceable: dict[str, set[str]] = {tier.name: set() for tier in tiers}
 
     @property
     def tiers(self) -> list[Tier]:
@@ -183,18 +186,21 @@ class TieredCache:
             if block.hash in kept:
                 self._by_name[block.tier].add(block.hash, block.disk_bytes)
         # What no row took: block files never recorded (a crash), and strays.
-        orphans = strays + sum(len(files) for files in on_disk.values())
-        damage = Damage(damage.corrupt, damage.missing, orphans)
         if not tidy:
+            damage = replace(damage, orphans=strays + sum(len(files) for files in on_disk.values()))
             log.info("cache inspected: %d blocks intact, %d orphan files", len(kept), damage.orphans)
             return damage
+        removed = strays
         for tier in self._tiers:
             for orphan in on_disk[tier.name]:
                 try:
                     tier.delete(orphan)
                 except OSError as exc:  # immutable, say: it stays, and the mount goes on
                     log.warning("cannot remove orphan block %s from the %s tier: %s", orphan, tier.name, exc)
-        log.info("cache reconciled: %d blocks kept, %d orphan files removed", len(kept), damage.orphans)
+                    continue
+                removed += 1
+        damage = replace(damage, orphans=removed)
+        log.info("cache reconciled: %d blocks kept, %d orphan files removed", len(kept), removed)
         if damage.corrupt or damage.missing:
             log.warning(
                 "cache: dropped %d blocks whose file was of the wrong size and %d whose file was gone; "
@@ -284,7 +290,11 @@ class TieredCache:
         but those whose disk is failing."""
         return sum(tier.room(incoming_use, wanted) for tier in self._tiers if not self._failing(tier))
 
-    def _failing(self, tier: Tier) -> bool:
+    def _failing(self, tier: Tier, digest: str | None = None) -> bool:
+        """Whether ``tier`` takes no blocks now (its disk failed a write),
+        or not ``digest``, whose name is blocked there."""
+        if digest is not None and digest in self._unplaceable[tier.name]:
+            return True
         return time.monotonic() < self._failing_until.get(tier.name, 0.0)
 
     def plan(self, digest: str, position: float) -> bool:
@@ -469,14 +479,14 @@ class TieredCache:
                 return
             for position in range(first, len(self._tiers)):
                 target = self._tiers[position]
-                if self._failing(target):
+                if self._failing(target, digest):
                     continue
                 try:
                     size = self._place(position, digest, data, ahead)
                 except NoRoom:
                     continue
                 except _DISK_ERRORS as exc:
-                    self._disk_failed(target, f"cannot cache block {digest} in it", exc)
+                    self._disk_failed(target, digest, f"cannot cache block {digest} in it", exc)
                     continue
                 self._record(ref, StoredBlock(digest, target.name, size, len(data), time.time()), identity)
                 break
@@ -531,13 +541,15 @@ class TieredCache:
                 self._moving.pop(digest, None)
             self._events.block_evicted(tier.name)
 
-    def _disk_failed(self, tier: Tier, what: str, exc: BaseException) -> None:
-        """A write to ``tier`` failed: it takes no blocks for a while (its
-        room is 0), with one warning. Unless the disk took the bytes and
-        only this block's name is blocked: then only this block is not
-        cached (one bad path stopped the whole tier, hunt P)."""
+    def _disk_failed(self, tier: Tier, digest: str, what: str, exc: BaseException) -> None:
+        """A write of ``digest`` to ``tier`` failed: the tier takes no
+        blocks for a while (its room is 0), with one warning. Unless the
+        disk took the bytes and only this block's name is blocked: then only
+        this block is not cached there (one bad path stopped the whole tier,
+        hunt P)."""
         if isinstance(exc, UnplaceableBlock):
-            log.warning("%s tier: %s: %s", tier.name, what, exc)
+            self._unplaceable[tier.name].add(digest)
+            log.warning("%s tier: %s: %s; it is not cached there until a restart", tier.name, what, exc)
             self._events.cache_error(tier.name)
             return
         self._failing_until[tier.name] = time.monotonic() + DISK_ERROR_BACKOFF_SECONDS
@@ -548,7 +560,7 @@ class TieredCache:
 
     def _demote(self, digest: str, position: int) -> bool:
         source, target = self._tiers[position], self._tiers[position + 1]
-        if self._failing(target):
+        if self._failing(target, digest):
             return False
         try:
             data = decode(source.read(digest), digest)
@@ -556,12 +568,12 @@ class TieredCache:
         except (NoRoom, CorruptBlock):
             return False
         except _DISK_ERRORS as exc:
-            self._disk_failed(target, f"cannot demote block {digest} to it", exc)
+            self._disk_failed(target, digest, f"cannot demote block {digest} to it", exc)
             return False
         return self._rehome(digest, source, self._tiers[position + 1], "demotion")
 
     def _promote(self, digest: str, data: bytes, source: Tier) -> None:
-        if self._failing(self._tiers[0]):
+        if self._failing(self._tiers[0], digest):
             return
         with self._move_lock:
             self._moving[digest] = source
@@ -575,7 +587,7 @@ class TieredCache:
                     source.add(digest, size)
                     return
                 except _DISK_ERRORS as exc:
-                    self._disk_failed(self._tiers[0], f"cannot promote block {digest} to it", exc)
+                    self._disk_failed(self._tiers[0], digest, f"cannot promote block {digest} to it", exc)
                     source.add(digest, size)
                     return
                 self._rehome(digest, source, self._tiers[0], "promotion")

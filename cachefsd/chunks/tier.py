@@ -16,6 +16,7 @@ happens outside it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -66,6 +67,13 @@ class UnplaceableBlock(OSError):
     """A block was written, but something is in the way of its name (a
     directory, an immutable file, a file where its shard goes): this
     block's problem, not the disk's, which took the bytes."""
+
+
+# What placing a written block under its name fails with when something is
+# in the way of that name, not the disk (full, read-only, failing).
+_BLOCKED_NAME = frozenset(
+    {errno.EEXIST, errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EPERM, errno.EACCES}
+)
 
 
 class Tier:
@@ -209,7 +217,9 @@ class Tier:
             os.replace(temp, final)
         except OSError as exc:
             temp.unlink(missing_ok=True)
-            raise UnplaceableBlock(exc.errno, exc.strerror, str(final)) from exc
+            if exc.errno in _BLOCKED_NAME:
+                raise UnplaceableBlock(exc.errno, exc.strerror, str(final)) from exc
+            raise
 
     def read(self, digest: str) -> bytes:
         with open(self.path_of(digest), "rb") as block_file:
@@ -276,34 +286,44 @@ class Tier:
 
     def files(self, tidy: bool = True) -> tuple[dict[str, int], int]:
         """Every block file on disk -> its size, and how many of our files
-        are no block where they lie: temp files, and blocks in the wrong
-        shard. With ``tidy`` those are deleted: they take room the tier does
-        not count.
+        are no block where they lie: temp files, blocks in the wrong shard,
+        a file where a shard goes. They take room the tier does not count:
+        with ``tidy`` they are deleted, and the count is of those deleted.
 
         Only what is provably ours is touched: a name of ours (a hash, a
-        temp name) as a regular file. A tier may be a directory the user
-        gave that holds other files (``--cache-dir /scratch``, whose
-        ``tmp`` may be the user's own), or a damaged index's record may
-        name the wrong one: anything else is left alone, and not counted."""
+        temp name, a shard) as a regular file. A tier may be a directory the
+        user gave that holds other files (``--cache-dir /scratch``, whose
+        ``tmp`` may be the user's own), or a damaged index's record may name
+        the wrong one: anything else is left alone, and said once."""
         found: dict[str, int] = {}
         strays = [entry for entry in _entries(self._tmp_dir) if _TEMP_NAME.fullmatch(entry.name)]
+        foreign = 0
         for shard in _entries(self._blocks_dir):
-            if not _SHARD_NAME.fullmatch(shard.name) or not _is_directory(shard):
+            mode = shard.lstat().st_mode
+            if not _SHARD_NAME.fullmatch(shard.name) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                foreign += 1
+                continue
+            if stat.S_ISREG(mode):  # a file where a shard goes: it would refuse every block of it
+                strays.append(shard)
                 continue
             for block_file in _entries(shard):
-                if not _BLOCK_NAME.fullmatch(block_file.name):
-                    continue
                 status = block_file.lstat()
-                if not stat.S_ISREG(status.st_mode):
-                    continue
-                if block_file.name.startswith(shard.name):
+                if not _BLOCK_NAME.fullmatch(block_file.name) or not stat.S_ISREG(status.st_mode):
+                    foreign += 1
+                elif block_file.name.startswith(shard.name):
                     found[block_file.name] = status.st_size
                 else:
                     strays.append(block_file)
-        if tidy:
-            for stray in strays:
-                _remove(stray)
-        return found, len(strays)
+        if foreign:
+            log.warning(
+                "%s tier: %d entries in %s are not cachefsd's: left alone, and not counted in its size",
+                self.name,
+                foreign,
+                self._blocks_dir,
+            )
+        if not tidy:
+            return found, len(strays)
+        return found, sum(_remove(stray) for stray in strays)
 
 
 # The names of our files: a block is named by its hash (``codec.content_hash``,
@@ -322,15 +342,12 @@ def _entries(directory: Path) -> list[Path]:
         return []
 
 
-def _is_directory(path: Path) -> bool:
-    """A real directory, not a symlink to one (never followed out of the tier)."""
-    return stat.S_ISDIR(path.lstat().st_mode)
-
-
-def _remove(path: Path) -> None:
+def _remove(path: Path) -> bool:
     """Delete a file of ours that does not belong where it lies; one that
     cannot be (immutable, a directory) is logged, not a failed start."""
     try:
         path.unlink(missing_ok=True)
     except OSError as exc:
         log.warning("cannot remove %s from the cache: %s", path, exc)
+        return False
+    return True

@@ -3,6 +3,7 @@ crash reconciliation, verification."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from cachefsd.cachedir import TierSpec, gc, open_cache, verify
 from cachefsd.chunks import cache as cache_module
+from cachefsd.chunks import tier as tier_module
 from cachefsd.chunks.cache import TieredCache
 from cachefsd.chunks.codec import Codec, content_hash, decode, encode
 from cachefsd.chunks.policy import LruPolicy, MinioPolicy, ObservedEpochs, PlannedUse
@@ -422,6 +424,9 @@ CREATE INDEX block_refs_by_hash ON block_refs(hash);
         "UPDATE blocks SET tier = CAST(x'68ff74' AS TEXT)",
         # Values sqlite stores as they come, that we never wrote (hunt P).
         "UPDATE blocks SET disk_bytes = 'x'",
+        "UPDATE blocks SET tier = x'05'",  # a blob: TEXT columns keep numbers as text
+        "UPDATE blocks SET last_used = 'x'",
+        "UPDATE block_refs SET etag = x'07'",
         "UPDATE blocks SET hash = 'not/a/hash'",
         "UPDATE block_refs SET block = -1",
         "UPDATE meta SET value = 'two' WHERE name = 'schema_version'",
@@ -503,7 +508,13 @@ def test_damage_found_while_serving_is_set_aside_by_the_next_mount(
 
 
 @pytest.mark.parametrize(
-    "layout", ["[{", '[{"name": "hot"}]', '[{"name": "hot", "dir": ".", "capacity": 1, "codec": "rav"}]']
+    "layout",
+    [
+        "[{",
+        '[{"name": "hot"}]',
+        '[{"name": "hot", "dir": ".", "capacity": 1, "codec": "rav"}]',
+        '[{"name": "hot", "dir": ".", "capacity": "1", "codec": "raw"}]',
+    ],
 )
 def test_a_damaged_tier_layout_is_reported_by_verify(tmp_path: Path, layout: str) -> None:
     """verify reads the layout the index records (the mount does not):
@@ -595,13 +606,31 @@ def test_a_block_whose_name_is_blocked_leaves_the_tier_taking_others(
         cache.tiers[0].path_of(content_hash(blocked)).mkdir(parents=True)
         with caplog.at_level(logging.WARNING):
             admit(cache, ref("blocked"), blocked)
-        assert "Is a directory" in caplog.text
+            admit(cache, ref("blocked", 1), blocked)  # not tried again: one write, one warning
+        assert [record.message for record in caplog.records if "Is a directory" in record.message] != []
+        assert len(caplog.records) == 1
         assert metrics.cache_errors.labels("hot")._value.get() == 1
         assert read(cache, ref("blocked")) is None
         assert cache.room() > 0
         admit(cache, ref("other"), other)
         assert read(cache, ref("other")) == other
         assert list((tmp_path / "hot" / "tmp").iterdir()) == []
+
+
+def test_a_full_disk_while_placing_a_block_is_the_disk_failing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a name in the way is the block's problem: a disk that fails the
+    rename (full, read-only, I/O) stops the tier for a while (review)."""
+
+    def disk_full(source: Any, destination: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with tiered(tmp_path, hot=1 << 20) as (cache, _):
+        monkeypatch.setattr(tier_module.os, "replace", disk_full)
+        admit(cache, ref("k"), os.urandom(5000))
+        assert read(cache, ref("k")) is None
+        assert cache.room() == 0
 
 
 @pytest.mark.parametrize("broken", ["hot", "warm"])
@@ -665,17 +694,26 @@ def test_start_up_removes_only_our_own_misplaced_files(
     with tiered(tmp_path, 1 << 20) as (cache, _):
         admit(cache, ref("k"), data)
     tier, digest = tmp_path / "hot", content_hash(data)
-    ours = [tier / "tmp" / f"{digest}.0123abcd", tier / "blocks" / "ff" / digest]
+    elsewhere = tmp_path / "elsewhere"
+    ours = [
+        tier / "tmp" / f"{digest}.0123abcd",
+        tier / "blocks" / "ff" / digest,
+        tier / "blocks" / "ee",  # a file where a shard goes: every block of it refused
+    ]
     theirs = [
         tier / "tmp" / "notes.txt",
         tier / "blocks" / "stray",
         tier / "blocks" / "zz" / digest,
         tier / "blocks" / digest[:2] / "notes.txt",
         tier / "blocks" / digest[:2] / f"{digest}.bak",
+        elsewhere / f"dd{digest[2:]}",
+        elsewhere / f"cc{digest[2:]}",
     ]
     for path in ours + theirs:
         path.parent.mkdir(exist_ok=True)
         path.write_bytes(b"x" * 5000)
+    (tier / "blocks" / "dd").symlink_to(elsewhere)  # never followed out of the tier
+    (tier / "blocks" / digest[:2] / f"cc{digest[2:]}").symlink_to(elsewhere / f"cc{digest[2:]}")
     (tier / "blocks" / digest[:2] / "0123456789abcdef0123456789abcdef").mkdir()  # not a file: left
     (tier / "tmp" / f"{'0' * 32}.00000000").mkdir()  # our name, cannot be unlinked: logged
     with caplog.at_level(logging.WARNING), tiered(tmp_path, 1 << 20) as (cache, _):
@@ -684,6 +722,7 @@ def test_start_up_removes_only_our_own_misplaced_files(
     assert not any(path.exists() for path in ours)
     assert all(path.read_bytes() == b"x" * 5000 for path in theirs)
     assert "cannot remove" in caplog.text
+    assert "hot tier: 7 entries in" in caplog.text  # stray, zz, dd, notes.txt, .bak, the symlink, the dir
 
 
 @pytest.mark.parametrize("maintain", [lambda d: verify(d, repair=False), gc], ids=["verify", "gc"])

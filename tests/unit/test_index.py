@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from cachefsd.chunks.codec import content_hash
-from cachefsd.index import BlockRef, Index, IndexSchemaMismatch, StoredBlock
+from cachefsd.index import (
+    BlockRef,
+    Index,
+    IndexDamaged,
+    IndexSchemaMismatch,
+    StoredBlock,
+    damage_note,
+    is_damage,
+)
 
 
 def stored(name: str) -> StoredBlock:
@@ -74,4 +82,38 @@ def test_content_identity_finds_blocks_of_other_objects(tmp_path: Path) -> None:
     assert index.lookup_identity("md5", 10_001, 2) is None  # same etag, other size: not the same content
     index.remove_block(hashed("h"))
     assert index.lookup_identity("md5", 10_000, 2) is None
+    index.close()
+
+
+def test_only_damage_is_damage(tmp_path: Path) -> None:
+    """A damaged index is thrown away, so a failed statement of ours (a bug)
+    or of the environment must not count: only a corrupt file, or our own
+    schema that cannot be read back."""
+    database = sqlite3.connect(tmp_path / "db.sqlite")
+    database.execute("CREATE TABLE t (a)")
+
+    def error_of(statement: str) -> sqlite3.DatabaseError:
+        with pytest.raises(sqlite3.DatabaseError) as raised:
+            database.execute(statement)
+        return raised.value
+
+    assert not is_damage(error_of("SELEC 1"))
+    assert not is_damage(error_of("BEGIN; BEGIN"))
+    assert is_damage(error_of("SELECT b FROM t"))  # no such column
+    assert is_damage(error_of("SELECT a FROM gone"))  # no such table
+    database.close()
+    (tmp_path / "notes.sqlite").write_bytes(b"not a database" * 100)
+    with pytest.raises(sqlite3.DatabaseError) as raised:
+        sqlite3.connect(tmp_path / "notes.sqlite").execute("SELECT 1 FROM sqlite_master")
+    assert is_damage(raised.value)
+
+
+def test_damage_is_noted_once_and_a_note_that_cannot_be_written_is_no_error(tmp_path: Path) -> None:
+    index = Index(tmp_path / "index.sqlite")
+    assert index.note_damage(IndexDamaged("first"))
+    assert not index.note_damage(IndexDamaged("second"))
+    assert damage_note(index.path).read_text() == "first\n"
+    damage_note(index.path).unlink()
+    damage_note(index.path).mkdir()
+    assert not index.note_damage(IndexDamaged("third"))
     index.close()

@@ -90,6 +90,41 @@ def test_a_saved_listing_that_is_not_intact_is_listed_again(
     assert ("the saved listing of 'd/' is damaged; listing it again" in caplog.text) == warned
 
 
+def test_a_saved_listing_with_a_damaged_time_is_listed_again(
+    make_engine: EngineFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = make_engine({"d/f": b"1"})
+    engine.namespace.lookup("/d/f")
+    database = sqlite3.connect(engine.cache_dir / "index.sqlite", isolation_level=None)
+    database.execute("UPDATE listings SET fetched_at = 'x' WHERE prefix = 'd/'")
+    database.close()
+    lists = engine.store.list_count
+    again = make_engine(store=engine.store, cache_dir=engine.cache_dir)
+    again.clock.now = engine.clock.now + 1
+    with caplog.at_level(logging.WARNING):
+        assert again.namespace.lookup("/d/f").info is not None
+    assert engine.store.list_count == lists + 1
+    assert "the saved listing of 'd/' is damaged; listing it again" in caplog.text
+
+
+def test_a_listings_table_that_cannot_be_read_costs_a_listing_and_is_noted(
+    make_engine: EngineFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lookup must not fail because the index cannot give a saved listing
+    (it was EIO); the damage is noted for the next mount (hunt P)."""
+    engine = make_engine({"d/f": b"1"})
+    database = sqlite3.connect(engine.cache_dir / "index.sqlite", isolation_level=None)
+    database.executescript(  # seen by the open index's next statement
+        "PRAGMA writable_schema = ON; DELETE FROM sqlite_master WHERE name LIKE '%listings%'; "
+        "PRAGMA schema_version = 100; PRAGMA writable_schema = OFF;"
+    )
+    database.close()
+    with caplog.at_level(logging.WARNING):
+        assert engine.namespace.lookup("/d/f").info is not None
+    assert "cannot load the saved listing of 'd/' (no such table: listings); listing it again" in caplog.text
+    assert (engine.cache_dir / "index.sqlite.damage-found").exists()
+
+
 def cached_then_replaced(make_engine: EngineFactory, key: str) -> tuple[Engine, ObjectInfo]:
     """An engine whose object ``key`` was read (so cached), then replaced
     upstream; and its old version."""
