@@ -74,11 +74,13 @@ class _Cached:
     fetched_at: float
 
 
-def _encode(listing: Listing) -> bytes:
-    """A listing as saved in the index: the xxh3-64 of its JSON (in hex), a
-    newline, the JSON. A row damaged on disk (one flipped digit of a size
-    served a file short, on every mount: hunt P) fails the check on load,
-    and the directory is listed again."""
+def _encode(row: tuple[str, str, float], listing: Listing) -> bytes:
+    """A listing as saved in the index: the xxh3-64 (in hex) of its row's
+    key and time and of its JSON, a newline, the JSON. A row damaged on disk
+    fails the check on load, and the directory is listed again: one flipped
+    digit of a size served a file short on every mount, one byte of the
+    table's index served a directory under another's name, one bit of the
+    time kept a listing fresh for ever (hunt P)."""
     body = json.dumps(
         {
             "objects": [[o.key, o.size, o.etag, o.mtime] for o in listing.objects],
@@ -86,14 +88,21 @@ def _encode(listing: Listing) -> bytes:
         },
         separators=(",", ":"),
     ).encode()
-    return xxhash.xxh3_64_hexdigest(body).encode() + b"\n" + body
+    return _checksum(row, body) + b"\n" + body
 
 
-def _decode(payload: bytes) -> Listing | None:
-    """The saved listing, or None if it is not intact (or was saved without
-    its checksum, before it had one: listed again, once)."""
+def _checksum(row: tuple[str, str, float], body: bytes) -> bytes:
+    source, prefix, fetched_at = row
+    key = f"{source}\0{prefix}\0{fetched_at!r}\0".encode("utf-8", "surrogateescape")
+    return xxhash.xxh3_64_hexdigest(key + body).encode()
+
+
+def _decode(row: tuple[str, str, float], payload: bytes) -> Listing | None:
+    """The listing saved as ``row`` (source, prefix, time), or None if it is
+    not intact (or was saved without its checksum, before it had one:
+    listed again, once)."""
     checksum, _, body = payload.partition(b"\n")
-    if checksum != xxhash.xxh3_64_hexdigest(body).encode():
+    if checksum != _checksum(row, body):
         return None
     raw = json.loads(body)
     return Listing(
@@ -235,7 +244,9 @@ class Namespace:
         if saved is None:
             return None
         fetched_at, payload = saved
-        listing = _decode(payload) if isinstance(payload, bytes) and isinstance(fetched_at, float) else None
+        row = (self._store.cache_key, prefix, fetched_at)
+        intact = isinstance(payload, bytes) and isinstance(fetched_at, float)
+        listing = _decode(row, payload) if intact else None
         if listing is None:
             saved_before_the_checksum = isinstance(payload, bytes) and payload.startswith(b"{")
             if not saved_before_the_checksum:
@@ -305,7 +316,9 @@ class Namespace:
         an index that cannot be written (its disk is full) costs a re-list
         after a restart, never a failed lookup now."""
         try:
-            self._index.save_listing(self._store.cache_key, prefix, fetched_at, _encode(listing))
+            fetched_at = float(fetched_at)  # as sqlite gives it back (a REAL), for the checksum
+            payload = _encode((self._store.cache_key, prefix, fetched_at), listing)
+            self._index.save_listing(self._store.cache_key, prefix, fetched_at, payload)
         except sqlite3.Error as exc:
             log.warning("cannot save the listing of %r in the index: %s", prefix or "/", exc)
 

@@ -107,6 +107,33 @@ def test_a_saved_listing_with_a_damaged_time_is_listed_again(
     assert "the saved listing of 'd/' is damaged; listing it again" in caplog.text
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        # One byte of the table's index: d/'s row found under e/ (hunt P).
+        "UPDATE listings SET (payload, fetched_at) = "
+        "(SELECT payload, fetched_at FROM listings WHERE prefix = 'd/') WHERE prefix = 'e/'",
+        # One bit of the time: fresh for ever, a new object never listed (hunt P).
+        "UPDATE listings SET fetched_at = fetched_at + 1e9 WHERE prefix = 'e/'",
+    ],
+    ids=["another directory's row", "a time in the future"],
+)
+def test_a_saved_listing_is_checked_with_its_row(make_engine: EngineFactory, damage: str) -> None:
+    engine = make_engine({"d/f": b"1", "e/g": b"22"})
+    engine.namespace.lookup("/d/f")
+    engine.namespace.lookup("/e/g")
+    database = sqlite3.connect(engine.cache_dir / "index.sqlite", isolation_level=None)
+    database.execute(damage)
+    database.close()
+    engine.store.put("e/new", b"333")
+    again = make_engine(store=engine.store, cache_dir=engine.cache_dir)
+    again.clock.now = engine.clock.now + 1
+    assert sorted(again.namespace.listdir("/e")) == ["g", "new"]
+    info = again.namespace.lookup("/e/g").info
+    assert info is not None
+    assert info.size == 2
+
+
 def test_a_listings_table_that_cannot_be_read_costs_a_listing_and_is_noted(
     make_engine: EngineFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
