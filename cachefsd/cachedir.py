@@ -132,9 +132,15 @@ def _set_aside(path: Path, exc: sqlite3.DatabaseError | IndexDamaged, maintenanc
 def _discard_index(path: Path, kept: Path | None = None) -> None:
     """Remove the index (or move it to ``kept``), its journal and its damage note."""
     if kept is not None and path.exists():
-        path.replace(kept)
-    for leftover in (path, Path(f"{path}-wal"), Path(f"{path}-shm"), damage_note(path)):
+        try:
+            path.replace(kept)
+        except OSError as exc:  # a directory there, say: the new index matters more
+            log.warning("cannot keep the damaged index as %s (%s): it is removed", kept, exc)
+    for leftover in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
         leftover.unlink(missing_ok=True)
+    note = damage_note(path)
+    if note.is_file():
+        note.unlink()
 
 
 def _if_full(cache_dir: Path) -> str:
@@ -279,6 +285,13 @@ def open_cache(
             opened.cache.save_recency()
 
 
+def _damaged_layout(index: Index, what: str) -> CachefsdError:
+    """Only a mount (which records its own layout) goes on past it."""
+    return CachefsdError(
+        f"the tier layout recorded in {index.path} is damaged ({what}); the next mount records its own"
+    )
+
+
 def _require_tiers(layout: list[TierSpec]) -> None:
     """The tiers the index records (for a maintenance command, an offline
     stage) are used as they are, and none is created: a directory that
@@ -307,9 +320,9 @@ def _tier_layout(
                 TierSpec(**{**spec, "dir": str(cache_dir / spec["dir"])}) for spec in json.loads(recorded)
             ]
         except (ValueError, TypeError, KeyError) as exc:
-            raise IndexDamaged(f"the recorded tier layout: {exc!r}") from exc
+            raise _damaged_layout(index, repr(exc)) from exc
         if any(spec.codec not in _CODECS or type(spec.capacity) is not int for spec in kept):
-            raise IndexDamaged(f"the recorded tier layout: {recorded!r}")
+            raise _damaged_layout(index, recorded)
         _require_tiers(kept)
         if specs is not None and _layout(specs) != _layout(kept):
             log.warning("%s: the cache's own tiers apply, as its daemon laid them out", cache_dir)

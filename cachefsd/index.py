@@ -198,8 +198,8 @@ class Index:
 
     def _load(self) -> None:
         note = damage_note(self._path)
-        if note.exists():
-            raise IndexDamaged(f"found while serving: {note.read_text(errors='replace').strip()}")
+        if note.is_file():
+            raise IndexDamaged(f"noted before: {note.read_text(errors='replace').strip()}")
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL is durable against process crashes (the kill -9 case) and
         # cheap; a power loss can lose the last commits, which only costs

@@ -65,15 +65,14 @@ class NoRoom(Exception):
 
 class UnplaceableBlock(OSError):
     """A block was written, but something is in the way of its name (a
-    directory, an immutable file, a file where its shard goes): this
-    block's problem, not the disk's, which took the bytes."""
+    directory, a file where its shard goes): this block's problem, not the
+    disk's, which took the bytes."""
 
 
 # What placing a written block under its name fails with when something is
-# in the way of that name, not the disk (full, read-only, failing).
-_BLOCKED_NAME = frozenset(
-    {errno.EEXIST, errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EPERM, errno.EACCES}
-)
+# in the way of that name, not the disk (full, read-only, failing). Not a
+# permission refused: an immutable or unwritable blocks/ refuses them all.
+_BLOCKED_NAME = frozenset({errno.EEXIST, errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY})
 
 
 class Tier:

@@ -498,13 +498,29 @@ def test_damage_found_while_serving_is_set_aside_by_the_next_mount(
         with caplog.at_level(logging.ERROR):
             opened.cache.admit(ref("second"), content_hash(second), second)  # best effort: no error
         assert "index.sqlite is damaged (malformed database schema" in caplog.text
-    with pytest.raises(CachefsdError, match=r"index\.sqlite is damaged \(found while serving: malformed"):
+    with pytest.raises(CachefsdError, match=r"index\.sqlite is damaged \(noted before: malformed"):
         verify(tmp_path, repair=False)
     with mount() as opened:
         assert read(opened.cache, ref("first")) is None  # set aside: fetched again
         opened.cache.admit(ref("second"), content_hash(second), second)
         assert read(opened.cache, ref("second")) == second
     assert verify(tmp_path, repair=False).checked == 1
+
+
+def test_a_directory_where_the_damaged_index_or_its_note_goes_does_not_refuse_the_mount(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Hunt R: "[Errno 21] Is a directory" refused the mount."""
+    spec = TierSpec("hot", str(tmp_path), 1 << 20, "raw")
+    (tmp_path / "index.sqlite").write_bytes(b"not a database" * 100)
+    (tmp_path / "index.sqlite.damaged").mkdir()
+    (tmp_path / "index.sqlite.damage-found").mkdir()
+    with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
+        data = os.urandom(100)
+        opened.cache.admit(ref("k"), content_hash(data), data)
+    assert "cannot keep the damaged index as" in caplog.text
+    with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
+        assert read(opened.cache, ref("k")) == data
 
 
 @pytest.mark.parametrize(
@@ -525,7 +541,9 @@ def test_a_damaged_tier_layout_is_reported_by_verify(tmp_path: Path, layout: str
     database = sqlite3.connect(tmp_path / "index.sqlite", isolation_level=None)
     database.execute("UPDATE meta SET value = ? WHERE name = 'tiers'", (layout,))
     database.close()
-    with pytest.raises(CachefsdError, match=r"index\.sqlite is damaged \(the recorded tier layout: .*\)"):
+    with pytest.raises(
+        CachefsdError, match=r"tier layout recorded in .* is damaged .*; the next mount records its own"
+    ):
         verify(tmp_path, repair=False)
 
 
@@ -617,17 +635,19 @@ def test_a_block_whose_name_is_blocked_leaves_the_tier_taking_others(
         assert list((tmp_path / "hot" / "tmp").iterdir()) == []
 
 
-def test_a_full_disk_while_placing_a_block_is_the_disk_failing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EROFS, errno.EPERM], ids=errno.errorcode.get)
+def test_a_disk_that_fails_placing_a_block_stops_the_tier_for_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int
 ) -> None:
     """Only a name in the way is the block's problem: a disk that fails the
-    rename (full, read-only, I/O) stops the tier for a while (review)."""
+    rename (full, read-only, an immutable blocks/) stops the tier for a
+    while, not one warning and one wasted write per block (review, hunt R)."""
 
-    def disk_full(source: Any, destination: Any) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def failing(source: Any, destination: Any) -> None:
+        raise OSError(error, os.strerror(error))
 
     with tiered(tmp_path, hot=1 << 20) as (cache, _):
-        monkeypatch.setattr(tier_module.os, "replace", disk_full)
+        monkeypatch.setattr(tier_module.os, "replace", failing)
         admit(cache, ref("k"), os.urandom(5000))
         assert read(cache, ref("k")) is None
         assert cache.room() == 0
