@@ -167,17 +167,18 @@ def _settle_block_size(index: Index, cache_dir: Path, block_size: int, migrate: 
         except sqlite3.Error as exc:  # a full disk: it is recorded by the next open that can
             log.warning("cannot record the block size in the index: %s", exc)
         return
-    filled = f"{human_bytes(previous)} blocks" if previous else "another block size (not recorded)"
+    shown = human_bytes if human_bytes(previous) != human_bytes(block_size) else lambda size: f"{size} bytes"
+    filled = f"{shown(previous)} blocks" if previous else "another block size (not recorded)"
     if not migrate:
         raise ConfigError(
-            f"cache.block_size: {cache_dir} was filled at {filled}, not {human_bytes(block_size)}: "
+            f"cache.block_size: {cache_dir} was filled at {filled}, not {shown(block_size)}: "
             "give the --block-size its mount uses"
         )
     log.warning(
         "cache.block_size: this cache was filled at %s, now read at %s: its blocks are "
         "dropped and fetched again",
         filled,
-        human_bytes(block_size),
+        shown(block_size),
     )
     try:
         index.use_block_size(block_size)

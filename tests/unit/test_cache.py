@@ -310,6 +310,13 @@ def test_a_cache_mounted_at_another_block_size_forgets_its_blocks(
     assert not _reopen(tmp_path, 1 << 20)
     assert "filled at 4.0 MiB blocks, now read at 1.0 MiB" in caplog.text
     assert _reopen(tmp_path, 1 << 20)
+    # Sizes that print alike are told apart (a damaged record said "filled
+    # at 4.0 MiB blocks, now read at 4.0 MiB", hunt R).
+    database = sqlite3.connect(tmp_path / "index.sqlite", isolation_level=None)
+    database.execute("UPDATE meta SET value = ? WHERE name = 'block_size'", (str((1 << 20) + 1),))
+    database.close()
+    assert not _reopen(tmp_path, 1 << 20)
+    assert "filled at 1048577 bytes blocks, now read at 1048576 bytes" in caplog.text
     # The block of the old size went with its references: one block file left, the new one.
     assert sorted(path.name for path in (tmp_path / "hot" / "blocks").rglob("*") if path.is_file()) == [
         content_hash(_block_at(1 << 20))
