@@ -120,27 +120,29 @@ def _set_aside(path: Path, exc: sqlite3.DatabaseError | IndexDamaged, maintenanc
     if maintenance:
         raise CachefsdError(f"{path} is damaged ({exc}): the next mount sets it aside") from exc
     kept = path.with_name(f"{_INDEX_NAME}.damaged")
+    # A directory where it would be kept, say: the new index matters more.
+    what = f"kept as {kept}" if _discard_index(path, kept) else f"removed (it cannot be kept as {kept})"
     log.warning(
-        "%s is damaged (%s); kept as %s, starting a new index: cached blocks are fetched again",
-        path,
-        exc,
-        kept,
+        "%s is damaged (%s); %s, starting a new index: cached blocks are fetched again", path, exc, what
     )
-    _discard_index(path, kept)
 
 
-def _discard_index(path: Path, kept: Path | None = None) -> None:
-    """Remove the index (or move it to ``kept``), its journal and its damage note."""
+def _discard_index(path: Path, kept: Path | None = None) -> bool:
+    """Remove the index (or move it to ``kept``: whether it was), its
+    journal and its damage note."""
+    moved = False
     if kept is not None and path.exists():
         try:
             path.replace(kept)
-        except OSError as exc:  # a directory there, say: the new index matters more
-            log.warning("cannot keep the damaged index as %s (%s): it is removed", kept, exc)
+            moved = True
+        except OSError as exc:
+            log.debug("cannot move %s to %s: %s", path, kept, exc)
     for leftover in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
         leftover.unlink(missing_ok=True)
     note = damage_note(path)
     if note.is_file():
         note.unlink()
+    return moved
 
 
 def _if_full(cache_dir: Path) -> str:
@@ -266,7 +268,9 @@ def open_cache(
             for spec in layout
         ]
         cache = TieredCache(tiers, index, events, planned)
-        return OpenCache(index, cache, cache.reconcile(tidy=not inspect_only))
+        dropped = cache.reconcile(tidy=not inspect_only)
+        index.start_serving()
+        return OpenCache(index, cache, dropped)
 
     with ExitStack() as stack:
         stack.callback(CacheDirLock(cache_dir, **wait).release)

@@ -145,7 +145,8 @@ def _noting_damage(method: Callable[Concatenate[Index, P], R]) -> Callable[Conca
         try:
             return method(index, *args, **kwargs)
         except (sqlite3.DatabaseError, IndexDamaged) as exc:
-            if is_damage(exc) and index.note_damage(exc):
+            # While the cache opens, the open sets a damaged index aside itself.
+            if index.serving and is_damage(exc) and index.note_damage(exc):
                 log.error("%s is damaged (%s): the next mount sets it aside", index.path, exc)
             raise
 
@@ -188,6 +189,7 @@ def _stored_block(
 class Index:
     def __init__(self, path: Path) -> None:
         self._path = path
+        self._serving = False
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         try:
@@ -242,11 +244,21 @@ class Index:
     def path(self) -> Path:
         return self._path
 
+    @property
+    def serving(self) -> bool:
+        """Whether the cache over this index is open (``start_serving``)."""
+        return self._serving
+
+    def start_serving(self) -> None:
+        """The cache is open: damage found from now on is noted for the
+        next open (``_noting_damage``); found before, the open handles it."""
+        self._serving = True
+
     def note_damage(self, exc: sqlite3.DatabaseError | IndexDamaged) -> bool:
         """Note damage found after the load, for the next open to set the
         index aside; False if it was noted already (or cannot be)."""
         note = damage_note(self._path)
-        if note.exists():
+        if note.is_file():
             return False
         try:
             note.write_text(f"{exc}\n")

@@ -108,6 +108,7 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
             planned,
         )
         cache.reconcile()
+        index.start_serving()  # as open_cache does
         fetcher = Fetcher(faulty, FAST_FETCH, metrics)
         reader = BlockReader(store.uri, BLOCK_SIZE, cache, fetcher, io, metrics, dedup_by_etag=True)
         clock = Clock()

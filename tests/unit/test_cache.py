@@ -31,7 +31,7 @@ from cachefsd.chunks.codec import Codec, content_hash, decode, encode
 from cachefsd.chunks.policy import LruPolicy, MinioPolicy, ObservedEpochs, PlannedUse
 from cachefsd.chunks.tier import HELD_DESCRIPTORS, Tier, disk_bytes
 from cachefsd.errors import CachefsdError, ConfigError
-from cachefsd.index import BlockRef, Index
+from cachefsd.index import BlockRef, Index, IndexDamaged
 from cachefsd.metrics import Metrics
 from tests.polling import wait_until
 
@@ -479,6 +479,7 @@ def test_a_damaged_index_is_reported_by_verify_and_set_aside_by_a_mount(
         opened.cache.admit(ref("k"), content_hash(data), data)
         assert read(opened.cache, ref("k")) == data
     assert "index.sqlite is damaged" in caplog.text
+    assert "the next mount sets it aside" not in caplog.text  # this one did (hunt S)
     assert (cache_dir / "index.sqlite.damaged").exists()  # for a post-mortem
     assert verify(cache_dir, repair=False).checked == 1
 
@@ -525,7 +526,11 @@ def test_a_directory_where_the_damaged_index_or_its_note_goes_does_not_refuse_th
     with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
         data = os.urandom(100)
         opened.cache.admit(ref("k"), content_hash(data), data)
-    assert "cannot keep the damaged index as" in caplog.text
+        # Not noted where a directory is in the way: said, not taken for noted already.
+        assert not opened.index.note_damage(IndexDamaged("found later"))
+    assert "cannot note the damage" in caplog.text
+    assert "removed (it cannot be kept as" in caplog.text
+    assert "kept as" not in caplog.text.replace("cannot be kept as", "")
     with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
         assert read(opened.cache, ref("k")) == data
 
