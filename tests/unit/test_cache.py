@@ -757,11 +757,24 @@ def test_start_up_removes_only_our_own_misplaced_files(
     assert "hot tier: 7 entries in" in caplog.text  # stray, zz, dd, notes.txt, .bak, the symlink, the dir
 
 
-@pytest.mark.parametrize("maintain", [lambda d: verify(d, repair=False), gc], ids=["verify", "gc"])
+def _offline_stage(cache_dir: Path) -> None:
+    """What ``stage`` opens without a daemon: the cache's own recorded tiers."""
+    spec = TierSpec("hot", str(cache_dir), 1 << 20, "raw")
+    metrics = Metrics(CollectorRegistry())
+    with open_cache(cache_dir, [spec], "lru", ObservedEpochs(), metrics, keep_recorded_layout=True):
+        pass
+
+
+@pytest.mark.parametrize(
+    "maintain",
+    [lambda d: verify(d, repair=False), gc, _offline_stage],
+    ids=["verify", "gc", "offline stage"],
+)
 def test_maintenance_refuses_a_recorded_tier_that_holds_no_blocks(tmp_path: Path, maintain: Any) -> None:
     """A tier deleted since, or a damaged record naming another directory
     ('.' flipped to '/' named /, and verify deleted every file in /tmp):
-    the command says so, and creates or deletes nothing there."""
+    the command says so, and creates or deletes nothing there (an offline
+    stage too, review)."""
     spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
     (tmp_path / "hot").mkdir()
     cache_dir = tmp_path / "cache"
