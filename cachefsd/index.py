@@ -126,8 +126,9 @@ def is_damage(exc: sqlite3.DatabaseError | IndexDamaged) -> bool:
 
 
 def damage_note(path: Path) -> Path:
-    """Where a daemon notes damage it found in the index at ``path`` while
-    serving, for the next open to set the index aside."""
+    """Where damage found in the index at ``path`` after its load (by a
+    daemon while serving, by ``verify``) is noted, for the next open to set
+    the index aside."""
     return path.with_name(f"{path.name}.damage-found")
 
 
