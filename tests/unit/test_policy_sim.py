@@ -72,3 +72,17 @@ def test_epoch_aware_with_a_plan_reaches_belady(
 
 def test_analytic_lru_at_half() -> None:
     assert analytic_lru(0.5) == pytest.approx(0.1534, abs=1e-4)
+
+
+def test_two_readers_each_read_every_file_once_per_epoch() -> None:
+    trace = shuffled_trace(files=50, epochs=3, seed=1, readers=2)
+    assert len(trace) == 300
+    assert all(trace.count(name) == 6 for name in set(trace))
+    assert trace[:50] != shuffled_trace(files=50, epochs=3, seed=1)[:50]  # interleaved
+
+
+def test_belady_bounds_every_policy_with_two_readers() -> None:
+    result = run(files=400, epochs=4, fractions=(0.5,), seed=0, readers=2)
+    steady = {row["policy"]: row["steady"] for row in result["rows"]}
+    for name in SIMULATED:
+        assert steady[name] <= steady[BELADY] + 1e-9, name
