@@ -178,9 +178,11 @@ class CacheDirLock:
             self._fd = os.open(cache_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise ConfigError(f"{setting}: cannot lock {cache_dir}: {exc.strerror}") from exc
-        if not os.pread(self._fd, 32, 0).strip().isdigit() and os.fstat(self._fd).st_size:
-            # Ours holds a pid, or nothing: this is someone's own file, in a
-            # directory given as a cache (or named by a damaged record).
+        content = os.pread(self._fd, 32, 0).strip(b"\0 \n")
+        if content and not content.isdigit():
+            # Ours holds a pid, or nothing (zeros, after a power loss on some
+            # filesystems): this is someone's own file, in a directory given
+            # as a cache (or named by a damaged record).
             os.close(self._fd)
             raise ConfigError(f"{setting}: {cache_dir / 'lock'} is not cachefsd's lock file; move it")
         deadline = time.monotonic() + wait_seconds

@@ -217,6 +217,7 @@ def test_a_file_named_lock_that_is_not_ours_is_left_as_it_is(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match=r"^cache\.dir: .*lock is not cachefsd's lock file; move it$"):
         CacheDirLock(tmp_path)
     assert (tmp_path / "lock").read_text() == "the user's own notes\n"
-    (tmp_path / "lock").write_text("12345")  # ours, from a daemon that is gone
-    CacheDirLock(tmp_path).release()
-    assert (tmp_path / "lock").read_text() == str(os.getpid())
+    for ours in ("12345", "\0\0\0\0"):  # from a daemon that is gone; zeros after a power loss
+        (tmp_path / "lock").write_text(ours)
+        CacheDirLock(tmp_path).release()
+        assert (tmp_path / "lock").read_text() == str(os.getpid())
