@@ -517,13 +517,7 @@ class TieredCache:
             self._give_up(position, refused.victims)
             raise
         self._give_up(position, victims)
-        try:
-            tier.write(digest, frame)
-        except UnplaceableBlock:
-            raise  # nothing of it was placed: what is in the way is not ours to delete
-        except OSError:
-            tier.delete(digest)
-            raise
+        tier.write(digest, frame)  # a failed write leaves nothing behind
         tier.add(digest, size, ahead)
         return size
 
@@ -549,13 +543,11 @@ class TieredCache:
         hunt P)."""
         if isinstance(exc, UnplaceableBlock):
             self._unplaceable[tier.name].add(digest)
-            log.warning("%s tier: %s: %s; it is not cached there until a restart", tier.name, what, exc)
-            self._events.cache_error(tier.name)
-            return
-        self._failing_until[tier.name] = time.monotonic() + DISK_ERROR_BACKOFF_SECONDS
-        log.warning(
-            "%s tier: %s: %s; it takes no blocks for %.0f s", tier.name, what, exc, DISK_ERROR_BACKOFF_SECONDS
-        )
+            consequence = "it is not cached there until a restart"
+        else:
+            self._failing_until[tier.name] = time.monotonic() + DISK_ERROR_BACKOFF_SECONDS
+            consequence = f"it takes no blocks for {DISK_ERROR_BACKOFF_SECONDS:.0f} s"
+        log.warning("%s tier: %s: %s; %s", tier.name, what, exc, consequence)
         self._events.cache_error(tier.name)
 
     def _demote(self, digest: str, position: int) -> bool:
@@ -570,7 +562,7 @@ class TieredCache:
         except _DISK_ERRORS as exc:
             self._disk_failed(target, digest, f"cannot demote block {digest} to it", exc)
             return False
-        return self._rehome(digest, source, self._tiers[position + 1], "demotion")
+        return self._rehome(digest, source, target, "demotion")
 
     def _promote(self, digest: str, data: bytes, source: Tier) -> None:
         if self._failing(self._tiers[0], digest):

@@ -198,7 +198,8 @@ class Tier:
     # -- files ------------------------------------------------------------
 
     def write(self, digest: str, frame: bytes) -> None:
-        """Write a frame under its name: a temp file, then a rename."""
+        """Write a frame under its name: a temp file, then a rename. A
+        write that fails leaves neither behind."""
         temp = self._tmp_dir / f"{digest}.{secrets.token_hex(4)}"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
