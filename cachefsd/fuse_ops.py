@@ -21,7 +21,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from cachefsd.blocks import FileSpan, Piece
 from cachefsd.errors import CachefsdError, errno_for
-from cachefsd.fs import Attributes, FileSystem
+from cachefsd.fs import Attributes, FileSystem, StaleSize
 
 # mfusepy binds libfuse 2 when both are installed (rclone and s3fs pull in
 # libfuse2), and libfuse 2 ignores the kernel cache settings and the larger
@@ -302,8 +302,7 @@ class FuseOperations(mfusepy.Operations):
     def open(self, path: str, fi: Any) -> int:
         opened = self._fs.open(path, fi.flags)
         if opened.invalidate_attributes is not None:
-            _invalidate_attributes(path)
-            self._fs.attributes_dropped(opened.invalidate_attributes)
+            self._drop_attributes(path, opened.invalidate_attributes)
         fi.fh, fi.keep_cache, fi.direct_io = opened.handle, opened.keep_cache, opened.direct_io
         return 0
 
@@ -316,10 +315,14 @@ class FuseOperations(mfusepy.Operations):
     def release(self, path: str, fi: Any) -> int:
         stale = self._fs.release(fi.fh)
         if stale is not None:
-            if path:  # else libfuse knows the node no more: the kernel holds nothing
-                _invalidate_attributes(path)
-            self._fs.attributes_dropped(stale)
+            self._drop_attributes(path, stale)
         return 0
+
+    def _drop_attributes(self, path: str, stale: StaleSize) -> None:
+        """Have the kernel drop what ``stale`` is about, then say it is gone."""
+        if path:  # else libfuse knows the node no more: the kernel holds nothing
+            _invalidate_attributes(path)
+        self._fs.attributes_dropped(stale)
 
     @_translated
     def statfs(self, path: str) -> dict[str, int]:
