@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from cachefsd.errors import DeadlineExceeded, StoreError
+from cachefsd.errors import DaemonStopping, DeadlineExceeded
 
 T = TypeVar("T")
 
@@ -48,14 +48,14 @@ class LoopThread:
         """Run ``coroutine`` on the loop and wait at most ``timeout`` seconds.
 
         On timeout the coroutine is cancelled and ``DeadlineExceeded`` raised.
-        Once the loop is stopping (the daemon is exiting), ``StoreError`` at
+        Once the loop is stopping (the daemon is exiting), ``DaemonStopping`` at
         once, for a request already waiting as for a new one: a prefetch
         thread would otherwise wait out its timeout, and hold up the exit,
         on a loop that answers nothing."""
         with self._lock:
             if self._stopped:
                 coroutine.close()
-                raise StoreError(_STOPPING)
+                raise DaemonStopping(_STOPPING)
             future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
             self._pending.add(future)
         try:
@@ -64,7 +64,7 @@ class LoopThread:
             future.cancel()
             raise DeadlineExceeded(f"no answer within {timeout:g}s") from None
         except concurrent.futures.CancelledError:
-            raise StoreError(_STOPPING) from None
+            raise DaemonStopping(_STOPPING) from None
         finally:
             with self._lock:
                 self._pending.discard(future)
@@ -88,7 +88,7 @@ class LoopThread:
                     return
                 yield item  # type: ignore[misc]  # not None: the stream gave it
         finally:
-            with contextlib.suppress(StoreError):  # the loop is stopping: nothing to release
+            with contextlib.suppress(DaemonStopping):  # the loop is stopping: nothing to release
                 self.run(stream.aclose(), timeout)  # type: ignore[attr-defined]
 
     def stop(self) -> None:

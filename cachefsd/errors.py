@@ -49,6 +49,12 @@ class DeadlineExceeded(StoreError):
     retryable = False
 
 
+class DaemonStopping(StoreError):
+    """The daemon is exiting: no request reaches the store any more."""
+
+    retryable = False
+
+
 class NotADirectory(CachefsdError):
     pass
 

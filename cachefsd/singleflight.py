@@ -28,8 +28,13 @@ class SingleFlight(Generic[K, V]):
 
     def busy(self, key: K) -> bool:
         """Whether some caller is computing ``key`` now."""
+        return self.current(key) is not None
+
+    def current(self, key: K) -> Future[V] | None:
+        """The computation of ``key`` under way, to wait on for as long as
+        the caller chooses; None if nobody computes it now."""
         with self._lock:
-            return key in self._calls
+            return self._calls.get(key)
 
     def do(self, key: K, call: Callable[[], V], timeout: float | None) -> V:
         """``call()``'s result, computed once for all concurrent callers of

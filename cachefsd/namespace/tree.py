@@ -6,19 +6,30 @@ listing answers ``ls``, every ``stat`` in it and every negative lookup for
 are saved in the index, so a remount of a known source lists from disk, not
 the network, while they are fresh.
 
-An expired listing is refreshed on its next use. When a refresh shows that
-an object changed (new etag) or disappeared, ``on_version_replaced`` is
-called before any lookup can see the new listing (the kernel may hold the
-old version's size), and ``on_version_gone`` after (the blocks of the old
-version can be released: before, an open served the old listing meanwhile
-would have found them gone). When a refresh fails (the
-bucket is down, credentials expired), the expired listing goes on serving,
-with a warning, and the refresh is tried again ``STALE_RETRY_SECONDS`` later:
-the cached blocks of its files stay readable through an outage, and lookups
-meanwhile do not each wait out a fetch deadline.
+A listing past its TTL is served at once and refreshed in the background,
+one refresh per directory in flight. While the store answers, the lookup
+that finds it expired waits for that refresh up to ``fresh_wait`` (so a
+change is seen as soon as the TTL runs out); once a refresh failed or
+outlasted that wait, the store counts as not answering and no lookup waits
+on it: every listing at hand is served as it is, and only one refresh at a
+time probes the store (each directory backs off ``retry_seconds`` after a
+failure) until one succeeds. Only a directory never listed (or dropped, see
+``invalidate``) makes its lookup wait for the store, bounded by the fetch
+deadline of each page. So a lookup never waits on the store for a listing
+it has: resolving a path checks each of its ancestors, and a synchronous
+refresh there made one lookup wait a deadline per directory, while the
+others' retry windows lapsed behind it.
 
-Concurrency: ``_lock`` guards ``_dirs``; listing the same prefix from many
-threads at once issues one request (single-flight).
+When a refresh shows that an object changed (new etag) or disappeared,
+``on_version_replaced`` is called before any lookup can see the new listing
+(the kernel may hold the old version's size), and ``on_version_gone`` after
+(the blocks of the old version can be released: before, an open served the
+old listing meanwhile would have found them gone).
+
+Concurrency: ``_lock`` guards ``_dirs`` and the refresh state below it;
+listing the same prefix from many threads at once issues one request
+(single-flight); background refreshes run on daemon threads, so none holds
+up the daemon's exit.
 """
 
 from __future__ import annotations
@@ -30,12 +41,14 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import xxhash
 
 from cachefsd.aio import LoopThread
-from cachefsd.errors import NotADirectory, ObjectNotFound, StoreError
+from cachefsd.errors import DaemonStopping, DeadlineExceeded, NotADirectory, ObjectNotFound, StoreError
 from cachefsd.fetch import Fetcher
 from cachefsd.index import Index
 from cachefsd.namespace.names import Directory, dir_prefix, directory_from_listing, split_path
@@ -46,10 +59,17 @@ from cachefsd.store.listing import merged
 log = logging.getLogger(__name__)
 
 BRIDGE_MARGIN_SECONDS = 2.0
-# After a failed refresh, how long the expired listing is served before the
-# next attempt (whatever the TTL): each attempt makes the lookup that starts
-# it wait up to a fetch deadline (the lookups meanwhile do not wait).
+# How long a lookup of an expired listing waits for its refresh while the
+# store answers: a LIST answers in tens of milliseconds when the store is
+# well, and a cached file must open well within a second when it is not.
+FRESH_WAIT_SECONDS = 0.5
+# After a failed refresh, how long its directory's expired listing is served
+# before the next attempt (which itself retries for a whole fetch deadline).
 STALE_RETRY_SECONDS = 30.0
+# Refreshes in flight at once while the store answers (while it does not,
+# one): more directories than that expire together only in a full scan,
+# whose lookups are served the listings at hand meanwhile.
+MAX_BACKGROUND_REFRESHES = 8
 # The time a dropped listing is saved as taken at: expired, and never served.
 INVALIDATED = 0.0
 
@@ -122,6 +142,8 @@ class Namespace:
         on_version_replaced: Callable[[ObjectInfo], None],
         on_version_gone: Callable[[ObjectInfo], None],
         clock: Callable[[], float] = time.time,
+        fresh_wait: float = FRESH_WAIT_SECONDS,
+        retry_seconds: float = STALE_RETRY_SECONDS,
     ) -> None:
         self._store = store
         self._fetcher = fetcher
@@ -131,9 +153,13 @@ class Namespace:
         self._on_version_replaced = on_version_replaced
         self._on_version_gone = on_version_gone
         self._clock = clock
+        self._fresh_wait = fresh_wait
+        self._retry_seconds = retry_seconds
         self._lock = threading.Lock()
         self._dirs: dict[str, _Cached] = {}
-        self._invalidations: dict[str, int] = {}  # prefix -> times its listing was dropped
+        self._answering = True  # the last refresh came back in time, or none failed yet
+        self._refreshing = 0  # background refreshes in flight
+        self._retry_at: dict[str, float] = {}  # prefix -> no refresh before (after a failure)
         self._listing: SingleFlight[str, _Cached] = SingleFlight()
 
     def lookup(self, path: str) -> Node:
@@ -178,7 +204,6 @@ class Namespace:
                 # the other objects of the directory that changed meanwhile
                 # are reported gone too (the kernel may hold their old sizes).
                 self._dirs[prefix] = _Cached(cached.directory, INVALIDATED)
-            self._invalidations[prefix] = self._invalidations.get(prefix, 0) + 1
         self._persist(prefix, INVALIDATED, Listing((), ()))
 
     def _cached(self, prefix: str) -> _Cached:
@@ -197,41 +222,96 @@ class Namespace:
                     self._dirs.setdefault(prefix, cached)
             if cached is not None and now - cached.fetched_at < self._ttl:
                 return cached
-        stale = None if cached is None or cached.fetched_at == INVALIDATED else cached
-        if stale is not None and self._listing.busy(prefix):
-            # Being listed again: the listing at hand now, rather than a wait
-            # of up to a fetch deadline if the bucket is down.
-            return stale
-        with self._lock:
-            invalidations = self._invalidations.get(prefix, 0)
-        try:
-            # Other lookups of a directory never listed wait for its listing
-            # as long as it takes: each of its pages is bounded, not their number.
-            return self._listing.do(prefix, lambda: self._refresh(prefix), timeout=None)
-        except StoreError as exc:
-            if stale is None:
-                raise  # nothing was listed before: nothing to serve
-            return self._serve_stale(prefix, stale, exc, invalidations)
+        if cached is not None and cached.fetched_at != INVALIDATED:
+            return self._refresh_stale(prefix, cached)
+        # Never listed, or dropped: nothing to serve meanwhile. Other lookups
+        # wait for the listing as long as it takes: each of its pages is
+        # bounded, not their number.
+        return self._listing.do(prefix, lambda: self._listed(prefix), timeout=None)
 
-    def _serve_stale(self, prefix: str, stale: _Cached, exc: StoreError, invalidations: int) -> _Cached:
-        """Keep serving ``stale`` after a failed refresh, until the next
-        attempt ``STALE_RETRY_SECONDS`` from now; unless the listing was
-        dropped meanwhile (an object changed under a reader), which must not
-        come back."""
+    def _refresh_stale(self, prefix: str, stale: _Cached) -> _Cached:
+        """``stale``, past its TTL, after starting its refresh in the
+        background unless one runs or the directory backs off; while the
+        store answers, the refreshed listing if it comes within the fresh wait."""
+        with self._lock:
+            answering = self._answering
+            starts = (
+                self._clock() >= self._retry_at.get(prefix, 0.0)
+                and self._refreshing < (MAX_BACKGROUND_REFRESHES if answering else 1)
+                and not self._listing.busy(prefix)
+            )
+            if starts:
+                self._refreshing += 1
+        claimed = self._listing.claim([prefix]) if starts else {}
+        if starts and not claimed:  # another lookup started it in between
+            with self._lock:
+                self._refreshing -= 1
+        if claimed:
+            threading.Thread(
+                target=self._refresh_in_background,
+                args=(prefix, claimed),
+                name="cachefsd-list",
+                daemon=True,
+            ).start()
+        refreshed = claimed.get(prefix) or self._listing.current(prefix)
+        if not answering or refreshed is None:
+            return stale
+        try:
+            return refreshed.result(self._fresh_wait)
+        except FutureTimeout:
+            with self._lock:
+                self._answering = False
+            return stale
+        except StoreError:  # logged and backed off by the refresh
+            return stale
+
+    def _refresh_in_background(self, prefix: str, claimed: dict[str, Future[_Cached]]) -> None:
+        def refresh(_: list[str], settle: Callable[[str, _Cached], None]) -> None:
+            try:
+                listed = self._listed(prefix)
+            finally:
+                with self._lock:
+                    self._refreshing -= 1
+            settle(prefix, listed)
+
+        try:
+            self._listing.compute(claimed, refresh)
+        except StoreError:
+            pass  # logged and backed off by _listed
+        except Exception:
+            log.exception("refreshing the listing of %r failed", prefix or "/")
+
+    def _listed(self, prefix: str) -> _Cached:
+        """The listing of ``prefix`` refreshed; a failure is recorded before
+        any lookup waiting for it learns of it, so the next one knows."""
+        try:
+            return self._refresh(prefix)
+        except StoreError as exc:
+            self._refresh_failed(prefix, exc)
+            raise
+
+    def _refresh_failed(self, prefix: str, exc: StoreError) -> None:
+        """The store did not give the listing of ``prefix``: serve the one at
+        hand, and try again ``retry_seconds`` from now. A store that gave up
+        on the request or could not be reached does not answer; one that
+        refused it (access denied) does, for every other directory."""
+        if isinstance(exc, DaemonStopping):
+            return
         now = self._clock()
         with self._lock:
-            if self._invalidations.get(prefix, 0) != invalidations:
-                raise exc
-            # Expires again STALE_RETRY_SECONDS from now; its age is only logged.
-            self._dirs[prefix] = _Cached(stale.directory, now - self._ttl + STALE_RETRY_SECONDS)
+            if exc.retryable or isinstance(exc, DeadlineExceeded):
+                self._answering = False
+            self._retry_at[prefix] = now + self._retry_seconds
+            cached = self._dirs.get(prefix)
+        if cached is None or cached.fetched_at == INVALIDATED:
+            return  # dropped meanwhile: its next lookup lists it, nothing is served stale
         log.warning(
             "cannot refresh the listing of %r (%s); serving the one taken %.0f s ago, retrying in %.0f s",
             prefix or "/",
             exc,
-            now - stale.fetched_at,
-            STALE_RETRY_SECONDS,
+            now - cached.fetched_at,
+            self._retry_seconds,
         )
-        return stale
 
     def _from_index(self, prefix: str) -> _Cached | None:
         """The listing saved by an earlier mount, if any and intact: the
@@ -306,6 +386,13 @@ class Namespace:
             self._on_version_replaced(info)
         with self._lock:
             self._dirs[prefix] = cached
+            recovered, self._answering = not self._answering, True
+            if recovered:  # backing off was for a store that did not answer
+                self._retry_at.clear()
+            else:
+                self._retry_at.pop(prefix, None)
+        if recovered:
+            log.info("the store answers again: listings are refreshed as they expire")
         self._persist(prefix, fetched_at, listing)
         for info in gone:
             self._on_version_gone(info)

@@ -4,11 +4,15 @@ benchmarks of everything that must survive a misbehaving bucket."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from cachefsd.errors import StoreError
 from cachefsd.store.base import ListingPage, ObjectInfo, ObjectStore
+
+# How often a call held by a gate looks whether it was released.
+GATE_POLL_SECONDS = 0.005
 
 
 @dataclass
@@ -19,6 +23,9 @@ class Faults:
     failures_left: int = 0  # the next N calls raise ``error``
     error: type[StoreError] = StoreError
     hang: bool = False  # every call waits forever (until cancelled)
+    # Every call waits until the test sets it (or the call is cancelled): a
+    # store that hangs exactly as long as the test needs, whatever the timeouts.
+    gate: threading.Event | None = None
     piece_latency_seconds: float = 0.0  # a slow link: the wait before each piece of a stream but the first
     cut_after_pieces: int = 0  # the next stream breaks (a StoreError) after this many pieces
 
@@ -50,6 +57,9 @@ class FaultyStore:
             await asyncio.sleep(self.faults.latency_seconds)
         if self.faults.hang:
             await asyncio.Event().wait()
+        gate = self.faults.gate
+        while gate is not None and not gate.is_set():
+            await asyncio.sleep(GATE_POLL_SECONDS)  # the event is set from another thread
         if self.faults.failures_left > 0:
             self.faults.failures_left -= 1
             raise self.faults.error("injected fault")

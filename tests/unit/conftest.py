@@ -29,6 +29,10 @@ from cachefsd.store.memory import MemoryStore
 
 BLOCK_SIZE = 64 << 10
 FAST_FETCH = FetchSettings(deadline=2.0, attempt_timeout=0.5, backoff_initial=0.01, backoff_max=0.05)
+# How long a lookup of an expired listing waits for its refresh, in tests: a
+# refresh from the in-memory store always comes sooner, even on a loaded
+# machine, so a test that the store answers does not depend on timing.
+TEST_FRESH_WAIT_SECONDS = 30.0
 
 
 def joined(pieces: list[Piece]) -> bytes:
@@ -80,7 +84,8 @@ def fixture_io() -> Iterator[LoopThread]:
 
 @pytest.fixture(name="make_engine")
 def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactory]:
-    """``make_engine(objects, capacity=..., cache_dir=..., policy=..., planned=..., codec=...)``
+    """``make_engine(objects, capacity=..., cache_dir=..., policy=..., planned=..., codec=..., fetch=...,
+    fresh_wait=...)``
     builds the whole read path over a ``MemoryStore``; indexes are closed at teardown."""
     indexes: list[Index] = []
 
@@ -93,6 +98,8 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         policy: EvictionPolicy | None = None,
         planned: PlannedUse | None = None,
         codec: Codec = Codec.RAW,
+        fetch: FetchSettings = FAST_FETCH,
+        fresh_wait: float = TEST_FRESH_WAIT_SECONDS,
     ) -> Engine:
         store = store or MemoryStore(objects or {})
         faulty = FaultyStore(store)
@@ -109,12 +116,12 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         )
         cache.reconcile()
         index.start_serving()  # as open_cache does
-        fetcher = Fetcher(faulty, FAST_FETCH, metrics)
+        fetcher = Fetcher(faulty, fetch, metrics)
         reader = BlockReader(store.uri, BLOCK_SIZE, cache, fetcher, io, metrics, dedup_by_etag=True)
         clock = Clock()
         replaced = lambda info: fs.version_replaced(info)  # noqa: E731, PLW0108 - fs is built below
         gone = lambda info: fs.version_gone(info)  # noqa: E731, PLW0108
-        namespace = Namespace(faulty, fetcher, io, index, ttl, replaced, gone, clock)
+        namespace = Namespace(faulty, fetcher, io, index, ttl, replaced, gone, clock, fresh_wait)
         prefetcher = Prefetcher(AccessModel(), namespace, reader, PrefetchSettings(), metrics)
         fs = FileSystem(namespace, reader, uid=0, gid=0, access=prefetcher)
         return Engine(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir)

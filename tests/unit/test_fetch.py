@@ -10,7 +10,7 @@ import pytest
 
 from cachefsd.aio import LoopThread
 from cachefsd.config import FetchSettings
-from cachefsd.errors import AccessDenied, DeadlineExceeded, ObjectChanged, StoreError
+from cachefsd.errors import AccessDenied, DaemonStopping, DeadlineExceeded, ObjectChanged, StoreError
 from cachefsd.fetch import Fetcher, PrioritySlots
 from cachefsd.store.base import gathered
 from cachefsd.store.faulty import Faults, FaultyStore
@@ -69,7 +69,7 @@ def test_a_stopped_loop_refuses_requests_at_once() -> None:
     io = LoopThread()
     io.stop()
     request = asyncio.sleep(0, "answer")
-    with pytest.raises(StoreError, match="stopping"):
+    with pytest.raises(DaemonStopping, match="stopping"):
         io.run(request, 60)
     assert request.cr_frame is None  # closed, not left never awaited
 
@@ -95,7 +95,7 @@ def test_a_request_waiting_when_the_loop_stops_fails_at_once() -> None:
     io.stop()
     waiting.join(10)  # not the request's 60 s
     assert not waiting.is_alive()
-    assert [type(failure) for failure in failures] == [StoreError]
+    assert [type(failure) for failure in failures] == [DaemonStopping]
 
 
 @pytest.mark.parametrize("error", [AccessDenied, ObjectChanged])

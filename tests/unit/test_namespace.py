@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from cachefsd.errors import NotADirectory, ObjectNotFound, StoreError
+from cachefsd.config import FetchSettings
+from cachefsd.errors import AccessDenied, DeadlineExceeded, NotADirectory, ObjectNotFound, StoreError
 from cachefsd.namespace.tree import STALE_RETRY_SECONDS
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo
 from cachefsd.store.memory import MemoryStore
@@ -181,7 +182,7 @@ def test_a_version_is_marked_replaced_before_its_successor_is_visible_and_releas
     between and read through the page cache, cut at the old size); and an
     open of the old version, served the old listing while the refresh runs,
     must still find its cached blocks (released first, its reads got EIO)."""
-    engine = make_engine({"f": b"old"}, ttl=5)
+    engine = make_engine({"f": b"old"}, ttl=5, fresh_wait=0)  # lookups never wait for the refresh
     old = engine.namespace.lookup("/f").info
     assert old is not None
     joined(engine.reader.read(old, 0, 100))
@@ -200,8 +201,11 @@ def test_a_version_is_marked_replaced_before_its_successor_is_visible_and_releas
     monkeypatch.setattr(engine.fs, "version_gone", seen_by("gone", engine.fs.version_gone))
     engine.store.put("f", b"new version")
     engine.clock.now += 6
+    assert engine.namespace.lookup("/f").info == old  # expired: served while it is refreshed
+    wait_until(lambda: not engine.namespace._listing.busy(""), "the refresh of / to end", 10.0)
     new = engine.namespace.lookup("/f").info
     assert new is not None
+    assert new.etag != old.etag
     assert seen == {"replaced": old.etag, "gone": new.etag}
     assert engine.cache.used_bytes == 0  # released, once the new listing was visible
 
@@ -284,16 +288,18 @@ def test_an_expired_listing_serves_through_an_outage_and_is_retried_later(
     make_engine: EngineFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The cached blocks of its files stay readable while the bucket is
-    down; lookups meanwhile do not each wait out a fetch deadline."""
+    down; a failed refresh is not tried again before ``retry_seconds``."""
     engine = make_engine({"d/f": b"cached"}, ttl=60)
     info = engine.namespace.lookup("/d/f").info
     assert info is not None
     assert joined(engine.reader.read(info, 0, 6)) == b"cached"
     engine.clock.now += 61
     engine.faulty.faults.failures_left = 1_000_000  # down
+    engine.faulty.faults.error = DeadlineExceeded  # each request gives up at once
     calls = engine.faulty.calls
     with caplog.at_level(logging.WARNING, logger="cachefsd.namespace.tree"):
         served = engine.namespace.lookup("/d/f").info
+        wait_until(lambda: not engine.namespace._listing.busy("d/"), "the refresh of d/ to fail", 10.0)
     assert served == info
     assert joined(engine.reader.read(info, 0, 6)) == b"cached"  # from the cache: no GET needed
     assert "cannot refresh the listing of 'd/'" in caplog.text
@@ -305,7 +311,59 @@ def test_an_expired_listing_serves_through_an_outage_and_is_retried_later(
     engine.faulty.faults.failures_left = 0  # back
     engine.store.put("d/g", b"new")
     engine.clock.now += 2
+    with caplog.at_level(logging.INFO, logger="cachefsd.namespace.tree"):
+        engine.namespace.listdir("/d")  # a refresh probes the store, which answers
+        wait_until(lambda: not engine.namespace._listing.busy(""), "the root's refresh to end", 10.0)
     assert sorted(engine.namespace.listdir("/d")) == ["f", "g"]
+    assert "the store answers again" in caplog.text
+
+
+def test_directories_that_backed_off_are_refreshed_once_the_store_answers(make_engine: EngineFactory) -> None:
+    """Backing off is for a store that does not answer: once one refresh
+    succeeds, a change is seen at the next lookup past the TTL, not a retry
+    interval later."""
+    engine = make_engine({"d/f": b"1", "e/g": b"2"}, ttl=60)
+    engine.namespace.lookup("/d/f")
+    engine.namespace.lookup("/e/g")
+    engine.clock.now += 61
+    engine.faulty.faults.failures_left = 1_000_000
+    engine.faulty.faults.error = DeadlineExceeded
+    for probed in ("", "d/"):  # the root's refresh fails, then d/'s: both back off
+        engine.namespace.lookup("/d/f")
+        wait_until(lambda: not engine.namespace._listing.busy(probed), f"{probed!r} refreshed", 10.0)  # noqa: B023
+    engine.faulty.faults.failures_left = 0
+    engine.clock.now += 1
+    engine.namespace.lookup("/e/g")  # e/ did not back off: its refresh probes the store, and succeeds
+    wait_until(lambda: not engine.namespace._listing.busy("e/"), "the refresh of e/ to end", 10.0)
+    engine.store.put("d/h", b"3")
+    assert sorted(engine.namespace.listdir("/d")) == ["f", "h"]
+
+
+def test_an_expired_listing_is_served_at_once_while_the_store_hangs(make_engine: EngineFactory) -> None:
+    """A lookup never waits on the store for a listing it has: one waits
+    ``fresh_wait`` for a refresh that does not come, and from then on none
+    waits, and only one refresh at a time probes the store, until it answers."""
+    hanging = FetchSettings(deadline=600.0, attempt_timeout=600.0)  # only the gate ends a request
+    engine = make_engine({"d/f": b"1", "e/g": b"2"}, ttl=60, fetch=hanging, fresh_wait=0.05)
+    old = engine.namespace.lookup("/d/f").info
+    assert engine.namespace.lookup("/e/g").info is not None
+    gate = engine.faulty.faults.gate = threading.Event()
+    engine.clock.now += 61
+    try:
+        assert engine.namespace.lookup("/d/f").info == old  # the root's refresh did not come in time
+        assert engine.namespace.lookup("/e/g").info is not None
+        assert sorted(engine.namespace.listdir("/e")) == ["g"]
+        assert engine.namespace._listing.busy("")  # the lookups were answered while it hangs
+        assert not engine.namespace._listing.busy("d/")  # the one probe of a store that does not answer
+        assert not engine.namespace._listing.busy("e/")
+        engine.store.put("d/new", b"3")
+    finally:
+        gate.set()
+    wait_until(lambda: not engine.namespace._listing.busy(""), "the root's refresh to end", 10.0)
+    engine.faulty.faults.gate = None
+    engine.namespace.listdir("/d")  # starts d/'s refresh, now the store answers
+    wait_until(lambda: not engine.namespace._listing.busy("d/"), "the refresh of d/ to end", 10.0)
+    assert sorted(engine.namespace.listdir("/d")) == ["f", "new"]
 
 
 def test_a_listing_saved_by_a_previous_mount_serves_through_an_outage(make_engine: EngineFactory) -> None:
@@ -323,34 +381,28 @@ def test_a_listing_saved_by_a_previous_mount_serves_through_an_outage(make_engin
         again.namespace.lookup("/d/f")
 
 
-def test_lookups_while_a_stale_listing_is_refreshed_use_it_at_once(make_engine: EngineFactory) -> None:
-    """Only the lookup that starts the refresh waits on a bucket that may be
-    down; the others get the listing at hand. And a listing dropped
-    meanwhile (an object changed under a reader) is not put back when the
-    refresh fails."""
-    engine = make_engine({"d/f": b"1"}, ttl=60)
+def test_a_listing_dropped_while_it_is_refreshed_is_not_served_stale(make_engine: EngineFactory) -> None:
+    """A listing dropped because an object changed under a reader must not
+    come back when the refresh under way fails: its next lookup waits for
+    the store, and fails with it."""
+    engine = make_engine({"d/f": b"1"}, ttl=60, fresh_wait=0)
     engine.namespace.lookup("/d/f")
     engine.clock.now += 61
-    engine.namespace.listdir("/")  # the root listed again: only d/ is past its TTL
-    engine.faulty.faults.hang = True  # a refresh waits out the fetch deadline, then fails
-    outcome: list[object] = []
-
-    def lookup() -> None:
-        try:
-            outcome.append(engine.namespace.lookup("/d/f").info)
-        except StoreError as exc:
-            outcome.append(exc)
-
-    leader = threading.Thread(target=lookup)
-    leader.start()
-    wait_until(lambda: engine.namespace._listing.busy("d/"), "the refresh of d/ to start", 10.0)
-    listed = engine.namespace.lookup("/d/f").info
-    assert listed is not None
-    assert engine.namespace._listing.busy("d/")  # answered while the refresh still waits
-    engine.namespace.invalidate(listed)
-    leader.join(10)
-    assert len(outcome) == 1
-    assert isinstance(outcome[0], StoreError)  # dropped while it was refreshed: not served stale
+    engine.namespace.listdir("/")  # starts the root's refresh: the store answers
+    wait_until(lambda: not engine.namespace._listing.busy(""), "the root's refresh to end", 10.0)
+    gate = engine.faulty.faults.gate = threading.Event()
+    try:
+        listed = engine.namespace.lookup("/d/f").info  # expired: served, and refreshed behind
+        assert listed is not None
+        assert engine.namespace._listing.busy("d/")
+        engine.namespace.invalidate(listed)
+        engine.faulty.faults.failures_left = 1_000_000
+        engine.faulty.faults.error = AccessDenied
+    finally:
+        gate.set()
+    wait_until(lambda: not engine.namespace._listing.busy("d/"), "the refresh of d/ to fail", 10.0)
+    with pytest.raises(AccessDenied):
+        engine.namespace.lookup("/d/f")
 
 
 def test_objects_a_directory_hides_are_logged(
