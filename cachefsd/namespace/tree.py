@@ -246,6 +246,8 @@ class Namespace:
         if starts and not claimed:  # another lookup started it in between
             with self._lock:
                 self._refreshing -= 1
+        # Taken before the refresh starts: settling it empties ``claimed``.
+        refreshed = claimed.get(prefix) or self._listing.current(prefix)
         if claimed:
             threading.Thread(
                 target=self._refresh_in_background,
@@ -253,7 +255,6 @@ class Namespace:
                 name="cachefsd-list",
                 daemon=True,
             ).start()
-        refreshed = claimed.get(prefix) or self._listing.current(prefix)
         if not answering or refreshed is None:
             return stale
         try:
