@@ -4,7 +4,7 @@ N files of one block each are read once per epoch in a fresh random order
 (seeded). A simulated cache of ``f * N`` blocks admits on every miss; when
 full it asks the policy for a victim, and a refusal (None) means the block
 is not admitted. Every policy is the real class from
-``cachefsd.chunks.policy``, with an ``ObservedEpochs`` clock fed one
+``cachefsd.cache.policy``, with an ``ObservedEpochs`` clock fed one
 ``file_read`` per read, as the daemon's would be. Rows:
 
 - lru, 2-random, minio, epoch-aware: the shipped policies;
@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cachefsd.chunks.policy import (
+from cachefsd.cache.policy import (
     EPOCH_AWARE,
     POLICY_NAMES,
     EpochAwarePolicy,

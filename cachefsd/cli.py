@@ -19,19 +19,11 @@ from types import FrameType
 from typing import Any
 
 from cachefsd import __version__
+from cachefsd.cache.lock import create_cache_directory
 from cachefsd.config import Settings, load_settings
+from cachefsd.control.mounts import MOUNT_TYPE, mount_types, pid_alive, read_state
 from cachefsd.errors import CachefsdError, ConfigError
-from cachefsd.runtime import (
-    MOUNT_TYPE,
-    check_allow_other,
-    check_fuse_device,
-    check_mountpoint,
-    create_cache_directory,
-    mount_types,
-    notify_systemd,
-    pid_alive,
-    read_state,
-)
+from cachefsd.preflight import check_allow_other, check_fuse_device, check_mountpoint, notify_systemd
 
 log = logging.getLogger("cachefsd")
 
@@ -402,9 +394,9 @@ def _cmd_unmount(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
-    from cachefsd import cachedir  # noqa: PLC0415 - keep `cachefsd --help` light
+    from cachefsd.cache import directory  # noqa: PLC0415 - keep `cachefsd --help` light
 
-    report = cachedir.verify(_cache_dir(args), args.repair)
+    report = directory.verify(_cache_dir(args), args.repair)
     bad = report.corrupt + report.missing
     print(f"checked {report.checked} blocks: {len(report.corrupt)} corrupt, {len(report.missing)} missing")
     if report.orphans:
@@ -428,9 +420,9 @@ def _cmd_verify(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace, argv: list[str]) -> int:
-    from cachefsd import cachedir  # noqa: PLC0415 - keep `cachefsd --help` light
+    from cachefsd.cache import directory  # noqa: PLC0415 - keep `cachefsd --help` light
 
-    for tier in cachedir.gc(_cache_dir(args)):
+    for tier in directory.gc(_cache_dir(args)):
         used = f"{tier.used_bytes} of {tier.capacity} bytes"
         print(f"{tier.name}: {tier.block_count} blocks, {used} ({tier.root})")
     return 0
@@ -452,7 +444,7 @@ def _stage_flags(args: argparse.Namespace, source: str) -> dict[str, Any]:
 
 def _cmd_stage(args: argparse.Namespace, argv: list[str]) -> int:
     from cachefsd import stage  # noqa: PLC0415 - keep `cachefsd --help` light
-    from cachefsd.control import StageRequest  # noqa: PLC0415
+    from cachefsd.control.client import StageRequest  # noqa: PLC0415
 
     # Progress is drawn on stderr; library chatter (cache reconcile at info)
     # would break the bar, so only warnings show unless asked for.
@@ -478,11 +470,13 @@ def _cmd_stage(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _cmd_hint(args: argparse.Namespace, argv: list[str]) -> int:
-    from cachefsd import control, hints  # noqa: PLC0415 - keep `cachefsd --help` light
+    from cachefsd import hints  # noqa: PLC0415 - keep `cachefsd --help` light
+    from cachefsd.control.client import client_for  # noqa: PLC0415
+    from cachefsd.control.mounts import find_mount, not_a_mount  # noqa: PLC0415
 
-    mount = control.find_mount(args.mountpoint)
+    mount = find_mount(args.mountpoint)
     if mount is None:
-        raise control.not_a_mount(args.mountpoint)
+        raise not_a_mount(args.mountpoint)
     try:
         text = args.order.read_bytes()
     except OSError as exc:
@@ -500,19 +494,20 @@ def _cmd_hint(args: argparse.Namespace, argv: list[str]) -> int:
         if placed is None or placed.mountpoint != mount.mountpoint:
             raise CachefsdError(f"{args.order}: {path} is not under {mount.mountpoint}")
         order.append(relative)
-    accepted, unknown = control.client_for(mount).hint(order)
+    accepted, unknown = client_for(mount).hint(order)
     print(f"hinted {len(order)} paths to {mount.mountpoint}: {accepted} accepted, {unknown} unknown")
     return 0
 
 
 def _daemon_of(mountpoint: Path) -> Any:
     """A control client for the daemon serving ``mountpoint`` (or a path in it)."""
-    from cachefsd import control  # noqa: PLC0415 - keep `cachefsd --help` light
+    from cachefsd.control.client import client_for  # noqa: PLC0415 - keep `cachefsd --help` light
+    from cachefsd.control.mounts import find_mount, not_a_mount  # noqa: PLC0415
 
-    mount = control.find_mount(mountpoint)
+    mount = find_mount(mountpoint)
     if mount is None:
-        raise control.not_a_mount(mountpoint)
-    return control.client_for(mount)
+        raise not_a_mount(mountpoint)
+    return client_for(mount)
 
 
 def _cmd_stats(args: argparse.Namespace, argv: list[str]) -> int:

@@ -94,3 +94,14 @@ def errno_for(error: CachefsdError) -> int:
         if isinstance(error, error_type):
             return code
     return errno.EIO
+
+
+class ControlError(CachefsdError):
+    """The daemon could not be reached, or refused a request (the message
+    says which, and why)."""
+
+
+class BadRequest(CachefsdError):
+    """A request the server answers with 400; handlers raise it for
+    arguments they cannot accept (an unknown tier, a missing path). In
+    this process (an offline stage) it is a plain one-line error."""

@@ -27,10 +27,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
-from cachefsd.blocks import BlockReader, Piece
 from cachefsd.errors import BadFileHandle, IsADirectory, ObjectChanged, ReadOnly
 from cachefsd.namespace.names import inode_number
 from cachefsd.namespace.tree import Namespace
+from cachefsd.reader import BlockReader, Piece
 from cachefsd.store.base import ObjectInfo
 
 # O_APPEND is not among them: with O_RDONLY it writes nothing, and a read-only

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from cachefsd.blocks import FileSpan, Piece
 from cachefsd.errors import CachefsdError, errno_for
 from cachefsd.fs import Attributes, FileSystem, StaleSize
+from cachefsd.reader import FileSpan, Piece
 
 # mfusepy binds libfuse 2 when both are installed (rclone and s3fs pull in
 # libfuse2), and libfuse 2 ignores the kernel cache settings and the larger

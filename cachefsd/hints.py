@@ -35,15 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from cachefsd.control import (
-    CALL_TIMEOUT_SECONDS,
-    ControlClient,
-    ControlError,
-    MountOf,
-    client_for,
-    find_mount,
-    not_a_mount,
-)
+from cachefsd.control.client import CALL_TIMEOUT_SECONDS, ControlClient, client_for
+from cachefsd.control.mounts import MountOf, find_mount, not_a_mount
+from cachefsd.errors import ControlError
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cachefsd.chunks.cache import DedupWhere
+from cachefsd.cache.tiered import DedupWhere
 from cachefsd.fetch import FetchKind
 
 # 100 µs (a local store or an in-region hit) to 30 s (the default deadline).

@@ -17,7 +17,7 @@ the cache does not hold at the end.
 Where it runs: through the daemon of a mount (``POST /stage`` on its
 control socket, progress streamed back) when TARGET is a path under a live
 mount, since the daemon holds the cache directory's lock; in this process
-over ``daemon.engine`` when TARGET is a source (``s3://...``, ``gs://...``,
+over ``engine.engine`` when TARGET is a source (``s3://...``, ``gs://...``,
 a local directory) and no daemon uses the cache directory.
 
 The same code stages in both places (``stage_files``) and speaks in the
@@ -53,30 +53,24 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from cachefsd.config import human_bytes
-from cachefsd.control import (
-    BadRequest,
-    ControlClient,
+from cachefsd.control.client import ControlClient, StageRequest, client_for
+from cachefsd.control.mounts import (
     MountOf,
-    Report,
-    StageRequest,
-    client_for,
+    daemon_using,
     find_mount,
     foreign_mount,
     not_a_mount,
 )
-from cachefsd.errors import CachefsdError, NotADirectory, ObjectNotFound, StageCancelled
+from cachefsd.errors import BadRequest, CachefsdError, NotADirectory, ObjectNotFound, StageCancelled
 from cachefsd.globs import PathGlob
-from cachefsd.runtime import MountState, pid_alive, runtime_dir
 from cachefsd.store.base import ObjectInfo
 
 if TYPE_CHECKING:
-    from cachefsd.chunks.cache import TieredCache
     from cachefsd.config import Settings
-    from cachefsd.namespace.tree import Namespace, Node
+    from cachefsd.namespace.tree import Node
 
 # Parallel block fetches of one stage. Stage runs before a job, when the
 # node's link is otherwise idle: 16 GETs of 4 MiB keep a 10 Gb/s link busy
@@ -496,84 +490,6 @@ class _BlockFetch:
 # -- the daemon's side ------------------------------------------------------
 
 
-class MountHandlers:
-    """What a mounted daemon serves on its control socket
-    (``control.ControlHandlers``): its stats, hints handed to the
-    prefetcher, and stages run on its own data path. It lives here rather
-    than in ``control`` so that ``control`` (imported by loaders through
-    ``cachefsd.hints``) stays free of the data path."""
-
-    def __init__(
-        self,
-        namespace: Namespace,
-        reader: Blocks,
-        cache: TieredCache,
-        mount: dict[str, Any],
-        hint: Callable[[list[str], tuple[int, int] | None], tuple[int, int]] | None = None,
-        extra_stats: Callable[[], dict[str, Any]] | None = None,
-    ) -> None:
-        """``mount``: what identifies the mount in ``/stats`` (pid, mountpoint,
-        source). ``hint``: the prefetcher's, when there is one; without it a
-        hint is only checked against the namespace and counted."""
-        self._namespace = namespace
-        self._reader = reader
-        self._cache = cache
-        self._mount = mount
-        self._hint = hint
-        self._extra_stats = extra_stats
-        self._closing = threading.Event()
-        self._lock = threading.Lock()
-        self._hints = {"received": 0, "paths": 0, "accepted": 0, "unknown": 0}
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            hints = dict(self._hints)
-        stats: dict[str, Any] = {
-            **self._mount,
-            "block_size": self._reader.block_size,
-            "tiers": [
-                {
-                    "name": tier.name,
-                    "dir": str(tier.root),
-                    "capacity_bytes": tier.capacity,
-                    "used_bytes": tier.used_bytes,
-                    "blocks": tier.block_count,
-                }
-                for tier in self._cache.tiers
-            ],
-            "hints": hints,
-        }
-        if self._extra_stats is not None:
-            stats.update(self._extra_stats())
-        return stats
-
-    def hint(self, order: list[str], part: tuple[int, int] | None = None) -> tuple[int, int]:
-        if self._hint is not None:
-            accepted, unknown = self._hint(order, part)
-        else:
-            accepted = sum(1 for path in order if self._is_file(path))
-            unknown = len(order) - accepted
-        with self._lock:
-            self._hints["received"] += 1
-            self._hints["paths"] += len(order)
-            self._hints["accepted"] += accepted
-            self._hints["unknown"] += unknown
-        return accepted, unknown
-
-    def _is_file(self, path: str) -> bool:
-        try:
-            return self._namespace.lookup(normalise(path)).info is not None
-        except CachefsdError:
-            return False
-
-    def stage(self, request: StageRequest, report: Report) -> dict[str, Any]:
-        tiers = [tier.name for tier in self._cache.tiers]
-        return stage_files(self._namespace, self._reader, tiers, request, report, self._closing)
-
-    def close(self) -> None:
-        self._closing.set()
-
-
 # -- the command's side -------------------------------------------------------
 
 
@@ -608,33 +524,20 @@ def resolve_target(target: str) -> Target:
     return Target(source=os.path.abspath(target))
 
 
-def _daemon_using(cache_dir: Path) -> MountState | None:
-    """The running daemon (of this user) that holds ``cache_dir``, if any."""
-    wanted = cache_dir.resolve()
-    for state_file in runtime_dir().glob("*.json"):
-        try:
-            state = MountState(**json.loads(state_file.read_text()))
-        except (OSError, ValueError, TypeError):
-            continue
-        if Path(state.cache_dir).resolve() == wanted and pid_alive(state.pid):
-            return state
-    return None
-
-
 def stage_offline(settings: Settings, request: StageRequest, report: Report) -> dict[str, Any]:
     """Stage into ``settings.cache`` from ``settings.source`` in this process."""
-    holder = _daemon_using(settings.cache.dir)
+    holder = daemon_using(settings.cache.dir)
     if holder is not None:
         raise CachefsdError(
             f"cache directory {settings.cache.dir} is in use by the daemon of {holder.mountpoint} "
             f"(pid {holder.pid}); stage through the mount: cachefsd stage {holder.mountpoint}"
         )
-    from cachefsd import daemon  # noqa: PLC0415 - the data path: only when staging offline
-    from cachefsd.cachedir import require_cache  # noqa: PLC0415
+    from cachefsd import engine  # noqa: PLC0415 - the data path: only when staging offline
+    from cachefsd.cache.directory import require_cache  # noqa: PLC0415
 
     if request.check:
         require_cache(settings.cache.dir)
-    with daemon.engine(settings, keep_recorded_layout=True) as parts:
+    with engine.engine(settings, keep_recorded_layout=True) as parts:
         tiers = [tier.name for tier in parts.cache.tiers]
         return stage_files(parts.namespace, parts.reader, tiers, request, report)
 
@@ -833,3 +736,6 @@ def run_command(
     if view.failed > len(view.failures):
         print(f"failed: ... and {view.failed - len(view.failures)} more", file=sys.stderr)
     return 1 if summary["failed"] or summary.get("unkept_bytes") else 0
+
+
+Report = Callable[[dict[str, Any]], None]

@@ -27,7 +27,7 @@ from types import TracebackType
 from typing import IO, Any
 
 from cachefsd.config import human_bytes
-from cachefsd.control import ControlClient
+from cachefsd.control.client import ControlClient
 from cachefsd.stats import render
 
 # A redraw a second: fast enough to watch an epoch's hit ratio move, and a

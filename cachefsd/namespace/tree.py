@@ -48,9 +48,9 @@ from dataclasses import dataclass
 import xxhash
 
 from cachefsd.aio import LoopThread
+from cachefsd.cache.index import Index
 from cachefsd.errors import DaemonStopping, DeadlineExceeded, NotADirectory, ObjectNotFound, StoreError
 from cachefsd.fetch import Fetcher
-from cachefsd.index import Index
 from cachefsd.namespace.names import Directory, dir_prefix, directory_from_listing, split_path
 from cachefsd.singleflight import SingleFlight
 from cachefsd.store.base import Listing, ObjectInfo, ObjectStore

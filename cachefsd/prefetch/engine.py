@@ -23,7 +23,7 @@ whose GET brings that read's block first, at a demand read's priority
 (``HEAD_FREE_BYTES``).
 
 Blocks fetched ahead carry their predicted use, which the cache records
-(``chunks.policy.PlannedUse``) before admitting them; with a plan (a hint,
+(``cache.policy.PlannedUse``) before admitting them; with a plan (a hint,
 or a replay the model trusts), the cached blocks of the files it places are
 planned too, when a hint arrives and whenever a job starts an epoch. The
 epoch-aware policy then ranks by Belady: a block needed sooner evicts one
@@ -55,12 +55,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from cachefsd.blocks import RUN_BYTES, BlockReader, ClaimedRun, block_range
+from cachefsd.cache.index import BlockRef
 from cachefsd.config import PrefetchSettings
 from cachefsd.errors import CachefsdError
-from cachefsd.index import BlockRef
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import STREAM_FORWARD_SLACK, AccessModel, Prediction
+from cachefsd.reader import RUN_BYTES, BlockReader, ClaimedRun, block_range
 from cachefsd.store.base import ObjectInfo
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachefsd.runtime import pid_alive, read_state
+from cachefsd.control.mounts import pid_alive, read_state
 from tests.net import free_port
 from tests.polling import wait_until
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
+from cachefsd.cache.lock import CacheDirLock
 from cachefsd.config import parse_size
-from cachefsd.runtime import CacheDirLock, pid_alive, read_state, state_path
+from cachefsd.control.mounts import pid_alive, read_state, state_path
 from cachefsd.testing.s3_server import S3TestServer
 from tests.integration.conftest import MountFactory, force_unmount, free_port, run_cli
 from tests.integration.datasets import new_bucket, put_objects

@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
-from cachefsd.chunks.cache import disk_bytes
-from cachefsd.chunks.codec import HEADER_SIZE, CorruptBlock, decode
-from cachefsd.runtime import LOCK_WAIT_SECONDS
+from cachefsd.cache.codec import HEADER_SIZE, CorruptBlock, decode
+from cachefsd.cache.lock import LOCK_WAIT_SECONDS
+from cachefsd.cache.tiered import disk_bytes
 from cachefsd.testing.s3_server import S3TestServer
 from tests.integration.conftest import Mount, MountFactory, force_unmount, free_port, run_cli
 from tests.integration.torture import KILL_ROUNDS, assert_reads_right, kill_round, metric, write_manifest

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from cachefsd.control import ControlClient
-from cachefsd.runtime import read_state
+from cachefsd.control.client import ControlClient
+from cachefsd.control.mounts import read_state
 from cachefsd.testing.s3_server import S3TestServer
 from tests.integration.conftest import Mount, MountFactory, run_cli, wait_dead
 from tests.integration.datasets import KiB, RawFileDataset, collate_list, new_bucket, put_objects

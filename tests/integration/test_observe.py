@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cachefsd.chunks.codec import HEADER_SIZE
-from cachefsd.chunks.tier import disk_bytes
+from cachefsd.cache.codec import HEADER_SIZE
+from cachefsd.cache.tier import disk_bytes
 from cachefsd.testing.s3_server import S3TestServer
 from cachefsd.top import SPARK_CHARS
 from tests.integration.conftest import Mount, MountFactory, run_cli

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from cachefsd.chunks.codec import HEADER_SIZE, content_hash, decode
-from cachefsd.chunks.tier import disk_bytes
+from cachefsd.cache.codec import HEADER_SIZE, content_hash, decode
+from cachefsd.cache.tier import disk_bytes
 from cachefsd.testing.s3_server import S3TestServer
 from tests.integration.conftest import Mount, MountFactory, force_unmount, free_port, run_cli
 from tests.integration.datasets import new_bucket, put_objects

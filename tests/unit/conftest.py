@@ -11,19 +11,19 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from cachefsd.aio import LoopThread
-from cachefsd.blocks import BlockReader, FileSpan, Piece
-from cachefsd.chunks.cache import TieredCache
-from cachefsd.chunks.codec import Codec
-from cachefsd.chunks.policy import EvictionPolicy, LruPolicy, PlannedUse
-from cachefsd.chunks.tier import Tier
+from cachefsd.cache.codec import Codec
+from cachefsd.cache.index import Index
+from cachefsd.cache.policy import EvictionPolicy, LruPolicy, PlannedUse
+from cachefsd.cache.tier import Tier
+from cachefsd.cache.tiered import TieredCache
 from cachefsd.config import FetchSettings, PrefetchSettings
 from cachefsd.fetch import Fetcher
 from cachefsd.fs import FileSystem
-from cachefsd.index import Index
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import Prefetcher
+from cachefsd.reader import BlockReader, FileSpan, Piece
 from cachefsd.store.faulty import FaultyStore
 from cachefsd.store.memory import MemoryStore
 

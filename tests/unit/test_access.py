@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefsd.chunks.policy import EpochAwarePolicy
+from cachefsd.cache.policy import EpochAwarePolicy
 from cachefsd.prefetch.access import (
     FILE_PREDICTION_BYTES,
     JOB_IDLE_SECONDS,

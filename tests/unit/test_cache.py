@@ -23,15 +23,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from cachefsd.cachedir import TierSpec, gc, open_cache, verify
-from cachefsd.chunks import cache as cache_module
-from cachefsd.chunks import tier as tier_module
-from cachefsd.chunks.cache import TieredCache
-from cachefsd.chunks.codec import Codec, content_hash, decode, encode
-from cachefsd.chunks.policy import LruPolicy, MinioPolicy, ObservedEpochs, PlannedUse
-from cachefsd.chunks.tier import HELD_DESCRIPTORS, Tier, disk_bytes
+from cachefsd.cache import tier as tier_module
+from cachefsd.cache import tiered as cache_module
+from cachefsd.cache.codec import Codec, content_hash, decode, encode
+from cachefsd.cache.directory import TierSpec, gc, open_cache, verify
+from cachefsd.cache.index import BlockRef, Index, IndexDamaged
+from cachefsd.cache.policy import LruPolicy, MinioPolicy, ObservedEpochs, PlannedUse
+from cachefsd.cache.tier import HELD_DESCRIPTORS, Tier, disk_bytes
+from cachefsd.cache.tiered import TieredCache
 from cachefsd.errors import CachefsdError, ConfigError
-from cachefsd.index import BlockRef, Index, IndexDamaged
 from cachefsd.metrics import Metrics
 from tests.polling import wait_until
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachefsd.chunks.codec import (
+from cachefsd.cache.codec import (
     FORMAT_VERSION,
     HEADER_SIZE,
     Codec,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefsd.cachedir import tier_specs
+from cachefsd.cache.directory import tier_specs
 from cachefsd.config import StoreSettings, load_settings, parse_duration, parse_size
 from cachefsd.errors import ConfigError
 from cachefsd.store import open_store
@@ -213,7 +213,7 @@ def test_a_cache_size_beside_tiers_is_warned_of_not_silently_ignored(
     if size_given:
         cache["size"] = "20G"
     settings = load_settings(None, {**REQUIRED, "cache": cache}, environ={})
-    with caplog.at_level(logging.WARNING, logger="cachefsd.cachedir"):
+    with caplog.at_level(logging.WARNING, logger="cachefsd.cache.directory"):
         specs = tier_specs(settings.cache)
     assert [spec.capacity for spec in specs] == [1 << 30]
     # Only when it was given: its default is no mistake of the user's.
@@ -224,7 +224,7 @@ def test_a_tier_smaller_than_a_block_is_warned_of_and_one_without_a_unit_refused
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     small = load_settings(None, {**REQUIRED, "cache": {"dir": str(tmp_path), "size": "1M"}}, environ={})
-    with caplog.at_level(logging.WARNING, logger="cachefsd.cachedir"):
+    with caplog.at_level(logging.WARNING, logger="cachefsd.cache.directory"):
         assert [spec.capacity for spec in tier_specs(small.cache)] == [1 << 20]
     assert "cache.size: 1.0 MiB holds not even one 4.0 MiB block" in caplog.text
     typo = load_settings(None, {**REQUIRED, "cache": {"dir": str(tmp_path), "size": "500"}}, environ={})

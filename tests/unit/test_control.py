@@ -15,23 +15,19 @@ from typing import Any
 
 import pytest
 
-from cachefsd import control
-from cachefsd.control import (
-    BadRequest,
-    ControlClient,
-    ControlError,
-    ControlServer,
-    Report,
-    StageRequest,
-)
-from cachefsd.errors import StageCancelled
+from cachefsd.control.client import ControlClient, StageRequest
+from cachefsd.control.mounts import MountOf, MountState
+from cachefsd.control.server import ControlServer
+from cachefsd.errors import BadRequest, ControlError, StageCancelled
 from cachefsd.hints import HintingSampler, MountPaths
-from cachefsd.runtime import MountState
+from cachefsd.stage import Report
 
 # Every wait in these tests; the server answers in milliseconds.
 WAIT_SECONDS = 10.0
 # A small body limit, so the oversize test does not allocate 256 MiB.
 TEST_BODY_LIMIT = 1024
+# Servers here stop within 10 ms instead of the daemon's 0.2 s.
+QUICK_ACCEPT_POLL = 0.01
 
 
 class FakeHandlers:
@@ -85,12 +81,6 @@ class FakeHandlers:
         self.closed.set()
 
 
-@pytest.fixture(autouse=True)
-def _quick_stop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Servers here stop within 10 ms instead of the daemon's 0.5 s."""
-    monkeypatch.setattr(control, "ACCEPT_POLL_SECONDS", 0.01)
-
-
 @pytest.fixture(name="handlers")
 def fixture_handlers() -> FakeHandlers:
     return FakeHandlers()
@@ -98,7 +88,7 @@ def fixture_handlers() -> FakeHandlers:
 
 @pytest.fixture(name="server")
 def fixture_server(tmp_path: Path, handlers: FakeHandlers) -> Iterator[ControlServer]:
-    server = ControlServer(tmp_path / "control.sock", handlers, max_body_bytes=TEST_BODY_LIMIT)
+    server = ControlServer(tmp_path / "control.sock", handlers, TEST_BODY_LIMIT, QUICK_ACCEPT_POLL)
     server.start()
     yield server
     server.stop()
@@ -288,7 +278,7 @@ def test_a_stale_socket_is_replaced(tmp_path: Path, handlers: FakeHandlers) -> N
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(path))
     stale.close()  # a crashed daemon's leftover: bound, nobody listening
-    server = ControlServer(path, handlers)
+    server = ControlServer(path, handlers, accept_poll=QUICK_ACCEPT_POLL)
     server.start()
     try:
         assert ControlClient(path, timeout=WAIT_SECONDS).stats()["mountpoint"] == "/mnt"
@@ -363,7 +353,7 @@ def test_mount_paths_resolve_dots_and_keep_to_their_mount(tmp_path: Path) -> Non
     in the mount, or absolute; ``..`` is resolved as the kernel would, and
     a path that leads out of the mount is not placed in it."""
     mountpoint = tmp_path / "mnt"
-    mount = control.MountOf(mountpoint, MountState(1, str(mountpoint), "s3://b", "/c", None), "/train")
+    mount = MountOf(mountpoint, MountState(1, str(mountpoint), "s3://b", "/c", None), "/train")
     paths = MountPaths(mount)
     assert paths.place("cat/../dog/1.jpg") == (mount, "/train/dog/1.jpg")
     assert paths.place("../val/2.jpg") == (mount, "/val/2.jpg")

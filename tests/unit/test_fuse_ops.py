@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 from cachefsd import fuse_ops
-from cachefsd.blocks import FileSpan
+from cachefsd.reader import FileSpan
 
 
 def _is_open(fd: int) -> bool:

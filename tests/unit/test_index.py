@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cachefsd.chunks.codec import content_hash
-from cachefsd.index import (
+from cachefsd.cache.codec import content_hash
+from cachefsd.cache.index import (
     BlockRef,
     Index,
     IndexDamaged,

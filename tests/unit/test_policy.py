@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefsd.chunks.policy import (
+from cachefsd.cache.policy import (
     DEFAULT_POLICY,
     POLICY_NAMES,
     EpochAwarePolicy,

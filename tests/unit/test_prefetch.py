@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from cachefsd.chunks.codec import Codec, content_hash, encode
-from cachefsd.chunks.policy import EpochAwarePolicy, MinioPolicy, PlannedUse
-from cachefsd.chunks.tier import disk_bytes
+from cachefsd.cache.codec import Codec, content_hash, encode
+from cachefsd.cache.policy import EpochAwarePolicy, MinioPolicy, PlannedUse
+from cachefsd.cache.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
 from cachefsd.prefetch import engine as engine_module
 from cachefsd.prefetch.access import AccessModel

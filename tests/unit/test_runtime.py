@@ -12,18 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from cachefsd import runtime
+from cachefsd.cache.lock import CacheDirLock, create_cache_directory
 from cachefsd.cli import LogfmtFormatter
+from cachefsd.control.mounts import MountState, pid_alive, read_state, runtime_dir, state_path, write_state
 from cachefsd.errors import CachefsdError, ConfigError
-from cachefsd.runtime import (
-    CacheDirLock,
-    MountState,
-    check_allow_other,
-    notify_systemd,
-    pid_alive,
-    read_state,
-    write_state,
-)
+from cachefsd.preflight import check_allow_other, check_fuse_device, notify_systemd
 from tests.polling import wait_until
 
 
@@ -66,7 +59,7 @@ def test_a_zombie_is_not_a_live_daemon() -> None:
 
 
 def _as_user(uid: int, runtime_base: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Be user ``uid`` (as far as ``runtime`` asks), with its runtime
+    """Be user ``uid`` (as far as ``runtime_dir`` asks), with its runtime
     directory under ``runtime_base`` as XDG_RUNTIME_DIR, made and owned by it."""
     monkeypatch.setattr(os, "geteuid", lambda: uid)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime_base))
@@ -90,7 +83,7 @@ def test_a_runtime_directory_not_privately_this_users_is_refused(
     else:
         monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "theirs"))
     with pytest.raises(CachefsdError, match="is not a directory of this user's"):
-        runtime.runtime_dir()
+        runtime_dir()
 
 
 def test_a_runtime_directory_of_this_users_is_made_private(
@@ -98,7 +91,7 @@ def test_a_runtime_directory_of_this_users_is_made_private(
 ) -> None:
     directory = _as_user(1000, tmp_path, monkeypatch)
     directory.chmod(0o777)
-    assert runtime.runtime_dir() == directory
+    assert runtime_dir() == directory
     assert directory.stat().st_mode & 0o777 == 0o700
 
 
@@ -107,7 +100,7 @@ def test_a_state_is_never_written_through_a_symlink(tmp_path: Path, monkeypatch:
     state = MountState(os.getpid(), str(tmp_path / "mnt"), "file:///data", str(tmp_path / "cache"), None)
     victim = tmp_path / "precious.txt"
     victim.write_text("keep me")
-    runtime.state_path(Path(state.mountpoint)).with_suffix(".tmp").symlink_to(victim)
+    state_path(Path(state.mountpoint)).with_suffix(".tmp").symlink_to(victim)
     written = write_state(state)
     assert victim.read_text() == "keep me"
     assert read_state(Path(state.mountpoint)) == state
@@ -148,9 +141,8 @@ def test_a_fuse_device_out_of_reach_is_named_before_libfuse_tries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """libfuse says only "mount failed: 4" when it cannot open the device."""
-    monkeypatch.setattr(runtime, "FUSE_DEVICE", str(tmp_path / "fuse"))
     with pytest.raises(CachefsdError, match=r"cannot use .*/fuse as uid \d+: FUSE needs it present"):
-        runtime.check_fuse_device()
+        check_fuse_device(str(tmp_path / "fuse"))
 
 
 def test_a_shared_cache_directory_is_refused(tmp_path: Path) -> None:
@@ -160,7 +152,7 @@ def test_a_shared_cache_directory_is_refused(tmp_path: Path) -> None:
     shared.chmod(0o1777)
     refusal = rf"cache.hot.dir: {shared} is writable by other users \(mode 1777\)"
     with pytest.raises(ConfigError, match=refusal):
-        runtime.create_cache_directory("cache.hot.dir", shared)
+        create_cache_directory("cache.hot.dir", shared)
     assert shared.stat().st_mode & 0o7777 == 0o1777  # refused, not changed
 
 
@@ -170,7 +162,7 @@ def test_a_cache_directory_of_another_user_is_refused(tmp_path: Path) -> None:
     theirs.mkdir(mode=0o755)
     os.chown(theirs, 1001, 1001)
     with pytest.raises(ConfigError, match=rf"cache.dir: {theirs} belongs to uid 1001, not to this user"):
-        runtime.create_cache_directory("cache.dir", theirs)
+        create_cache_directory("cache.dir", theirs)
 
 
 @pytest.mark.parametrize(("mode", "private"), [(0o775, 0o755), (0o777, 0o755), (0o770, 0o750)])
@@ -181,9 +173,9 @@ def test_a_cache_directory_of_ones_own_others_could_write_is_made_private(
     mine = tmp_path / "mine"
     mine.mkdir()
     mine.chmod(mode)
-    runtime.create_cache_directory("cache.dir", mine)
+    create_cache_directory("cache.dir", mine)
     assert mine.stat().st_mode & 0o7777 == private
-    runtime.create_cache_directory("cache.dir", tmp_path / "new")
+    create_cache_directory("cache.dir", tmp_path / "new")
     assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import io
 import os
 import re
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,19 +17,14 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from cachefsd import stage
-from cachefsd.chunks.codec import Codec, encode
-from cachefsd.chunks.policy import LruPolicy, MinioPolicy
-from cachefsd.chunks.tier import disk_bytes
-from cachefsd.control import BadRequest, StageRequest
-from cachefsd.errors import StageCancelled
+from cachefsd.cache.codec import Codec, encode
+from cachefsd.cache.policy import LruPolicy, MinioPolicy
+from cachefsd.cache.tier import disk_bytes
+from cachefsd.control.client import StageRequest
+from cachefsd.control.server import MountHandlers
+from cachefsd.errors import BadRequest, StageCancelled
 from cachefsd.globs import PathGlob
-from cachefsd.stage import (
-    MountHandlers,
-    ProgressView,
-    compile_include,
-    stage_files,
-    summary_lines,
-)
+from cachefsd.stage import ProgressView, compile_include, stage_files, summary_lines
 from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory
 
@@ -337,3 +335,23 @@ def test_failure_lines_show_names_as_one_printable_line() -> None:
     """An object name is anyone's bytes: a newline would forge a second
     line, an escape sequence would reach the terminal."""
     assert stage._printable("nl\nname\x1b[31m\udcffé") == "nl\\nname\\x1b[31m\\udcffé"
+
+
+def test_an_offline_stage_imports_no_fuse_module(tmp_path: Path) -> None:
+    """An offline ``cachefsd stage`` needs the data path, not the FUSE edge:
+    it works on a machine without libfuse3 (the FUSE binding refuses to
+    import there)."""
+    source = tmp_path / "dataset"
+    source.mkdir()
+    (source / "a.bin").write_bytes(b"a" * 1000)
+    script = (
+        "import sys\n"
+        "from cachefsd.cli import main\n"
+        f"code = main(['stage', {str(source)!r}, '--cache-dir', {str(tmp_path / 'cache')!r}])\n"
+        "print(code, sorted(name for name in sys.modules if 'fuse' in name))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[-2] == "0 []", result.stdout

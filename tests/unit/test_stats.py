@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from rich.console import Console
 
-from cachefsd.index import BlockRef, Index, StoredBlock
+from cachefsd.cache.index import BlockRef, Index, StoredBlock
 from cachefsd.metrics import LATENCY_BUCKETS, Metrics
 from cachefsd.stats import (
     HIT_WINDOW_SECONDS,

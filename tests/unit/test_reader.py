@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachefsd.blocks import FileSpan, block_bounds, block_range
-from cachefsd.chunks import cache as cache_module
-from cachefsd.chunks.codec import Codec, content_hash
+from cachefsd.cache import tiered as cache_module
+from cachefsd.cache.codec import Codec, content_hash
 from cachefsd.errors import DeadlineExceeded
+from cachefsd.reader import FileSpan, block_bounds, block_range
 from cachefsd.store.base import ObjectInfo
 from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory, joined

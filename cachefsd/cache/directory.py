@@ -23,15 +23,22 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from cachefsd.chunks.cache import CacheEvents, Damage, TieredCache, VerifyReport
-from cachefsd.chunks.codec import Codec
-from cachefsd.chunks.policy import LRU, EpochClock, ObservedEpochs, PlannedUse, make_policy
-from cachefsd.chunks.tier import Tier
+from cachefsd.cache.codec import Codec
+from cachefsd.cache.index import (
+    BLOCK_SIZE_META,
+    Index,
+    IndexDamaged,
+    IndexSchemaMismatch,
+    damage_note,
+    is_damage,
+)
+from cachefsd.cache.lock import CacheDirLock, create_cache_directory
+from cachefsd.cache.policy import LRU, EpochClock, ObservedEpochs, PlannedUse, make_policy
+from cachefsd.cache.tier import Tier
+from cachefsd.cache.tiered import CacheEvents, Damage, TieredCache, VerifyReport
 from cachefsd.config import CacheSettings, human_bytes, resolve_tier_size
 from cachefsd.errors import CachefsdError, ConfigError
-from cachefsd.index import BLOCK_SIZE_META, Index, IndexDamaged, IndexSchemaMismatch, damage_note, is_damage
 from cachefsd.metrics import Metrics
-from cachefsd.runtime import CacheDirLock, create_cache_directory
 
 log = logging.getLogger(__name__)
 

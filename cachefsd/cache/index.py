@@ -6,7 +6,7 @@ writer and a ``kill -9`` at any moment leaves the last committed state. The
 refcount of a block is not stored: it is the number of ``block_refs`` rows
 naming it, so it can never drift or go negative.
 
-Ordering with the files (see chunks/cache.py): a block file is renamed into
+Ordering with the files (see cache/tiered.py): a block file is renamed into
 place before its row is committed, and its row is deleted before the file is
 unlinked. So after a crash the index only names files that exist or are
 about to be reconciled away, and start-up removes files it does not name.

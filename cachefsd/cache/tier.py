@@ -26,8 +26,8 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from cachefsd.chunks.codec import Codec
-from cachefsd.chunks.policy import EvictionPolicy
+from cachefsd.cache.codec import Codec
+from cachefsd.cache.policy import EvictionPolicy
 from cachefsd.errors import CachefsdError
 
 log = logging.getLogger(__name__)

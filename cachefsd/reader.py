@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cachefsd.aio import LoopThread
-from cachefsd.chunks.cache import TieredCache
-from cachefsd.chunks.codec import HEADER_SIZE, content_hash
+from cachefsd.cache.codec import HEADER_SIZE, content_hash
+from cachefsd.cache.index import BlockRef
+from cachefsd.cache.tiered import TieredCache
 from cachefsd.errors import DeadlineExceeded, ObjectChanged, StoreError
 from cachefsd.fetch import Fetcher, FetchKind
-from cachefsd.index import BlockRef
 from cachefsd.singleflight import SingleFlight
 from cachefsd.store.base import ObjectInfo
 

@@ -40,11 +40,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, TypeVar
 
-from cachefsd.chunks.codec import Codec, CorruptBlock, check_raw, decode, encode
-from cachefsd.chunks.policy import PlannedUse
-from cachefsd.chunks.tier import NoRoom, Tier, UnplaceableBlock, disk_bytes
+from cachefsd.cache.codec import Codec, CorruptBlock, check_raw, decode, encode
+from cachefsd.cache.index import BlockRef, Index, IndexDamaged, StoredBlock
+from cachefsd.cache.policy import PlannedUse
+from cachefsd.cache.tier import NoRoom, Tier, UnplaceableBlock, disk_bytes
 from cachefsd.config import human_bytes
-from cachefsd.index import BlockRef, Index, IndexDamaged, StoredBlock
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,186 @@
+"""The control API's client: what the CLI and loaders (``cachefsd.hints``)
+use to reach the daemon of a mount over its Unix socket (see server.py for
+the endpoints).
+
+Only the standard library is used, so ``cachefsd.hints`` stays importable in
+any training environment. One request per connection: connections are cheap
+on a Unix socket, and it keeps every wait a single bounded socket timeout.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from cachefsd.control.mounts import MountOf
+from cachefsd.errors import ControlError
+
+# Client: a connect to a live daemon is immediate; one that does not accept
+# within this long is wedged.
+
+
+# Client: a connect to a live daemon is immediate; one that does not accept
+# within this long is wedged.
+CONNECT_TIMEOUT_SECONDS = 5.0
+
+
+# Client: how long a call waits for an answer. A hint for millions of paths
+# is checked against the namespace before the daemon answers, which may take
+# a few listings when they are not cached yet.
+CALL_TIMEOUT_SECONDS = 60.0
+
+
+# Client: the longest silence accepted while a stage streams. The server
+# sends a progress event at least every ``stage.PROGRESS_INTERVAL_SECONDS``,
+# so this only trips on a daemon that stopped answering.
+STREAM_IDLE_SECONDS = 60.0
+
+
+NDJSON = "application/x-ndjson"
+# The largest request body accepted. A hint carries one path per sample of
+# an epoch: 10 million samples with ~25-byte paths is ~250 MB of JSON, and a
+# body is read into memory once, so 256 MiB admits the largest datasets we
+# know of while bounding what one request can make the daemon allocate.
+MAX_BODY_BYTES = 256 << 20
+
+
+# Requests other than a hint are a few fields; anything larger is a mistake.
+SMALL_BODY_BYTES = 64 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class StageRequest:
+    """What ``POST /stage`` asks for: the files under ``path`` (mount-relative)
+    whose mount-relative path matches ``include``, fetched into ``tier``
+    (None: the fastest with room), or only measured when ``check``."""
+
+    path: str = "/"
+    include: str | None = None
+    tier: str | None = None
+    check: bool = False
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(min(self.timeout or CONNECT_TIMEOUT_SECONDS, CONNECT_TIMEOUT_SECONDS))
+            sock.connect(self._path)
+            sock.settimeout(self.timeout)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class ControlClient:
+    """Calls the control API of one daemon; every call is bounded in time
+    and raises ``ControlError`` (never a raw socket error)."""
+
+    def __init__(self, socket_path: str | Path, timeout: float = CALL_TIMEOUT_SECONDS) -> None:
+        self.socket_path = str(socket_path)
+        self._timeout = timeout
+
+    def stats(self) -> dict[str, Any]:
+        return self._call("GET", "/stats", None, self._timeout)
+
+    def hint(self, order: list[str], part: tuple[int, int] | None = None) -> tuple[int, int]:
+        body: dict[str, Any] = {"order": order}
+        if part is not None:
+            body["part"] = list(part)
+        answer = self._call("POST", "/hint", body, self._timeout, MAX_BODY_BYTES)
+        return int(answer["accepted"]), int(answer["unknown"])
+
+    def stage(self, request: StageRequest) -> Iterator[dict[str, Any]]:
+        """The events of a stage as they arrive, ending with its summary
+        (``ControlError`` if it ends with an error or the stream breaks)."""
+        connection = self._open("POST", "/stage", asdict(request), STREAM_IDLE_SECONDS, SMALL_BODY_BYTES)
+        try:
+            response = self._response(connection)
+            if response.status != 200:
+                raise ControlError(self._refusal(response))
+            for line in response:
+                event = json.loads(line)
+                if event.get("event") == "error" and event.get("cancelled"):
+                    raise ControlError(
+                        f"the stage stopped part way ({event.get('message')}); what it staged is kept, "
+                        "and a rerun on the next mount resumes"
+                    )
+                if event.get("event") == "error":
+                    raise ControlError(f"the daemon failed to stage: {event.get('message')}")
+                yield event
+                if event.get("event") == "summary":
+                    return
+            raise ControlError("the daemon closed the stage stream without a summary")
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise ControlError(f"lost the daemon at {self.socket_path} while staging: {exc}") from exc
+        finally:
+            connection.close()
+
+    def _call(self, method: str, path: str, body: Any, timeout: float, limit: int = SMALL_BODY_BYTES) -> Any:
+        connection = self._open(method, path, body, timeout, limit)
+        try:
+            response = self._response(connection)
+            payload = response.read()
+            if response.status != 200:
+                raise ControlError(self._refusal(response, payload))
+            return json.loads(payload)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise ControlError(f"no answer from the daemon at {self.socket_path}: {exc}") from exc
+        finally:
+            connection.close()
+
+    def _open(self, method: str, path: str, body: Any, timeout: float, limit: int) -> _UnixConnection:
+        data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+        if data is not None and len(data) > limit:
+            raise ControlError(
+                f"{method} {path}: the request is {len(data)} bytes, over the daemon's limit of {limit}"
+            )
+        connection = _UnixConnection(self.socket_path, timeout)
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        try:
+            connection.request(method, path, body=data, headers=headers)
+        except (BrokenPipeError, ConnectionResetError):
+            # The daemon answered and closed before reading the whole body
+            # (a refusal, e.g. 413): its answer is still there to be read.
+            pass
+        except OSError as exc:
+            connection.close()
+            raise ControlError(
+                f"cannot reach the daemon at {self.socket_path}: {exc.strerror or exc}"
+            ) from exc
+        return connection
+
+    def _response(self, connection: _UnixConnection) -> http.client.HTTPResponse:
+        try:
+            return connection.getresponse()
+        except (OSError, http.client.HTTPException) as exc:
+            raise ControlError(f"no answer from the daemon at {self.socket_path}: {exc}") from exc
+
+    @staticmethod
+    def _refusal(response: http.client.HTTPResponse, payload: bytes | None = None) -> str:
+        payload = response.read() if payload is None else payload
+        try:
+            message = json.loads(payload)["error"]
+        except (ValueError, KeyError, TypeError):
+            message = payload.decode(errors="replace").strip() or response.reason
+        return f"the daemon refused the request ({response.status}): {message}"
+
+
+def client_for(mount: MountOf, timeout: float = CALL_TIMEOUT_SECONDS) -> ControlClient:
+    """A client for the daemon of ``mount``; ``ControlError`` saying why
+    there is none (not running, or too old to serve the API)."""
+    if not mount.live:
+        raise ControlError(f"the daemon of {mount.mountpoint} is not running (pid {mount.state.pid})")
+    if mount.state.control_socket is None:
+        raise ControlError(f"the daemon of {mount.mountpoint} serves no control API (restart the mount)")
+    return ControlClient(mount.state.control_socket, timeout)
