@@ -40,7 +40,7 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
-from cachefsd.cli import unmount
+from cachefsd.cli.supervise import unmount
 from cachefsd.testing.s3_server import S3TestServer
 
 READ_CHUNK = 1 << 20

@@ -28,8 +28,8 @@ from typing import Any
 
 from cachefsd.cache.codec import HEADER_SIZE
 from cachefsd.cache.tier import disk_bytes
+from cachefsd.cli.top import SPARK_CHARS
 from cachefsd.testing.s3_server import S3TestServer
-from cachefsd.top import SPARK_CHARS
 from tests.integration.conftest import Mount, MountFactory, run_cli
 from tests.integration.datasets import new_bucket, put_objects
 

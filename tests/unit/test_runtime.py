@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cachefsd.cache.lock import CacheDirLock, create_cache_directory
-from cachefsd.cli import LogfmtFormatter
+from cachefsd.cli.logs import LogfmtFormatter
 from cachefsd.control.mounts import MountState, pid_alive, read_state, runtime_dir, state_path, write_state
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.preflight import check_allow_other, check_fuse_device, notify_systemd

@@ -16,15 +16,15 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from cachefsd import stage
 from cachefsd.cache.codec import Codec, encode
 from cachefsd.cache.policy import LruPolicy, MinioPolicy
 from cachefsd.cache.tier import disk_bytes
+from cachefsd.cli.stage import ProgressView, printable, summary_lines
 from cachefsd.control.client import StageRequest
 from cachefsd.control.server import MountHandlers
 from cachefsd.errors import BadRequest, StageCancelled
 from cachefsd.globs import PathGlob
-from cachefsd.stage import ProgressView, compile_include, stage_files, summary_lines
+from cachefsd.stage import compile_include, stage_files
 from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory
 
@@ -334,7 +334,7 @@ def test_progress_view_shows_progress_and_keeps_failures(
 def test_failure_lines_show_names_as_one_printable_line() -> None:
     """An object name is anyone's bytes: a newline would forge a second
     line, an escape sequence would reach the terminal."""
-    assert stage._printable("nl\nname\x1b[31m\udcffé") == "nl\\nname\\x1b[31m\\udcffé"
+    assert printable("nl\nname\x1b[31m\udcffé") == "nl\\nname\\x1b[31m\\udcffé"
 
 
 def test_an_offline_stage_imports_no_fuse_module(tmp_path: Path) -> None:

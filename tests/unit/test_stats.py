@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from rich.console import Console
 
 from cachefsd.cache.index import BlockRef, Index, StoredBlock
+from cachefsd.cli.stats import render
+from cachefsd.cli.top import SPARK_CHARS, Keys, Throughput, sparkline
 from cachefsd.metrics import LATENCY_BUCKETS, Metrics
 from cachefsd.stats import (
     HIT_WINDOW_SECONDS,
@@ -29,9 +31,7 @@ from cachefsd.stats import (
     Residency,
     bound_prefixes,
     histogram_quantile,
-    render,
 )
-from cachefsd.top import SPARK_CHARS, Keys, Throughput, sparkline
 
 INF = float("inf")
 

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from cachefsd.cli import unmount
+from cachefsd.cli.supervise import unmount
 
 CLASSES = 8
 FILES_PER_CLASS = 64

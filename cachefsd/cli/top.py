@@ -26,9 +26,9 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import IO, Any
 
+from cachefsd.cli.stats import render
 from cachefsd.config import human_bytes
 from cachefsd.control.client import ControlClient
-from cachefsd.stats import render
 
 # A redraw a second: fast enough to watch an epoch's hit ratio move, and a
 # stats call costs the daemon one registry collect (about a millisecond).
