@@ -2,7 +2,7 @@
 on disk, the daemon is killed mid-read, the cache disk fills up, and a second
 daemon reaches for a cache directory in use.
 
-The promises under test (DESIGN.md, "Integrity" and "Fetcher"): a read
+The promises under test (SEMANTICS.md, "Errors" and "Crashes"): a read
 returns the object's exact bytes or fails with EIO after a bounded time; the
 cache is advisory, so any trouble in it becomes a miss and a re-fetch; and a
 ``kill -9`` at any moment never leaves a wrong byte to be served.

@@ -3,7 +3,7 @@ fetch deadline, an outage that outlasts the metadata TTL, and a store that
 fails both ways, hung (SIGSTOP: connections accepted, never answered) or
 gone (killed: connections refused).
 
-The promises under test (SEMANTICS.md, "Failures"): a cached file opens
+The promises under test (SEMANTICS.md, "Errors"): a cached file opens
 and reads at once through an outage of any length, whatever the deadline;
 ``ls`` of what was listed answers at once; an uncached read fails with EIO
 within one deadline; once the store is back the mount recovers by itself,

@@ -1,13 +1,13 @@
 """Hot and warm tiers through real mounts: blocks move between tiers and
 never overflow them, identical content is cached and downloaded once, a
 ``kill -9`` under churn leaves a cache that ``verify`` finds clean, and the
-maintenance commands and tier flags behave as the CLI contract says.
+maintenance commands and tier flags behave as doc/configuration.md says.
 
-The promises under test (DESIGN.md, "Tiers" and "Integrity"): each tier's
-capacity is never exceeded; blocks are demoted instead of dropped and
-promoted on reuse; warm frames are compressed; a block is stored once
-whatever object, prefix or bucket holds it; nothing a crash leaves behind
-is ever served or reported clean.
+The promises under test (doc/configuration.md, "Tiers"; SEMANTICS.md,
+"Crashes"): each tier's capacity is never exceeded; blocks are demoted
+instead of dropped and promoted on reuse; warm frames are compressed; a
+block is stored once whatever object, prefix or bucket holds it; nothing a
+crash leaves behind is ever served or reported clean.
 
 Bytes on disk are counted as the daemon accounts them: each block file's
 size rounded up to the 4 KiB allocation unit. Every wait is a bounded poll.

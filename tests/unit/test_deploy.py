@@ -25,7 +25,8 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "cachefsd.json"
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 SCRAPE = ROOT / "deploy" / "prometheus" / "scrape.yaml"
 UNIT = ROOT / "systemd" / "cachefsd@.service"
-DOCS = (ROOT / "README.md", ROOT / "SEMANTICS.md")
+DOC_DIR = ROOT / "doc"
+DOCS = (ROOT / "README.md", ROOT / "SEMANTICS.md", *sorted(DOC_DIR.glob("*.md")))
 # The oldest Kubernetes release the manifests are meant for.
 KUBERNETES_VERSION = "1.30.0"
 METRIC_NAME = re.compile(r"\bcachefsd_[a-z0-9_]*[a-z0-9]")
@@ -169,11 +170,9 @@ def test_docs_name_only_exported_metrics(doc: Path) -> None:
     )
 
 
-def test_readme_deployment_section_names_existing_files() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Deployment\n") :]
-    section = section[: section.index("\n## ", 1)]
-    paths = set(re.findall(r"`((?:deploy|systemd)/[^`\s]+)`", section))
+def test_deployment_doc_names_existing_files() -> None:
+    page = (DOC_DIR / "deployment.md").read_text()
+    paths = set(re.findall(r"`((?:deploy|systemd)/[^`\s]+)`", page))
     assert paths
     missing = sorted(path for path in paths if not (ROOT / path).exists())
     assert not missing, missing
@@ -466,12 +465,12 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     assert not problems, "\n".join(problems)
 
 
-def test_the_readme_configuration_example_is_valid(tmp_path: Path) -> None:
+def test_the_configuration_example_is_valid(tmp_path: Path) -> None:
     """Users copy it whole."""
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("```toml\n") + len("```toml\n")
+    page = (DOC_DIR / "configuration.md").read_text()
+    start = page.index("```toml\n") + len("```toml\n")
     config = tmp_path / "cachefsd.toml"
-    config.write_text(readme[start : readme.index("```", start)])
+    config.write_text(page[start : page.index("```", start)])
     required = {"source": "s3://bucket", "mountpoint": str(tmp_path / "mnt")}
     settings = load_settings(config, required, environ={})
     assert settings.cache.hot is not None
