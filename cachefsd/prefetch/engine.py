@@ -16,7 +16,7 @@ Budget, whatever the number of open files:
   arrival was fetched for nothing;
 - at most ``bandwidth`` bytes per second when set (a token bucket).
 A demand read of a block being prefetched joins its GET (single-flight in
-``blocks.py``; the prefetch then counts as used, late), and a failed
+``reader.py``; the prefetch then counts as used, late), and a failed
 prefetch only logs. One run starts with a read, on the reader's thread: a
 large file's first read in its first block begins the file's first run,
 whose GET brings that read's block first, at a demand read's priority
