@@ -24,7 +24,7 @@ from cachefsd.cache.directory import open_cache, tier_specs
 from cachefsd.cache.index import Index
 from cachefsd.cache.policy import PlannedUse
 from cachefsd.cache.tiered import TieredCache
-from cachefsd.config import Settings, StoreSettings, human_bytes
+from cachefsd.config import FetchSettings, Settings, StoreSettings, human_bytes
 from cachefsd.errors import CachefsdError
 from cachefsd.fetch import Fetcher
 from cachefsd.fs import FileSystem
@@ -38,8 +38,8 @@ from cachefsd.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
-# Opens the source of a mount: (source URL or path, store settings, attempt timeout).
-StoreFactory = Callable[[str, StoreSettings, float], ObjectStore]
+# Opens the source of a mount: (source URL or path, store settings, fetch settings).
+StoreFactory = Callable[[str, StoreSettings, FetchSettings], ObjectStore]
 
 # Proving the source reachable at mount: a connect timeout plus one small
 # request. Longer than that and the user is better served by an error.
@@ -101,7 +101,7 @@ def engine(
     try:
         # The source first: a mount that fails on it must not have opened
         # (and trimmed to a mistyped capacity) the cache.
-        store = store_factory(settings.source, settings.store, settings.fetch.attempt_timeout)
+        store = store_factory(settings.source, settings.store, settings.fetch)
         try:
             if not io.run(store.check(), MOUNT_CHECK_SECONDS):
                 log.warning("%s holds no objects: is its prefix mistyped?", store.uri)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from cachefsd.config import StoreSettings
+from cachefsd.config import FetchSettings, StoreSettings
 from cachefsd.errors import ConfigError
 from cachefsd.store.base import ObjectStore
 from cachefsd.store.local import LocalStore
@@ -19,9 +19,10 @@ from cachefsd.store.local import LocalStore
 _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$")
 
 
-def open_store(source: str, settings: StoreSettings, attempt_timeout: float) -> ObjectStore:
+def open_store(source: str, settings: StoreSettings, fetch: FetchSettings) -> ObjectStore:
     """The store for ``s3://bucket[/prefix]``, ``gs://bucket[/prefix]``,
-    ``file:///dir`` or ``/dir``; ``ConfigError`` naming ``source`` otherwise."""
+    ``file:///dir`` or ``/dir``, each attempt of a request cut at
+    ``fetch.attempt_timeout``; ``ConfigError`` naming ``source`` otherwise."""
     scheme, sep, rest = source.partition("://")
     if sep and scheme in ("s3", "gs"):
         bucket, _, prefix = rest.partition("/")
@@ -30,10 +31,10 @@ def open_store(source: str, settings: StoreSettings, attempt_timeout: float) -> 
         if scheme == "s3":
             from cachefsd.store.s3 import S3Store  # noqa: PLC0415 - load an SDK only when used
 
-            return S3Store(bucket, prefix.strip("/"), settings, attempt_timeout)
+            return S3Store(bucket, prefix.strip("/"), settings, fetch.attempt_timeout)
         from cachefsd.store.gcs import GcsStore  # noqa: PLC0415 - load an SDK only when used
 
-        return GcsStore(bucket, prefix.strip("/"), attempt_timeout)
+        return GcsStore(bucket, prefix.strip("/"), fetch.attempt_timeout, fetch.concurrency)
     if sep and scheme != "file":
         raise ConfigError(f"source: unsupported scheme {scheme!r}: use s3://, gs://, file:// or a directory")
     path = Path(rest if sep else source).expanduser()

@@ -50,11 +50,6 @@ _T = TypeVar("_T")
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 _READ_ONLY_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
 
-# Threads (and pooled HTTP connections) for blocking client calls: the
-# fetcher's default concurrency (FetchSettings.concurrency), so a full fetch
-# queue never waits for a thread.
-_THREADS = 32
-
 # The JSON API's maximum page size; a 10,000-entry directory is ten requests.
 _LIST_PAGE_SIZE = 1000
 
@@ -117,7 +112,7 @@ def _mtime(blob: storage.Blob) -> float:
 class GcsStore:
     """Objects under ``gs://bucket/prefix``, keys relative to the prefix."""
 
-    def __init__(self, bucket: str, prefix: str, attempt_timeout: float) -> None:
+    def __init__(self, bucket: str, prefix: str, attempt_timeout: float, threads: int) -> None:
         # Immutable after construction.
         self._bucket_name = bucket
         self._prefix = prefix.strip("/")
@@ -125,7 +120,10 @@ class GcsStore:
         self._attempt_timeout = attempt_timeout
         emulator = os.environ.get(EMULATOR_ENV)  # read by the client when it is made
         self._cache_key = f"{self.uri}@{redact_url(emulator)}" if emulator else self.uri
-        self._executor = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="cachefsd-gcs")
+        # Threads (and pooled HTTP connections) for blocking client calls: as
+        # many as requests the fetcher has in flight, so none waits for a thread.
+        self._threads = threads
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cachefsd-gcs")
         # Set once by _get_bucket on the loop thread (under _client_lock),
         # then only read. One client serves every pool thread, as in the
         # library's own transfer_manager thread mode.
@@ -163,7 +161,7 @@ class GcsStore:
         else:
             credentials, _ = google.auth.default(scopes=[_READ_ONLY_SCOPE])
         session = AuthorizedSession(credentials)
-        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=_THREADS)
+        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=self._threads)
         session.mount("https://", adapter)
         session.mount("http://", adapter)
         # project=None: bucket and object calls need no project, and looking

@@ -43,7 +43,7 @@ from google.api_core import exceptions as api_exceptions
 from google.auth import exceptions as auth_exceptions
 from google.cloud import storage
 
-from cachefsd.config import StoreSettings
+from cachefsd.config import FetchSettings, StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
 from cachefsd.store import gcs as gcs_module
 from cachefsd.store import s3 as s3_module
@@ -111,6 +111,8 @@ LISTED_PREFIXES = ("", "a/", "a/b/", "a/b/c/", "dir/", "spaces/", "unicode/", "l
 
 # Seeding over HTTP is I/O bound; a few threads make 1,100 PUTs take ~1 s.
 SEED_THREADS = 16
+# Threads of a GcsStore under test: as many as the fetcher's default requests in flight.
+GCS_THREADS = FetchSettings().concurrency
 
 
 @dataclass(frozen=True)
@@ -204,10 +206,10 @@ def _gcs_backend(client: storage.Client) -> Backend:
         bucket.blob(key).upload_from_string(b"outside")
     return Backend(
         "gcs",
-        lambda: GcsStore(bucket_name, f"/{REMOTE_PREFIX}/", ATTEMPT_TIMEOUT_SECONDS),
+        lambda: GcsStore(bucket_name, f"/{REMOTE_PREFIX}/", ATTEMPT_TIMEOUT_SECONDS, GCS_THREADS),
         put,
         SEED,
-        lambda: GcsStore(bucket_name, f"/{REMOTE_PREFIX}-typo/", ATTEMPT_TIMEOUT_SECONDS),
+        lambda: GcsStore(bucket_name, f"/{REMOTE_PREFIX}-typo/", ATTEMPT_TIMEOUT_SECONDS, GCS_THREADS),
     )
 
 
@@ -490,7 +492,7 @@ def test_gcs_unreachable_endpoint_names_it(monkeypatch: pytest.MonkeyPatch) -> N
     """By its URL without the credentials it may carry, in the message as in the cache key."""
     port = _closed_port()
     monkeypatch.setenv(gcs_module.EMULATOR_ENV, f"http://emu:Secret9@127.0.0.1:{port}")
-    store = GcsStore("bkt", "", ATTEMPT_TIMEOUT_SECONDS)
+    store = GcsStore("bkt", "", ATTEMPT_TIMEOUT_SECONDS, GCS_THREADS)
     assert store.cache_key == f"gs://bkt@http://127.0.0.1:{port}"
 
     began = time.monotonic()
@@ -665,11 +667,11 @@ def test_s3_error_table(code: str, status: int, expected: type[StoreError]) -> N
 
 @pytest.mark.parametrize(("prefix", "uri"), [("", "gs://bkt"), ("/data/v1/", "gs://bkt/data/v1")])
 def test_gcs_uri_is_normalised(prefix: str, uri: str) -> None:
-    assert GcsStore("bkt", prefix, ATTEMPT_TIMEOUT_SECONDS).uri == uri
+    assert GcsStore("bkt", prefix, ATTEMPT_TIMEOUT_SECONDS, GCS_THREADS).uri == uri
 
 
 def test_gcs_missing_bucket_fails_fast(gcs_emulator: object) -> None:
-    store = GcsStore("no-such-bucket-here", "x", ATTEMPT_TIMEOUT_SECONDS)
+    store = GcsStore("no-such-bucket-here", "x", ATTEMPT_TIMEOUT_SECONDS, GCS_THREADS)
 
     began = time.monotonic()
     with pytest.raises(ObjectNotFound, match="bucket 'no-such-bucket-here' does not exist"):

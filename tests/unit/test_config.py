@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cachefsd.cache.directory import tier_specs
-from cachefsd.config import StoreSettings, load_settings, parse_duration, parse_size
+from cachefsd.config import FetchSettings, StoreSettings, load_settings, parse_duration, parse_size
 from cachefsd.errors import ConfigError
 from cachefsd.store import open_store
 from cachefsd.store.base import redact_url
@@ -163,7 +163,7 @@ def test_the_default_cache_directory_is_the_one_its_tier_names(
 def test_bucket_names_the_services_have_allowed_are_accepted(source: str) -> None:
     """Legacy us-east-1 buckets may have capitals, underscores and 255
     characters; dotted GCS names up to 222: the service says if they exist."""
-    store = open_store(source, StoreSettings(), attempt_timeout=1.0)
+    store = open_store(source, StoreSettings(), FetchSettings(attempt_timeout=1.0))
     assert store.uri == source
 
 
@@ -172,7 +172,7 @@ def test_bucket_names_the_services_have_allowed_are_accepted(source: str) -> Non
 )
 def test_bucket_names_no_service_allows_name_the_source(source: str) -> None:
     with pytest.raises(ConfigError, match=r"source: invalid bucket name"):
-        open_store(source, StoreSettings(), attempt_timeout=1.0)
+        open_store(source, StoreSettings(), FetchSettings(attempt_timeout=1.0))
 
 
 @pytest.mark.parametrize(
@@ -185,7 +185,8 @@ def test_bucket_names_no_service_allows_name_the_source(source: str) -> None:
     ],
 )
 def test_a_source_is_keyed_by_its_endpoint(endpoint: str | None, key: str) -> None:
-    store = open_store("s3://data/p", StoreSettings(endpoint_url=endpoint), attempt_timeout=1.0)
+    settings = StoreSettings(endpoint_url=endpoint)
+    store = open_store("s3://data/p", settings, FetchSettings(attempt_timeout=1.0))
     assert store.cache_key == key
     assert store.uri == "s3://data/p"
 
