@@ -29,7 +29,7 @@ a block being read) is outside this trace. Prints a table and writes ``benchmark
 each its own shuffled passes, interleaved at random; an "epoch" is then one
 pass of each. The epoch clock cannot tell the jobs apart: it sees re-reads
 all the time and counts epochs many times too fast, and the epoch-aware
-policy falls below MinIO (hunt Q). It shows what a fix must beat.
+policy falls below MinIO. It shows what a fix must beat.
 
     .venv/bin/python benchmarks/policy_sim.py [--files 1000] [--epochs 5] [--seed 0] [--readers 1]
 """

@@ -111,7 +111,7 @@ class FileSystem:
         # its size; until we drop the kernel's attributes of the key (an open
         # or a release says when). Our getattr replies prove nothing: the
         # kernel discards one that raced another update of the attributes,
-        # and kept the old size (reads cut at it, hunt N).
+        # and kept the old size (reads cut at it).
         self._replaced: dict[str, str] = {}
         # (key, etag) -> a version gone upstream while a handle still reads
         # it: its blocks are released when its last handle is.

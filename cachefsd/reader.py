@@ -55,7 +55,7 @@ BRIDGE_MARGIN_SECONDS = 2.0
 GIVEN_UP_SECONDS = 2.0
 # Versions found changed or deleted upstream, remembered (most recent) so
 # that a handle still pinned to one fails its uncached reads at once: each
-# was a GET answered 412 and a warning, 156 a second from one reader (hunt M).
+# was a GET answered 412 and a warning, 156 a second from one reader.
 GONE_VERSIONS_REMEMBERED = 4096
 # Consecutive blocks of a file fetched ahead (prefetch, stage) with one GET,
 # at most: a stream through a large file costs a request per 128 MiB, not

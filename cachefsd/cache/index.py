@@ -113,7 +113,7 @@ def is_damage(exc: sqlite3.DatabaseError | IndexDamaged) -> bool:
     """Whether the index file is not an intact one of ours. sqlite's
     extended codes (SQLITE_CORRUPT_INDEX, ...) count by their primary code.
     An OperationalError with none is raised by Python's sqlite3 reading a
-    value that is not UTF-8 text (a flipped byte), damage too (hunt N). Not
+    value that is not UTF-8 text (a flipped byte), damage too. Not
     any error without a code: a ProgrammingError is our bug."""
     if isinstance(exc, IndexDamaged):
         return True
@@ -138,7 +138,7 @@ R = TypeVar("R")
 
 def _noting_damage(method: Callable[Concatenate[Index, P], R]) -> Callable[Concatenate[Index, P], R]:
     """Damage sqlite notices only when a statement reaches it (a page of an
-    index that only writes read, hunt P) is noted for the next open: the
+    index that only writes read) is noted for the next open: the
     error still goes to the caller, for whom the cache is best effort."""
 
     @functools.wraps(method)
@@ -221,7 +221,7 @@ class Index:
         ):
             ref = BlockRef(source, key, etag, _integer(block, "a block number"))
             # A key sqlite holds once: twice, a flipped block number made one
-            # block's row name another's, whose bytes it then served (hunt P).
+            # block's row name another's, whose bytes it then served.
             if not (type(source) is str and type(key) is str and type(etag) is str) or ref in self._refs:
                 raise IndexDamaged(f"block reference {ref}")
             self._add_ref_locked(ref, _block_name(digest))

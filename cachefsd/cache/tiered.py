@@ -61,12 +61,12 @@ CHECKED_FILES_REMEMBERED = 1 << 15
 # A frame buffer a FUSE thread keeps for checking raw blocks, at most: a
 # default block and its header. Larger blocks are checked in a buffer of
 # their own, freed after: kept, 64 MiB blocks held 704 MiB in 11 threads
-# for the daemon's life (hunt M).
+# for the daemon's life.
 KEPT_FRAME_BYTES = (4 << 20) + 4096
 # A tier whose disk failed a write takes no blocks (and offers no room to
 # prefetch) for this long, then is tried again: a read-only or vanished
 # disk made prefetch fetch the same blocks over and over, 1.2 GB in 10 s,
-# with a warning for each (hunt N).
+# with a warning for each.
 DISK_ERROR_BACKOFF_SECONDS = 30.0
 
 DedupWhere = Literal["disk", "wire"]
@@ -539,8 +539,7 @@ class TieredCache:
         """A write of ``digest`` to ``tier`` failed: the tier takes no
         blocks for a while (its room is 0), with one warning. Unless the
         disk took the bytes and only this block's name is blocked: then only
-        this block is not cached there (one bad path stopped the whole tier,
-        hunt P)."""
+        this block is not cached there (a bad path must not stop the whole tier)."""
         if isinstance(exc, UnplaceableBlock):
             self._unplaceable[tier.name].add(digest)
             consequence = "it is not cached there until a restart"

@@ -100,7 +100,7 @@ def _encode(row: tuple[str, str, float], listing: Listing) -> bytes:
     fails the check on load, and the directory is listed again: one flipped
     digit of a size served a file short on every mount, one byte of the
     table's index served a directory under another's name, one bit of the
-    time kept a listing fresh for ever (hunt P)."""
+    time kept a listing fresh for ever."""
     body = json.dumps(
         {
             "objects": [[o.key, o.size, o.etag, o.mtime] for o in listing.objects],
@@ -383,7 +383,7 @@ class Namespace:
         for info in gone:
             # Before any lookup can see the new versions: an open of one
             # must know that the kernel may hold the old one's size (reads
-            # through the page cache were cut at it, hunt N).
+            # through the page cache were cut at it).
             self._on_version_replaced(info)
         with self._lock:
             self._dirs[prefix] = cached

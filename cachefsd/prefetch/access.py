@@ -131,7 +131,7 @@ STREAM_MAX_WINDOW: Final = 64 << 20
 # kernel sends one 1 MiB pread as several contiguous READs, and one mmap
 # fault as a read-around of up to its read-ahead (a block, 4 MiB); two
 # READs made every random reader a stream, fetched ahead by up to two
-# runs (hunt O: 1.6 GB for ten 1 MiB preads of a 6 GiB file).
+# runs (1.6 GB for ten 1 MiB preads of a 6 GiB file).
 STREAM_CONFIRM_BYTES: Final = 8 << 20
 # Files up to this size are one default block, fetched whole by their first
 # read; only larger files get streams.

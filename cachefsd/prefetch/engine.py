@@ -346,7 +346,7 @@ class Prefetcher:
         blocks or just past them (``access`` slack), a stream; further on, a
         jump (only a header was read). A read in the first block says
         nothing: a header read again, or the kernel's read-ahead of the
-        first read, took a run of 128 MiB for a stream (hunt O)."""
+        first read, took a run of 128 MiB for a stream."""
         if offset < self._reader.block_size:
             return
         ref = self._reader.ref(info, 0)

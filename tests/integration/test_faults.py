@@ -346,7 +346,7 @@ def _tiny_disk(path: Path) -> Iterator[Path]:
 
 def test_a_new_cache_on_a_full_disk_fails_the_mount_saying_so(tmp_path: Path) -> None:
     """The lock file's pid could not be written: "unexpected error: [Errno
-    28]" (hunt P). The pid is only for messages; the index names the cause."""
+    28]". The pid is only for messages; the index names the cause."""
     source, mountpoint = tmp_path / "src", tmp_path / "mnt"
     source.mkdir()
     mountpoint.mkdir()

@@ -311,7 +311,7 @@ def test_a_cache_mounted_at_another_block_size_forgets_its_blocks(
     assert "filled at 4.0 MiB blocks, now read at 1.0 MiB" in caplog.text
     assert _reopen(tmp_path, 1 << 20)
     # Sizes that print alike are told apart (a damaged record said "filled
-    # at 4.0 MiB blocks, now read at 4.0 MiB", hunt R).
+    # at 4.0 MiB blocks, now read at 4.0 MiB").
     database = sqlite3.connect(tmp_path / "index.sqlite", isolation_level=None)
     database.execute("UPDATE meta SET value = ? WHERE name = 'block_size'", (str((1 << 20) + 1),))
     database.close()
@@ -424,12 +424,12 @@ CREATE INDEX block_refs_by_hash ON block_refs(hash);
 @pytest.mark.parametrize(
     "damage",
     [
-        # Not UTF-8 text: Python's sqlite3 fails with no SQLite code (hunt N).
+        # Not UTF-8 text: Python's sqlite3 fails with no SQLite code.
         "UPDATE block_refs SET hash = CAST(x'68ff74' AS TEXT)",
         # In the blocks table, which the load does not read but reconcile
-        # does: "database disk image is malformed" refused the mount (hunt P).
+        # does: "database disk image is malformed" refused the mount.
         "UPDATE blocks SET tier = CAST(x'68ff74' AS TEXT)",
-        # Values sqlite stores as they come, that we never wrote (hunt P).
+        # Values sqlite stores as they come, that we never wrote.
         "UPDATE blocks SET disk_bytes = 'x'",
         "UPDATE blocks SET tier = x'05'",  # a blob: TEXT columns keep numbers as text
         "UPDATE blocks SET last_used = 'x'",
@@ -440,7 +440,7 @@ CREATE INDEX block_refs_by_hash ON block_refs(hash);
         "UPDATE meta SET value = '4M' WHERE name = 'block_size'",  # read by a mount, not by verify
         _DUPLICATE_REFERENCE,
         # An index of a table that no longer matches it: seen by a write
-        # that reaches it, or by verify's integrity check (hunt P).
+        # that reaches it, or by verify's integrity check.
         "PRAGMA writable_schema = ON; "
         "UPDATE sqlite_master SET sql = 'CREATE INDEX block_refs_by_hash ON block_refs(etag)' "
         "WHERE name = 'block_refs_by_hash'",
@@ -479,7 +479,7 @@ def test_a_damaged_index_is_reported_by_verify_and_set_aside_by_a_mount(
         opened.cache.admit(ref("k"), content_hash(data), data)
         assert read(opened.cache, ref("k")) == data
     assert "index.sqlite is damaged" in caplog.text
-    assert "the next mount sets it aside" not in caplog.text  # this one did (hunt S)
+    assert "the next mount sets it aside" not in caplog.text  # this one did
     assert (cache_dir / "index.sqlite.damaged").exists()  # for a post-mortem
     assert verify(cache_dir, repair=False).checked == 1
 
@@ -488,7 +488,7 @@ def test_damage_found_while_serving_is_set_aside_by_the_next_mount(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Damage sqlite only notices when a write reaches it: each admission
-    failed to be recorded, at every mount, and verify said clean (hunt P)."""
+    failed to be recorded, at every mount, and verify said clean."""
     spec = TierSpec("hot", str(tmp_path), 1 << 20, "raw")
 
     def mount() -> Any:
@@ -546,7 +546,7 @@ def test_a_directory_where_the_damaged_index_or_its_note_goes_does_not_refuse_th
 )
 def test_a_damaged_tier_layout_is_reported_by_verify(tmp_path: Path, layout: str) -> None:
     """verify reads the layout the index records (the mount does not):
-    damaged, it printed a traceback (hunt P)."""
+    damaged, it printed a traceback."""
     spec = TierSpec("hot", str(tmp_path), 1 << 20, "raw")
     with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())):
         pass
@@ -587,7 +587,7 @@ def test_an_unwritable_tier_falls_through_to_the_next(tmp_path: Path) -> None:
 
 def test_checking_a_large_block_keeps_no_buffer_of_its_size(tmp_path: Path) -> None:
     """Each FUSE thread kept a buffer the size of the largest block it had
-    checked, for the daemon's life: 704 MiB in 11 threads at 64 MiB blocks (hunt M)."""
+    checked, for the daemon's life: 704 MiB in 11 threads at 64 MiB blocks."""
     data = os.urandom(16 << 20)
     with tiered(tmp_path, hot=64 << 20) as (cache, _):
         digest = admit(cache, ref("big"), data)
@@ -630,7 +630,7 @@ def test_a_block_whose_name_is_blocked_leaves_the_tier_taking_others(
 ) -> None:
     """A directory (or an immutable file) where one block's file goes: the
     disk is fine, so only that block is not cached; it stopped the whole
-    tier for 30 s, and at every mount (hunt P)."""
+    tier for 30 s, and at every mount."""
     blocked, other = os.urandom(5000), os.urandom(5000)
     with tiered(tmp_path, hot=1 << 20) as (cache, metrics):
         cache.tiers[0].path_of(content_hash(blocked)).mkdir(parents=True)
@@ -653,7 +653,7 @@ def test_a_disk_that_fails_placing_a_block_stops_the_tier_for_a_while(
 ) -> None:
     """Only a name in the way is the block's problem: a disk that fails the
     rename (full, read-only, an immutable blocks/) stops the tier for a
-    while, not one warning and one wasted write per block (review, hunt R)."""
+    while, not one warning and one wasted write per block."""
 
     def failing(source: Any, destination: Any) -> None:
         raise OSError(error, os.strerror(error))
@@ -670,7 +670,7 @@ def test_a_failing_tier_is_neither_promoted_nor_demoted_into(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, broken: str
 ) -> None:
     """Each warm hit tried a hot write, and each eviction from hot a warm
-    one, with a warning each (review)."""
+    one, with a warning each."""
     blocks = {f"k{i}": os.urandom(5000) for i in range(4)}
     with tiered(tmp_path, hot=12_000, warm=1 << 20) as (cache, metrics), caplog.at_level(logging.WARNING):
         if broken == "warm":  # before the admissions, whose evictions demote
@@ -719,9 +719,9 @@ def test_start_up_removes_only_our_own_misplaced_files(
 ) -> None:
     """A tier may be a directory the user gave that holds their own files
     (``--cache-dir /scratch``, with its own ``tmp``): start-up deleted every
-    file in ``tmp`` and every name that was no block (hunt P: all of /tmp).
+    file in ``tmp`` and every name that was no block (all of /tmp).
     Only our names are ours: a temp file, a block in the wrong shard; a
-    stray (hunt N) no longer refuses the mount, and is left alone."""
+    stray no longer refuses the mount, and is left alone."""
     data = os.urandom(3000)
     with tiered(tmp_path, 1 << 20) as (cache, _):
         admit(cache, ref("k"), data)
@@ -774,7 +774,7 @@ def test_maintenance_refuses_a_recorded_tier_that_holds_no_blocks(tmp_path: Path
     """A tier deleted since, or a damaged record naming another directory
     ('.' flipped to '/' named /, and verify deleted every file in /tmp):
     the command says so, and creates or deletes nothing there (an offline
-    stage too, review)."""
+    stage too)."""
     spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
     (tmp_path / "hot").mkdir()
     cache_dir = tmp_path / "cache"

@@ -123,7 +123,7 @@ def test_a_handle_on_a_gone_version_fails_its_next_reads_without_asking_the_stor
     make_engine: EngineFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Each read was a GET answered 412, a warning and a listing dropped
-    and saved again: 156 a second from one reader (hunt M)."""
+    and saved again: 156 a second from one reader."""
     data = os.urandom(3 * BLOCK_SIZE)
     engine = make_engine({"d/f": data})
     handle = engine.fs.open("/d/f", os.O_RDONLY).handle

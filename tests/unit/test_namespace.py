@@ -73,7 +73,7 @@ def test_a_saved_listing_that_is_not_intact_is_listed_again(
     warned: bool,
 ) -> None:
     """A listing row is trusted on the next mount: damaged, it served a
-    file 30 bytes short, or its directory EIO, on every mount (hunt P)."""
+    file 30 bytes short, or its directory EIO, on every mount."""
     engine = make_engine({"d/f": b"1"})
     engine.namespace.lookup("/d/f")
     database = sqlite3.connect(engine.cache_dir / "index.sqlite", isolation_level=None)
@@ -111,10 +111,10 @@ def test_a_saved_listing_with_a_damaged_time_is_listed_again(
 @pytest.mark.parametrize(
     "damage",
     [
-        # One byte of the table's index: d/'s row found under e/ (hunt P).
+        # One byte of the table's index: d/'s row found under e/.
         "UPDATE listings SET (payload, fetched_at) = "
         "(SELECT payload, fetched_at FROM listings WHERE prefix = 'd/') WHERE prefix = 'e/'",
-        # One bit of the time: fresh for ever, a new object never listed (hunt P).
+        # One bit of the time: fresh for ever, a new object never listed.
         "UPDATE listings SET fetched_at = fetched_at + 1e9 WHERE prefix = 'e/'",
     ],
     ids=["another directory's row", "a time in the future"],
@@ -139,7 +139,7 @@ def test_a_listings_table_that_cannot_be_read_costs_a_listing_and_is_noted(
     make_engine: EngineFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A lookup must not fail because the index cannot give a saved listing
-    (it was EIO); the damage is noted for the next mount (hunt P)."""
+    (it was EIO); the damage is noted for the next mount."""
     engine = make_engine({"d/f": b"1"})
     database = sqlite3.connect(engine.cache_dir / "index.sqlite", isolation_level=None)
     database.executescript(  # seen by the open index's next statement

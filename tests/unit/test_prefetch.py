@@ -518,7 +518,7 @@ def test_a_header_read_again_does_not_let_the_first_run_go_on(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A second read in the first block (the header again, or the kernel's
-    read-ahead of the first read) is no sign of a stream (hunt O)."""
+    read-ahead of the first read) is no sign of a stream."""
     monkeypatch.setattr(engine_module, "HEAD_VERDICT_SECONDS", 0.05)
     engine, info, _ = shard_engine(make_engine)
     assert peeked_run(engine, info, then_read_at=512) == 4 * BLOCK_SIZE

@@ -204,7 +204,7 @@ def test_a_directory_that_cannot_be_locked_is_named_by_its_setting(tmp_path: Pat
 def test_a_file_named_lock_that_is_not_ours_is_left_as_it_is(tmp_path: Path) -> None:
     """The lock is truncated and given our pid: in a directory given as a
     cache (or named by a damaged record) a user's own file of that name was
-    overwritten (hunt R)."""
+    overwritten."""
     (tmp_path / "lock").write_text("the user's own notes\n")
     with pytest.raises(ConfigError, match=r"^cache\.dir: .*lock is not cachefsd's lock file; move it$"):
         CacheDirLock(tmp_path)

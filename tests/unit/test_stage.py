@@ -82,7 +82,7 @@ def test_include_globs(pattern: str | None, path: str, matches: bool) -> None:
 
 def test_include_globs_that_made_regexes_backtrack_answer_at_once() -> None:
     """``re`` took seconds to minutes on these, holding the GIL every FUSE
-    read of the mount needs (hunt H); a match is now linear-ish."""
+    read of the mount needs; a match is now linear-ish."""
     deep = "/".join(f"d{i}" for i in range(25)) + "/x.png"
     name = "a" * 60
     checks = [
