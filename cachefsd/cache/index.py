@@ -351,8 +351,9 @@ class Index:
         """The block size this cache was filled at, when it is not
         ``block_size``; None when the references fit ``block_size``. Block i
         at 4 MiB is not block i at 1 MiB: served as one another, a reader
-        gets the wrong bytes. An index from before the size was recorded
-        is judged by its blocks (``_refs_fit``); 0 when they do not fit."""
+        gets the wrong bytes. An index whose size could not be recorded
+        (its disk was full when it was opened) is judged by its blocks
+        (``_refs_fit``); 0 when they do not fit."""
         recorded = self.load_meta(BLOCK_SIZE_META)
         if recorded is not None:
             previous = _integer(recorded, "the block size")

@@ -178,9 +178,7 @@ class ControlClient:
 
 def client_for(mount: MountOf, timeout: float = CALL_TIMEOUT_SECONDS) -> ControlClient:
     """A client for the daemon of ``mount``; ``ControlError`` saying why
-    there is none (not running, or too old to serve the API)."""
+    there is none (it is not running)."""
     if not mount.live:
         raise ControlError(f"the daemon of {mount.mountpoint} is not running (pid {mount.state.pid})")
-    if mount.state.control_socket is None:
-        raise ControlError(f"the daemon of {mount.mountpoint} serves no control API (restart the mount)")
     return ControlClient(mount.state.control_socket, timeout)

@@ -135,9 +135,7 @@ class MountState:
     source: str
     cache_dir: str
     metrics_addr: str | None
-    # The Unix socket of the control API (``cachefsd.control``); None in
-    # state files written before it existed, or when it is not served.
-    control_socket: str | None = None
+    control_socket: str  # the Unix socket of the control API
 
 
 def state_path(mountpoint: Path) -> Path:

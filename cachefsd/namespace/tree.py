@@ -119,8 +119,7 @@ def _checksum(row: tuple[str, str, float], body: bytes) -> bytes:
 
 def _decode(row: tuple[str, str, float], payload: bytes) -> Listing | None:
     """The listing saved as ``row`` (source, prefix, time), or None if it is
-    not intact (or was saved without its checksum, before it had one:
-    listed again, once)."""
+    not intact."""
     checksum, _, body = payload.partition(b"\n")
     if checksum != _checksum(row, body):
         return None
@@ -329,9 +328,7 @@ class Namespace:
         intact = isinstance(payload, bytes) and isinstance(fetched_at, float)
         listing = _decode(row, payload) if intact else None
         if listing is None:
-            saved_before_the_checksum = isinstance(payload, bytes) and payload.startswith(b"{")
-            if not saved_before_the_checksum:
-                log.warning("the saved listing of %r is damaged; listing it again", prefix or "/")
+            log.warning("the saved listing of %r is damaged; listing it again", prefix or "/")
             return None
         return _Cached(directory_from_listing(prefix, listing), fetched_at)
 

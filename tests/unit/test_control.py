@@ -353,7 +353,7 @@ def test_mount_paths_resolve_dots_and_keep_to_their_mount(tmp_path: Path) -> Non
     in the mount, or absolute; ``..`` is resolved as the kernel would, and
     a path that leads out of the mount is not placed in it."""
     mountpoint = tmp_path / "mnt"
-    mount = MountOf(mountpoint, MountState(1, str(mountpoint), "s3://b", "/c", None), "/train")
+    mount = MountOf(mountpoint, MountState(1, str(mountpoint), "s3://b", "/c", None, ""), "/train")
     paths = MountPaths(mount)
     assert paths.place("cat/../dog/1.jpg") == (mount, "/train/dog/1.jpg")
     assert paths.place("../val/2.jpg") == (mount, "/val/2.jpg")

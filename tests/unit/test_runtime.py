@@ -97,7 +97,7 @@ def test_a_runtime_directory_of_this_users_is_made_private(
 
 def test_a_state_is_never_written_through_a_symlink(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _as_user(1000, tmp_path, monkeypatch)
-    state = MountState(os.getpid(), str(tmp_path / "mnt"), "file:///data", str(tmp_path / "cache"), None)
+    state = MountState(os.getpid(), str(tmp_path / "mnt"), "file:///data", str(tmp_path / "cache"), None, "")
     victim = tmp_path / "precious.txt"
     victim.write_text("keep me")
     state_path(Path(state.mountpoint)).with_suffix(".tmp").symlink_to(victim)
@@ -117,7 +117,7 @@ def test_writing_a_state_removes_those_of_dead_daemons(
     dead.wait()
 
     def state(pid: int, name: str) -> MountState:
-        return MountState(pid, str(tmp_path / name), "file:///data", str(tmp_path / "cache"), None)
+        return MountState(pid, str(tmp_path / name), "file:///data", str(tmp_path / "cache"), None, "")
 
     dead_path = write_state(state(dead.pid, "dead"))
     dead_path.with_suffix(".sock").touch()
