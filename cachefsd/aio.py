@@ -12,7 +12,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncGenerator, Coroutine, Generator
 from typing import Any, TypeVar
 
 import uvloop
@@ -69,7 +69,7 @@ class LoopThread:
             with self._lock:
                 self._pending.discard(future)
 
-    def iterate(self, stream: AsyncIterator[T], timeout: float) -> Iterator[T]:
+    def iterate(self, stream: AsyncGenerator[T, None], timeout: float) -> Generator[T, None, None]:
         """The items of ``stream`` (an async generator run on the loop), for
         a thread that is not the loop's; each waits at most ``timeout``
         seconds, as ``run``. The stream is closed when the caller stops
@@ -89,7 +89,7 @@ class LoopThread:
                 yield item  # type: ignore[misc]  # not None: the stream gave it
         finally:
             with contextlib.suppress(DaemonStopping):  # the loop is stopping: nothing to release
-                self.run(stream.aclose(), timeout)  # type: ignore[attr-defined]
+                self.run(stream.aclose(), timeout)
 
     def stop(self) -> None:
         with self._lock:

@@ -47,7 +47,7 @@ def _start_metrics(settings: Settings, registry: CollectorRegistry) -> str | Non
             exc.strerror,
         )
         return None
-    if not ipaddress.ip_address(server.server_address[0]).is_loopback:
+    if not ipaddress.ip_address(str(server.server_address[0])).is_loopback:
         log.warning(
             "metrics are served beyond this node (%s): they name datasets and sizes", settings.metrics.addr
         )

@@ -14,7 +14,7 @@ import heapq
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Literal, Protocol, TypeVar
 
 from cachefsd.config import FetchSettings
@@ -90,7 +90,7 @@ class Fetcher:
 
     async def stream_range(
         self, key: str, start: int, end: int, etag: str, piece: int, kind: FetchKind = "demand"
-    ) -> AsyncIterator[bytes | bytearray]:
+    ) -> AsyncGenerator[bytes | bytearray, None]:
         """Bytes ``[start, end)`` of version ``etag`` of ``key``, exactly,
         as pieces of ``piece`` bytes (the last one shorter), or a
         ``StoreError``.

@@ -241,7 +241,7 @@ def _stat(attributes: Attributes) -> dict[str, Any]:
     }
 
 
-class FuseOperations(mfusepy.Operations):
+class FuseOperations(mfusepy.Operations):  # type: ignore[misc]  # mfusepy ships no type hints
     """Kernel-facing options are set in ``init_with_config``: attribute and
     entry timeouts equal the metadata TTL, and "no such file" is not cached
     by the kernel. Whether the page cache is kept across
@@ -425,7 +425,7 @@ def serve(
         # code. Codes 1-7 are failures to mount and stay errors.
         if exc.args != (FUSE_MAIN_LOOP_ENDED,) or not operations.mounted:
             code = exc.args[0] if exc.args else None
-            reason = _FUSE_MAIN_FAILURES.get(code, "it failed")
+            reason = _FUSE_MAIN_FAILURES.get(code, "it failed") if isinstance(code, int) else "it failed"
             raise CachefsdError(f"libfuse could not mount {mountpoint}: {reason} (code {code})") from exc
         log.info("FUSE session ended by a signal (libfuse code %d)", FUSE_MAIN_LOOP_ENDED)
     finally:

@@ -257,17 +257,17 @@ class BlockReader:
         on the cold store."""
         ref = self.ref(info, index)
         digest = self._cache.lookup(ref)
-        data = self._memory.get(ref)
-        if data is not None:
+        buffered = self._memory.get(ref)
+        if buffered is not None:
             if digest is not None:
                 self._cache.touch(digest)
-            return data[lo:hi], "memory", 0.0
+            return buffered[lo:hi], "memory", 0.0
         if digest is not None:
             span = self._span(digest, lo, hi)
             if span is not None:
                 return span
         placement = None if digest is None else self._cache.placement(digest)
-        data = None
+        data: bytes | None = None
         if digest is not None and placement is not None:
             read = functools.partial(self._cache.read, digest)
             data = self._decoding.do(digest, read, self._fetcher.deadline)
@@ -285,7 +285,7 @@ class BlockReader:
             counts_stall = ref not in self._stalling
             self._stalling.add(ref)
         try:
-            digest, data = self._in_flight.do(
+            digest, fetched = self._in_flight.do(
                 ref,
                 lambda: self._fetch_on_demand(info, index, ref),
                 self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
@@ -303,8 +303,8 @@ class BlockReader:
         # The GET may have been a prefetch's, admitted as not read yet.
         self._cache.touch(digest)
         placement = self._cache.placement(digest)
-        self._remember(ref, data, placement is not None and placement.raw)
-        return bytes(data[lo:hi]), "cold", time.monotonic() - started if counts_stall else 0.0
+        self._remember(ref, fetched, placement is not None and placement.raw)
+        return bytes(fetched[lo:hi]), "cold", time.monotonic() - started if counts_stall else 0.0
 
     def opened(self, info: ObjectInfo) -> None:
         """Version ``info`` is listed (an open found it): if it was found gone,

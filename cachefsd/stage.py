@@ -116,6 +116,10 @@ class Blocks(Protocol):
         """The tier holding block ``index`` of ``info``, or None."""
         ...
 
+    def fetching(self, info: ObjectInfo, index: int) -> bool:
+        """Whether a GET of block ``index`` of ``info`` is under way."""
+        ...
+
     def fetch_run_ahead(self, info: ObjectInfo, indices: range, tier: str | None = None) -> set[int]:
         """Cache consecutive blocks ``indices`` with one GET; those this
         call fetched. Raises on failure."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (fuse3, .venv with test dependencies) and run the whole test suite:
 # lint, unit, contract (moto S3 over HTTP, GCS emulator) and integration
-# tests on real FUSE mounts. Extra arguments go to pytest.
+# tests on real FUSE mounts, after ruff and mypy. Extra arguments go to pytest.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$repo/scripts/bootstrap.sh" test
@@ -11,4 +11,5 @@ export AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing AWS_EC2_METADATA_
 export NO_GCE_CHECK=true GCE_METADATA_HOST=127.0.0.1:1
 .venv/bin/ruff check cachefsd tests benchmarks
 .venv/bin/ruff format --check cachefsd tests benchmarks
+.venv/bin/mypy
 exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

@@ -151,7 +151,7 @@ def _noting_damage(method: Callable[Concatenate[Index, P], R]) -> Callable[Conca
                 log.error("%s is damaged (%s): the next mount sets it aside", index.path, exc)
             raise
 
-    return wrapper
+    return wrapper  # type: ignore[return-value]  # functools.wraps's type keeps no Concatenate
 
 
 # A block's name: xxh3_128 in hex (``codec.content_hash``).

@@ -66,6 +66,7 @@ class _ReadyPipe(logging.Handler):
     def finish(self, line: str) -> bool:
         """Send the last line; False when nobody read it (the mounting
         command was killed)."""
+        assert self.lock is not None  # made by Handler.__init__
         with self.lock:  # the lock ``handle`` holds around ``emit``
             return self._write(line, last=True)
 

@@ -91,7 +91,8 @@ class ControlClient:
         self._timeout = timeout
 
     def stats(self) -> dict[str, Any]:
-        return self._call("GET", "/stats", None, self._timeout)
+        stats: dict[str, Any] = self._call("GET", "/stats", None, self._timeout)
+        return stats
 
     def hint(self, order: list[str], part: tuple[int, int] | None = None) -> tuple[int, int]:
         body: dict[str, Any] = {"order": order}

@@ -382,7 +382,7 @@ class Prefetcher:
                 self._hint_world, self._hint_parts = world, {}
             self._hint_parts[rank] = order
             shares = [self._hint_parts[rank] for rank in sorted(self._hint_parts)]
-        merged = []
+        merged: list[str] = []
         for position in range(max(len(share) for share in shares)):
             merged.extend(share[position] for share in shares if position < len(share))
         return merged

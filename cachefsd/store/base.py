@@ -12,7 +12,7 @@ the backend's own exception as ``__cause__``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -101,7 +101,7 @@ class ObjectStore(Protocol):
 
     def stream_range(
         self, key: str, start: int, end: int, etag: str, piece: int
-    ) -> AsyncIterator[bytes | bytearray]:
+    ) -> AsyncGenerator[bytes | bytearray, None]:
         """The same bytes as ``get_range``, as consecutive pieces of
         ``piece`` bytes (the last one shorter) as they arrive: a long range
         is never whole in memory, and its first blocks can be used before
@@ -146,7 +146,7 @@ UNSTREAMED_SPAN_BYTES = 8 << 20
 
 async def pieces_of(
     store: ObjectStore, key: str, start: int, end: int, etag: str, piece: int
-) -> AsyncIterator[bytes | bytearray]:
+) -> AsyncGenerator[bytes | bytearray, None]:
     """``stream_range`` for a store without streaming of its own, from its
     ``get_range``."""
     if end <= start:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from cachefsd.errors import StoreError
@@ -82,7 +82,7 @@ class FaultyStore:
 
     async def stream_range(
         self, key: str, start: int, end: int, etag: str, piece: int
-    ) -> AsyncIterator[bytes | bytearray]:
+    ) -> AsyncGenerator[bytes | bytearray, None]:
         self._gets_now += 1  # the event loop's thread only: no lock
         self.most_concurrent_gets = max(self.most_concurrent_gets, self._gets_now)
         try:

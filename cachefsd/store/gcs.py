@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -296,7 +296,7 @@ class GcsStore:
 
     def stream_range(
         self, key: str, start: int, end: int, etag: str, piece: int
-    ) -> AsyncIterator[bytes | bytearray]:
+    ) -> AsyncGenerator[bytes | bytearray, None]:
         return pieces_of(self, key, start, end, etag, piece)
 
     async def close(self) -> None:

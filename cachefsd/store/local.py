@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 from cachefsd.errors import ObjectChanged, ObjectNotFound, StoreError
@@ -137,7 +137,7 @@ class LocalStore:
 
     def stream_range(
         self, key: str, start: int, end: int, etag: str, piece: int
-    ) -> AsyncIterator[bytes | bytearray]:
+    ) -> AsyncGenerator[bytes | bytearray, None]:
         return pieces_of(self, key, start, end, etag, piece)
 
     async def close(self) -> None:

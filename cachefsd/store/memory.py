@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from cachefsd.errors import ObjectChanged, ObjectNotFound
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo, pieces_of
@@ -93,7 +93,7 @@ class MemoryStore:
 
     def stream_range(
         self, key: str, start: int, end: int, etag: str, piece: int
-    ) -> AsyncIterator[bytes | bytearray]:
+    ) -> AsyncGenerator[bytes | bytearray, None]:
         return pieces_of(self, key, start, end, etag, piece)
 
     async def close(self) -> None:

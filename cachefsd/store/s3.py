@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import AsyncExitStack
 from typing import Any
 from urllib.parse import urlsplit
@@ -158,10 +158,13 @@ def _parse_timestamp(value: str) -> datetime.datetime:
     one page after another. Anything ``fromisoformat`` does not read as a
     zoned time (HEAD's RFC 1123 header, epoch numbers) goes to botocore's."""
     try:
-        parsed = datetime.datetime.fromisoformat(value)
+        parsed: datetime.datetime | None = datetime.datetime.fromisoformat(value)
     except (TypeError, ValueError):
-        return parse_timestamp(value)
-    return parsed if parsed.tzinfo is not None else parse_timestamp(value)
+        parsed = None
+    if parsed is None or parsed.tzinfo is None:
+        botocores: datetime.datetime = parse_timestamp(value)
+        return botocores
+    return parsed
 
 
 class S3Store:
@@ -306,7 +309,7 @@ class S3Store:
 
     async def stream_range(
         self, key: str, start: int, end: int, etag: str, piece: int
-    ) -> AsyncIterator[bytes | bytearray]:
+    ) -> AsyncGenerator[bytes | bytearray, None]:
         if end <= start:
             # "bytes=5-4" is not a range: S3 would send the whole object.
             # Answer from HEAD so a missing or changed object still raises.

