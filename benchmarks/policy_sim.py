@@ -4,8 +4,9 @@ N files of one block each are read once per epoch in a fresh random order
 (seeded). A simulated cache of ``f * N`` blocks admits on every miss; when
 full it asks the policy for a victim, and a refusal (None) means the block
 is not admitted. Every policy is the real class from
-``cachefsd.cache.policy``, with an ``ObservedEpochs`` clock fed one
-``file_read`` per read, as the daemon's would be. Rows:
+``cachefsd.cache.policy``, with the daemon's own access model
+(``cachefsd.prefetch.access.AccessModel``) as its epoch clock, told of
+each read as the mount tells it (an open, then a read of the block). Rows:
 
 - lru, 2-random, minio, epoch-aware: the shipped policies;
 - epoch-aware+plan: the epoch-aware policy given the exact next use of every
@@ -27,7 +28,7 @@ a block being read) is outside this trace. Prints a table and writes ``benchmark
 
 ``--readers 2`` is two jobs reading the same dataset side by side (a sweep),
 each its own shuffled passes, interleaved at random; an "epoch" is then one
-pass of each. The epoch clock cannot tell the jobs apart: it sees re-reads
+pass of each. The access model cannot tell the jobs apart: it sees re-reads
 all the time and counts epochs many times too fast, and the epoch-aware
 policy falls below MinIO. It shows what a fix must beat.
 
@@ -51,9 +52,9 @@ from cachefsd.cache.policy import (
     POLICY_NAMES,
     EpochAwarePolicy,
     EvictionPolicy,
-    ObservedEpochs,
     make_policy,
 )
+from cachefsd.prefetch.access import AccessModel
 
 RESULTS = Path(__file__).parent / "results"
 # Large enough that a per-epoch hit ratio has a standard error of about 1 %,
@@ -63,6 +64,10 @@ DEFAULT_EPOCHS = 5
 DEFAULT_SEED = 0
 # The issue's three regimes: a small, a half and a large cache.
 DEFAULT_FRACTIONS = (0.25, 0.5, 0.75)
+# Each file is one block of the daemon's default size, read whole 1 ms after
+# the one before (time only orders the model's events here).
+BLOCK_BYTES = 4 << 20
+READ_SECONDS = 0.001
 PLANNED = "epoch-aware+plan"
 BELADY = "belady"
 SIMULATED = (*POLICY_NAMES, PLANNED, BELADY)
@@ -129,14 +134,16 @@ def simulate(
     policy: EvictionPolicy,
     trace: Sequence[str],
     capacity: int,
-    clock: ObservedEpochs,
+    clock: AccessModel,
     oracle: TraceOracle | None = None,
 ) -> list[bool]:
     """Replay ``trace`` through a cache of ``capacity`` blocks run by ``policy``; hit per read."""
     resident: set[str] = set()
     hits: list[bool] = []
     for position, block in enumerate(trace):
-        clock.file_read(block)
+        now = position * READ_SECONDS
+        clock.opened(block, BLOCK_BYTES, now)
+        clock.read(block, 0, BLOCK_BYTES, now)
         if oracle is not None:
             oracle.advance(position)
         if block in resident:
@@ -159,7 +166,7 @@ def simulate_policy(name: str, trace: Sequence[str], capacity: int, seed: int) -
     """One of ``SIMULATED`` over ``trace``: hit per read."""
     if name == BELADY:
         return simulate_belady(trace, capacity)
-    clock = ObservedEpochs()
+    clock = AccessModel()
     if name == PLANNED:
         oracle = TraceOracle(trace)
         return simulate(EpochAwarePolicy(clock, oracle), trace, capacity, clock, oracle)

@@ -33,7 +33,7 @@ from cachefsd.cache.index import (
     is_damage,
 )
 from cachefsd.cache.lock import CacheDirLock, create_cache_directory
-from cachefsd.cache.policy import LRU, EpochClock, ObservedEpochs, PlannedUse, make_policy
+from cachefsd.cache.policy import LRU, EpochClock, PlannedUse, make_policy
 from cachefsd.cache.tier import Tier
 from cachefsd.cache.tiered import CacheEvents, Damage, TieredCache, VerifyReport
 from cachefsd.config import CacheSettings, human_bytes, resolve_tier_size
@@ -348,6 +348,13 @@ def _tier_layout(
     return specs
 
 
+class _NoEpochs:
+    """The epoch clock of an offline command, whose LRU asks it nothing."""
+
+    def current(self) -> int:
+        return 0
+
+
 @contextmanager
 def _maintenance(cache_dir: Path, inspect_only: bool = False) -> Iterator[OpenCache]:
     """The cache as the last daemon laid it out, for an offline command:
@@ -356,7 +363,7 @@ def _maintenance(cache_dir: Path, inspect_only: bool = False) -> Iterator[OpenCa
         cache_dir,
         None,
         LRU,
-        ObservedEpochs(),
+        _NoEpochs(),
         Metrics(CollectorRegistry()),
         lock_wait=_NO_WAIT,
         inspect_only=inspect_only,

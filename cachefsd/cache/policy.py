@@ -36,18 +36,6 @@ import threading
 from collections import OrderedDict
 from typing import Final, Protocol
 
-# Half: a real epoch reads (nearly) every file of the previous one, minus a
-# dropped last batch or a shard that changed owner, so its re-reads come
-# well after the halfway mark; re-reads inside an epoch (retries, repeated
-# samples) come at any point, and requiring half of the epoch to have passed
-# halves the window in which one can end it too early. Higher values risk
-# missing a boundary when the loader skips part of the data (an epoch cut
-# short by ``max_steps``); a missed boundary makes every block read in
-# either epoch a candidate, so the epoch-aware policy degrades towards LRU
-# until the next boundary. Lower values end epochs early; blocks read before
-# an early boundary count as unread, which only delays their eviction.
-MIN_EPOCH_FRACTION: Final = 0.5
-
 LRU: Final = "lru"
 TWO_RANDOM: Final = "2-random"
 MINIO: Final = "minio"
@@ -492,49 +480,6 @@ class EpochAwarePolicy:
         if len(self._heap) > HEAP_SLACK * (len(self._known) + 1):
             self._heap = [(-when, entry, block) for block, (when, entry) in self._known.items()]
             heapq.heapify(self._heap)
-
-
-class ObservedEpochs:
-    """Epoch boundaries inferred from file-level reads: a minimal ``EpochClock``.
-
-    ``file_read(file_id)`` is called once per pass over a file (its first
-    read after open, say; not once per FUSE read). The heuristic: an epoch
-    ends when a file already read in the current epoch is read again AND the
-    current epoch has already read at least ``min_fraction`` as many distinct
-    files as the previous epoch did. The re-read is the new pass starting
-    (shuffled or sequential: the first file of epoch e+1 was read in epoch
-    e); the fraction keeps an early re-read (a retried read, a second crop,
-    a sample that references the same file twice) from cutting an epoch short.
-
-    The fraction is measured against the previous epoch rather than against
-    every file ever seen because a distributed sampler gives each node a
-    different 1/world-size share of the dataset each epoch: the node sees
-    more and more files while each epoch stays the same size.
-
-    In the first epoch nothing is known about the epoch size, so any re-read
-    ends it. That costs little: the cache is still filling, and the next
-    boundary corrects itself because it is measured against the short epoch.
-    """
-
-    def __init__(self, min_fraction: float | None = None) -> None:
-        self._min_fraction = MIN_EPOCH_FRACTION if min_fraction is None else min_fraction
-        if not 0.0 < self._min_fraction <= 1.0:
-            raise ValueError(f"min_fraction must be in (0, 1], got {self._min_fraction}")
-        self._epoch = 0
-        self._this_epoch: set[str] = set()
-        self._previous_size = 0
-
-    def current(self) -> int:
-        return self._epoch
-
-    def file_read(self, file_id: str) -> None:
-        if file_id in self._this_epoch and (
-            len(self._this_epoch) >= self._min_fraction * self._previous_size
-        ):
-            self._epoch += 1
-            self._previous_size = len(self._this_epoch)
-            self._this_epoch = set()
-        self._this_epoch.add(file_id)
 
 
 def make_policy(

@@ -108,7 +108,6 @@ from typing import Final
 # re-read inside an epoch (a retry, a second crop, a sample referencing a
 # file twice) can come at any time; requiring half halves the window in
 # which one can end an epoch early. Same value and reasoning as
-# ``cache.policy.MIN_EPOCH_FRACTION``.
 MIN_EPOCH_FRACTION: Final = 0.5
 
 # A re-open of one of the last ``min(REOPEN_PEEK_WINDOW, opens // REOPEN_PEEK_DIVISOR)``

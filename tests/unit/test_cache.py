@@ -28,11 +28,12 @@ from cachefsd.cache import tiered as cache_module
 from cachefsd.cache.codec import Codec, content_hash, decode, encode
 from cachefsd.cache.directory import TierSpec, gc, open_cache, verify
 from cachefsd.cache.index import BlockRef, Index, IndexDamaged
-from cachefsd.cache.policy import LruPolicy, MinioPolicy, ObservedEpochs, PlannedUse
+from cachefsd.cache.policy import LruPolicy, MinioPolicy, PlannedUse
 from cachefsd.cache.tier import HELD_DESCRIPTORS, Tier, disk_bytes
 from cachefsd.cache.tiered import TieredCache
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.metrics import Metrics
+from cachefsd.prefetch.access import AccessModel
 from tests.polling import wait_until
 
 real_monotonic = time.monotonic
@@ -265,7 +266,7 @@ def test_an_opened_cache_ranks_by_the_plan(tmp_path: Path) -> None:
     frame = disk_bytes(len(encode(block, Codec.RAW)))
     (tmp_path / "hot").mkdir()
     spec = TierSpec("hot", str(tmp_path / "hot"), 2 * frame, "raw")
-    planned, epochs = PlannedUse(), ObservedEpochs()
+    planned, epochs = PlannedUse(), AccessModel()
     metrics = Metrics(CollectorRegistry())
     with open_cache(tmp_path, [spec], "epoch-aware", epochs, metrics, planned=planned) as opened:
         cache = opened.cache
@@ -285,7 +286,7 @@ def _reopen(root: Path, block_size: int, migrate: bool = True) -> bool:
     spec = TierSpec("hot", str(root / "hot"), 1 << 20, "raw")
     metrics = Metrics(CollectorRegistry())
     with open_cache(
-        root, [spec], "lru", ObservedEpochs(), metrics, block_size=block_size, migrate_block_size=migrate
+        root, [spec], "lru", AccessModel(), metrics, block_size=block_size, migrate_block_size=migrate
     ) as opened:
         found = opened.cache.lookup(ref("k")) is not None
         if not found:
@@ -347,7 +348,7 @@ def test_an_index_from_before_the_size_was_recorded_is_judged_by_its_blocks(
     def opened(block_size: int | None) -> Any:
         metrics = Metrics(CollectorRegistry())
         return open_cache(
-            tmp_path, [spec], "lru", ObservedEpochs(), metrics, block_size=block_size, migrate_block_size=True
+            tmp_path, [spec], "lru", AccessModel(), metrics, block_size=block_size, migrate_block_size=True
         )
 
     with opened(None) as cache:  # records no size, as before
@@ -401,7 +402,7 @@ def test_a_damaged_index_is_set_aside_not_a_failed_mount(
     (tmp_path / "index.sqlite").write_bytes(b"not a database, whatever happened to it" * 100)
     spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
     metrics = Metrics(CollectorRegistry())
-    with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), metrics) as opened:
+    with open_cache(tmp_path, [spec], "lru", AccessModel(), metrics) as opened:
         data = os.urandom(100)
         opened.cache.admit(ref("k"), content_hash(data), data)
         assert read(opened.cache, ref("k")) == data
@@ -459,7 +460,7 @@ def test_a_damaged_index_is_reported_by_verify_and_set_aside_by_a_mount(
 
     def mount() -> Any:
         return open_cache(
-            cache_dir, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry()), block_size=1 << 20
+            cache_dir, [spec], "lru", AccessModel(), Metrics(CollectorRegistry()), block_size=1 << 20
         )
 
     data = os.urandom(100)
@@ -492,7 +493,7 @@ def test_damage_found_while_serving_is_set_aside_by_the_next_mount(
     spec = TierSpec("hot", str(tmp_path), 1 << 20, "raw")
 
     def mount() -> Any:
-        return open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry()))
+        return open_cache(tmp_path, [spec], "lru", AccessModel(), Metrics(CollectorRegistry()))
 
     first, second = os.urandom(100), os.urandom(100)
     with mount() as opened:
@@ -523,7 +524,7 @@ def test_a_directory_where_the_damaged_index_or_its_note_goes_does_not_refuse_th
     (tmp_path / "index.sqlite").write_bytes(b"not a database" * 100)
     (tmp_path / "index.sqlite.damaged").mkdir()
     (tmp_path / "index.sqlite.damage-found").mkdir()
-    with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
+    with open_cache(tmp_path, [spec], "lru", AccessModel(), Metrics(CollectorRegistry())) as opened:
         data = os.urandom(100)
         opened.cache.admit(ref("k"), content_hash(data), data)
         # Not noted where a directory is in the way: said, not taken for noted already.
@@ -531,7 +532,7 @@ def test_a_directory_where_the_damaged_index_or_its_note_goes_does_not_refuse_th
     assert "cannot note the damage" in caplog.text
     assert "removed (it cannot be kept as" in caplog.text
     assert "kept as" not in caplog.text.replace("cannot be kept as", "")
-    with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
+    with open_cache(tmp_path, [spec], "lru", AccessModel(), Metrics(CollectorRegistry())) as opened:
         assert read(opened.cache, ref("k")) == data
 
 
@@ -548,7 +549,7 @@ def test_a_damaged_tier_layout_is_reported_by_verify(tmp_path: Path, layout: str
     """verify reads the layout the index records (the mount does not):
     damaged, it printed a traceback."""
     spec = TierSpec("hot", str(tmp_path), 1 << 20, "raw")
-    with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())):
+    with open_cache(tmp_path, [spec], "lru", AccessModel(), Metrics(CollectorRegistry())):
         pass
     database = sqlite3.connect(tmp_path / "index.sqlite", isolation_level=None)
     database.execute("UPDATE meta SET value = ? WHERE name = 'tiers'", (layout,))
@@ -763,7 +764,7 @@ def _offline_stage(cache_dir: Path) -> None:
     """What ``stage`` opens without a daemon: the cache's own recorded tiers."""
     spec = TierSpec("hot", str(cache_dir), 1 << 20, "raw")
     metrics = Metrics(CollectorRegistry())
-    with open_cache(cache_dir, [spec], "lru", ObservedEpochs(), metrics, keep_recorded_layout=True):
+    with open_cache(cache_dir, [spec], "lru", AccessModel(), metrics, keep_recorded_layout=True):
         pass
 
 
@@ -780,7 +781,7 @@ def test_maintenance_refuses_a_recorded_tier_that_holds_no_blocks(tmp_path: Path
     spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
     (tmp_path / "hot").mkdir()
     cache_dir = tmp_path / "cache"
-    with open_cache(cache_dir, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
+    with open_cache(cache_dir, [spec], "lru", AccessModel(), Metrics(CollectorRegistry())) as opened:
         data = os.urandom(100)
         opened.cache.admit(ref("k"), content_hash(data), data)
     victim = tmp_path / "victim"
@@ -842,7 +843,7 @@ def test_verify_without_repair_reports_damage_and_changes_nothing(tmp_path: Path
     wrong size, and files no row names, are reported, and left as found."""
     (tmp_path / "hot").mkdir()
     spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
-    with open_cache(tmp_path, [spec], "lru", ObservedEpochs(), Metrics(CollectorRegistry())) as opened:
+    with open_cache(tmp_path, [spec], "lru", AccessModel(), Metrics(CollectorRegistry())) as opened:
         digests = [admit(opened.cache, ref(f"k{i}"), os.urandom(3000)) for i in range(3)]
         tier = opened.cache.tiers[0]
     tier.path_of(digests[0]).write_bytes(b"short")
@@ -930,7 +931,7 @@ def test_a_read_ends_a_blocks_plan_and_a_refused_block_keeps_none(tmp_path: Path
     spec = TierSpec("hot", str(tmp_path / "hot"), frame, "raw")
     planned = PlannedUse()
     metrics = Metrics(CollectorRegistry())
-    with open_cache(tmp_path, [spec], "epoch-aware", ObservedEpochs(), metrics, planned=planned) as opened:
+    with open_cache(tmp_path, [spec], "epoch-aware", AccessModel(), metrics, planned=planned) as opened:
         cache = opened.cache
         digest = content_hash(block)
         cache.admit(ref("planned"), digest, block, ahead=True, next_use=5.0)
