@@ -15,10 +15,10 @@ from cachefsd.cache.policy import (
     EvictionPolicy,
     LruPolicy,
     MinioPolicy,
-    ObservedEpochs,
     TwoRandomPolicy,
     make_policy,
 )
+from cachefsd.prefetch.access import AccessModel
 
 
 class FakeClock:
@@ -249,75 +249,67 @@ def test_epoch_aware_heap_stays_bounded_under_rereads() -> None:
 # --- epoch detection ---------------------------------------------------------------------------------
 
 
+class Reads:
+    """The access model (the policies' epoch clock in the daemon), told of
+    each file's read as the mount tells it: an open, 1 ms after the last."""
+
+    def __init__(self) -> None:
+        self.model = AccessModel()
+        self._now = 0.0
+
+    def read(self, name: str) -> int:
+        self._now += 0.001
+        self.model.opened(name, 1000, self._now)
+        return self.model.current()
+
+
 def run_epochs(orders: list[list[str]]) -> list[tuple[int, int]]:
-    """Feed the orders to ObservedEpochs; (true epoch, detected epoch) per read."""
-    clock = ObservedEpochs()
-    observed = []
-    for epoch, order in enumerate(orders):
-        for name in order:
-            clock.file_read(name)
-            observed.append((epoch, clock.current()))
-    return observed
+    """(true epoch, detected epoch) per read of the ``orders``."""
+    reads = Reads()
+    return [(epoch, reads.read(name)) for epoch, order in enumerate(orders) for name in order]
 
 
 FILES = [f"f{index:04d}" for index in range(200)]
 
 
-def test_observed_epochs_on_shuffled_epochs() -> None:
+def test_epochs_of_shuffled_passes() -> None:
     rng = random.Random(5)
     orders = [rng.sample(FILES, len(FILES)) for _ in range(4)]
     assert all(true == seen for true, seen in run_epochs(orders))
 
 
-def test_observed_epochs_on_sequential_epochs() -> None:
+def test_epochs_of_sequential_passes() -> None:
     assert all(true == seen for true, seen in run_epochs([FILES] * 4))
 
 
-def test_observed_epochs_ignores_an_early_reread() -> None:
-    clock = ObservedEpochs()
+def test_an_early_reread_starts_no_epoch() -> None:
+    reads = Reads()
     for name in FILES:
-        clock.file_read(name)
+        reads.read(name)
     for name in FILES[:10]:
-        clock.file_read(name)
-    assert clock.current() == 1
-    clock.file_read(FILES[3])  # 10 of 200 read this epoch: not a new epoch
+        reads.read(name)
+    assert reads.model.current() == 1
+    assert reads.read(FILES[3]) == 1  # 10 of 200 read this epoch: not a new epoch
     for name in FILES[10:]:
-        clock.file_read(name)
-    assert clock.current() == 1
-    clock.file_read(FILES[0])
-    assert clock.current() == 2
+        reads.read(name)
+    assert reads.read(FILES[0]) == 2
 
 
-def test_observed_epochs_first_epoch_ends_on_any_reread() -> None:
-    """Documented: nothing is known about the size of the first epoch."""
-    clock = ObservedEpochs()
-    for name in ("a", "b", "a"):
-        clock.file_read(name)
-    assert clock.current() == 1
-
-
-def test_observed_epochs_with_a_different_shard_each_epoch() -> None:
+def test_epochs_of_a_different_shard_each_pass() -> None:
     """A distributed sampler: each epoch reads a fresh half of the files; the boundary lags a little."""
     rng = random.Random(11)
-    clock = ObservedEpochs()
+    reads = Reads()
     boundaries = []
-    reads = 0
+    count = 0
     for _ in range(5):
         for name in rng.sample(FILES, len(FILES) // 2):
-            before = clock.current()
-            clock.file_read(name)
-            if clock.current() != before:
-                boundaries.append(reads)
-            reads += 1
-    starts = range(len(FILES) // 2, reads, len(FILES) // 2)
+            before = reads.model.current()
+            if reads.read(name) != before:
+                boundaries.append(count)
+            count += 1
+    starts = range(len(FILES) // 2, count, len(FILES) // 2)
     assert len(boundaries) == len(starts)
     assert all(0 <= seen - start < 10 for seen, start in zip(boundaries, starts, strict=True))
-
-
-@pytest.mark.parametrize("fraction", [0.0, -1.0, 1.5])
-def test_observed_epochs_rejects_bad_fraction(fraction: float) -> None:
-    with pytest.raises(ValueError, match="min_fraction"):
-        ObservedEpochs(fraction)
 
 
 # --- factory -----------------------------------------------------------------------------------------
