@@ -314,6 +314,8 @@ class FuseSettings(_Section):
 
 
 class Settings(_Section):
+    """The whole settings tree: what to mount where, and one slice for each component."""
+
     source: str
     mountpoint: Path
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -71,6 +71,9 @@ class PrioritySlots:
 
 
 class Fetcher:
+    """Every request to the cold store: slots by priority, retries with jittered backoff, one total
+    deadline."""
+
     def __init__(
         self,
         store: ObjectStore,

@@ -86,6 +86,9 @@ class Attributes:
 
 
 class FileSystem:
+    """The mount's semantics: paths through the namespace, handles pinned to a version, reads
+    through the reader."""
+
     def __init__(
         self,
         namespace: Namespace,

@@ -130,6 +130,8 @@ class _DerivedCollector(Collector):
 
 
 class Metrics:
+    """Every metric the daemon exports, declared once on the registry it is given."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.reads = Counter(

@@ -181,6 +181,9 @@ class ClaimedRun:
 
 
 class BlockReader:
+    """Byte ranges of one object version as blocks: from memory, a tier, or one GET shared by every
+    reader."""
+
     def __init__(
         self,
         source: str,

@@ -22,6 +22,8 @@ class Abandoned(Exception):
 
 
 class SingleFlight(Generic[K, V]):
+    """The calls in flight by key, so that concurrent callers of one key share one execution."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._calls: dict[K, Future[V]] = {}

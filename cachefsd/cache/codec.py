@@ -31,6 +31,8 @@ HEADER_SIZE = _HEADER.size
 
 
 class Codec(enum.IntEnum):
+    """How a tier stores a block's payload in its frame: as it is, or lz4-compressed."""
+
     RAW = 0
     LZ4 = 1
 

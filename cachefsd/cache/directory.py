@@ -214,6 +214,8 @@ def _no_cache(cache_dir: Path) -> CachefsdError:
 
 @dataclass
 class OpenCache:
+    """An opened cache directory: its index and tiered cache, held under its lock until closed."""
+
     index: Index
     cache: TieredCache
     dropped: Damage  # what reconciling on opening found broken and dropped

@@ -188,6 +188,10 @@ def _stored_block(
 
 
 class Index:
+    """A cache directory's sqlite index: which content hash holds block i of (source, key, etag),
+    where each block lies, and the saved listings; the references are mirrored in memory for the
+    hot path."""
+
     def __init__(self, path: Path) -> None:
         self._path = path
         self._serving = False

@@ -76,6 +76,9 @@ _BLOCKED_NAME = frozenset({errno.EEXIST, errno.EISDIR, errno.ENOTDIR, errno.ENOT
 
 
 class Tier:
+    """One directory of block files under a byte capacity it never exceeds, with its codec and its
+    eviction policy."""
+
     def __init__(self, name: str, root: Path, capacity: int, codec: Codec, policy: EvictionPolicy) -> None:
         self.name = name
         self.root = root

@@ -123,6 +123,9 @@ def _file_identity(fd: int) -> tuple[int, int, int]:
 
 
 class TieredCache:
+    """The tiers in speed order over one index: admission, reads, promotion, demotion and eviction
+    between them."""
+
     def __init__(
         self, tiers: list[Tier], index: Index, events: CacheEvents, planned: PlannedUse | None = None
     ) -> None:

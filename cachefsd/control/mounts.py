@@ -130,6 +130,8 @@ def runtime_dir() -> Path:
 
 @dataclass(frozen=True)
 class MountState:
+    """What a running daemon records of itself in its state file."""
+
     pid: int
     mountpoint: str
     source: str

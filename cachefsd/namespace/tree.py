@@ -131,6 +131,9 @@ def _decode(row: tuple[str, str, float], payload: bytes) -> Listing | None:
 
 
 class Namespace:
+    """The directory listings of one source: their TTL, their refresh in the background, their copy
+    in the index."""
+
     def __init__(
         self,
         store: ObjectStore,

@@ -31,6 +31,8 @@ class Faults:
 
 
 class FaultyStore:
+    """An ``ObjectStore`` that injects ``faults`` into every call of the store it wraps."""
+
     def __init__(self, inner: ObjectStore, faults: Faults | None = None) -> None:
         self._inner = inner
         self.faults = faults or Faults()
