@@ -69,6 +69,15 @@ KEPT_FRAME_BYTES = (4 << 20) + 4096
 # with a warning for each.
 DISK_ERROR_BACKOFF_SECONDS = 30.0
 
+
+@dataclass(frozen=True, slots=True)
+class CacheTuning:
+    """The numbers above, as one cache uses them (tests pass their own)."""
+
+    checked_files_remembered: int = CHECKED_FILES_REMEMBERED
+    disk_error_backoff_seconds: float = DISK_ERROR_BACKOFF_SECONDS
+
+
 DedupWhere = Literal["disk", "wire"]
 T = TypeVar("T")
 
@@ -127,9 +136,17 @@ class TieredCache:
     between them."""
 
     def __init__(
-        self, tiers: list[Tier], index: Index, events: CacheEvents, planned: PlannedUse | None = None
+        self,
+        tiers: list[Tier],
+        index: Index,
+        events: CacheEvents,
+        planned: PlannedUse | None = None,
+        tuning: CacheTuning = CacheTuning(),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._tiers = tiers
+        self._tuning = tuning
+        self._clock = clock  # for the disk-error backoff
         self._planned = planned  # the plan the tiers' policies read, if any
         # Per thread, a frame buffer for ``raw_hit``: checking a block costs
         # no allocation (at most ``KEPT_FRAME_BYTES`` per FUSE thread).
@@ -298,7 +315,7 @@ class TieredCache:
         or not ``digest``, whose name is blocked there."""
         if digest is not None and digest in self._unplaceable[tier.name]:
             return True
-        return time.monotonic() < self._failing_until.get(tier.name, 0.0)
+        return self._clock() < self._failing_until.get(tier.name, 0.0)
 
     def plan(self, digest: str, position: float) -> bool:
         """Plan resident block ``digest`` to be read next at ``position``;
@@ -416,7 +433,7 @@ class TieredCache:
         with self._checked_lock:
             self._checked_files[digest] = identity
             self._checked_files.move_to_end(digest)
-            if len(self._checked_files) > CHECKED_FILES_REMEMBERED:
+            if len(self._checked_files) > self._tuning.checked_files_remembered:
                 self._checked_files.popitem(last=False)
 
     def read(self, digest: str) -> bytes | None:
@@ -547,8 +564,9 @@ class TieredCache:
             self._unplaceable[tier.name].add(digest)
             consequence = "it is not cached there until a restart"
         else:
-            self._failing_until[tier.name] = time.monotonic() + DISK_ERROR_BACKOFF_SECONDS
-            consequence = f"it takes no blocks for {DISK_ERROR_BACKOFF_SECONDS:.0f} s"
+            backoff = self._tuning.disk_error_backoff_seconds
+            self._failing_until[tier.name] = self._clock() + backoff
+            consequence = f"it takes no blocks for {backoff:.0f} s"
         log.warning("%s tier: %s: %s; %s", tier.name, what, exc, consequence)
         self._events.cache_error(tier.name)
 

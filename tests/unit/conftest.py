@@ -15,7 +15,7 @@ from cachefsd.cache.codec import Codec
 from cachefsd.cache.index import Index
 from cachefsd.cache.policy import EvictionPolicy, LruPolicy, PlannedUse
 from cachefsd.cache.tier import Tier
-from cachefsd.cache.tiered import TieredCache
+from cachefsd.cache.tiered import CacheTuning, TieredCache
 from cachefsd.config import FetchSettings, PrefetchSettings
 from cachefsd.fetch import Fetcher
 from cachefsd.fs import FileSystem
@@ -33,6 +33,7 @@ FAST_FETCH = FetchSettings(deadline=2.0, attempt_timeout=0.5, backoff_initial=0.
 # refresh from the in-memory store always comes sooner, even on a loaded
 # machine, so a test that the store answers does not depend on timing.
 TEST_FRESH_WAIT_SECONDS = 30.0
+DAEMON_CACHE_TUNING = CacheTuning()
 
 
 def joined(pieces: list[Piece]) -> bytes:
@@ -100,6 +101,7 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         codec: Codec = Codec.RAW,
         fetch: FetchSettings = FAST_FETCH,
         fresh_wait: float = TEST_FRESH_WAIT_SECONDS,
+        cache_tuning: CacheTuning = DAEMON_CACHE_TUNING,
     ) -> Engine:
         store = store or MemoryStore(objects or {})
         faulty = FaultyStore(store)
@@ -113,6 +115,7 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
             index,
             metrics,
             planned,
+            cache_tuning,
         )
         cache.reconcile()
         index.start_serving()  # as open_cache does

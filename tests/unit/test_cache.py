@@ -13,7 +13,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -24,25 +24,28 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from cachefsd.cache import tier as tier_module
-from cachefsd.cache import tiered as cache_module
 from cachefsd.cache.codec import Codec, content_hash, decode, encode
 from cachefsd.cache.directory import TierSpec, gc, open_cache, verify
 from cachefsd.cache.index import BlockRef, Index, IndexDamaged
 from cachefsd.cache.policy import LruPolicy, MinioPolicy, PlannedUse
 from cachefsd.cache.tier import HELD_DESCRIPTORS, Tier, disk_bytes
-from cachefsd.cache.tiered import TieredCache
+from cachefsd.cache.tiered import CacheTuning, TieredCache
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.metrics import Metrics
 from cachefsd.prefetch.access import AccessModel
 from tests.polling import wait_until
+from tests.unit.conftest import Clock
 
-real_monotonic = time.monotonic
 COMPRESSIBLE = b"training sample " * 4096  # 64 KiB that lz4 shrinks a lot
 
 
 @contextmanager
 def tiered(
-    root: Path, hot: int, warm: int | None = None, hot_policy: str = "lru"
+    root: Path,
+    hot: int,
+    warm: int | None = None,
+    hot_policy: str = "lru",
+    clock: Callable[[], float] = time.monotonic,
 ) -> Iterator[tuple[TieredCache, Metrics]]:
     index = Index(root / "index.sqlite")
     metrics = Metrics(CollectorRegistry())
@@ -51,7 +54,7 @@ def tiered(
     ]
     if warm is not None:
         tiers.append(Tier("warm", root / "warm", warm, Codec.LZ4, LruPolicy()))
-    cache = TieredCache(tiers, index, metrics)
+    cache = TieredCache(tiers, index, metrics, clock=clock)
     cache.reconcile()
     try:
         yield cache, metrics
@@ -605,11 +608,12 @@ def test_checking_a_large_block_keeps_no_buffer_of_its_size(tmp_path: Path) -> N
 
 
 def test_a_tier_whose_disk_fails_is_left_alone_for_a_while(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A read-only or vanished disk: no room offered to prefetch (which
     fetched the same blocks over and over), one warning, not one a block."""
-    with tiered(tmp_path, hot=1 << 20) as (cache, metrics):
+    clock = Clock()
+    with tiered(tmp_path, hot=1 << 20, clock=clock) as (cache, metrics):
         assert cache.room() > 0
         shutil.rmtree(tmp_path / "hot" / "tmp")  # every write fails
         with caplog.at_level(logging.WARNING):
@@ -619,8 +623,9 @@ def test_a_tier_whose_disk_fails_is_left_alone_for_a_while(
         assert metrics.cache_errors.labels("hot")._value.get() == 1
         assert cache.room() == 0
         (tmp_path / "hot" / "tmp").mkdir()
-        backoff = cache_module.DISK_ERROR_BACKOFF_SECONDS
-        monkeypatch.setattr(time, "monotonic", lambda: real_monotonic() + backoff)
+        clock.now += CacheTuning().disk_error_backoff_seconds - 1
+        assert cache.room() == 0
+        clock.now += 1
         assert cache.room() > 0  # tried again after the backoff
         admit(cache, ref("c"), b"c" * 5000)
         assert read(cache, ref("c")) == b"c" * 5000

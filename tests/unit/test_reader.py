@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachefsd.cache import tiered as cache_module
 from cachefsd.cache.codec import Codec, content_hash
+from cachefsd.cache.tiered import CacheTuning
 from cachefsd.errors import DeadlineExceeded
 from cachefsd.reader import FileSpan, block_bounds, block_range
 from cachefsd.store.base import ObjectInfo
@@ -130,12 +130,9 @@ def test_a_raw_block_is_checked_once_then_served_from_its_file(make_engine: Engi
     assert engine.metrics.corrupt_blocks.labels("hot")._value.get() == 1
 
 
-def test_only_the_most_recently_served_checks_are_remembered(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(cache_module, "CHECKED_FILES_REMEMBERED", 1)
+def test_only_the_most_recently_served_checks_are_remembered(make_engine: EngineFactory) -> None:
     data = os.urandom(2 * BLOCK_SIZE)
-    engine = make_engine({"f": data})
+    engine = make_engine({"f": data}, cache_tuning=CacheTuning(checked_files_remembered=1))
     info = engine.namespace.lookup("/f").info
     assert info is not None
     joined(engine.reader.read(info, 0, len(data)))  # fetched
