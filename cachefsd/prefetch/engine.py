@@ -20,7 +20,7 @@ A demand read of a block being prefetched joins its GET (single-flight in
 prefetch only logs. One run starts with a read, on the reader's thread: a
 large file's first read in its first block begins the file's first run,
 whose GET brings that read's block first, at a demand read's priority
-(``HEAD_FREE_BYTES``).
+(``PrefetchTuning.head_free_bytes``).
 
 Blocks fetched ahead carry their predicted use, which the cache records
 (``chunks.policy.PlannedUse``) before admitting them; with a plan (a hint,
@@ -34,7 +34,7 @@ read counts as used.
 With a plan (hint or replay), files already cached are warmed as their
 turn nears: their block files are read from the cache disk into the page
 cache (``posix_fadvise(WILLNEED)``, which does not wait), at most
-``WARM_AHEAD_BYTES`` ahead of the readers, so that a hit does not wait on
+``PrefetchTuning.warm_ahead_bytes`` ahead of the readers, so that a hit does not wait on
 the cache disk either. A dataset larger than RAM is read from the cache
 disk every epoch; without this, each small file's read waits for it.
 
@@ -51,6 +51,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -61,53 +62,10 @@ from cachefsd.errors import CachefsdError
 from cachefsd.index import BlockRef
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import STREAM_FORWARD_SLACK, AccessModel, Prediction
+from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.store.base import ObjectInfo
 
 log = logging.getLogger(__name__)
-
-# Predictions asked for per round. Most of the head of an epoch's unread list
-# may already be cached (a cache that holds half the dataset holds about half
-# of any list), so ask for far more than one round can fetch.
-PREDICTIONS_PER_ROUND = 4096
-# The thread also wakes this often without events, to retire waste and to
-# spend bandwidth tokens that have accumulated.
-IDLE_WAKE_SECONDS = 0.5
-# At most this many rounds a second: a round asks the model for predictions
-# (milliseconds under its lock), and readers that open hundreds of files a
-# second do not need a new plan for each.
-MIN_ROUND_SECONDS = 0.02
-# Predictions asked for per free prefetch slot: enough to find uncached
-# blocks among the cached ones of a cache that holds most of the dataset.
-PREDICTIONS_PER_SLOT = 64
-# How far ahead the prefetcher may reach to begin with, and at least: the
-# reach then adapts (AIMD, ``Reach``) between this and the configured
-# lookahead, shrinking when fetched blocks are thrown away unread (a cache
-# too small for the lookahead) and growing as they are read.
-INITIAL_REACH_BYTES = 64 << 20
-MIN_REACH_BYTES = 8 << 20
-# A block whose prefetch failed is not tried again for this long: a deleted
-# object or a failing bucket must not turn the prefetcher into a busy loop.
-# A demand read of the block is not affected.
-FAILED_RETRY_SECONDS = 30.0
-# Bytes of planned cached files warmed into the page cache and not opened
-# yet: enough for the readers not to catch up between two rounds (a
-# round's pause at 2,500 small files a second is 50 files, 7 MiB), little
-# enough to leave the page cache to others.
-WARM_AHEAD_BYTES = 32 << 20
-# A first read at a large file's start begins the file's first run at once,
-# with its own block first (``_fetch_head``): most readers that start there
-# read on (a tar shard, a video, cp), and one GET for the read and the run
-# saves a request's round trip (on moto, a read of the whole object) over a
-# demand GET followed by a run once a second read has shown the stream.
-# Until a read past the first block comes, the run reads no further than
-# this (or one block, if larger): a reader that only peeked at a header
-# costs that much.
-HEAD_FREE_BYTES = 16 << 20
-# How long the run then waits for a read past the first block before it stops.
-HEAD_VERDICT_SECONDS = 2.0
-# How long a read waits for another read of the same file to claim its
-# first run's blocks (a few dictionary updates: this only bounds a surprise).
-HEAD_CLAIM_SECONDS = 1.0
 
 
 class PrefetchEvents(Protocol):
@@ -134,8 +92,9 @@ class _Head:
     ``free_blocks`` blocks, then goes on only once another read has come
     inside them (or just past them)."""
 
-    def __init__(self, free_blocks: int) -> None:
+    def __init__(self, free_blocks: int, verdict_seconds: float) -> None:
         self.free_blocks = free_blocks
+        self._verdict_seconds = verdict_seconds
         self.claimed = threading.Event()  # its blocks are claimed (or it fetches nothing)
         self.verdict = threading.Event()
         self.streaming = False
@@ -148,7 +107,7 @@ class _Head:
         """Whether the GET may read block ``index`` (asked before each block)."""
         if index < self.free_blocks:
             return True
-        self.verdict.wait(HEAD_VERDICT_SECONDS)
+        self.verdict.wait(self._verdict_seconds)
         return self.streaming
 
 
@@ -195,12 +154,19 @@ class Prefetcher:
         reader: BlockReader,
         settings: PrefetchSettings,
         events: PrefetchEvents,
+        tuning: PrefetchTuning = DEFAULT_TUNING,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock`` is read wherever the prefetcher needs the time: the
+        access model's events, the token bucket, failed blocks' retries and
+        the pace of waste retirement."""
         self._model = model
         self._namespace = namespace
         self._reader = reader
         self._settings = settings
         self._events = events
+        self._tuning = tuning
+        self._clock = clock
         self._lock = threading.Lock()
         self._ahead: dict[BlockRef, _Ahead] = {}
         self._in_flight: dict[BlockRef, int] = {}  # block -> its bytes
@@ -211,7 +177,9 @@ class Prefetcher:
         self._joined: set[BlockRef] = set()
         self._failed: dict[BlockRef, float] = {}  # block -> when it may be tried again
         self._heads: dict[BlockRef, _Head] = {}  # a file's block 0 -> its first run awaiting a verdict
-        self._reach = Reach(min(settings.lookahead, INITIAL_REACH_BYTES), MIN_REACH_BYTES, settings.lookahead)
+        self._reach = Reach(
+            min(settings.lookahead, tuning.initial_reach_bytes), tuning.min_reach_bytes, settings.lookahead
+        )
         # Cached blocks a plan places, planned in the cache; replanned when a
         # hint arrives (``_replan``) or a job starts an epoch. A read ends a
         # block's plan in the cache.
@@ -221,7 +189,7 @@ class Prefetcher:
         self._hint_parts: dict[int, list[str]] = {}  # rank -> its share of the epoch's order
         self._ahead_bytes = 0
         self._tokens = float(settings.bandwidth)
-        self._tokens_at = time.monotonic()
+        self._tokens_at = self._clock()
         self._opens = 0
         # Prefetch thread only: planned cached files to warm, by position (a
         # heap of position, path, job, epoch), and those warmed and not
@@ -252,13 +220,13 @@ class Prefetcher:
     # -- events from the filesystem -------------------------------------
 
     def opened(self, info: ObjectInfo) -> None:
-        self._model.opened(info.key, info.size, time.monotonic())
+        self._model.opened(info.key, info.size, self._clock())
         with self._lock:
             self._opens += 1
         self._wake.set()
 
     def read(self, info: ObjectInfo, offset: int, size: int) -> None:
-        self._model.read(info.key, offset, size, time.monotonic())
+        self._model.read(info.key, offset, size, self._clock())
         if self._heads:
             self._judge_head(info, offset)
         if offset < self._reader.block_size < info.size:
@@ -282,7 +250,7 @@ class Prefetcher:
 
     def _fetch_head(self, info: ObjectInfo) -> None:
         """Fetch the first run of a large file with the GET of this read in
-        its first block (``HEAD_FREE_BYTES``; the kernel's first reads of a
+        its first block (``tuning.head_free_bytes``; the kernel's first reads of a
         file come in any order), if that block is neither cached nor being
         fetched and the budget allows. The run's blocks are claimed before
         this returns, so that the read waits for its GET, which runs at a
@@ -300,14 +268,16 @@ class Prefetcher:
                 run = self._take_run_locked(info, prediction)
                 if not run:
                     return
-                head = self._heads[ref] = _Head(max(1, HEAD_FREE_BYTES // block_size))
+                head = self._heads[ref] = _Head(
+                    max(1, self._tuning.head_free_bytes // block_size), self._tuning.head_verdict_seconds
+                )
                 self._gets_in_flight += 1  # with the blocks, so that reads at once cannot overrun it
                 position = self._opens + prediction.distance
                 starts = True
             else:
                 starts = False
         if not starts:
-            head.claimed.wait(HEAD_CLAIM_SECONDS)  # another read of the file is starting it
+            head.claimed.wait(self._tuning.head_claim_seconds)  # another read of the file is starting it
             return
         claim = None
         try:
@@ -367,7 +337,7 @@ class Prefetcher:
         world size) marks one rank's share: the shares of the ranks on this
         node are interleaved into one order, as their readers run side by side."""
         accepted = [info.key for path in order if (info := self._file_info(path)) is not None]
-        self._model.hint(self._merged(accepted, part), time.monotonic())
+        self._model.hint(self._merged(accepted, part), self._clock())
         with self._lock:
             self._replan = True
         self._wake.set()
@@ -390,16 +360,16 @@ class Prefetcher:
     # -- the prefetch thread ----------------------------------------------
 
     def _run(self) -> None:
-        retired_at = 0.0
+        retired_at = float("-inf")  # the first round retires
         while not self._stopped.is_set():
-            self._wake.wait(IDLE_WAKE_SECONDS)
+            self._wake.wait(self._tuning.idle_wake_seconds)
             self._wake.clear()
             try:
                 turns = self._model.take_turns()
                 if turns:
                     self._void_plans(turns)
-                now = time.monotonic()
-                if now - retired_at >= IDLE_WAKE_SECONDS:
+                now = self._clock()
+                if now - retired_at >= self._tuning.idle_wake_seconds:
                     retired_at = now
                     self._retire_waste()
                 with self._lock:
@@ -413,7 +383,7 @@ class Prefetcher:
                 log.exception("prefetch round failed")
             # Rounds are paced: a round asks the model for many predictions,
             # and completions would otherwise start one per finished GET.
-            self._stopped.wait(MIN_ROUND_SECONDS)
+            self._stopped.wait(self._tuning.min_round_seconds)
 
     def _has_budget(self) -> bool:
         with self._lock:
@@ -482,7 +452,8 @@ class Prefetcher:
         with self._lock:
             free = self._settings.concurrency - self._gets_in_flight
             opens = self._opens
-        for prediction in self._model.predict(min(PREDICTIONS_PER_ROUND, PREDICTIONS_PER_SLOT * free)):
+        wanted = min(self._tuning.predictions_per_round, self._tuning.predictions_per_slot * free)
+        for prediction in self._model.predict(wanted):
             if self._stopped.is_set():
                 return
             info = self._file_info(prediction.path)
@@ -521,11 +492,12 @@ class Prefetcher:
 
     def _warm(self) -> None:
         """Warm the planned cached files read next, nearest first, while
-        fewer than ``WARM_AHEAD_BYTES`` of those warmed are still unopened."""
+        fewer than ``tuning.warm_ahead_bytes`` of those warmed are still unopened."""
         opens = self._opens_now()
         while self._warmed and self._warmed[0][0] < opens:
             self._warmed_bytes -= self._warmed.popleft()[1]
-        while self._to_warm and self._warmed_bytes < WARM_AHEAD_BYTES and not self._stopped.is_set():
+        budget = self._tuning.warm_ahead_bytes
+        while self._to_warm and self._warmed_bytes < budget and not self._stopped.is_set():
             position, path, job, epoch = heapq.heappop(self._to_warm)
             if position < opens or self._stale(job, epoch):
                 continue  # its turn has come (warming now would only race the read), or its pass is over
@@ -566,7 +538,7 @@ class Prefetcher:
             return True
         retry_at = self._failed.get(ref)
         if retry_at is not None:
-            if time.monotonic() < retry_at:
+            if self._clock() < retry_at:
                 return True
             del self._failed[ref]
         position = self._opens + prediction.distance
@@ -625,7 +597,7 @@ class Prefetcher:
             level = logging.INFO if failed else logging.ERROR
             message = "prefetch of %s blocks %d-%d failed: %s"
             log.log(level, message, info.key, first, last, exc, exc_info=not failed)
-            retry_at = time.monotonic() + FAILED_RETRY_SECONDS
+            retry_at = self._clock() + self._tuning.failed_retry_seconds
             with self._lock:
                 for _, ref, _ in run:
                     self._failed[ref] = retry_at
@@ -682,7 +654,7 @@ class Prefetcher:
         rate = self._settings.bandwidth
         if not rate:
             return True
-        now = time.monotonic()
+        now = self._clock()
         # A bucket one second deep: bursts of at most a second's worth.
         self._tokens = min(float(rate), self._tokens + (now - self._tokens_at) * rate)
         self._tokens_at = now

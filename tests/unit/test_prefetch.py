@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,9 +17,9 @@ from cachefsd.chunks.codec import Codec, content_hash, encode
 from cachefsd.chunks.policy import EpochAwarePolicy, MinioPolicy, PlannedUse
 from cachefsd.chunks.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
-from cachefsd.prefetch import engine as engine_module
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import Prefetcher, Reach
+from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.store.base import ObjectInfo
 from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory, joined
@@ -35,9 +36,15 @@ def fixture_dataset() -> dict[str, bytes]:
     return {f"train/c{i % 2}/s{i:02d}": os.urandom(BLOCK_SIZE // 2) for i in range(20)}
 
 
+# A file's first run reads 4 blocks before it waits for a verdict.
+FOUR_FREE_BLOCKS = PrefetchTuning(head_free_bytes=4 * BLOCK_SIZE)
+
+
 @contextmanager
-def start(engine: Engine, settings: PrefetchSettings) -> Iterator[Prefetcher]:
-    prefetcher = Prefetcher(AccessModel(), engine.namespace, engine.reader, settings, engine.metrics)
+def start(
+    engine: Engine, settings: PrefetchSettings, tuning: PrefetchTuning = DEFAULT_TUNING
+) -> Iterator[Prefetcher]:
+    prefetcher = Prefetcher(AccessModel(), engine.namespace, engine.reader, settings, engine.metrics, tuning)
     prefetcher.start()
     try:
         yield prefetcher
@@ -295,7 +302,7 @@ def test_with_a_hint_cached_files_are_warmed_nearest_first_within_the_budget(
     """Hinted files already cached are read into the page cache as their
     turn nears: three files' worth ahead of the reader, one more per file opened."""
     file_bytes = BLOCK_SIZE // 2
-    monkeypatch.setattr(engine_module, "WARM_AHEAD_BYTES", 3 * file_bytes)
+    tuning = PrefetchTuning(warm_ahead_bytes=3 * file_bytes)
     engine = make_engine(dataset)
     order = sorted(dataset, reverse=True)
     infos = [engine.namespace.lookup("/" + key).info for key in order]
@@ -311,7 +318,7 @@ def test_with_a_hint_cached_files_are_warmed_nearest_first_within_the_budget(
         return warm(info, index)
 
     monkeypatch.setattr(engine.reader, "warm", recorded_warm)
-    with start(engine, PrefetchSettings()) as prefetcher:
+    with start(engine, PrefetchSettings(), tuning) as prefetcher:
         prefetcher.hint(order)
         wait_for(lambda: warmed() == 3 * file_bytes, "the first three hinted files to be warmed")
         assert warmed_keys == order[:3]
@@ -443,12 +450,6 @@ def test_a_prefetch_that_raises_gives_its_slot_back(
     assert len(raised) == 2
 
 
-@pytest.fixture(name="four_free_blocks")
-def fixture_four_free_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A file's first run reads 4 blocks before it waits for a verdict."""
-    monkeypatch.setattr(engine_module, "HEAD_FREE_BYTES", 4 * BLOCK_SIZE)
-
-
 def shard_engine(make_engine: EngineFactory) -> tuple[Engine, ObjectInfo, bytes]:
     """An engine over one object of 80 blocks, ``shard.tar``."""
     data = os.urandom(80 * BLOCK_SIZE)
@@ -474,11 +475,13 @@ def test_a_first_read_at_a_large_files_start_brings_its_first_run_with_the_same_
     assert joined(engine.reader.read(info, 0, len(data))) == data
 
 
-def peeked_run(engine: Engine, info: ObjectInfo, then_read_at: int | None) -> float:
-    """Bytes issued by a file's first run with 4 free blocks, after a
-    512-byte read at its start and maybe one more read."""
+def peeked_run(
+    engine: Engine, info: ObjectInfo, then_read_at: int | None, tuning: PrefetchTuning = FOUR_FREE_BLOCKS
+) -> float:
+    """Bytes issued by a file's first run (4 free blocks unless ``tuning``
+    says otherwise), after a 512-byte read at its start and maybe one more read."""
     issued = engine.metrics.prefetch_issued_bytes._value.get
-    with start(engine, PrefetchSettings()) as prefetcher:
+    with start(engine, PrefetchSettings(), tuning) as prefetcher:
         prefetcher.opened(info)
         prefetcher.read(info, 0, 512)
         if then_read_at is not None:
@@ -488,7 +491,6 @@ def peeked_run(engine: Engine, info: ObjectInfo, then_read_at: int | None) -> fl
     return issued()
 
 
-@pytest.mark.usefixtures("four_free_blocks")
 def test_a_jump_away_from_a_files_start_stops_its_first_run_after_its_free_blocks(
     make_engine: EngineFactory,
 ) -> None:
@@ -497,37 +499,29 @@ def test_a_jump_away_from_a_files_start_stops_its_first_run_after_its_free_block
     assert peeked_run(engine, info, then_read_at=60 * BLOCK_SIZE) == 4 * BLOCK_SIZE
 
 
-@pytest.mark.usefixtures("four_free_blocks")
-def test_a_first_run_with_no_second_read_stops_after_its_free_blocks(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(engine_module, "HEAD_VERDICT_SECONDS", 0.05)
+def test_a_first_run_with_no_second_read_stops_after_its_free_blocks(make_engine: EngineFactory) -> None:
     engine, info, _ = shard_engine(make_engine)
-    assert peeked_run(engine, info, then_read_at=None) == 4 * BLOCK_SIZE
+    tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.05)
+    assert peeked_run(engine, info, then_read_at=None, tuning=tuning) == 4 * BLOCK_SIZE
 
 
-@pytest.mark.usefixtures("four_free_blocks")
 def test_a_second_read_past_the_first_block_lets_the_first_run_go_on(make_engine: EngineFactory) -> None:
     engine, info, _ = shard_engine(make_engine)
     assert peeked_run(engine, info, then_read_at=BLOCK_SIZE) == 80 * BLOCK_SIZE
     assert engine.store.get_count == 1
 
 
-@pytest.mark.usefixtures("four_free_blocks")
-def test_a_header_read_again_does_not_let_the_first_run_go_on(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_header_read_again_does_not_let_the_first_run_go_on(make_engine: EngineFactory) -> None:
     """A second read in the first block (the header again, or the kernel's
     read-ahead of the first read) is no sign of a stream (hunt O)."""
-    monkeypatch.setattr(engine_module, "HEAD_VERDICT_SECONDS", 0.05)
     engine, info, _ = shard_engine(make_engine)
-    assert peeked_run(engine, info, then_read_at=512) == 4 * BLOCK_SIZE
+    tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.05)
+    assert peeked_run(engine, info, then_read_at=512, tuning=tuning) == 4 * BLOCK_SIZE
 
 
-@pytest.mark.usefixtures("four_free_blocks")
 def test_a_read_waiting_on_a_block_of_a_stopped_run_fetches_it_itself(make_engine: EngineFactory) -> None:
     engine, info, data = shard_engine(make_engine)
-    with start(engine, PrefetchSettings()) as prefetcher:
+    with start(engine, PrefetchSettings(), FOUR_FREE_BLOCKS) as prefetcher:
         prefetcher.opened(info)
         prefetcher.read(info, 0, 512)
         # Block 10 is the run's until a far read stops it; this reader then leads its own GET.
@@ -538,13 +532,12 @@ def test_a_read_waiting_on_a_block_of_a_stopped_run_fetches_it_itself(make_engin
     assert [start for start, _ in engine.faulty.streams] == [0, 10 * BLOCK_SIZE]
 
 
-@pytest.mark.usefixtures("four_free_blocks")
 def test_first_reads_of_many_large_files_at_once_start_no_more_runs_than_the_concurrency(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+    make_engine: EngineFactory,
 ) -> None:
     """Each read claimed budget before any counted its GET: eight first
     reads at once started eight runs at a concurrency of 2."""
-    monkeypatch.setattr(engine_module, "HEAD_VERDICT_SECONDS", 0.5)
+    tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.5)
     files = {f"shard-{i}.tar": os.urandom(80 * BLOCK_SIZE) for i in range(8)}
     engine = make_engine(files)
     infos = [engine.namespace.lookup("/" + key).info for key in files]
@@ -555,7 +548,10 @@ def test_first_reads_of_many_large_files_at_once_start_no_more_runs_than_the_con
         prefetcher.read(info, 0, 512)
         return joined(engine.reader.read(info, 0, 512))
 
-    with start(engine, PrefetchSettings(concurrency=2)) as prefetcher, ThreadPoolExecutor(len(infos)) as pool:
+    with (
+        start(engine, PrefetchSettings(concurrency=2), tuning) as prefetcher,
+        ThreadPoolExecutor(len(infos)) as pool,
+    ):
         firsts = list(pool.map(first_read, infos))
     assert firsts == [data[:512] for data in files.values()]
     runs = [(start, end) for start, end in engine.faulty.streams if end - start > BLOCK_SIZE]
