@@ -52,6 +52,19 @@ def start(
         prefetcher.stop()
 
 
+@contextmanager
+def store_held(engine: Engine) -> Iterator[threading.Event]:
+    """Every call to the store waits until the test sets the event it is
+    given (set at the latest on leaving): a GET stays in flight exactly as
+    long as the test needs, however loaded the machine."""
+    gate = threading.Event()
+    engine.faulty.faults.gate = gate
+    try:
+        yield gate
+    finally:
+        gate.set()
+
+
 def walk_and_open(engine: Engine, prefetcher: Prefetcher, path: str) -> None:
     for directory in ("train", "train/c0", "train/c1"):
         prefetcher.listed(engine.namespace.listdir("/" + directory), directory)
@@ -124,15 +137,16 @@ def test_a_read_that_joins_a_prefetch_in_flight_counts_it_used_not_wasted(
     assert info is not None
     settings = PrefetchSettings(concurrency=1)
     prefetcher = Prefetcher(AccessModel(), engine.namespace, engine.reader, settings, engine.metrics)
-    engine.faulty.faults.latency_seconds = 0.3
     calls = engine.faulty.calls
     prefetcher.start()
     try:
-        prefetcher.hint([key])
-        wait_for(lambda: engine.faulty.calls > calls, "the prefetch GET to start")
-        prefetcher.opened(info)
-        prefetcher.read(info, 0, info.size)  # before the block lands, as the FUSE read does
-        assert engine.store.get_count == 0  # the prefetch's GET is still in flight: this read joins it
+        with store_held(engine) as gate:
+            prefetcher.hint([key])
+            wait_for(lambda: engine.faulty.calls > calls, "the prefetch GET to start")
+            prefetcher.opened(info)
+            prefetcher.read(info, 0, info.size)  # before the block lands, as the FUSE read does
+            assert engine.store.get_count == 0  # the prefetch's GET is still in flight: this read joins it
+            gate.set()
         assert joined(engine.reader.read(info, 0, info.size)) == dataset[key]
         wait_for(lambda: engine.metrics.prefetch_used_bytes._value.get() == info.size, "the join to count")
     finally:
@@ -169,13 +183,13 @@ def test_a_prefetched_block_the_cache_refuses_counts_issued_and_wasted(
     first, second = sorted(dataset)[:2]
     info = engine.namespace.lookup("/" + second).info
     assert info is not None
-    engine.faulty.faults.latency_seconds = 0.3
     calls = engine.faulty.calls
     with start(engine, PrefetchSettings(concurrency=1)) as prefetcher:
-        prefetcher.hint([first])
-        wait_for(lambda: engine.faulty.calls > calls, "the prefetch GET to start")
-        data = dataset[second]
-        engine.cache.admit(engine.reader.ref(info, 0), content_hash(data), data)
+        with store_held(engine):
+            prefetcher.hint([first])
+            wait_for(lambda: engine.faulty.calls > calls, "the prefetch GET to start")
+            data = dataset[second]
+            engine.cache.admit(engine.reader.ref(info, 0), content_hash(data), data)
         wait_for(lambda: engine.metrics.prefetch_issued_bytes._value.get() > 0, "the prefetch to land")
     assert engine.reader.residency(info, 0) is not None  # the resident stayed
     first_info = engine.namespace.lookup("/" + first).info
@@ -408,15 +422,14 @@ def test_consecutive_blocks_of_a_file_are_fetched_with_one_get(make_engine: Engi
 def test_a_stream_through_a_large_file_is_fetched_in_runs_ahead_of_the_reader(
     make_engine: EngineFactory,
 ) -> None:
-    """Read front to back, an 80-block file costs the demand GETs that
-    reveal the stream (and the one the reader asks for before the
-    prefetcher's next round), then one run for the rest, which is smaller
-    than a run: a GET per block had the reader wait on most of them."""
+    """Read front to back, an 80-block file costs a few GETs, not one per
+    block: a GET per block had the reader wait on most of them. (Its first
+    read begins the file's first run, which is the whole file, smaller than
+    a run, and every later read joins it: one GET.)"""
     data = os.urandom(80 * BLOCK_SIZE)
     engine = make_engine({"shard.tar": data})
     info = engine.namespace.lookup("/shard.tar").info
     assert info is not None
-    engine.faulty.faults.latency_seconds = 0.05  # a request's round trip, which the runs save
     with start(engine, PrefetchSettings()) as prefetcher:
         prefetcher.opened(info)
         pieces = []
@@ -479,13 +492,15 @@ def peeked_run(
     engine: Engine, info: ObjectInfo, then_read_at: int | None, tuning: PrefetchTuning = FOUR_FREE_BLOCKS
 ) -> float:
     """Bytes issued by a file's first run (4 free blocks unless ``tuning``
-    says otherwise), after a 512-byte read at its start and maybe one more read."""
+    says otherwise), after a 512-byte read at its start and maybe one more
+    read, which comes before the run's GET has brought any block."""
     issued = engine.metrics.prefetch_issued_bytes._value.get
     with start(engine, PrefetchSettings(), tuning) as prefetcher:
-        prefetcher.opened(info)
-        prefetcher.read(info, 0, 512)
-        if then_read_at is not None:
-            prefetcher.read(info, then_read_at, 512)
+        with store_held(engine):
+            prefetcher.opened(info)
+            prefetcher.read(info, 0, 512)
+            if then_read_at is not None:
+                prefetcher.read(info, then_read_at, 512)
         # A run is accounted for at once, when it is over.
         wait_for(lambda: issued() > 0, "the first run to be over")
     return issued()
@@ -501,7 +516,7 @@ def test_a_jump_away_from_a_files_start_stops_its_first_run_after_its_free_block
 
 def test_a_first_run_with_no_second_read_stops_after_its_free_blocks(make_engine: EngineFactory) -> None:
     engine, info, _ = shard_engine(make_engine)
-    tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.05)
+    tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.0)  # no read comes: why wait
     assert peeked_run(engine, info, then_read_at=None, tuning=tuning) == 4 * BLOCK_SIZE
 
 
@@ -515,18 +530,20 @@ def test_a_header_read_again_does_not_let_the_first_run_go_on(make_engine: Engin
     """A second read in the first block (the header again, or the kernel's
     read-ahead of the first read) is no sign of a stream (hunt O)."""
     engine, info, _ = shard_engine(make_engine)
-    tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.05)
+    # The read again came before the GET began: a verdict from it would be in by now.
+    tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.0)
     assert peeked_run(engine, info, then_read_at=512, tuning=tuning) == 4 * BLOCK_SIZE
 
 
 def test_a_read_waiting_on_a_block_of_a_stopped_run_fetches_it_itself(make_engine: EngineFactory) -> None:
     engine, info, data = shard_engine(make_engine)
     with start(engine, PrefetchSettings(), FOUR_FREE_BLOCKS) as prefetcher:
-        prefetcher.opened(info)
-        prefetcher.read(info, 0, 512)
-        # Block 10 is the run's until a far read stops it; this reader then leads its own GET.
-        reader = ThreadPoolExecutor(1).submit(engine.reader.read, info, 10 * BLOCK_SIZE, 100)
-        prefetcher.read(info, 60 * BLOCK_SIZE, 512)
+        with store_held(engine):  # the far read comes before the run's GET has brought a block
+            prefetcher.opened(info)
+            prefetcher.read(info, 0, 512)
+            # Block 10 is the run's until a far read stops it; this reader then leads its own GET.
+            reader = ThreadPoolExecutor(1).submit(engine.reader.read, info, 10 * BLOCK_SIZE, 100)
+            prefetcher.read(info, 60 * BLOCK_SIZE, 512)
         assert joined(reader.result(POLL_SECONDS)) == data[10 * BLOCK_SIZE : 10 * BLOCK_SIZE + 100]
     # The run stopped after its free blocks; block 10 came with the reader's own GET.
     assert [start for start, _ in engine.faulty.streams] == [0, 10 * BLOCK_SIZE]
@@ -537,22 +554,27 @@ def test_first_reads_of_many_large_files_at_once_start_no_more_runs_than_the_con
 ) -> None:
     """Each read claimed budget before any counted its GET: eight first
     reads at once started eight runs at a concurrency of 2."""
-    tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.5)
+    tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.0)  # no second read comes
     files = {f"shard-{i}.tar": os.urandom(80 * BLOCK_SIZE) for i in range(8)}
     engine = make_engine(files)
     infos = [engine.namespace.lookup("/" + key).info for key in files]
     together = threading.Barrier(len(infos))
 
-    def first_read(info: ObjectInfo) -> bytes:
+    def first_read(info: ObjectInfo) -> None:
         together.wait(POLL_SECONDS)
         prefetcher.read(info, 0, 512)
+
+    def read(info: ObjectInfo) -> bytes:
         return joined(engine.reader.read(info, 0, 512))
 
     with (
         start(engine, PrefetchSettings(concurrency=2), tuning) as prefetcher,
         ThreadPoolExecutor(len(infos)) as pool,
     ):
-        firsts = list(pool.map(first_read, infos))
+        # Every run begun stays in flight until all eight reads have come.
+        with store_held(engine):
+            list(pool.map(first_read, infos))
+        firsts = list(pool.map(read, infos))
     assert firsts == [data[:512] for data in files.values()]
     runs = [(start, end) for start, end in engine.faulty.streams if end - start > BLOCK_SIZE]
     assert len(runs) == 2
