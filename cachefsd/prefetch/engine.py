@@ -1,20 +1,25 @@
 """The prefetcher: turns the access model's predictions into block fetches,
-within one global budget.
+within one global budget. It composes one module per mechanism, and holds
+the state they share.
 
 Every open, read and directory listing of the mount is an event for the
-access model (``prefetch/access.py``). A single thread wakes on those events,
-asks the model what will be read next (a sequential stream's next window, a
-hint's remaining order, a replayed order, or the unread files of the epoch),
-and fetches the blocks that are not cached yet, nearest predicted use first.
+access model (``access.py``). A single thread wakes on those events, asks
+the model what will be read next (a sequential stream's next window, a
+hint's remaining order, a replayed order, or the unread files of the
+epoch), and fetches the blocks that are not cached yet, nearest predicted
+use first.
 
-Budget, whatever the number of open files:
+Budget, whatever the number of open files, counted by the ledger
+(``ledger.py``: blocks ahead, blocks and GETs in flight, failed blocks):
 - at most ``concurrency`` prefetch GETs at once, and they queue behind every
   demand read in the fetcher (``fetch.PrioritySlots``);
-- at most ``lookahead`` bytes fetched ahead and not yet read;
+- at most the reach (``reach.py``: AIMD between
+  ``PrefetchTuning.min_reach_bytes`` and ``lookahead``) fetched ahead and
+  not yet read;
 - at most the cache's room (``TieredCache.room``: free space plus what the
   eviction policy would give up) in flight: a block the cache refuses on
   arrival was fetched for nothing;
-- at most ``bandwidth`` bytes per second when set (a token bucket).
+- at most ``bandwidth`` bytes per second when set (``bucket.py``).
 A demand read of a block being prefetched joins its GET (single-flight in
 ``blocks.py``; the prefetch then counts as used, late), and a failed
 prefetch only logs. One run starts with a read, on the reader's thread: a
@@ -34,14 +39,24 @@ read counts as used.
 With a plan (hint or replay), files already cached are warmed as their
 turn nears: their block files are read from the cache disk into the page
 cache (``posix_fadvise(WILLNEED)``, which does not wait), at most
-``PrefetchTuning.warm_ahead_bytes`` ahead of the readers, so that a hit does not wait on
-the cache disk either. A dataset larger than RAM is read from the cache
-disk every epoch; without this, each small file's read waits for it.
+``PrefetchTuning.warm_ahead_bytes`` ahead of the readers, so that a hit
+does not wait on the cache disk either. A dataset larger than RAM is read
+from the cache disk every epoch; without this, each small file's read
+waits for it.
 
-Concurrency: ``_lock`` guards ``_ahead``, ``_ahead_bytes``, the blocks and
-GETs in flight, ``_heads``, the reach and the token bucket; the model has
-its own lock. Lock order: this lock, then the model's. A head run's pool
-thread may wait for its verdict (``_Head.goes_on``) holding no lock.
+Time and tuning are passed in: ``clock`` (default ``time.monotonic``) is
+the only time read here, and ``PrefetchTuning`` holds the numbers.
+
+Concurrency. Immutable after construction: the collaborators, the
+settings, the tuning, the clock and the pool. ``_lock`` guards the ledger,
+the reach and the token bucket (taking a block reads and changes all three
+at once), ``_heads``, and ``_opens``, ``_replan``, ``_resident_plans`` and
+the hint shares; those three mechanisms have no lock of their own. The
+warming state has none: only the prefetch thread uses it. Lock order:
+``_lock``, then the cache's (a block's digest and the cache's room are
+read under ``_lock``) and, through its eviction policy, the model's. A head
+run's pool thread may wait for its verdict (``_Head.goes_on``) holding no
+lock.
 """
 
 from __future__ import annotations
@@ -53,7 +68,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Protocol
 
 from cachefsd.blocks import RUN_BYTES, BlockReader, ClaimedRun, block_range
@@ -62,10 +76,16 @@ from cachefsd.errors import CachefsdError
 from cachefsd.index import BlockRef
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import STREAM_FORWARD_SLACK, AccessModel, Prediction
+from cachefsd.prefetch.bucket import TokenBucket
+from cachefsd.prefetch.ledger import Ahead, Ledger
+from cachefsd.prefetch.reach import Reach
 from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.store.base import ObjectInfo
 
 log = logging.getLogger(__name__)
+
+# Consecutive blocks of one file fetched with one GET: (index, ref, bytes) each.
+Run = list[tuple[int, BlockRef, int]]
 
 
 class PrefetchEvents(Protocol):
@@ -73,17 +93,6 @@ class PrefetchEvents(Protocol):
     def prefetch_used(self, nbytes: int) -> None: ...
     def prefetch_wasted(self, nbytes: int) -> None: ...
     def prefetch_warmed(self, nbytes: int) -> None: ...
-
-
-@dataclass
-class _Ahead:
-    """A block fetched ahead and not yet read."""
-
-    info: ObjectInfo
-    index: int
-    digest: str
-    nbytes: int
-    job: str  # root of the job whose prediction fetched it
 
 
 class _Head:
@@ -111,41 +120,6 @@ class _Head:
         return self.streaming
 
 
-class Reach:
-    """How many bytes the prefetcher may hold fetched ahead and not yet
-    read: AIMD, as TCP's congestion window. Every byte fetched ahead and
-    read earns a byte of reach, up to ``limit``; bytes thrown away unread
-    (a cache too small for the reach) halve it, down to ``floor``.
-
-    As TCP halves at most once per window of data, a cut is followed by a
-    recovery: until a reach's worth of bytes (the reach after the cut) has
-    left the ahead set, read or thrown away, waste cuts nothing more and
-    reads earn nothing. Waste comes in bursts: at an epoch's start a full
-    cache has no room until reads free some, and halving once per wasted
-    block took the reach from 260 MB to the floor within a second, which
-    held a 50 % cache to 73 % hits for the epoch instead of 84-86 %.
-    Persistent waste still halves the reach once per recovery, down to the
-    floor. Not thread-safe: the prefetcher calls it under its lock."""
-
-    def __init__(self, initial: int, floor: int, limit: int) -> None:
-        self._floor = floor
-        self._limit = limit
-        self.bytes = initial
-        self._recovering = 0  # bytes still to leave the ahead set before the next cut
-
-    def used(self, nbytes: int) -> None:
-        recovered = min(nbytes, self._recovering)
-        self._recovering -= recovered
-        self.bytes = min(self._limit, self.bytes + nbytes - recovered)
-
-    def wasted(self, nbytes: int) -> None:
-        if self._recovering:
-            self._recovering = max(0, self._recovering - nbytes)
-            return
-        self.bytes = max(self._floor, self.bytes // 2)
-        self._recovering = self.bytes
-
-
 class Prefetcher:
     def __init__(
         self,
@@ -168,18 +142,12 @@ class Prefetcher:
         self._tuning = tuning
         self._clock = clock
         self._lock = threading.Lock()
-        self._ahead: dict[BlockRef, _Ahead] = {}
-        self._in_flight: dict[BlockRef, int] = {}  # block -> its bytes
-        self._in_flight_bytes = 0
-        self._gets_in_flight = 0  # runs submitted and not done: the concurrency is in GETs
-        # Blocks read while their prefetch was still in flight: the reader
-        # joined the GET, so the prefetch is used (late) and plans nothing.
-        self._joined: set[BlockRef] = set()
-        self._failed: dict[BlockRef, float] = {}  # block -> when it may be tried again
-        self._heads: dict[BlockRef, _Head] = {}  # a file's block 0 -> its first run awaiting a verdict
+        self._ledger = Ledger()
         self._reach = Reach(
             min(settings.lookahead, tuning.initial_reach_bytes), tuning.min_reach_bytes, settings.lookahead
         )
+        self._bucket = TokenBucket(settings.bandwidth, clock())
+        self._heads: dict[BlockRef, _Head] = {}  # a file's block 0 -> its first run awaiting a verdict
         # Cached blocks a plan places, planned in the cache; replanned when a
         # hint arrives (``_replan``) or a job starts an epoch. A read ends a
         # block's plan in the cache.
@@ -187,9 +155,6 @@ class Prefetcher:
         self._replan = False
         self._hint_world = 0
         self._hint_parts: dict[int, list[str]] = {}  # rank -> its share of the epoch's order
-        self._ahead_bytes = 0
-        self._tokens = float(settings.bandwidth)
-        self._tokens_at = self._clock()
         self._opens = 0
         # Prefetch thread only: planned cached files to warm, by position (a
         # heap of position, path, job, epoch), and those warmed and not
@@ -227,21 +192,15 @@ class Prefetcher:
 
     def read(self, info: ObjectInfo, offset: int, size: int) -> None:
         self._model.read(info.key, offset, size, self._clock())
+        block_size = self._reader.block_size
         if self._heads:
             self._judge_head(info, offset)
-        if offset < self._reader.block_size < info.size:
+        if offset < block_size < info.size:
             self._fetch_head(info)
         used = 0
         with self._lock:
-            for index in block_range(offset, size, info.size, self._reader.block_size):
-                ref = self._reader.ref(info, index)
-                if ref in self._in_flight:
-                    self._joined.add(ref)
-                    continue
-                ahead = self._ahead.pop(ref, None)
-                if ahead is not None:
-                    self._ahead_bytes -= ahead.nbytes
-                    used += ahead.nbytes
+            for index in block_range(offset, size, info.size, block_size):
+                used += self._ledger.read(self._reader.ref(info, index))
             if used:
                 self._reach.used(used)
         if used:
@@ -271,7 +230,7 @@ class Prefetcher:
                 head = self._heads[ref] = _Head(
                     max(1, self._tuning.head_free_bytes // block_size), self._tuning.head_verdict_seconds
                 )
-                self._gets_in_flight += 1  # with the blocks, so that reads at once cannot overrun it
+                self._ledger.get_started()  # with the blocks, so that reads at once cannot overrun it
                 position = self._opens + prediction.distance
                 starts = True
             else:
@@ -299,10 +258,10 @@ class Prefetcher:
             # the read fetches its block itself.
             log.warning("first run of %s not started: %s", info.key, exc, exc_info=True)
 
-    def _take_run_locked(self, info: ObjectInfo, prediction: Prediction) -> list[tuple[int, BlockRef, int]]:
+    def _take_run_locked(self, info: ObjectInfo, prediction: Prediction) -> Run:
         """The blocks of a file's first run the budget allows, from block 0
         on; none if block 0 needs no fetch or the budget is spent."""
-        run: list[tuple[int, BlockRef, int]] = []
+        run: Run = []
         for index in block_range(0, RUN_BYTES, info.size, self._reader.block_size):
             taken = self._take_locked(info, index, prediction)
             if not isinstance(taken, tuple):
@@ -387,7 +346,10 @@ class Prefetcher:
 
     def _has_budget(self) -> bool:
         with self._lock:
-            return self._gets_in_flight < self._settings.concurrency and self._ahead_bytes < self._reach.bytes
+            return (
+                self._ledger.gets < self._settings.concurrency
+                and self._ledger.ahead_bytes < self._reach.bytes
+            )
 
     def _void_plans(self, turns: dict[str, int]) -> None:
         """A job's new epoch voids the plans of its last: a block planned and
@@ -399,7 +361,7 @@ class Prefetcher:
         caller then replans every job's cached blocks (``_plan_residents``),
         so other jobs' plans stand."""
         with self._lock:
-            voided = [block.digest for block in self._ahead.values() if block.job in turns]
+            voided = self._ledger.digests_of(turns)
         for digest in voided:
             self._reader.unplan(digest)
         self._warmed = deque(entry for entry in self._warmed if not self._stale(entry[2], entry[3]))
@@ -434,15 +396,10 @@ class Prefetcher:
     def _retire_waste(self) -> None:
         """Blocks fetched ahead that left the cache before anyone read them."""
         with self._lock:
-            ahead = list(self._ahead.items())
+            ahead = self._ledger.ahead()
         gone = [ref for ref, block in ahead if self._reader.digest(block.info, block.index) is None]
-        wasted = 0
         with self._lock:
-            for ref in gone:
-                block = self._ahead.pop(ref, None)
-                if block is not None:
-                    self._ahead_bytes -= block.nbytes
-                    wasted += block.nbytes
+            wasted = self._ledger.retire(gone)
             if wasted:
                 self._reach.wasted(wasted)
         if wasted:
@@ -450,7 +407,7 @@ class Prefetcher:
 
     def _issue(self) -> None:
         with self._lock:
-            free = self._settings.concurrency - self._gets_in_flight
+            free = self._settings.concurrency - self._ledger.gets
             opens = self._opens
         wanted = min(self._tuning.predictions_per_round, self._tuning.predictions_per_slot * free)
         for prediction in self._model.predict(wanted):
@@ -477,7 +434,7 @@ class Prefetcher:
                             (opens + prediction.distance, prediction.path, prediction.job, prediction.epoch),
                         )
                 continue
-            run: list[tuple[int, BlockRef, int]] = []  # consecutive blocks, one GET
+            run: Run = []
             for index in blocks:
                 taken = self._take(info, index, prediction)
                 if run and (not isinstance(taken, tuple) or len(run) == self._reader.run_blocks):
@@ -534,46 +491,43 @@ class Prefetcher:
     ) -> tuple[BlockRef, int] | bool:
         ref = self._reader.ref(info, index)
         nbytes = min(self._reader.block_size, info.size - index * self._reader.block_size)
-        if ref in self._ahead or ref in self._in_flight:
+        if self._ledger.holds(ref):
             return True
-        retry_at = self._failed.get(ref)
-        if retry_at is not None:
-            if self._clock() < retry_at:
-                return True
-            del self._failed[ref]
+        now = self._clock()
+        if self._ledger.failed_lately(ref, now):
+            return True
         position = self._opens + prediction.distance
-        if not self._budget_allows_locked(nbytes, position):
+        if not self._budget_allows_locked(nbytes, position, now):
             return False
         if self._reader.digest(info, index) is not None:
-            self._refund_locked(nbytes)
+            self._bucket.refund(nbytes)
             return True
-        self._in_flight[ref] = nbytes
-        self._in_flight_bytes += nbytes
+        self._ledger.start(ref, nbytes)
         return ref, nbytes
 
-    def _submit(self, info: ObjectInfo, run: list[tuple[int, BlockRef, int]], prediction: Prediction) -> None:
+    def _submit(self, info: ObjectInfo, run: Run, prediction: Prediction) -> None:
         with self._lock:
             position = self._opens + prediction.distance
-            self._gets_in_flight += 1
+            self._ledger.get_started()
         self._pool.submit(self._fetch, info, run, position, prediction.job)
 
-    def _budget_allows_locked(self, nbytes: int, position: float) -> bool:
+    def _budget_allows_locked(self, nbytes: int, position: float, now: float) -> bool:
         """A free slot, room in the reach, room in the cache for it and for
         every block already in flight, counting residents planned for after
         ``position`` (a cache that refuses a block on arrival wastes its GET),
         and bandwidth tokens (spent here when everything else allows)."""
-        needed = self._in_flight_bytes + nbytes
+        needed = self._ledger.in_flight_bytes + nbytes
         return (
-            self._gets_in_flight < self._settings.concurrency
-            and self._ahead_bytes + nbytes <= self._reach.bytes
+            self._ledger.gets < self._settings.concurrency
+            and self._ledger.ahead_bytes + nbytes <= self._reach.bytes
             and needed <= self._reader.cache_room(position, wanted=needed)
-            and self._spend_locked(nbytes)
+            and self._bucket.spend(nbytes, now)
         )
 
     def _fetch(
         self,
         info: ObjectInfo,
-        run: list[tuple[int, BlockRef, int]],
+        run: Run,
         position: float,
         job: str,
         head: _Head | None = None,
@@ -599,26 +553,18 @@ class Prefetcher:
             log.log(level, message, info.key, first, last, exc, exc_info=not failed)
             retry_at = self._clock() + self._tuning.failed_retry_seconds
             with self._lock:
-                for _, ref, _ in run:
-                    self._failed[ref] = retry_at
+                self._ledger.failed((ref for _, ref, _ in run), retry_at)
         finally:
             self._run_over(info, run, fetched, job, head)
 
-    def _run_over(
-        self,
-        info: ObjectInfo,
-        run: list[tuple[int, BlockRef, int]],
-        fetched: set[int],
-        job: str,
-        head: _Head | None,
-    ) -> None:
+    def _run_over(self, info: ObjectInfo, run: Run, fetched: set[int], job: str, head: _Head | None) -> None:
         """Account for each block of a run as it turned out, and give its slot back."""
         for index, ref, nbytes in run:
             self._account(info, index, ref, nbytes, index in fetched, job)
         with self._lock:
             if head is not None and self._heads.get(run[0][1]) is head:
                 del self._heads[run[0][1]]
-            self._gets_in_flight -= 1
+            self._ledger.get_over()
         self._wake.set()
 
     def _account(
@@ -628,12 +574,9 @@ class Prefetcher:
         not (cached meanwhile, fetched by a read's GET, or failed)."""
         digest = self._reader.digest(info, index) if fetched else None
         with self._lock:
-            del self._in_flight[ref]
-            self._in_flight_bytes -= nbytes
-            joined = ref in self._joined
-            self._joined.discard(ref)
+            joined = self._ledger.landed(ref)
             if digest is None:
-                self._refund_locked(nbytes)
+                self._bucket.refund(nbytes)
                 if fetched:
                     # Fetched, but the cache had no room the policy would give
                     # up: the bytes crossed the network for nothing.
@@ -641,28 +584,10 @@ class Prefetcher:
             elif joined:
                 self._reach.used(nbytes)
             else:
-                self._ahead[ref] = _Ahead(info, index, digest, nbytes, job)
-                self._ahead_bytes += nbytes
+                self._ledger.put_ahead(ref, Ahead(info, index, digest, nbytes, job))
         if fetched:  # issued counts every fetched block, so used + wasted <= issued
             self._events.prefetch_issued(nbytes)
             if digest is None:
                 self._events.prefetch_wasted(nbytes)
             elif joined:
                 self._events.prefetch_used(nbytes)
-
-    def _spend_locked(self, nbytes: int) -> bool:
-        rate = self._settings.bandwidth
-        if not rate:
-            return True
-        now = self._clock()
-        # A bucket one second deep: bursts of at most a second's worth.
-        self._tokens = min(float(rate), self._tokens + (now - self._tokens_at) * rate)
-        self._tokens_at = now
-        if self._tokens < nbytes and self._tokens < rate:
-            return False
-        self._tokens -= nbytes
-        return True
-
-    def _refund_locked(self, nbytes: int) -> None:
-        if self._settings.bandwidth:
-            self._tokens += nbytes

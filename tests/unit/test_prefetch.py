@@ -18,7 +18,7 @@ from cachefsd.chunks.policy import EpochAwarePolicy, MinioPolicy, PlannedUse
 from cachefsd.chunks.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
 from cachefsd.prefetch.access import AccessModel
-from cachefsd.prefetch.engine import Prefetcher, Reach
+from cachefsd.prefetch.engine import Prefetcher
 from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.store.base import ObjectInfo
 from tests.polling import wait_until
@@ -361,44 +361,6 @@ def test_without_a_plan_nothing_is_warmed(make_engine: EngineFactory, dataset: d
     finally:
         prefetcher.stop()
     assert engine.metrics.prefetch_warmed_bytes._value.get() == 0
-
-
-def test_the_reach_grows_by_what_is_used_up_to_its_limit() -> None:
-    reach = Reach(initial=100, floor=10, limit=250)
-    reach.used(60)
-    assert reach.bytes == 160
-    reach.used(200)
-    assert reach.bytes == 250
-
-
-def test_a_burst_of_waste_halves_the_reach_once() -> None:
-    """As TCP halves its window once per window of data, not once per lost
-    packet: until a reach's worth has left the ahead set after a cut, waste
-    cuts nothing more and reads earn nothing."""
-    reach = Reach(initial=400, floor=30, limit=1000)
-    for _ in range(5):  # an epoch's start: block after block thrown away
-        reach.wasted(10)
-    assert reach.bytes == 200
-    reach.used(100)  # with the 40 wasted, 140 of the 200 have left: recovering
-    reach.wasted(10)
-    assert reach.bytes == 200
-    reach.used(100)  # recovered after 50 of these; the other 50 earn reach
-    assert reach.bytes == 250
-    reach.wasted(10)
-    assert reach.bytes == 125
-
-
-def test_persistent_waste_takes_the_reach_to_its_floor() -> None:
-    """A cache too small for the reach: one block read for nine thrown away."""
-    reach = Reach(initial=1 << 30, floor=8 << 20, limit=2 << 30)
-    for _ in range(10_000):
-        reach.used(1 << 20)
-        for _ in range(9):
-            reach.wasted(1 << 20)
-    assert reach.bytes == 8 << 20
-    reach.used(1 << 20)
-    reach.wasted(0)
-    assert reach.bytes == 8 << 20  # never below it
 
 
 def test_consecutive_blocks_of_a_file_are_fetched_with_one_get(make_engine: EngineFactory) -> None:
