@@ -25,7 +25,7 @@ A demand read of a block being prefetched joins its GET (single-flight in
 prefetch only logs. One run starts with a read, on the reader's thread: a
 large file's first read in its first block begins the file's first run,
 whose GET brings that read's block first, at a demand read's priority
-(``PrefetchTuning.head_free_bytes``).
+(``head.py``).
 
 Blocks fetched ahead carry their predicted use, which the cache records
 (``chunks.policy.PlannedUse``) before admitting them; with a plan (a hint,
@@ -49,14 +49,15 @@ the only time read here, and ``PrefetchTuning`` holds the numbers.
 
 Concurrency. Immutable after construction: the collaborators, the
 settings, the tuning, the clock and the pool. ``_lock`` guards the ledger,
-the reach and the token bucket (taking a block reads and changes all three
-at once), ``_heads``, and ``_opens``, ``_replan``, ``_resident_plans`` and
-the hint shares; those three mechanisms have no lock of their own. The
-warming state has none: only the prefetch thread uses it. Lock order:
-``_lock``, then the cache's (a block's digest and the cache's room are
-read under ``_lock``) and, through its eviction policy, the model's. A head
-run's pool thread may wait for its verdict (``_Head.goes_on``) holding no
-lock.
+the reach and the token bucket, which have no lock of their own (taking a
+block reads and changes all three at once), and ``_opens``, ``_replan``,
+``_resident_plans`` and the hint shares. The head runs have their own lock
+(``HeadRuns``); the warming state has none (only the prefetch thread uses
+it). Lock order: the head runs' lock, then ``_lock`` (a read beginning a
+first run takes its blocks' budget under both, so that no two reads begin
+it), then the cache's (a block's digest and the cache's room are read
+under ``_lock``) and, through its eviction policy, the model's. A first
+run's GET waits for its verdict (``HeadRun.goes_on``) holding no lock.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ from cachefsd.config import PrefetchSettings
 from cachefsd.errors import CachefsdError
 from cachefsd.index import BlockRef
 from cachefsd.namespace.tree import Namespace
-from cachefsd.prefetch.access import STREAM_FORWARD_SLACK, AccessModel, Prediction
+from cachefsd.prefetch.access import AccessModel, Prediction
 from cachefsd.prefetch.bucket import TokenBucket
+from cachefsd.prefetch.head import HeadRun, HeadRuns, free_blocks
 from cachefsd.prefetch.ledger import Ahead, Ledger
 from cachefsd.prefetch.reach import Reach
 from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
@@ -93,31 +95,6 @@ class PrefetchEvents(Protocol):
     def prefetch_used(self, nbytes: int) -> None: ...
     def prefetch_wasted(self, nbytes: int) -> None: ...
     def prefetch_warmed(self, nbytes: int) -> None: ...
-
-
-class _Head:
-    """A file's first run, begun by a read at its start before anything
-    shows whether the reader streams or peeked at a header: its GET reads
-    ``free_blocks`` blocks, then goes on only once another read has come
-    inside them (or just past them)."""
-
-    def __init__(self, free_blocks: int, verdict_seconds: float) -> None:
-        self.free_blocks = free_blocks
-        self._verdict_seconds = verdict_seconds
-        self.claimed = threading.Event()  # its blocks are claimed (or it fetches nothing)
-        self.verdict = threading.Event()
-        self.streaming = False
-
-    def decide(self, streaming: bool) -> None:
-        self.streaming = streaming
-        self.verdict.set()
-
-    def goes_on(self, index: int) -> bool:
-        """Whether the GET may read block ``index`` (asked before each block)."""
-        if index < self.free_blocks:
-            return True
-        self.verdict.wait(self._verdict_seconds)
-        return self.streaming
 
 
 class Prefetcher:
@@ -147,7 +124,9 @@ class Prefetcher:
             min(settings.lookahead, tuning.initial_reach_bytes), tuning.min_reach_bytes, settings.lookahead
         )
         self._bucket = TokenBucket(settings.bandwidth, clock())
-        self._heads: dict[BlockRef, _Head] = {}  # a file's block 0 -> its first run awaiting a verdict
+        self._heads = HeadRuns(
+            free_blocks(tuning.head_free_bytes, reader.block_size), tuning.head_verdict_seconds
+        )
         # Cached blocks a plan places, planned in the cache; replanned when a
         # hint arrives (``_replan``) or a job starts an epoch. A read ends a
         # block's plan in the cache.
@@ -174,10 +153,7 @@ class Prefetcher:
         """Also for a prefetcher never started (``--no-prefetch``)."""
         self._stopped.set()
         self._wake.set()
-        with self._lock:
-            heads = list(self._heads.values())
-        for head in heads:
-            head.decide(False)
+        self._heads.stop()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -193,8 +169,8 @@ class Prefetcher:
     def read(self, info: ObjectInfo, offset: int, size: int) -> None:
         self._model.read(info.key, offset, size, self._clock())
         block_size = self._reader.block_size
-        if self._heads:
-            self._judge_head(info, offset)
+        if self._heads.awaiting():
+            self._heads.judge(self._reader.ref(info, 0), offset, block_size)
         if offset < block_size < info.size:
             self._fetch_head(info)
         used = 0
@@ -209,35 +185,32 @@ class Prefetcher:
 
     def _fetch_head(self, info: ObjectInfo) -> None:
         """Fetch the first run of a large file with the GET of this read in
-        its first block (``tuning.head_free_bytes``; the kernel's first reads of a
-        file come in any order), if that block is neither cached nor being
-        fetched and the budget allows. The run's blocks are claimed before
-        this returns, so that the read waits for its GET, which runs at a
-        demand read's priority."""
-        block_size = self._reader.block_size
+        its first block (the kernel's first reads of a file come in any
+        order), if that block is neither cached nor being fetched and the
+        budget allows. The run's blocks are claimed before this returns, so
+        that the read waits for its GET, which runs at a demand read's priority."""
         if not self._thread.is_alive() or self._stopped.is_set():  # --no-prefetch, or stopping
             return
         if self._reader.digest(info, 0) is not None or self._reader.fetching(info, 0):
             return
-        ref = self._reader.ref(info, 0)
         prediction = Prediction(info.key, 0, RUN_BYTES, 0.0, job=self._model.job_of(info.key) or "")
-        with self._lock:
-            head = self._heads.get(ref)
-            if head is None:
+
+        def take() -> tuple[Run, float] | None:
+            with self._lock:
                 run = self._take_run_locked(info, prediction)
                 if not run:
-                    return
-                head = self._heads[ref] = _Head(
-                    max(1, self._tuning.head_free_bytes // block_size), self._tuning.head_verdict_seconds
-                )
+                    return None
                 self._ledger.get_started()  # with the blocks, so that reads at once cannot overrun it
-                position = self._opens + prediction.distance
-                starts = True
-            else:
-                starts = False
-        if not starts:
+                return run, self._opens + prediction.distance
+
+        begun = self._heads.begin(self._reader.ref(info, 0), take)
+        if begun is None:
+            return
+        head, taken = begun
+        if taken is None:
             head.claimed.wait(self._tuning.head_claim_seconds)  # another read of the file is starting it
             return
+        run, position = taken
         claim = None
         try:
             indices = range(run[0][0], run[-1][0] + 1)
@@ -268,21 +241,6 @@ class Prefetcher:
                 break
             run.append((index, *taken))
         return run
-
-    def _judge_head(self, info: ObjectInfo, offset: int) -> None:
-        """The verdict on a file's first run, from the next read of the
-        file (by any reader) past its first block: inside the run's free
-        blocks or just past them (``access`` slack), a stream; further on, a
-        jump (only a header was read). A read in the first block says
-        nothing: a header read again, or the kernel's read-ahead of the
-        first read, took a run of 128 MiB for a stream (hunt O)."""
-        if offset < self._reader.block_size:
-            return
-        ref = self._reader.ref(info, 0)
-        with self._lock:
-            head = self._heads.get(ref)
-        if head is not None and not head.verdict.is_set():
-            head.decide(offset < head.free_blocks * self._reader.block_size + STREAM_FORWARD_SLACK)
 
     def listed(self, entries: dict[str, ObjectInfo | None], directory: str) -> None:
         files = {info.key: info.size for info in entries.values() if info is not None}
@@ -530,7 +488,7 @@ class Prefetcher:
         run: Run,
         position: float,
         job: str,
-        head: _Head | None = None,
+        head: HeadRun | None = None,
         claim: ClaimedRun | None = None,
     ) -> None:
         """Fetch a run of consecutive blocks with one GET, then account for
@@ -557,13 +515,15 @@ class Prefetcher:
         finally:
             self._run_over(info, run, fetched, job, head)
 
-    def _run_over(self, info: ObjectInfo, run: Run, fetched: set[int], job: str, head: _Head | None) -> None:
+    def _run_over(
+        self, info: ObjectInfo, run: Run, fetched: set[int], job: str, head: HeadRun | None
+    ) -> None:
         """Account for each block of a run as it turned out, and give its slot back."""
         for index, ref, nbytes in run:
             self._account(info, index, ref, nbytes, index in fetched, job)
+        if head is not None:
+            self._heads.over(run[0][1], head)
         with self._lock:
-            if head is not None and self._heads.get(run[0][1]) is head:
-                del self._heads[run[0][1]]
             self._ledger.get_over()
         self._wake.set()
 
