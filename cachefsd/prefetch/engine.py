@@ -34,15 +34,10 @@ planned too, when a hint arrives and whenever a job starts an epoch. The
 epoch-aware policy then ranks by Belady: a block needed sooner evicts one
 planned for later, and blocks already read this epoch go first. A block
 fetched ahead that leaves the cache unread counts as waste; one that is
-read counts as used.
-
-With a plan (hint or replay), files already cached are warmed as their
-turn nears: their block files are read from the cache disk into the page
-cache (``posix_fadvise(WILLNEED)``, which does not wait), at most
-``PrefetchTuning.warm_ahead_bytes`` ahead of the readers, so that a hit
-does not wait on the cache disk either. A dataset larger than RAM is read
-from the cache disk every epoch; without this, each small file's read
-waits for it.
+read counts as used. With a plan, files already cached are also warmed
+into the page cache as their turn nears (``warm.py``). A dataset larger
+than RAM is read from the cache disk every epoch; without this, each small
+file's read waits for it.
 
 Time and tuning are passed in: ``clock`` (default ``time.monotonic``) is
 the only time read here, and ``PrefetchTuning`` holds the numbers.
@@ -52,7 +47,7 @@ settings, the tuning, the clock and the pool. ``_lock`` guards the ledger,
 the reach and the token bucket, which have no lock of their own (taking a
 block reads and changes all three at once), and ``_opens``, ``_replan``,
 ``_resident_plans`` and the hint shares. The head runs have their own lock
-(``HeadRuns``); the warming state has none (only the prefetch thread uses
+(``HeadRuns``); the warm queue has none (only the prefetch thread uses
 it). Lock order: the head runs' lock, then ``_lock`` (a read beginning a
 first run takes its blocks' budget under both, so that no two reads begin
 it), then the cache's (a block's digest and the cache's room are read
@@ -62,11 +57,9 @@ run's GET waits for its verdict (``HeadRun.goes_on``) holding no lock.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -82,6 +75,7 @@ from cachefsd.prefetch.head import HeadRun, HeadRuns, free_blocks
 from cachefsd.prefetch.ledger import Ahead, Ledger
 from cachefsd.prefetch.reach import Reach
 from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
+from cachefsd.prefetch.warm import ToWarm, WarmQueue
 from cachefsd.store.base import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -127,6 +121,7 @@ class Prefetcher:
         self._heads = HeadRuns(
             free_blocks(tuning.head_free_bytes, reader.block_size), tuning.head_verdict_seconds
         )
+        self._warming = WarmQueue(tuning.warm_ahead_bytes)
         # Cached blocks a plan places, planned in the cache; replanned when a
         # hint arrives (``_replan``) or a job starts an epoch. A read ends a
         # block's plan in the cache.
@@ -135,12 +130,6 @@ class Prefetcher:
         self._hint_world = 0
         self._hint_parts: dict[int, list[str]] = {}  # rank -> its share of the epoch's order
         self._opens = 0
-        # Prefetch thread only: planned cached files to warm, by position (a
-        # heap of position, path, job, epoch), and those warmed and not
-        # opened yet, in order (position, bytes, job, epoch).
-        self._to_warm: list[tuple[float, str, str, int]] = []
-        self._warmed: deque[tuple[float, int, str, int]] = deque()
-        self._warmed_bytes = 0
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="cachefsd-prefetch")
@@ -315,15 +304,14 @@ class Prefetcher:
         It ranks again as not yet read, and goes stale if it stays unread.
         Here the blocks those jobs fetched ahead are unplanned, and what was
         warmed for their last pass stops counting against the budget (files
-        still queued to warm are dropped as they come up, ``_stale``); the
-        caller then replans every job's cached blocks (``_plan_residents``),
-        so other jobs' plans stand."""
+        still queued to warm are dropped as they come up); the caller then
+        replans every job's cached blocks (``_plan_residents``), so other
+        jobs' plans stand."""
         with self._lock:
             voided = self._ledger.digests_of(turns)
         for digest in voided:
             self._reader.unplan(digest)
-        self._warmed = deque(entry for entry in self._warmed if not self._stale(entry[2], entry[3]))
-        self._warmed_bytes = sum(entry[1] for entry in self._warmed)
+        self._warming.void(self._stale)
 
     def _stale(self, job: str, epoch: int) -> bool:
         """A prediction of ``job`` made in ``epoch``, which it has since left."""
@@ -387,9 +375,9 @@ class Prefetcher:
                 if prediction.offset == 0 and prediction.length >= info.size:
                     self._model.satisfied(prediction.path)
                     if prediction.planned:
-                        heapq.heappush(
-                            self._to_warm,
-                            (opens + prediction.distance, prediction.path, prediction.job, prediction.epoch),
+                        position = opens + prediction.distance
+                        self._warming.plan(
+                            ToWarm(position, prediction.path, prediction.job, prediction.epoch)
                         )
                 continue
             run: Run = []
@@ -406,23 +394,17 @@ class Prefetcher:
                 self._submit(info, run, prediction)
 
     def _warm(self) -> None:
-        """Warm the planned cached files read next, nearest first, while
-        fewer than ``tuning.warm_ahead_bytes`` of those warmed are still unopened."""
+        """Warm the planned cached files read next, nearest first, within
+        the warming budget (``warm.py``)."""
         opens = self._opens_now()
-        while self._warmed and self._warmed[0][0] < opens:
-            self._warmed_bytes -= self._warmed.popleft()[1]
-        budget = self._tuning.warm_ahead_bytes
-        while self._to_warm and self._warmed_bytes < budget and not self._stopped.is_set():
-            position, path, job, epoch = heapq.heappop(self._to_warm)
-            if position < opens or self._stale(job, epoch):
-                continue  # its turn has come (warming now would only race the read), or its pass is over
-            info = self._file_info(path)
+        self._warming.turned(opens)
+        while not self._stopped.is_set() and (file := self._warming.next(opens, self._stale)) is not None:
+            info = self._file_info(file.path)
             if info is None:
                 continue
             for index in block_range(0, info.size, info.size, self._reader.block_size):
                 self._reader.warm(info, index)
-            self._warmed.append((position, info.size, job, epoch))
-            self._warmed_bytes += info.size
+            self._warming.warmed(file, info.size)
             self._events.prefetch_warmed(info.size)
 
     def _file_info(self, path: str) -> ObjectInfo | None:
