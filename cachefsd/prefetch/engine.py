@@ -173,11 +173,12 @@ class Prefetcher:
         self._wake.set()
 
     def _fetch_head(self, info: ObjectInfo) -> None:
-        """Fetch the first run of a large file with the GET of this read in
-        its first block (the kernel's first reads of a file come in any
-        order), if that block is neither cached nor being fetched and the
-        budget allows. The run's blocks are claimed before this returns, so
-        that the read waits for its GET, which runs at a demand read's priority."""
+        """Fetch the first run of a large file (``head.py``) with the GET of
+        this read in its first block (the kernel's first reads of a file
+        come in any order), if that block is neither cached nor being
+        fetched and the budget allows. The run's blocks are claimed before
+        this returns, so that the read waits for its GET, which runs at a
+        demand read's priority."""
         if not self._thread.is_alive() or self._stopped.is_set():  # --no-prefetch, or stopping
             return
         if self._reader.digest(info, 0) is not None or self._reader.fetching(info, 0):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -17,12 +18,13 @@ from cachefsd.chunks.codec import Codec, content_hash, encode
 from cachefsd.chunks.policy import EpochAwarePolicy, MinioPolicy, PlannedUse
 from cachefsd.chunks.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
+from cachefsd.errors import CachefsdError
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import Prefetcher
 from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.store.base import ObjectInfo
 from tests.polling import wait_until
-from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory, joined
+from tests.unit.conftest import BLOCK_SIZE, Clock, Engine, EngineFactory, joined
 
 POLL_SECONDS = 10.0
 
@@ -42,9 +44,13 @@ FOUR_FREE_BLOCKS = PrefetchTuning(head_free_bytes=4 * BLOCK_SIZE)
 
 @contextmanager
 def start(
-    engine: Engine, settings: PrefetchSettings, tuning: PrefetchTuning = DEFAULT_TUNING
+    engine: Engine,
+    settings: PrefetchSettings,
+    tuning: PrefetchTuning = DEFAULT_TUNING,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Iterator[Prefetcher]:
-    prefetcher = Prefetcher(AccessModel(), engine.namespace, engine.reader, settings, engine.metrics, tuning)
+    model = AccessModel()
+    prefetcher = Prefetcher(model, engine.namespace, engine.reader, settings, engine.metrics, tuning, clock)
     prefetcher.start()
     try:
         yield prefetcher
@@ -423,6 +429,56 @@ def test_a_prefetch_that_raises_gives_its_slot_back(
         # All but the file being read and the two whose fetch broke (not retried for a while).
         wait_for(lambda: engine.store.get_count >= len(dataset) - 3, "the other unread files to be fetched")
     assert len(raised) == 2
+
+
+def test_a_block_whose_prefetch_failed_is_tried_again_once_its_time_is_up_on_the_clock(
+    make_engine: EngineFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failing bucket must not turn the prefetcher into a busy loop, nor
+    keep a block from being prefetched for good: ``failed_retry_seconds``
+    on the prefetcher's own clock, which here only the test moves."""
+    engine = make_engine(dataset)
+    fetch_run_ahead = engine.reader.fetch_run_ahead
+    raised: list[str] = []
+
+    def breaks_twice(info: ObjectInfo, indices: range, **kwargs: Any) -> set[int]:
+        if len(raised) < 2:
+            raised.append(info.key)
+            raise CachefsdError("a failed GET")
+        return fetch_run_ahead(info, indices, **kwargs)
+
+    monkeypatch.setattr(engine.reader, "fetch_run_ahead", breaks_twice)
+    clock = Clock()
+    with start(engine, PrefetchSettings(concurrency=2), clock=clock) as prefetcher:
+        walk_and_open(engine, prefetcher, "train/c0/s00")
+        wait_for(lambda: engine.store.get_count >= len(dataset) - 3, "the other unread files to be fetched")
+        assert len(raised) == 2
+        failed = [engine.namespace.lookup("/" + key).info for key in raised]
+        assert all(info is not None and engine.reader.residency(info, 0) is None for info in failed)
+        clock.now += DEFAULT_TUNING.failed_retry_seconds
+        wait_for(lambda: engine.store.get_count >= len(dataset) - 1, "the failed files to be fetched")
+    assert len(raised) == 2
+
+
+def test_the_bandwidth_cap_refills_on_the_prefetchers_clock(
+    make_engine: EngineFactory, dataset: dict[str, bytes]
+) -> None:
+    """1 KiB a second and files of 32 KiB: the first file leaves the bucket
+    31 KiB in debt, so the next may go 32 seconds later by the prefetcher's
+    clock, which here only the test moves (the bucket's own tests check
+    that it is not sooner)."""
+    engine = make_engine(dataset)
+    file_bytes = BLOCK_SIZE // 2
+    rate = 1 << 10
+    issued = engine.metrics.prefetch_issued_bytes._value.get
+    clock = Clock()
+    with start(engine, PrefetchSettings(bandwidth=rate), clock=clock) as prefetcher:
+        walk_and_open(engine, prefetcher, "train/c0/s00")
+        wait_for(lambda: issued() >= file_bytes, "the first file to be fetched")
+        clock.now += file_bytes / rate  # what the real clock would take 32 s for
+        wait_for(lambda: issued() >= 2 * file_bytes, "the next file to be fetched")
+    assert issued() == 2 * file_bytes
+    assert engine.store.get_count == 2
 
 
 def shard_engine(make_engine: EngineFactory) -> tuple[Engine, ObjectInfo, bytes]:
