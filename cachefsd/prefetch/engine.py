@@ -1,26 +1,31 @@
 """The prefetcher: turns the access model's predictions into block fetches,
-within one global budget.
+within one global budget. It composes one module per mechanism, and holds
+the state they share.
 
 Every open, read and directory listing of the mount is an event for the
-access model (``prefetch/access.py``). A single thread wakes on those events,
-asks the model what will be read next (a sequential stream's next window, a
-hint's remaining order, a replayed order, or the unread files of the epoch),
-and fetches the blocks that are not cached yet, nearest predicted use first.
+access model (``access.py``). A single thread wakes on those events, asks
+the model what will be read next (a sequential stream's next window, a
+hint's remaining order, a replayed order, or the unread files of the
+epoch), and fetches the blocks that are not cached yet, nearest predicted
+use first.
 
-Budget, whatever the number of open files:
+Budget, whatever the number of open files, counted by the ledger
+(``ledger.py``: blocks ahead, blocks and GETs in flight, failed blocks):
 - at most ``concurrency`` prefetch GETs at once, and they queue behind every
   demand read in the fetcher (``fetch.PrioritySlots``);
-- at most ``lookahead`` bytes fetched ahead and not yet read;
+- at most the reach (``reach.py``: AIMD between
+  ``PrefetchTuning.min_reach_bytes`` and ``lookahead``) fetched ahead and
+  not yet read;
 - at most the cache's room (``TieredCache.room``: free space plus what the
   eviction policy would give up) in flight: a block the cache refuses on
   arrival was fetched for nothing;
-- at most ``bandwidth`` bytes per second when set (a token bucket).
+- at most ``bandwidth`` bytes per second when set (``bucket.py``).
 A demand read of a block being prefetched joins its GET (single-flight in
 ``reader.py``; the prefetch then counts as used, late), and a failed
 prefetch only logs. One run starts with a read, on the reader's thread: a
 large file's first read in its first block begins the file's first run,
 whose GET brings that read's block first, at a demand read's priority
-(``HEAD_FREE_BYTES``).
+(``head.py``).
 
 Blocks fetched ahead carry their predicted use, which the cache records
 (``cache.policy.PlannedUse``) before admitting them; with a plan (a hint,
@@ -29,85 +34,54 @@ planned too, when a hint arrives and whenever a job starts an epoch. The
 epoch-aware policy then ranks by Belady: a block needed sooner evicts one
 planned for later, and blocks already read this epoch go first. A block
 fetched ahead that leaves the cache unread counts as waste; one that is
-read counts as used.
+read counts as used. With a plan, files already cached are also warmed
+into the page cache as their turn nears (``warm.py``). A dataset larger
+than RAM is read from the cache disk every epoch; without this, each small
+file's read waits for it.
 
-With a plan (hint or replay), files already cached are warmed as their
-turn nears: their block files are read from the cache disk into the page
-cache (``posix_fadvise(WILLNEED)``, which does not wait), at most
-``WARM_AHEAD_BYTES`` ahead of the readers, so that a hit does not wait on
-the cache disk either. A dataset larger than RAM is read from the cache
-disk every epoch; without this, each small file's read waits for it.
+Time and tuning are passed in: ``clock`` (default ``time.monotonic``) is
+the only time read here, and ``PrefetchTuning`` holds the numbers.
 
-Concurrency: ``_lock`` guards ``_ahead``, ``_ahead_bytes``, the blocks and
-GETs in flight, ``_heads``, the reach and the token bucket; the model has
-its own lock. Lock order: this lock, then the model's. A head run's pool
-thread may wait for its verdict (``_Head.goes_on``) holding no lock.
+Concurrency. Immutable after construction: the collaborators, the
+settings, the tuning, the clock and the pool. ``_lock`` guards the ledger,
+the reach and the token bucket, which have no lock of their own (taking a
+block reads and changes all three at once), and ``_opens``, ``_replan``,
+``_resident_plans`` and the hint shares. The head runs have their own lock
+(``HeadRuns``); the warm queue has none (only the prefetch thread uses
+it). Lock order: the head runs' lock, then ``_lock`` (a read beginning a
+first run takes its blocks' budget under both, so that no two reads begin
+it), then the cache's (a block's digest and the cache's room are read
+under ``_lock``) and, through its eviction policy, the model's. A first
+run's GET waits for its verdict (``HeadRun.goes_on``) holding no lock.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 import time
-from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Protocol
 
 from cachefsd.cache.index import BlockRef
 from cachefsd.config import PrefetchSettings
 from cachefsd.errors import CachefsdError
 from cachefsd.namespace.tree import Namespace
-from cachefsd.prefetch.access import STREAM_FORWARD_SLACK, AccessModel, Prediction
+from cachefsd.prefetch.access import AccessModel, Prediction
+from cachefsd.prefetch.bucket import TokenBucket
+from cachefsd.prefetch.head import HeadRun, HeadRuns, free_blocks
+from cachefsd.prefetch.ledger import Ahead, Ledger
+from cachefsd.prefetch.reach import Reach
+from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
+from cachefsd.prefetch.warm import ToWarm, WarmQueue
 from cachefsd.reader import RUN_BYTES, BlockReader, ClaimedRun, block_range
 from cachefsd.store.base import ObjectInfo
 
 log = logging.getLogger(__name__)
 
-# Predictions asked for per round. Most of the head of an epoch's unread list
-# may already be cached (a cache that holds half the dataset holds about half
-# of any list), so ask for far more than one round can fetch.
-PREDICTIONS_PER_ROUND = 4096
-# The thread also wakes this often without events, to retire waste and to
-# spend bandwidth tokens that have accumulated.
-IDLE_WAKE_SECONDS = 0.5
-# At most this many rounds a second: a round asks the model for predictions
-# (milliseconds under its lock), and readers that open hundreds of files a
-# second do not need a new plan for each.
-MIN_ROUND_SECONDS = 0.02
-# Predictions asked for per free prefetch slot: enough to find uncached
-# blocks among the cached ones of a cache that holds most of the dataset.
-PREDICTIONS_PER_SLOT = 64
-# How far ahead the prefetcher may reach to begin with, and at least: the
-# reach then adapts (AIMD, ``Reach``) between this and the configured
-# lookahead, shrinking when fetched blocks are thrown away unread (a cache
-# too small for the lookahead) and growing as they are read.
-INITIAL_REACH_BYTES = 64 << 20
-MIN_REACH_BYTES = 8 << 20
-# A block whose prefetch failed is not tried again for this long: a deleted
-# object or a failing bucket must not turn the prefetcher into a busy loop.
-# A demand read of the block is not affected.
-FAILED_RETRY_SECONDS = 30.0
-# Bytes of planned cached files warmed into the page cache and not opened
-# yet: enough for the readers not to catch up between two rounds (a
-# round's pause at 2,500 small files a second is 50 files, 7 MiB), little
-# enough to leave the page cache to others.
-WARM_AHEAD_BYTES = 32 << 20
-# A first read at a large file's start begins the file's first run at once,
-# with its own block first (``_fetch_head``): most readers that start there
-# read on (a tar shard, a video, cp), and one GET for the read and the run
-# saves a request's round trip (on moto, a read of the whole object) over a
-# demand GET followed by a run once a second read has shown the stream.
-# Until a read past the first block comes, the run reads no further than
-# this (or one block, if larger): a reader that only peeked at a header
-# costs that much.
-HEAD_FREE_BYTES = 16 << 20
-# How long the run then waits for a read past the first block before it stops.
-HEAD_VERDICT_SECONDS = 2.0
-# How long a read waits for another read of the same file to claim its
-# first run's blocks (a few dictionary updates: this only bounds a surprise).
-HEAD_CLAIM_SECONDS = 1.0
+# Consecutive blocks of one file fetched with one GET: (index, ref, bytes) each.
+Run = list[tuple[int, BlockRef, int]]
 
 
 class PrefetchEvents(Protocol):
@@ -115,76 +89,6 @@ class PrefetchEvents(Protocol):
     def prefetch_used(self, nbytes: int) -> None: ...
     def prefetch_wasted(self, nbytes: int) -> None: ...
     def prefetch_warmed(self, nbytes: int) -> None: ...
-
-
-@dataclass
-class _Ahead:
-    """A block fetched ahead and not yet read."""
-
-    info: ObjectInfo
-    index: int
-    digest: str
-    nbytes: int
-    job: str  # root of the job whose prediction fetched it
-
-
-class _Head:
-    """A file's first run, begun by a read at its start before anything
-    shows whether the reader streams or peeked at a header: its GET reads
-    ``free_blocks`` blocks, then goes on only once another read has come
-    inside them (or just past them)."""
-
-    def __init__(self, free_blocks: int) -> None:
-        self.free_blocks = free_blocks
-        self.claimed = threading.Event()  # its blocks are claimed (or it fetches nothing)
-        self.verdict = threading.Event()
-        self.streaming = False
-
-    def decide(self, streaming: bool) -> None:
-        self.streaming = streaming
-        self.verdict.set()
-
-    def goes_on(self, index: int) -> bool:
-        """Whether the GET may read block ``index`` (asked before each block)."""
-        if index < self.free_blocks:
-            return True
-        self.verdict.wait(HEAD_VERDICT_SECONDS)
-        return self.streaming
-
-
-class Reach:
-    """How many bytes the prefetcher may hold fetched ahead and not yet
-    read: AIMD, as TCP's congestion window. Every byte fetched ahead and
-    read earns a byte of reach, up to ``limit``; bytes thrown away unread
-    (a cache too small for the reach) halve it, down to ``floor``.
-
-    As TCP halves at most once per window of data, a cut is followed by a
-    recovery: until a reach's worth of bytes (the reach after the cut) has
-    left the ahead set, read or thrown away, waste cuts nothing more and
-    reads earn nothing. Waste comes in bursts: at an epoch's start a full
-    cache has no room until reads free some, and halving once per wasted
-    block took the reach from 260 MB to the floor within a second, which
-    held a 50 % cache to 73 % hits for the epoch instead of 84-86 %.
-    Persistent waste still halves the reach once per recovery, down to the
-    floor. Not thread-safe: the prefetcher calls it under its lock."""
-
-    def __init__(self, initial: int, floor: int, limit: int) -> None:
-        self._floor = floor
-        self._limit = limit
-        self.bytes = initial
-        self._recovering = 0  # bytes still to leave the ahead set before the next cut
-
-    def used(self, nbytes: int) -> None:
-        recovered = min(nbytes, self._recovering)
-        self._recovering -= recovered
-        self.bytes = min(self._limit, self.bytes + nbytes - recovered)
-
-    def wasted(self, nbytes: int) -> None:
-        if self._recovering:
-            self._recovering = max(0, self._recovering - nbytes)
-            return
-        self.bytes = max(self._floor, self.bytes // 2)
-        self._recovering = self.bytes
 
 
 class Prefetcher:
@@ -195,23 +99,29 @@ class Prefetcher:
         reader: BlockReader,
         settings: PrefetchSettings,
         events: PrefetchEvents,
+        tuning: PrefetchTuning = DEFAULT_TUNING,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock`` is read wherever the prefetcher needs the time: the
+        access model's events, the token bucket, failed blocks' retries and
+        the pace of waste retirement."""
         self._model = model
         self._namespace = namespace
         self._reader = reader
         self._settings = settings
         self._events = events
+        self._tuning = tuning
+        self._clock = clock
         self._lock = threading.Lock()
-        self._ahead: dict[BlockRef, _Ahead] = {}
-        self._in_flight: dict[BlockRef, int] = {}  # block -> its bytes
-        self._in_flight_bytes = 0
-        self._gets_in_flight = 0  # runs submitted and not done: the concurrency is in GETs
-        # Blocks read while their prefetch was still in flight: the reader
-        # joined the GET, so the prefetch is used (late) and plans nothing.
-        self._joined: set[BlockRef] = set()
-        self._failed: dict[BlockRef, float] = {}  # block -> when it may be tried again
-        self._heads: dict[BlockRef, _Head] = {}  # a file's block 0 -> its first run awaiting a verdict
-        self._reach = Reach(min(settings.lookahead, INITIAL_REACH_BYTES), MIN_REACH_BYTES, settings.lookahead)
+        self._ledger = Ledger()
+        self._reach = Reach(
+            min(settings.lookahead, tuning.initial_reach_bytes), tuning.min_reach_bytes, settings.lookahead
+        )
+        self._bucket = TokenBucket(settings.bandwidth, clock())
+        self._heads = HeadRuns(
+            free_blocks(tuning.head_free_bytes, reader.block_size), tuning.head_verdict_seconds
+        )
+        self._warming = WarmQueue(tuning.warm_ahead_bytes)
         # Cached blocks a plan places, planned in the cache; replanned when a
         # hint arrives (``_replan``) or a job starts an epoch. A read ends a
         # block's plan in the cache.
@@ -219,16 +129,7 @@ class Prefetcher:
         self._replan = False
         self._hint_world = 0
         self._hint_parts: dict[int, list[str]] = {}  # rank -> its share of the epoch's order
-        self._ahead_bytes = 0
-        self._tokens = float(settings.bandwidth)
-        self._tokens_at = time.monotonic()
         self._opens = 0
-        # Prefetch thread only: planned cached files to warm, by position (a
-        # heap of position, path, job, epoch), and those warmed and not
-        # opened yet, in order (position, bytes, job, epoch).
-        self._to_warm: list[tuple[float, str, str, int]] = []
-        self._warmed: deque[tuple[float, int, str, int]] = deque()
-        self._warmed_bytes = 0
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="cachefsd-prefetch")
@@ -241,10 +142,7 @@ class Prefetcher:
         """Also for a prefetcher never started (``--no-prefetch``)."""
         self._stopped.set()
         self._wake.set()
-        with self._lock:
-            heads = list(self._heads.values())
-        for head in heads:
-            head.decide(False)
+        self._heads.stop()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -252,28 +150,22 @@ class Prefetcher:
     # -- events from the filesystem -------------------------------------
 
     def opened(self, info: ObjectInfo) -> None:
-        self._model.opened(info.key, info.size, time.monotonic())
+        self._model.opened(info.key, info.size, self._clock())
         with self._lock:
             self._opens += 1
         self._wake.set()
 
     def read(self, info: ObjectInfo, offset: int, size: int) -> None:
-        self._model.read(info.key, offset, size, time.monotonic())
-        if self._heads:
-            self._judge_head(info, offset)
-        if offset < self._reader.block_size < info.size:
+        self._model.read(info.key, offset, size, self._clock())
+        block_size = self._reader.block_size
+        if self._heads.awaiting():
+            self._heads.judge(self._reader.ref(info, 0), offset, block_size)
+        if offset < block_size < info.size:
             self._fetch_head(info)
         used = 0
         with self._lock:
-            for index in block_range(offset, size, info.size, self._reader.block_size):
-                ref = self._reader.ref(info, index)
-                if ref in self._in_flight:
-                    self._joined.add(ref)
-                    continue
-                ahead = self._ahead.pop(ref, None)
-                if ahead is not None:
-                    self._ahead_bytes -= ahead.nbytes
-                    used += ahead.nbytes
+            for index in block_range(offset, size, info.size, block_size):
+                used += self._ledger.read(self._reader.ref(info, index))
             if used:
                 self._reach.used(used)
         if used:
@@ -281,34 +173,34 @@ class Prefetcher:
         self._wake.set()
 
     def _fetch_head(self, info: ObjectInfo) -> None:
-        """Fetch the first run of a large file with the GET of this read in
-        its first block (``HEAD_FREE_BYTES``; the kernel's first reads of a
-        file come in any order), if that block is neither cached nor being
+        """Fetch the first run of a large file (``head.py``) with the GET of
+        this read in its first block (the kernel's first reads of a file
+        come in any order), if that block is neither cached nor being
         fetched and the budget allows. The run's blocks are claimed before
         this returns, so that the read waits for its GET, which runs at a
         demand read's priority."""
-        block_size = self._reader.block_size
         if not self._thread.is_alive() or self._stopped.is_set():  # --no-prefetch, or stopping
             return
         if self._reader.digest(info, 0) is not None or self._reader.fetching(info, 0):
             return
-        ref = self._reader.ref(info, 0)
         prediction = Prediction(info.key, 0, RUN_BYTES, 0.0, job=self._model.job_of(info.key) or "")
-        with self._lock:
-            head = self._heads.get(ref)
-            if head is None:
+
+        def take() -> tuple[Run, float] | None:
+            with self._lock:
                 run = self._take_run_locked(info, prediction)
                 if not run:
-                    return
-                head = self._heads[ref] = _Head(max(1, HEAD_FREE_BYTES // block_size))
-                self._gets_in_flight += 1  # with the blocks, so that reads at once cannot overrun it
-                position = self._opens + prediction.distance
-                starts = True
-            else:
-                starts = False
-        if not starts:
-            head.claimed.wait(HEAD_CLAIM_SECONDS)  # another read of the file is starting it
+                    return None
+                self._ledger.get_started()  # with the blocks, so that reads at once cannot overrun it
+                return run, self._opens + prediction.distance
+
+        begun = self._heads.begin(self._reader.ref(info, 0), take)
+        if begun is None:
             return
+        head, taken = begun
+        if taken is None:
+            head.claimed.wait(self._tuning.head_claim_seconds)  # another read of the file is starting it
+            return
+        run, position = taken
         claim = None
         try:
             indices = range(run[0][0], run[-1][0] + 1)
@@ -329,31 +221,16 @@ class Prefetcher:
             # the read fetches its block itself.
             log.warning("first run of %s not started: %s", info.key, exc, exc_info=True)
 
-    def _take_run_locked(self, info: ObjectInfo, prediction: Prediction) -> list[tuple[int, BlockRef, int]]:
+    def _take_run_locked(self, info: ObjectInfo, prediction: Prediction) -> Run:
         """The blocks of a file's first run the budget allows, from block 0
         on; none if block 0 needs no fetch or the budget is spent."""
-        run: list[tuple[int, BlockRef, int]] = []
+        run: Run = []
         for index in block_range(0, RUN_BYTES, info.size, self._reader.block_size):
             taken = self._take_locked(info, index, prediction)
             if not isinstance(taken, tuple):
                 break
             run.append((index, *taken))
         return run
-
-    def _judge_head(self, info: ObjectInfo, offset: int) -> None:
-        """The verdict on a file's first run, from the next read of the
-        file (by any reader) past its first block: inside the run's free
-        blocks or just past them (``access`` slack), a stream; further on, a
-        jump (only a header was read). A read in the first block says
-        nothing: a header read again, or the kernel's read-ahead of the
-        first read, took a run of 128 MiB for a stream."""
-        if offset < self._reader.block_size:
-            return
-        ref = self._reader.ref(info, 0)
-        with self._lock:
-            head = self._heads.get(ref)
-        if head is not None and not head.verdict.is_set():
-            head.decide(offset < head.free_blocks * self._reader.block_size + STREAM_FORWARD_SLACK)
 
     def listed(self, entries: dict[str, ObjectInfo | None], directory: str) -> None:
         files = {info.key: info.size for info in entries.values() if info is not None}
@@ -367,7 +244,7 @@ class Prefetcher:
         world size) marks one rank's share: the shares of the ranks on this
         node are interleaved into one order, as their readers run side by side."""
         accepted = [info.key for path in order if (info := self._file_info(path)) is not None]
-        self._model.hint(self._merged(accepted, part), time.monotonic())
+        self._model.hint(self._merged(accepted, part), self._clock())
         with self._lock:
             self._replan = True
         self._wake.set()
@@ -390,16 +267,16 @@ class Prefetcher:
     # -- the prefetch thread ----------------------------------------------
 
     def _run(self) -> None:
-        retired_at = 0.0
+        retired_at = float("-inf")  # the first round retires
         while not self._stopped.is_set():
-            self._wake.wait(IDLE_WAKE_SECONDS)
+            self._wake.wait(self._tuning.idle_wake_seconds)
             self._wake.clear()
             try:
                 turns = self._model.take_turns()
                 if turns:
                     self._void_plans(turns)
-                now = time.monotonic()
-                if now - retired_at >= IDLE_WAKE_SECONDS:
+                now = self._clock()
+                if now - retired_at >= self._tuning.idle_wake_seconds:
                     retired_at = now
                     self._retire_waste()
                 with self._lock:
@@ -413,11 +290,14 @@ class Prefetcher:
                 log.exception("prefetch round failed")
             # Rounds are paced: a round asks the model for many predictions,
             # and completions would otherwise start one per finished GET.
-            self._stopped.wait(MIN_ROUND_SECONDS)
+            self._stopped.wait(self._tuning.min_round_seconds)
 
     def _has_budget(self) -> bool:
         with self._lock:
-            return self._gets_in_flight < self._settings.concurrency and self._ahead_bytes < self._reach.bytes
+            return (
+                self._ledger.gets < self._settings.concurrency
+                and self._ledger.ahead_bytes < self._reach.bytes
+            )
 
     def _void_plans(self, turns: dict[str, int]) -> None:
         """A job's new epoch voids the plans of its last: a block planned and
@@ -425,15 +305,14 @@ class Prefetcher:
         It ranks again as not yet read, and goes stale if it stays unread.
         Here the blocks those jobs fetched ahead are unplanned, and what was
         warmed for their last pass stops counting against the budget (files
-        still queued to warm are dropped as they come up, ``_stale``); the
-        caller then replans every job's cached blocks (``_plan_residents``),
-        so other jobs' plans stand."""
+        still queued to warm are dropped as they come up); the caller then
+        replans every job's cached blocks (``_plan_residents``), so other
+        jobs' plans stand."""
         with self._lock:
-            voided = [block.digest for block in self._ahead.values() if block.job in turns]
+            voided = self._ledger.digests_of(turns)
         for digest in voided:
             self._reader.unplan(digest)
-        self._warmed = deque(entry for entry in self._warmed if not self._stale(entry[2], entry[3]))
-        self._warmed_bytes = sum(entry[1] for entry in self._warmed)
+        self._warming.void(self._stale)
 
     def _stale(self, job: str, epoch: int) -> bool:
         """A prediction of ``job`` made in ``epoch``, which it has since left."""
@@ -464,15 +343,10 @@ class Prefetcher:
     def _retire_waste(self) -> None:
         """Blocks fetched ahead that left the cache before anyone read them."""
         with self._lock:
-            ahead = list(self._ahead.items())
+            ahead = self._ledger.ahead()
         gone = [ref for ref, block in ahead if self._reader.digest(block.info, block.index) is None]
-        wasted = 0
         with self._lock:
-            for ref in gone:
-                block = self._ahead.pop(ref, None)
-                if block is not None:
-                    self._ahead_bytes -= block.nbytes
-                    wasted += block.nbytes
+            wasted = self._ledger.retire(gone)
             if wasted:
                 self._reach.wasted(wasted)
         if wasted:
@@ -480,9 +354,10 @@ class Prefetcher:
 
     def _issue(self) -> None:
         with self._lock:
-            free = self._settings.concurrency - self._gets_in_flight
+            free = self._settings.concurrency - self._ledger.gets
             opens = self._opens
-        for prediction in self._model.predict(min(PREDICTIONS_PER_ROUND, PREDICTIONS_PER_SLOT * free)):
+        wanted = min(self._tuning.predictions_per_round, self._tuning.predictions_per_slot * free)
+        for prediction in self._model.predict(wanted):
             if self._stopped.is_set():
                 return
             info = self._file_info(prediction.path)
@@ -501,12 +376,12 @@ class Prefetcher:
                 if prediction.offset == 0 and prediction.length >= info.size:
                     self._model.satisfied(prediction.path)
                     if prediction.planned:
-                        heapq.heappush(
-                            self._to_warm,
-                            (opens + prediction.distance, prediction.path, prediction.job, prediction.epoch),
+                        position = opens + prediction.distance
+                        self._warming.plan(
+                            ToWarm(position, prediction.path, prediction.job, prediction.epoch)
                         )
                 continue
-            run: list[tuple[int, BlockRef, int]] = []  # consecutive blocks, one GET
+            run: Run = []
             for index in blocks:
                 taken = self._take(info, index, prediction)
                 if run and (not isinstance(taken, tuple) or len(run) == self._reader.run_blocks):
@@ -520,22 +395,17 @@ class Prefetcher:
                 self._submit(info, run, prediction)
 
     def _warm(self) -> None:
-        """Warm the planned cached files read next, nearest first, while
-        fewer than ``WARM_AHEAD_BYTES`` of those warmed are still unopened."""
+        """Warm the planned cached files read next, nearest first, within
+        the warming budget (``warm.py``)."""
         opens = self._opens_now()
-        while self._warmed and self._warmed[0][0] < opens:
-            self._warmed_bytes -= self._warmed.popleft()[1]
-        while self._to_warm and self._warmed_bytes < WARM_AHEAD_BYTES and not self._stopped.is_set():
-            position, path, job, epoch = heapq.heappop(self._to_warm)
-            if position < opens or self._stale(job, epoch):
-                continue  # its turn has come (warming now would only race the read), or its pass is over
-            info = self._file_info(path)
+        self._warming.turned(opens)
+        while not self._stopped.is_set() and (file := self._warming.next(opens, self._stale)) is not None:
+            info = self._file_info(file.path)
             if info is None:
                 continue
             for index in block_range(0, info.size, info.size, self._reader.block_size):
                 self._reader.warm(info, index)
-            self._warmed.append((position, info.size, job, epoch))
-            self._warmed_bytes += info.size
+            self._warming.warmed(file, info.size)
             self._events.prefetch_warmed(info.size)
 
     def _file_info(self, path: str) -> ObjectInfo | None:
@@ -562,49 +432,46 @@ class Prefetcher:
     ) -> tuple[BlockRef, int] | bool:
         ref = self._reader.ref(info, index)
         nbytes = min(self._reader.block_size, info.size - index * self._reader.block_size)
-        if ref in self._ahead or ref in self._in_flight:
+        if self._ledger.holds(ref):
             return True
-        retry_at = self._failed.get(ref)
-        if retry_at is not None:
-            if time.monotonic() < retry_at:
-                return True
-            del self._failed[ref]
+        now = self._clock()
+        if self._ledger.failed_lately(ref, now):
+            return True
         position = self._opens + prediction.distance
-        if not self._budget_allows_locked(nbytes, position):
+        if not self._budget_allows_locked(nbytes, position, now):
             return False
         if self._reader.digest(info, index) is not None:
-            self._refund_locked(nbytes)
+            self._bucket.refund(nbytes)
             return True
-        self._in_flight[ref] = nbytes
-        self._in_flight_bytes += nbytes
+        self._ledger.start(ref, nbytes)
         return ref, nbytes
 
-    def _submit(self, info: ObjectInfo, run: list[tuple[int, BlockRef, int]], prediction: Prediction) -> None:
+    def _submit(self, info: ObjectInfo, run: Run, prediction: Prediction) -> None:
         with self._lock:
             position = self._opens + prediction.distance
-            self._gets_in_flight += 1
+            self._ledger.get_started()
         self._pool.submit(self._fetch, info, run, position, prediction.job)
 
-    def _budget_allows_locked(self, nbytes: int, position: float) -> bool:
+    def _budget_allows_locked(self, nbytes: int, position: float, now: float) -> bool:
         """A free slot, room in the reach, room in the cache for it and for
         every block already in flight, counting residents planned for after
         ``position`` (a cache that refuses a block on arrival wastes its GET),
         and bandwidth tokens (spent here when everything else allows)."""
-        needed = self._in_flight_bytes + nbytes
+        needed = self._ledger.in_flight_bytes + nbytes
         return (
-            self._gets_in_flight < self._settings.concurrency
-            and self._ahead_bytes + nbytes <= self._reach.bytes
+            self._ledger.gets < self._settings.concurrency
+            and self._ledger.ahead_bytes + nbytes <= self._reach.bytes
             and needed <= self._reader.cache_room(position, wanted=needed)
-            and self._spend_locked(nbytes)
+            and self._bucket.spend(nbytes, now)
         )
 
     def _fetch(
         self,
         info: ObjectInfo,
-        run: list[tuple[int, BlockRef, int]],
+        run: Run,
         position: float,
         job: str,
-        head: _Head | None = None,
+        head: HeadRun | None = None,
         claim: ClaimedRun | None = None,
     ) -> None:
         """Fetch a run of consecutive blocks with one GET, then account for
@@ -625,28 +492,22 @@ class Prefetcher:
             level = logging.INFO if failed else logging.ERROR
             message = "prefetch of %s blocks %d-%d failed: %s"
             log.log(level, message, info.key, first, last, exc, exc_info=not failed)
-            retry_at = time.monotonic() + FAILED_RETRY_SECONDS
+            retry_at = self._clock() + self._tuning.failed_retry_seconds
             with self._lock:
-                for _, ref, _ in run:
-                    self._failed[ref] = retry_at
+                self._ledger.failed((ref for _, ref, _ in run), retry_at)
         finally:
             self._run_over(info, run, fetched, job, head)
 
     def _run_over(
-        self,
-        info: ObjectInfo,
-        run: list[tuple[int, BlockRef, int]],
-        fetched: set[int],
-        job: str,
-        head: _Head | None,
+        self, info: ObjectInfo, run: Run, fetched: set[int], job: str, head: HeadRun | None
     ) -> None:
         """Account for each block of a run as it turned out, and give its slot back."""
         for index, ref, nbytes in run:
             self._account(info, index, ref, nbytes, index in fetched, job)
+        if head is not None:
+            self._heads.over(run[0][1], head)
         with self._lock:
-            if head is not None and self._heads.get(run[0][1]) is head:
-                del self._heads[run[0][1]]
-            self._gets_in_flight -= 1
+            self._ledger.get_over()
         self._wake.set()
 
     def _account(
@@ -656,12 +517,9 @@ class Prefetcher:
         not (cached meanwhile, fetched by a read's GET, or failed)."""
         digest = self._reader.digest(info, index) if fetched else None
         with self._lock:
-            del self._in_flight[ref]
-            self._in_flight_bytes -= nbytes
-            joined = ref in self._joined
-            self._joined.discard(ref)
+            joined = self._ledger.landed(ref)
             if digest is None:
-                self._refund_locked(nbytes)
+                self._bucket.refund(nbytes)
                 if fetched:
                     # Fetched, but the cache had no room the policy would give
                     # up: the bytes crossed the network for nothing.
@@ -669,28 +527,10 @@ class Prefetcher:
             elif joined:
                 self._reach.used(nbytes)
             else:
-                self._ahead[ref] = _Ahead(info, index, digest, nbytes, job)
-                self._ahead_bytes += nbytes
+                self._ledger.put_ahead(ref, Ahead(info, index, digest, nbytes, job))
         if fetched:  # issued counts every fetched block, so used + wasted <= issued
             self._events.prefetch_issued(nbytes)
             if digest is None:
                 self._events.prefetch_wasted(nbytes)
             elif joined:
                 self._events.prefetch_used(nbytes)
-
-    def _spend_locked(self, nbytes: int) -> bool:
-        rate = self._settings.bandwidth
-        if not rate:
-            return True
-        now = time.monotonic()
-        # A bucket one second deep: bursts of at most a second's worth.
-        self._tokens = min(float(rate), self._tokens + (now - self._tokens_at) * rate)
-        self._tokens_at = now
-        if self._tokens < nbytes and self._tokens < rate:
-            return False
-        self._tokens -= nbytes
-        return True
-
-    def _refund_locked(self, nbytes: int) -> None:
-        if self._settings.bandwidth:
-            self._tokens += nbytes

@@ -50,7 +50,7 @@ def joined(pieces: list[Piece]) -> bytes:
 
 
 class Clock:
-    """A settable clock for TTL tests."""
+    """A settable clock: listings' TTLs, the prefetcher's retries and bandwidth."""
 
     def __init__(self) -> None:
         self.now = 1_000_000.0

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,12 +18,13 @@ from cachefsd.cache.codec import Codec, content_hash, encode
 from cachefsd.cache.policy import EpochAwarePolicy, MinioPolicy, PlannedUse
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
-from cachefsd.prefetch import engine as engine_module
+from cachefsd.errors import CachefsdError
 from cachefsd.prefetch.access import AccessModel
-from cachefsd.prefetch.engine import Prefetcher, Reach
+from cachefsd.prefetch.engine import Prefetcher
+from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.store.base import ObjectInfo
 from tests.polling import wait_until
-from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory, joined
+from tests.unit.conftest import BLOCK_SIZE, Clock, Engine, EngineFactory, joined
 
 POLL_SECONDS = 10.0
 
@@ -35,14 +38,37 @@ def fixture_dataset() -> dict[str, bytes]:
     return {f"train/c{i % 2}/s{i:02d}": os.urandom(BLOCK_SIZE // 2) for i in range(20)}
 
 
+# A file's first run reads 4 blocks before it waits for a verdict.
+FOUR_FREE_BLOCKS = PrefetchTuning(head_free_bytes=4 * BLOCK_SIZE)
+
+
 @contextmanager
-def start(engine: Engine, settings: PrefetchSettings) -> Iterator[Prefetcher]:
-    prefetcher = Prefetcher(AccessModel(), engine.namespace, engine.reader, settings, engine.metrics)
+def start(
+    engine: Engine,
+    settings: PrefetchSettings,
+    tuning: PrefetchTuning = DEFAULT_TUNING,
+    clock: Callable[[], float] = time.monotonic,
+) -> Iterator[Prefetcher]:
+    model = AccessModel()
+    prefetcher = Prefetcher(model, engine.namespace, engine.reader, settings, engine.metrics, tuning, clock)
     prefetcher.start()
     try:
         yield prefetcher
     finally:
         prefetcher.stop()
+
+
+@contextmanager
+def store_held(engine: Engine) -> Iterator[threading.Event]:
+    """Every call to the store waits until the test sets the event it is
+    given (set at the latest on leaving): a GET stays in flight exactly as
+    long as the test needs, however loaded the machine."""
+    gate = threading.Event()
+    engine.faulty.faults.gate = gate
+    try:
+        yield gate
+    finally:
+        gate.set()
 
 
 def walk_and_open(engine: Engine, prefetcher: Prefetcher, path: str) -> None:
@@ -117,15 +143,16 @@ def test_a_read_that_joins_a_prefetch_in_flight_counts_it_used_not_wasted(
     assert info is not None
     settings = PrefetchSettings(concurrency=1)
     prefetcher = Prefetcher(AccessModel(), engine.namespace, engine.reader, settings, engine.metrics)
-    engine.faulty.faults.latency_seconds = 0.3
     calls = engine.faulty.calls
     prefetcher.start()
     try:
-        prefetcher.hint([key])
-        wait_for(lambda: engine.faulty.calls > calls, "the prefetch GET to start")
-        prefetcher.opened(info)
-        prefetcher.read(info, 0, info.size)  # before the block lands, as the FUSE read does
-        assert engine.store.get_count == 0  # the prefetch's GET is still in flight: this read joins it
+        with store_held(engine) as gate:
+            prefetcher.hint([key])
+            wait_for(lambda: engine.faulty.calls > calls, "the prefetch GET to start")
+            prefetcher.opened(info)
+            prefetcher.read(info, 0, info.size)  # before the block lands, as the FUSE read does
+            assert engine.store.get_count == 0  # the prefetch's GET is still in flight: this read joins it
+            gate.set()
         assert joined(engine.reader.read(info, 0, info.size)) == dataset[key]
         wait_for(lambda: engine.metrics.prefetch_used_bytes._value.get() == info.size, "the join to count")
     finally:
@@ -162,13 +189,13 @@ def test_a_prefetched_block_the_cache_refuses_counts_issued_and_wasted(
     first, second = sorted(dataset)[:2]
     info = engine.namespace.lookup("/" + second).info
     assert info is not None
-    engine.faulty.faults.latency_seconds = 0.3
     calls = engine.faulty.calls
     with start(engine, PrefetchSettings(concurrency=1)) as prefetcher:
-        prefetcher.hint([first])
-        wait_for(lambda: engine.faulty.calls > calls, "the prefetch GET to start")
-        data = dataset[second]
-        engine.cache.admit(engine.reader.ref(info, 0), content_hash(data), data)
+        with store_held(engine):
+            prefetcher.hint([first])
+            wait_for(lambda: engine.faulty.calls > calls, "the prefetch GET to start")
+            data = dataset[second]
+            engine.cache.admit(engine.reader.ref(info, 0), content_hash(data), data)
         wait_for(lambda: engine.metrics.prefetch_issued_bytes._value.get() > 0, "the prefetch to land")
     assert engine.reader.residency(info, 0) is not None  # the resident stayed
     first_info = engine.namespace.lookup("/" + first).info
@@ -295,7 +322,7 @@ def test_with_a_hint_cached_files_are_warmed_nearest_first_within_the_budget(
     """Hinted files already cached are read into the page cache as their
     turn nears: three files' worth ahead of the reader, one more per file opened."""
     file_bytes = BLOCK_SIZE // 2
-    monkeypatch.setattr(engine_module, "WARM_AHEAD_BYTES", 3 * file_bytes)
+    tuning = PrefetchTuning(warm_ahead_bytes=3 * file_bytes)
     engine = make_engine(dataset)
     order = sorted(dataset, reverse=True)
     infos = [engine.namespace.lookup("/" + key).info for key in order]
@@ -311,7 +338,7 @@ def test_with_a_hint_cached_files_are_warmed_nearest_first_within_the_budget(
         return warm(info, index)
 
     monkeypatch.setattr(engine.reader, "warm", recorded_warm)
-    with start(engine, PrefetchSettings()) as prefetcher:
+    with start(engine, PrefetchSettings(), tuning) as prefetcher:
         prefetcher.hint(order)
         wait_for(lambda: warmed() == 3 * file_bytes, "the first three hinted files to be warmed")
         assert warmed_keys == order[:3]
@@ -342,44 +369,6 @@ def test_without_a_plan_nothing_is_warmed(make_engine: EngineFactory, dataset: d
     assert engine.metrics.prefetch_warmed_bytes._value.get() == 0
 
 
-def test_the_reach_grows_by_what_is_used_up_to_its_limit() -> None:
-    reach = Reach(initial=100, floor=10, limit=250)
-    reach.used(60)
-    assert reach.bytes == 160
-    reach.used(200)
-    assert reach.bytes == 250
-
-
-def test_a_burst_of_waste_halves_the_reach_once() -> None:
-    """As TCP halves its window once per window of data, not once per lost
-    packet: until a reach's worth has left the ahead set after a cut, waste
-    cuts nothing more and reads earn nothing."""
-    reach = Reach(initial=400, floor=30, limit=1000)
-    for _ in range(5):  # an epoch's start: block after block thrown away
-        reach.wasted(10)
-    assert reach.bytes == 200
-    reach.used(100)  # with the 40 wasted, 140 of the 200 have left: recovering
-    reach.wasted(10)
-    assert reach.bytes == 200
-    reach.used(100)  # recovered after 50 of these; the other 50 earn reach
-    assert reach.bytes == 250
-    reach.wasted(10)
-    assert reach.bytes == 125
-
-
-def test_persistent_waste_takes_the_reach_to_its_floor() -> None:
-    """A cache too small for the reach: one block read for nine thrown away."""
-    reach = Reach(initial=1 << 30, floor=8 << 20, limit=2 << 30)
-    for _ in range(10_000):
-        reach.used(1 << 20)
-        for _ in range(9):
-            reach.wasted(1 << 20)
-    assert reach.bytes == 8 << 20
-    reach.used(1 << 20)
-    reach.wasted(0)
-    assert reach.bytes == 8 << 20  # never below it
-
-
 def test_consecutive_blocks_of_a_file_are_fetched_with_one_get(make_engine: EngineFactory) -> None:
     """A request per block cost a round trip each (and on moto a read of the
     whole object each): a stream through a large file was a third as fast
@@ -401,15 +390,14 @@ def test_consecutive_blocks_of_a_file_are_fetched_with_one_get(make_engine: Engi
 def test_a_stream_through_a_large_file_is_fetched_in_runs_ahead_of_the_reader(
     make_engine: EngineFactory,
 ) -> None:
-    """Read front to back, an 80-block file costs the demand GETs that
-    reveal the stream (and the one the reader asks for before the
-    prefetcher's next round), then one run for the rest, which is smaller
-    than a run: a GET per block had the reader wait on most of them."""
+    """Read front to back, an 80-block file costs a few GETs, not one per
+    block: a GET per block had the reader wait on most of them. (Its first
+    read begins the file's first run, which is the whole file, smaller than
+    a run, and every later read joins it: one GET.)"""
     data = os.urandom(80 * BLOCK_SIZE)
     engine = make_engine({"shard.tar": data})
     info = engine.namespace.lookup("/shard.tar").info
     assert info is not None
-    engine.faulty.faults.latency_seconds = 0.05  # a request's round trip, which the runs save
     with start(engine, PrefetchSettings()) as prefetcher:
         prefetcher.opened(info)
         pieces = []
@@ -443,10 +431,54 @@ def test_a_prefetch_that_raises_gives_its_slot_back(
     assert len(raised) == 2
 
 
-@pytest.fixture(name="four_free_blocks")
-def fixture_four_free_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A file's first run reads 4 blocks before it waits for a verdict."""
-    monkeypatch.setattr(engine_module, "HEAD_FREE_BYTES", 4 * BLOCK_SIZE)
+def test_a_block_whose_prefetch_failed_is_tried_again_once_its_time_is_up_on_the_clock(
+    make_engine: EngineFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failing bucket must not turn the prefetcher into a busy loop, nor
+    keep a block from being prefetched for good: ``failed_retry_seconds``
+    on the prefetcher's own clock, which here only the test moves."""
+    engine = make_engine(dataset)
+    fetch_run_ahead = engine.reader.fetch_run_ahead
+    raised: list[str] = []
+
+    def breaks_twice(info: ObjectInfo, indices: range, **kwargs: Any) -> set[int]:
+        if len(raised) < 2:
+            raised.append(info.key)
+            raise CachefsdError("a failed GET")
+        return fetch_run_ahead(info, indices, **kwargs)
+
+    monkeypatch.setattr(engine.reader, "fetch_run_ahead", breaks_twice)
+    clock = Clock()
+    with start(engine, PrefetchSettings(concurrency=2), clock=clock) as prefetcher:
+        walk_and_open(engine, prefetcher, "train/c0/s00")
+        wait_for(lambda: engine.store.get_count >= len(dataset) - 3, "the other unread files to be fetched")
+        assert len(raised) == 2
+        failed = [engine.namespace.lookup("/" + key).info for key in raised]
+        assert all(info is not None and engine.reader.residency(info, 0) is None for info in failed)
+        clock.now += DEFAULT_TUNING.failed_retry_seconds
+        wait_for(lambda: engine.store.get_count >= len(dataset) - 1, "the failed files to be fetched")
+    assert len(raised) == 2
+
+
+def test_the_bandwidth_cap_refills_on_the_prefetchers_clock(
+    make_engine: EngineFactory, dataset: dict[str, bytes]
+) -> None:
+    """1 KiB a second and files of 32 KiB: the first file leaves the bucket
+    31 KiB in debt, so the next may go 32 seconds later by the prefetcher's
+    clock, which here only the test moves (the bucket's own tests check
+    that it is not sooner)."""
+    engine = make_engine(dataset)
+    file_bytes = BLOCK_SIZE // 2
+    rate = 1 << 10
+    issued = engine.metrics.prefetch_issued_bytes._value.get
+    clock = Clock()
+    with start(engine, PrefetchSettings(bandwidth=rate), clock=clock) as prefetcher:
+        walk_and_open(engine, prefetcher, "train/c0/s00")
+        wait_for(lambda: issued() >= file_bytes, "the first file to be fetched")
+        clock.now += file_bytes / rate  # what the real clock would take 32 s for
+        wait_for(lambda: issued() >= 2 * file_bytes, "the next file to be fetched")
+    assert issued() == 2 * file_bytes
+    assert engine.store.get_count == 2
 
 
 def shard_engine(make_engine: EngineFactory) -> tuple[Engine, ObjectInfo, bytes]:
@@ -474,21 +506,24 @@ def test_a_first_read_at_a_large_files_start_brings_its_first_run_with_the_same_
     assert joined(engine.reader.read(info, 0, len(data))) == data
 
 
-def peeked_run(engine: Engine, info: ObjectInfo, then_read_at: int | None) -> float:
-    """Bytes issued by a file's first run with 4 free blocks, after a
-    512-byte read at its start and maybe one more read."""
+def peeked_run(
+    engine: Engine, info: ObjectInfo, then_read_at: int | None, tuning: PrefetchTuning = FOUR_FREE_BLOCKS
+) -> float:
+    """Bytes issued by a file's first run (4 free blocks unless ``tuning``
+    says otherwise), after a 512-byte read at its start and maybe one more
+    read, which comes before the run's GET has brought any block."""
     issued = engine.metrics.prefetch_issued_bytes._value.get
-    with start(engine, PrefetchSettings()) as prefetcher:
-        prefetcher.opened(info)
-        prefetcher.read(info, 0, 512)
-        if then_read_at is not None:
-            prefetcher.read(info, then_read_at, 512)
+    with start(engine, PrefetchSettings(), tuning) as prefetcher:
+        with store_held(engine):
+            prefetcher.opened(info)
+            prefetcher.read(info, 0, 512)
+            if then_read_at is not None:
+                prefetcher.read(info, then_read_at, 512)
         # A run is accounted for at once, when it is over.
         wait_for(lambda: issued() > 0, "the first run to be over")
     return issued()
 
 
-@pytest.mark.usefixtures("four_free_blocks")
 def test_a_jump_away_from_a_files_start_stops_its_first_run_after_its_free_blocks(
     make_engine: EngineFactory,
 ) -> None:
@@ -497,66 +532,67 @@ def test_a_jump_away_from_a_files_start_stops_its_first_run_after_its_free_block
     assert peeked_run(engine, info, then_read_at=60 * BLOCK_SIZE) == 4 * BLOCK_SIZE
 
 
-@pytest.mark.usefixtures("four_free_blocks")
-def test_a_first_run_with_no_second_read_stops_after_its_free_blocks(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(engine_module, "HEAD_VERDICT_SECONDS", 0.05)
+def test_a_first_run_with_no_second_read_stops_after_its_free_blocks(make_engine: EngineFactory) -> None:
     engine, info, _ = shard_engine(make_engine)
-    assert peeked_run(engine, info, then_read_at=None) == 4 * BLOCK_SIZE
+    tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.0)  # no read comes: why wait
+    assert peeked_run(engine, info, then_read_at=None, tuning=tuning) == 4 * BLOCK_SIZE
 
 
-@pytest.mark.usefixtures("four_free_blocks")
 def test_a_second_read_past_the_first_block_lets_the_first_run_go_on(make_engine: EngineFactory) -> None:
     engine, info, _ = shard_engine(make_engine)
     assert peeked_run(engine, info, then_read_at=BLOCK_SIZE) == 80 * BLOCK_SIZE
     assert engine.store.get_count == 1
 
 
-@pytest.mark.usefixtures("four_free_blocks")
-def test_a_header_read_again_does_not_let_the_first_run_go_on(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_header_read_again_does_not_let_the_first_run_go_on(make_engine: EngineFactory) -> None:
     """A second read in the first block (the header again, or the kernel's
     read-ahead of the first read) is no sign of a stream."""
-    monkeypatch.setattr(engine_module, "HEAD_VERDICT_SECONDS", 0.05)
     engine, info, _ = shard_engine(make_engine)
-    assert peeked_run(engine, info, then_read_at=512) == 4 * BLOCK_SIZE
+    # The read again came before the GET began: a verdict from it would be in by now.
+    tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.0)
+    assert peeked_run(engine, info, then_read_at=512, tuning=tuning) == 4 * BLOCK_SIZE
 
 
-@pytest.mark.usefixtures("four_free_blocks")
 def test_a_read_waiting_on_a_block_of_a_stopped_run_fetches_it_itself(make_engine: EngineFactory) -> None:
     engine, info, data = shard_engine(make_engine)
-    with start(engine, PrefetchSettings()) as prefetcher:
-        prefetcher.opened(info)
-        prefetcher.read(info, 0, 512)
-        # Block 10 is the run's until a far read stops it; this reader then leads its own GET.
-        reader = ThreadPoolExecutor(1).submit(engine.reader.read, info, 10 * BLOCK_SIZE, 100)
-        prefetcher.read(info, 60 * BLOCK_SIZE, 512)
+    with start(engine, PrefetchSettings(), FOUR_FREE_BLOCKS) as prefetcher:
+        with store_held(engine):  # the far read comes before the run's GET has brought a block
+            prefetcher.opened(info)
+            prefetcher.read(info, 0, 512)
+            # Block 10 is the run's until a far read stops it; this reader then leads its own GET.
+            reader = ThreadPoolExecutor(1).submit(engine.reader.read, info, 10 * BLOCK_SIZE, 100)
+            prefetcher.read(info, 60 * BLOCK_SIZE, 512)
         assert joined(reader.result(POLL_SECONDS)) == data[10 * BLOCK_SIZE : 10 * BLOCK_SIZE + 100]
     # The run stopped after its free blocks; block 10 came with the reader's own GET.
     assert [start for start, _ in engine.faulty.streams] == [0, 10 * BLOCK_SIZE]
 
 
-@pytest.mark.usefixtures("four_free_blocks")
 def test_first_reads_of_many_large_files_at_once_start_no_more_runs_than_the_concurrency(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+    make_engine: EngineFactory,
 ) -> None:
     """Each read claimed budget before any counted its GET: eight first
     reads at once started eight runs at a concurrency of 2."""
-    monkeypatch.setattr(engine_module, "HEAD_VERDICT_SECONDS", 0.5)
+    tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.0)  # no second read comes
     files = {f"shard-{i}.tar": os.urandom(80 * BLOCK_SIZE) for i in range(8)}
     engine = make_engine(files)
     infos = [engine.namespace.lookup("/" + key).info for key in files]
     together = threading.Barrier(len(infos))
 
-    def first_read(info: ObjectInfo) -> bytes:
+    def first_read(info: ObjectInfo) -> None:
         together.wait(POLL_SECONDS)
         prefetcher.read(info, 0, 512)
+
+    def read(info: ObjectInfo) -> bytes:
         return joined(engine.reader.read(info, 0, 512))
 
-    with start(engine, PrefetchSettings(concurrency=2)) as prefetcher, ThreadPoolExecutor(len(infos)) as pool:
-        firsts = list(pool.map(first_read, infos))
+    with (
+        start(engine, PrefetchSettings(concurrency=2), tuning) as prefetcher,
+        ThreadPoolExecutor(len(infos)) as pool,
+    ):
+        # Every run begun stays in flight until all eight reads have come.
+        with store_held(engine):
+            list(pool.map(first_read, infos))
+        firsts = list(pool.map(read, infos))
     assert firsts == [data[:512] for data in files.values()]
     runs = [(start, end) for start, end in engine.faulty.streams if end - start > BLOCK_SIZE]
     assert len(runs) == 2
