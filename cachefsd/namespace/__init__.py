@@ -1,1 +1,1 @@
-"""Paths, directories and the metadata cache (see tree.py)."""
+"""Paths (names.py), the metadata cache (tree.py) and its listings saved for the next mount (saved.py)."""

@@ -1,4 +1,4 @@
-"""The metadata cache: directory listings with a TTL, persisted in the index.
+"""The metadata cache: directory listings with a TTL, saved in the index (saved.py).
 
 Every path is resolved through the listing of its parent directory, so one
 listing answers ``ls``, every ``stat`` in it and every negative lookup for
@@ -35,9 +35,7 @@ up the daemon's exit.
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -45,13 +43,12 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-import xxhash
-
 from cachefsd.aio import LoopThread
 from cachefsd.cache.index import Index
 from cachefsd.errors import DaemonStopping, DeadlineExceeded, NotADirectory, ObjectNotFound, StoreError
 from cachefsd.fetch import Fetcher
 from cachefsd.namespace.names import Directory, dir_prefix, directory_from_listing, split_path
+from cachefsd.namespace.saved import SavedListings
 from cachefsd.singleflight import SingleFlight
 from cachefsd.store.base import Listing, ObjectInfo, ObjectStore
 from cachefsd.store.listing import merged
@@ -94,42 +91,6 @@ class _Cached:
     fetched_at: float
 
 
-def _encode(row: tuple[str, str, float], listing: Listing) -> bytes:
-    """A listing as saved in the index: the xxh3-64 (in hex) of its row's
-    key and time and of its JSON, a newline, the JSON. A row damaged on disk
-    fails the check on load, and the directory is listed again: one flipped
-    digit of a size served a file short on every mount, one byte of the
-    table's index served a directory under another's name, one bit of the
-    time kept a listing fresh for ever."""
-    body = json.dumps(
-        {
-            "objects": [[o.key, o.size, o.etag, o.mtime] for o in listing.objects],
-            "prefixes": list(listing.prefixes),
-        },
-        separators=(",", ":"),
-    ).encode()
-    return _checksum(row, body) + b"\n" + body
-
-
-def _checksum(row: tuple[str, str, float], body: bytes) -> bytes:
-    source, prefix, fetched_at = row
-    key = f"{source}\0{prefix}\0{fetched_at!r}\0".encode("utf-8", "surrogateescape")
-    return xxhash.xxh3_64_hexdigest(key + body).encode()
-
-
-def _decode(row: tuple[str, str, float], payload: bytes) -> Listing | None:
-    """The listing saved as ``row`` (source, prefix, time), or None if it is
-    not intact."""
-    checksum, _, body = payload.partition(b"\n")
-    if checksum != _checksum(row, body):
-        return None
-    raw = json.loads(body)
-    return Listing(
-        objects=tuple(ObjectInfo(key, size, etag, mtime) for key, size, etag, mtime in raw["objects"]),
-        prefixes=tuple(raw["prefixes"]),
-    )
-
-
 class Namespace:
     """The directory listings of one source: their TTL, their refresh in the background, their copy
     in the index."""
@@ -150,7 +111,7 @@ class Namespace:
         self._store = store
         self._fetcher = fetcher
         self._io = io
-        self._index = index
+        self._saved = SavedListings(index, store.cache_key)
         self._ttl = ttl
         self._on_version_replaced = on_version_replaced
         self._on_version_gone = on_version_gone
@@ -206,7 +167,7 @@ class Namespace:
                 # the other objects of the directory that changed meanwhile
                 # are reported gone too (the kernel may hold their old sizes).
                 self._dirs[prefix] = _Cached(cached.directory, INVALIDATED)
-        self._persist(prefix, INVALIDATED, Listing((), ()))
+        self._saved.save(prefix, INVALIDATED, Listing((), ()))
 
     def _cached(self, prefix: str) -> _Cached:
         now = self._clock()
@@ -317,22 +278,11 @@ class Namespace:
         )
 
     def _from_index(self, prefix: str) -> _Cached | None:
-        """The listing saved by an earlier mount, if any and intact: the
-        index is a cache, and a damaged row costs a listing, never a lookup."""
-        try:
-            saved = self._index.load_listing(self._store.cache_key, prefix)
-        except sqlite3.Error as exc:
-            log.warning("cannot load the saved listing of %r (%s); listing it again", prefix or "/", exc)
-            return None
+        """The listing saved by an earlier mount, if any and intact."""
+        saved = self._saved.load(prefix)
         if saved is None:
             return None
-        fetched_at, payload = saved
-        row = (self._store.cache_key, prefix, fetched_at)
-        intact = isinstance(payload, bytes) and isinstance(fetched_at, float)
-        listing = _decode(row, payload) if intact else None
-        if listing is None:
-            log.warning("the saved listing of %r is damaged; listing it again", prefix or "/")
-            return None
+        fetched_at, listing = saved
         return _Cached(directory_from_listing(prefix, listing), fetched_at)
 
     def _list(self, prefix: str) -> Listing:
@@ -394,21 +344,10 @@ class Namespace:
                 self._retry_at.pop(prefix, None)
         if recovered:
             log.info("the store answers again: listings are refreshed as they expire")
-        self._persist(prefix, fetched_at, listing)
+        self._saved.save(prefix, fetched_at, listing)
         for info in gone:
             self._on_version_gone(info)
         return cached
-
-    def _persist(self, prefix: str, fetched_at: float, listing: Listing) -> None:
-        """Save a listing for the next mount; best effort, like every cache:
-        an index that cannot be written (its disk is full) costs a re-list
-        after a restart, never a failed lookup now."""
-        try:
-            fetched_at = float(fetched_at)  # as sqlite gives it back (a REAL), for the checksum
-            payload = _encode((self._store.cache_key, prefix, fetched_at), listing)
-            self._index.save_listing(self._store.cache_key, prefix, fetched_at, payload)
-        except sqlite3.Error as exc:
-            log.warning("cannot save the listing of %r in the index: %s", prefix or "/", exc)
 
 
 def _gone_versions(old: Directory, new: Directory) -> list[ObjectInfo]:
