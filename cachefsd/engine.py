@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from cachefsd.errors import CachefsdError
 from cachefsd.fetch import Fetcher
 from cachefsd.fs import FileSystem
 from cachefsd.metrics import Metrics
-from cachefsd.namespace.tree import Namespace
+from cachefsd.namespace.tree import FRESH_WAIT_SECONDS, Namespace
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import Prefetcher
 from cachefsd.reader import BlockReader
@@ -79,6 +80,42 @@ def _warn_of_small_disks(cache: TieredCache) -> None:
             )
 
 
+def data_path(
+    store: ObjectStore,
+    cache: TieredCache,
+    index: Index,
+    io: LoopThread,
+    metrics: Metrics,
+    model: AccessModel,
+    settings: Settings,
+    listing_clock: Callable[[], float] = time.time,
+    fresh_wait: float = FRESH_WAIT_SECONDS,
+) -> tuple[BlockReader, Namespace, Prefetcher, FileSystem]:
+    """The data path over an opened cache, from the fetcher to the
+    filesystem, wired as every mount has it; ``listing_clock`` and
+    ``fresh_wait`` are the namespace's (tests pass their own)."""
+    fetcher = Fetcher(store, settings.fetch, metrics)
+    dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
+    reader = BlockReader(
+        store.cache_key, settings.cache.block_size, cache, fetcher, io, metrics, dedup_by_etag
+    )
+    namespace = Namespace(
+        store,
+        fetcher,
+        io,
+        index,
+        settings.namespace.metadata_ttl,
+        # fs is built below, before any listing is refreshed.
+        on_version_replaced=lambda info: fs.version_replaced(info),  # noqa: PLW0108
+        on_version_gone=lambda info: fs.version_gone(info),  # noqa: PLW0108
+        clock=listing_clock,
+        fresh_wait=fresh_wait,
+    )
+    prefetcher = Prefetcher(model, namespace, reader, settings.prefetch, metrics)
+    fs = FileSystem(namespace, reader, os.getuid(), os.getgid(), access=prefetcher)
+    return reader, namespace, prefetcher, fs
+
+
 @contextmanager
 def engine(
     settings: Settings,
@@ -118,29 +155,9 @@ def engine(
                 keep_recorded_layout=keep_recorded_layout,
             ) as opened:
                 _warn_of_small_disks(opened.cache)
-                fetcher = Fetcher(store, settings.fetch, metrics)
-                dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
-                reader = BlockReader(
-                    store.cache_key,
-                    settings.cache.block_size,
-                    opened.cache,
-                    fetcher,
-                    io,
-                    metrics,
-                    dedup_by_etag,
+                reader, namespace, prefetcher, fs = data_path(
+                    store, opened.cache, opened.index, io, metrics, model, settings
                 )
-                namespace = Namespace(
-                    store,
-                    fetcher,
-                    io,
-                    opened.index,
-                    settings.namespace.metadata_ttl,
-                    # fs is built below, before any listing is refreshed.
-                    on_version_replaced=lambda info: fs.version_replaced(info),  # noqa: PLW0108
-                    on_version_gone=lambda info: fs.version_gone(info),  # noqa: PLW0108
-                )
-                prefetcher = Prefetcher(model, namespace, reader, settings.prefetch, metrics)
-                fs = FileSystem(namespace, reader, os.getuid(), os.getgid(), access=prefetcher)
                 yield Engine(
                     store, opened.cache, opened.index, reader, namespace, metrics, prefetcher, model, fs
                 )

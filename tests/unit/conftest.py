@@ -16,13 +16,12 @@ from cachefsd.cache.index import Index
 from cachefsd.cache.policy import EvictionPolicy, LruPolicy, PlannedUse
 from cachefsd.cache.tier import Tier
 from cachefsd.cache.tiered import CacheTuning, TieredCache
-from cachefsd.config import FetchSettings, PrefetchSettings
-from cachefsd.fetch import Fetcher
+from cachefsd.config import FetchSettings, Settings
+from cachefsd.engine import data_path
 from cachefsd.fs import FileSystem
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import AccessModel
-from cachefsd.prefetch.engine import Prefetcher
 from cachefsd.reader import BlockReader, FileSpan, Piece
 from cachefsd.store.faulty import FaultyStore
 from cachefsd.store.memory import MemoryStore
@@ -119,14 +118,17 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         )
         cache.reconcile()
         index.start_serving()  # as open_cache does
-        fetcher = Fetcher(faulty, fetch, metrics)
-        reader = BlockReader(store.uri, BLOCK_SIZE, cache, fetcher, io, metrics, dedup_by_etag=True)
+        settings = Settings(
+            source=str(tmp_path),
+            mountpoint=tmp_path / "mnt",
+            cache={"dir": cache_dir, "block_size": BLOCK_SIZE},
+            fetch=fetch,
+            namespace={"metadata_ttl": ttl},
+        )
         clock = Clock()
-        replaced = lambda info: fs.version_replaced(info)  # noqa: E731, PLW0108 - fs is built below
-        gone = lambda info: fs.version_gone(info)  # noqa: E731, PLW0108
-        namespace = Namespace(faulty, fetcher, io, index, ttl, replaced, gone, clock, fresh_wait)
-        prefetcher = Prefetcher(AccessModel(), namespace, reader, PrefetchSettings(), metrics)
-        fs = FileSystem(namespace, reader, uid=0, gid=0, access=prefetcher)
+        reader, namespace, _, fs = data_path(
+            faulty, cache, index, io, metrics, AccessModel(), settings, clock, fresh_wait
+        )
         return Engine(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir)
 
     yield make
