@@ -408,22 +408,28 @@ def test_a_stream_through_a_large_file_is_fetched_in_runs_ahead_of_the_reader(
     assert engine.store.get_count <= 4
 
 
-def test_a_prefetch_that_raises_gives_its_slot_back(
-    make_engine: EngineFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A bug in a fetch (not a failed GET, which is a CachefsdError) must
-    not keep its slot: two of them took a concurrency of 2 for good."""
-    engine = make_engine(dataset)
+def fetches_failing_twice(engine: Engine, monkeypatch: pytest.MonkeyPatch, error: Exception) -> list[str]:
+    """The reader's first two run fetches raise ``error``; the keys they were for, as they come."""
     fetch_run_ahead = engine.reader.fetch_run_ahead
     raised: list[str] = []
 
     def breaks_twice(info: ObjectInfo, indices: range, **kwargs: Any) -> set[int]:
         if len(raised) < 2:
             raised.append(info.key)
-            raise RuntimeError("a bug")
+            raise error
         return fetch_run_ahead(info, indices, **kwargs)
 
     monkeypatch.setattr(engine.reader, "fetch_run_ahead", breaks_twice)
+    return raised
+
+
+def test_a_prefetch_that_raises_gives_its_slot_back(
+    make_engine: EngineFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in a fetch (not a failed GET, which is a CachefsdError) must
+    not keep its slot: two of them took a concurrency of 2 for good."""
+    engine = make_engine(dataset)
+    raised = fetches_failing_twice(engine, monkeypatch, RuntimeError("a bug"))
     with start(engine, PrefetchSettings(concurrency=2)) as prefetcher:
         walk_and_open(engine, prefetcher, "train/c0/s00")
         # All but the file being read and the two whose fetch broke (not retried for a while).
@@ -438,16 +444,7 @@ def test_a_block_whose_prefetch_failed_is_tried_again_once_its_time_is_up_on_the
     keep a block from being prefetched for good: ``failed_retry_seconds``
     on the prefetcher's own clock, which here only the test moves."""
     engine = make_engine(dataset)
-    fetch_run_ahead = engine.reader.fetch_run_ahead
-    raised: list[str] = []
-
-    def breaks_twice(info: ObjectInfo, indices: range, **kwargs: Any) -> set[int]:
-        if len(raised) < 2:
-            raised.append(info.key)
-            raise CachefsdError("a failed GET")
-        return fetch_run_ahead(info, indices, **kwargs)
-
-    monkeypatch.setattr(engine.reader, "fetch_run_ahead", breaks_twice)
+    raised = fetches_failing_twice(engine, monkeypatch, CachefsdError("a failed GET"))
     clock = Clock()
     with start(engine, PrefetchSettings(concurrency=2), clock=clock) as prefetcher:
         walk_and_open(engine, prefetcher, "train/c0/s00")
