@@ -246,6 +246,11 @@ class Namespace:
         if starts and not claimed:  # another lookup started it in between
             with self._lock:
                 self._refreshing -= 1
+        # Taken before the refresh starts: settling its key empties
+        # ``claimed`` and frees the key, so a refresh that came back first
+        # would leave this lookup nothing to wait on, and the expired
+        # listing would be served although the store answered.
+        refreshed = claimed.get(prefix) or self._listing.current(prefix)
         if claimed:
             threading.Thread(
                 target=self._refresh_in_background,
@@ -253,7 +258,6 @@ class Namespace:
                 name="cachefsd-list",
                 daemon=True,
             ).start()
-        refreshed = claimed.get(prefix) or self._listing.current(prefix)
         if not answering or refreshed is None:
             return stale
         try:
