@@ -82,11 +82,51 @@ def fixture_io() -> Iterator[LoopThread]:
     loop.stop()
 
 
+def build_engine(
+    io: LoopThread,
+    cache_dir: Path,
+    objects: dict[str, bytes] | None = None,
+    capacity: int = 64 << 20,
+    store: MemoryStore | None = None,
+    ttl: float = 60.0,
+    policy: EvictionPolicy | None = None,
+    planned: PlannedUse | None = None,
+    codec: Codec = Codec.RAW,
+    fetch: FetchSettings = FAST_FETCH,
+    fresh_wait: float = TEST_FRESH_WAIT_SECONDS,
+) -> Engine:
+    """The whole read path over a ``MemoryStore``, its cache in ``cache_dir``,
+    its I/O on ``io``; the caller closes ``engine.index``. For tests that
+    cannot take fixtures (hypothesis state machines); others use ``make_engine``."""
+    store = store or MemoryStore(objects or {})
+    faulty = FaultyStore(store)
+    cache_dir.mkdir(exist_ok=True)
+    index = Index(cache_dir / "index.sqlite")
+    metrics = Metrics(CollectorRegistry())
+    cache = TieredCache(
+        [Tier("hot", cache_dir / "hot", capacity, codec, LruPolicy() if policy is None else policy)],
+        index,
+        metrics,
+        planned,
+    )
+    cache.reconcile()
+    index.start_serving()  # as open_cache does
+    fetcher = Fetcher(faulty, fetch, metrics)
+    reader = BlockReader(store.uri, BLOCK_SIZE, cache, fetcher, io, metrics, dedup_by_etag=True)
+    clock = Clock()
+    replaced = lambda info: fs.version_replaced(info)  # noqa: E731, PLW0108 - fs is built below
+    gone = lambda info: fs.version_gone(info)  # noqa: E731, PLW0108
+    namespace = Namespace(faulty, fetcher, io, index, ttl, replaced, gone, clock, fresh_wait)
+    prefetcher = Prefetcher(AccessModel(), namespace, reader, PrefetchSettings(), metrics)
+    fs = FileSystem(namespace, reader, uid=0, gid=0, access=prefetcher)
+    return Engine(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir)
+
+
 @pytest.fixture(name="make_engine")
 def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactory]:
     """``make_engine(objects, capacity=..., cache_dir=..., policy=..., planned=..., codec=..., fetch=...,
     fresh_wait=...)``
-    builds the whole read path over a ``MemoryStore``; indexes are closed at teardown."""
+    builds the whole read path over a ``MemoryStore`` (``build_engine``); indexes are closed at teardown."""
     indexes: list[Index] = []
 
     def make(
@@ -101,30 +141,21 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         fetch: FetchSettings = FAST_FETCH,
         fresh_wait: float = TEST_FRESH_WAIT_SECONDS,
     ) -> Engine:
-        store = store or MemoryStore(objects or {})
-        faulty = FaultyStore(store)
-        cache_dir = cache_dir or tmp_path / "cache"
-        cache_dir.mkdir(exist_ok=True)
-        index = Index(cache_dir / "index.sqlite")
-        indexes.append(index)
-        metrics = Metrics(CollectorRegistry())
-        cache = TieredCache(
-            [Tier("hot", cache_dir / "hot", capacity, codec, LruPolicy() if policy is None else policy)],
-            index,
-            metrics,
+        engine = build_engine(
+            io,
+            cache_dir or tmp_path / "cache",
+            objects,
+            capacity,
+            store,
+            ttl,
+            policy,
             planned,
+            codec,
+            fetch,
+            fresh_wait,
         )
-        cache.reconcile()
-        index.start_serving()  # as open_cache does
-        fetcher = Fetcher(faulty, fetch, metrics)
-        reader = BlockReader(store.uri, BLOCK_SIZE, cache, fetcher, io, metrics, dedup_by_etag=True)
-        clock = Clock()
-        replaced = lambda info: fs.version_replaced(info)  # noqa: E731, PLW0108 - fs is built below
-        gone = lambda info: fs.version_gone(info)  # noqa: E731, PLW0108
-        namespace = Namespace(faulty, fetcher, io, index, ttl, replaced, gone, clock, fresh_wait)
-        prefetcher = Prefetcher(AccessModel(), namespace, reader, PrefetchSettings(), metrics)
-        fs = FileSystem(namespace, reader, uid=0, gid=0, access=prefetcher)
-        return Engine(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir)
+        indexes.append(engine.index)
+        return engine
 
     yield make
     for index in indexes:
