@@ -209,7 +209,10 @@ class Namespace:
         if starts and not claimed:  # another lookup started it in between
             with self._lock:
                 self._refreshing -= 1
-        # Taken before the refresh starts: settling it empties ``claimed``.
+        # Taken before the refresh starts: settling its key empties
+        # ``claimed`` and frees the key, so a refresh that came back first
+        # would leave this lookup nothing to wait on, and the expired
+        # listing would be served although the store answered.
         refreshed = claimed.get(prefix) or self._listing.current(prefix)
         if claimed:
             threading.Thread(

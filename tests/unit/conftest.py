@@ -82,11 +82,56 @@ def fixture_io() -> Iterator[LoopThread]:
     loop.stop()
 
 
+def build_engine(
+    io: LoopThread,
+    cache_dir: Path,
+    objects: dict[str, bytes] | None = None,
+    capacity: int = 64 << 20,
+    store: MemoryStore | None = None,
+    ttl: float = 60.0,
+    policy: EvictionPolicy | None = None,
+    planned: PlannedUse | None = None,
+    codec: Codec = Codec.RAW,
+    fetch: FetchSettings = FAST_FETCH,
+    fresh_wait: float = TEST_FRESH_WAIT_SECONDS,
+    cache_tuning: CacheTuning = DAEMON_CACHE_TUNING,
+) -> Engine:
+    """The whole read path over a ``MemoryStore``, its cache in ``cache_dir``,
+    its I/O on ``io``; the caller closes ``engine.index``. For tests that
+    cannot take fixtures (hypothesis state machines); others use ``make_engine``."""
+    store = store or MemoryStore(objects or {})
+    faulty = FaultyStore(store)
+    cache_dir.mkdir(exist_ok=True)
+    index = Index(cache_dir / "index.sqlite")
+    metrics = Metrics(CollectorRegistry())
+    cache = TieredCache(
+        [Tier("hot", cache_dir / "hot", capacity, codec, LruPolicy() if policy is None else policy)],
+        index,
+        metrics,
+        planned,
+        cache_tuning,
+    )
+    cache.reconcile()
+    index.start_serving()  # as open_cache does
+    settings = Settings(
+        source=str(cache_dir),
+        mountpoint=cache_dir / "mnt",
+        cache={"dir": cache_dir, "block_size": BLOCK_SIZE},
+        fetch=fetch,
+        namespace={"metadata_ttl": ttl},
+    )
+    clock = Clock()
+    reader, namespace, _, fs = data_path(
+        faulty, cache, index, io, metrics, AccessModel(), settings, clock, fresh_wait
+    )
+    return Engine(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir)
+
+
 @pytest.fixture(name="make_engine")
 def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactory]:
     """``make_engine(objects, capacity=..., cache_dir=..., policy=..., planned=..., codec=..., fetch=...,
     fresh_wait=...)``
-    builds the whole read path over a ``MemoryStore``; indexes are closed at teardown."""
+    builds the whole read path over a ``MemoryStore`` (``build_engine``); indexes are closed at teardown."""
     indexes: list[Index] = []
 
     def make(
@@ -102,34 +147,22 @@ def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactor
         fresh_wait: float = TEST_FRESH_WAIT_SECONDS,
         cache_tuning: CacheTuning = DAEMON_CACHE_TUNING,
     ) -> Engine:
-        store = store or MemoryStore(objects or {})
-        faulty = FaultyStore(store)
-        cache_dir = cache_dir or tmp_path / "cache"
-        cache_dir.mkdir(exist_ok=True)
-        index = Index(cache_dir / "index.sqlite")
-        indexes.append(index)
-        metrics = Metrics(CollectorRegistry())
-        cache = TieredCache(
-            [Tier("hot", cache_dir / "hot", capacity, codec, LruPolicy() if policy is None else policy)],
-            index,
-            metrics,
+        engine = build_engine(
+            io,
+            cache_dir or tmp_path / "cache",
+            objects,
+            capacity,
+            store,
+            ttl,
+            policy,
             planned,
+            codec,
+            fetch,
+            fresh_wait,
             cache_tuning,
         )
-        cache.reconcile()
-        index.start_serving()  # as open_cache does
-        settings = Settings(
-            source=str(tmp_path),
-            mountpoint=tmp_path / "mnt",
-            cache={"dir": cache_dir, "block_size": BLOCK_SIZE},
-            fetch=fetch,
-            namespace={"metadata_ttl": ttl},
-        )
-        clock = Clock()
-        reader, namespace, _, fs = data_path(
-            faulty, cache, index, io, metrics, AccessModel(), settings, clock, fresh_wait
-        )
-        return Engine(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir)
+        indexes.append(engine.index)
+        return engine
 
     yield make
     for index in indexes:

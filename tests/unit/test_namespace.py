@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
+import types
 from collections.abc import Callable
 
 import pytest
 
 from cachefsd.config import FetchSettings
 from cachefsd.errors import AccessDenied, DeadlineExceeded, NotADirectory, ObjectNotFound, StoreError
+from cachefsd.namespace import tree
 from cachefsd.namespace.tree import STALE_RETRY_SECONDS
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo
 from cachefsd.store.memory import MemoryStore
@@ -45,6 +47,33 @@ def test_listings_are_cached_for_the_ttl_then_refreshed(make_engine: EngineFacto
     engine.clock.now += 2
     assert "g" in engine.namespace.listdir("/")
     assert engine.store.list_count == lists + 1
+
+
+class _InlineThread:
+    """A thread that runs its target inside ``start``: the refresh it
+    carries has settled by the time its starter goes on."""
+
+    def __init__(self, target: Callable[..., None], args: tuple[object, ...], **_: object) -> None:
+        self._target = target
+        self._args = args
+
+    def start(self) -> None:
+        self._target(*self._args)
+
+
+def test_a_refresh_that_settles_before_its_lookup_waits_is_still_seen(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The in-memory store answers at once, so the background refresh can
+    settle before the lookup that started it looks for its result; that
+    lookup must still return the refreshed listing, not the expired one.
+    The refresh runs inline to force that order on every run."""
+    engine = make_engine({"f": b"1"}, ttl=10)
+    engine.namespace.listdir("/")
+    engine.store.put("g", b"2")
+    engine.clock.now += 11
+    monkeypatch.setattr(tree, "threading", types.SimpleNamespace(Thread=_InlineThread))
+    assert "g" in engine.namespace.listdir("/")
 
 
 def test_a_restart_lists_from_the_index_while_fresh(make_engine: EngineFactory) -> None:
@@ -200,7 +229,13 @@ def test_a_version_is_marked_replaced_before_its_successor_is_visible_and_releas
     monkeypatch.setattr(engine.fs, "version_gone", seen_by("gone", engine.fs.version_gone))
     engine.store.put("f", b"new version")
     engine.clock.now += 6
-    assert engine.namespace.lookup("/f").info == old  # expired: served while it is refreshed
+    # The refresh is held until the lookup has been served: a refresh that
+    # already came back is what even a zero wait returns.
+    gate = engine.faulty.faults.gate = threading.Event()
+    try:
+        assert engine.namespace.lookup("/f").info == old  # expired: served while it is refreshed
+    finally:
+        gate.set()
     wait_until(lambda: not engine.namespace._listing.busy(""), "the refresh of / to end", 10.0)
     new = engine.namespace.lookup("/f").info
     assert new is not None
