@@ -99,3 +99,5 @@ class LoopThread:
             future.cancel()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():  # its selector and pipes, else left open for good
+            self._loop.close()

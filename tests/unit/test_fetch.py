@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -212,3 +213,12 @@ def test_a_stream_stopped_early_still_counts_as_a_request(io: LoopThread) -> Non
 
     assert io.run(first_piece(), 10) == b"012"
     assert events.done == 1
+
+
+def test_a_stopped_loop_releases_its_descriptors() -> None:
+    """A test suite (and stage's engines) starts and stops many loops: each
+    kept its selector and pipes open, and select() failed past 1024."""
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        LoopThread().stop()
+    assert len(os.listdir("/proc/self/fd")) - before < 20
