@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -129,38 +130,15 @@ def build_engine(
 
 @pytest.fixture(name="make_engine")
 def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactory]:
-    """``make_engine(objects, capacity=..., cache_dir=..., policy=..., planned=..., codec=..., fetch=...,
-    fresh_wait=...)``
-    builds the whole read path over a ``MemoryStore`` (``build_engine``); indexes are closed at teardown."""
+    """``make_engine(objects, cache_dir=..., **build_engine's options)``: the
+    whole read path over a ``MemoryStore``, in ``tmp_path`` unless told;
+    indexes are closed at teardown."""
     indexes: list[Index] = []
 
     def make(
-        objects: dict[str, bytes] | None = None,
-        capacity: int = 64 << 20,
-        cache_dir: Path | None = None,
-        store: MemoryStore | None = None,
-        ttl: float = 60.0,
-        policy: EvictionPolicy | None = None,
-        planned: PlannedUse | None = None,
-        codec: Codec = Codec.RAW,
-        fetch: FetchSettings = FAST_FETCH,
-        fresh_wait: float = TEST_FRESH_WAIT_SECONDS,
-        cache_tuning: CacheTuning = DAEMON_CACHE_TUNING,
+        objects: dict[str, bytes] | None = None, cache_dir: Path | None = None, **options: Any
     ) -> Engine:
-        engine = build_engine(
-            io,
-            cache_dir or tmp_path / "cache",
-            objects,
-            capacity,
-            store,
-            ttl,
-            policy,
-            planned,
-            codec,
-            fetch,
-            fresh_wait,
-            cache_tuning,
-        )
+        engine = build_engine(io, cache_dir or tmp_path / "cache", objects, **options)
         indexes.append(engine.index)
         return engine
 
