@@ -30,7 +30,9 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+# An index of another version is set aside whole (the cache is advisory), so
+# no code reads an older one. 3: every saved listing carries its checksum.
+SCHEMA_VERSION = 3
 # The meta row naming the block size the references were made at.
 BLOCK_SIZE_META = "block_size"
 
