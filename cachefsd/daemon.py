@@ -20,7 +20,7 @@ from cachefsd.control.mounts import MountState, control_path, write_state
 from cachefsd.control.server import ControlServer, MountHandlers
 from cachefsd.engine import engine
 from cachefsd.errors import ConfigError
-from cachefsd.fuse_ops import FuseOperations, serve
+from cachefsd.fuse.session import Session
 from cachefsd.preflight import check_allow_other, check_fuse_device, check_mountpoint
 from cachefsd.stats import DaemonStats, Residency
 
@@ -98,15 +98,11 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
                 ", ".join(f"{tier.name} {tier.root} {tier.capacity}B" for tier in parts.cache.tiers),
                 metrics_addr,
             )
-            operations = FuseOperations(
+            session = Session(
                 parts.fs, str(mountpoint), settings.namespace.metadata_ttl, settings.cache.block_size, ready
             )
-            serve(
-                operations,
-                str(mountpoint),
-                f"cachefsd:{parts.store.uri}",
-                settings.fuse.allow_other,
-                settings.fetch.concurrency,
+            session.serve(
+                f"cachefsd:{parts.store.uri}", settings.fuse.allow_other, settings.fetch.concurrency
             )
             log.info("unmounted %s", mountpoint)
         finally:

@@ -106,7 +106,6 @@ def data_path(
         index,
         settings.namespace.metadata_ttl,
         # fs is built below, before any listing is refreshed.
-        on_version_replaced=lambda info: fs.version_replaced(info),  # noqa: PLW0108
         on_version_gone=lambda info: fs.version_gone(info),  # noqa: PLW0108
         clock=listing_clock,
         fresh_wait=fresh_wait,

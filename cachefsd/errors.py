@@ -63,12 +63,12 @@ class IsADirectory(CachefsdError):
     pass
 
 
-class ReadOnly(CachefsdError):
-    """Any attempt to change the mount."""
-
-
 class BadFileHandle(CachefsdError):
     pass
+
+
+class UnknownInode(CachefsdError):
+    """The kernel named an inode it holds no reference to."""
 
 
 _ERRNO_BY_TYPE: tuple[tuple[type[CachefsdError], int], ...] = (
@@ -79,8 +79,8 @@ _ERRNO_BY_TYPE: tuple[tuple[type[CachefsdError], int], ...] = (
     (StoreError, errno.EIO),
     (NotADirectory, errno.ENOTDIR),
     (IsADirectory, errno.EISDIR),
-    (ReadOnly, errno.EROFS),
     (BadFileHandle, errno.EBADF),
+    (UnknownInode, errno.ESTALE),
 )
 
 

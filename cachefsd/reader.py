@@ -309,8 +309,8 @@ class BlockReader:
         self._remember(ref, fetched, placement is not None and placement.raw)
         return bytes(fetched[lo:hi]), "cold", time.monotonic() - started if counts_stall else 0.0
 
-    def opened(self, info: ObjectInfo) -> None:
-        """Version ``info`` is listed (an open found it): if it was found gone,
+    def listed(self, info: ObjectInfo) -> None:
+        """Version ``info`` is listed (a lookup found it): if it was found gone,
         it came back (deleted, then uploaded again with the same content),
         and its reads fetch again."""
         version = (info.key, info.etag)

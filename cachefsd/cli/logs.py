@@ -13,7 +13,7 @@ WARNING_PREFIX = "warning: "
 
 # Libraries that log request details at debug level; keep them quiet so no
 # header or URL can reach the log.
-_QUIET_LOGGERS = ("botocore", "aiobotocore", "boto3", "urllib3", "google", "aiohttp", "mfusepy")
+_QUIET_LOGGERS = ("botocore", "aiobotocore", "boto3", "urllib3", "google", "aiohttp")
 
 
 class LogfmtFormatter(logging.Formatter):

@@ -21,10 +21,9 @@ refresh there made one lookup wait a deadline per directory, while the
 others' retry windows lapsed behind it.
 
 When a refresh shows that an object changed (new etag) or disappeared,
-``on_version_replaced`` is called before any lookup can see the new listing
-(the kernel may hold the old version's size), and ``on_version_gone`` after
-(the blocks of the old version can be released: before, an open served the
-old listing meanwhile would have found them gone).
+``on_version_gone`` is called once the new listing is visible: the kernel is
+to forget the old version's name, and its blocks can be released (before,
+a lookup served the old listing meanwhile would have found them gone).
 
 Concurrency: ``_lock`` guards ``_dirs`` and the refresh state below it;
 listing the same prefix from many threads at once issues one request
@@ -102,7 +101,6 @@ class Namespace:
         io: LoopThread,
         index: Index,
         ttl: float,
-        on_version_replaced: Callable[[ObjectInfo], None],
         on_version_gone: Callable[[ObjectInfo], None],
         clock: Callable[[], float] = time.time,
         fresh_wait: float = FRESH_WAIT_SECONDS,
@@ -113,7 +111,6 @@ class Namespace:
         self._io = io
         self._saved = SavedListings(index, store.cache_key)
         self._ttl = ttl
-        self._on_version_replaced = on_version_replaced
         self._on_version_gone = on_version_gone
         self._clock = clock
         self._fresh_wait = fresh_wait
@@ -165,7 +162,7 @@ class Namespace:
                     return
                 # Kept, expired, for the next listing to be compared with:
                 # the other objects of the directory that changed meanwhile
-                # are reported gone too (the kernel may hold their old sizes).
+                # are reported gone too (the kernel may hold their names).
                 self._dirs[prefix] = _Cached(cached.directory, INVALIDATED)
         self._saved.save(prefix, INVALIDATED, Listing((), ()))
 
@@ -333,11 +330,6 @@ class Namespace:
         with self._lock:
             previous = self._dirs.get(prefix)
         gone = [] if previous is None else _gone_versions(previous.directory, cached.directory)
-        for info in gone:
-            # Before any lookup can see the new versions: an open of one
-            # must know that the kernel may hold the old one's size (reads
-            # through the page cache were cut at it).
-            self._on_version_replaced(info)
         with self._lock:
             self._dirs[prefix] = cached
             recovered, self._answering = not self._answering, True

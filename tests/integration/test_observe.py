@@ -127,6 +127,9 @@ def test_stats_json_agrees_with_the_metrics_and_shows_residency(
     mount = _mount(mounter, s3_server, bucket)
 
     _read_all(mount, train)
+    # The kernel serves a re-read from its pages without asking: dropped, as
+    # for a dataset larger than RAM, the second pass reaches the daemon.
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
     _read_all(mount, train)  # a second pass over the job's files: its epoch 1
     # Scraped first: the epoch gauge is the model's at the scrape, with no
     # stats call (nor prefetcher, here) to bring it up to date.

@@ -19,7 +19,7 @@ from cachefsd.cache.tier import Tier
 from cachefsd.cache.tiered import CacheTuning, TieredCache
 from cachefsd.config import FetchSettings, Settings
 from cachefsd.engine import data_path
-from cachefsd.fs import FileSystem
+from cachefsd.fs import ROOT_INODE, Attributes, FileSystem
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import AccessModel
@@ -49,6 +49,25 @@ def joined(pieces: list[Piece]) -> bytes:
     return b"".join(parts)
 
 
+def looked_up(fs: FileSystem, path: str) -> Attributes:
+    """``path`` resolved as the kernel does, one LOOKUP a name from the
+    root: the file (or directory) it ends at, referenced once more."""
+    attributes = fs.getattr(ROOT_INODE)
+    for name in path.strip("/").split("/"):
+        attributes = fs.lookup(attributes.node, name)
+    return attributes
+
+
+def read_path(fs: FileSystem, path: str, size: int, offset: int = 0) -> bytes:
+    """A read of ``path`` as a reader that opens, reads and closes it causes:
+    a lookup, the read, and the kernel's forget once it drops the inode."""
+    ino = looked_up(fs, path).node
+    try:
+        return joined(fs.read(ino, size, offset))
+    finally:
+        fs.forget(ino, 1)
+
+
 class Clock:
     """A settable clock: listings' TTLs, the prefetcher's retries and bandwidth."""
 
@@ -71,6 +90,7 @@ class Engine:
     fs: FileSystem
     clock: Clock
     cache_dir: Path
+    model: AccessModel
 
 
 EngineFactory = Callable[..., Engine]
@@ -122,10 +142,11 @@ def build_engine(
         namespace={"metadata_ttl": ttl},
     )
     clock = Clock()
+    model = AccessModel()
     reader, namespace, _, fs = data_path(
-        faulty, cache, index, io, metrics, AccessModel(), settings, clock, fresh_wait
+        faulty, cache, index, io, metrics, model, settings, clock, fresh_wait
     )
-    return Engine(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir)
+    return Engine(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir, model)
 
 
 @pytest.fixture(name="make_engine")

@@ -1,6 +1,6 @@
 """The filesystem against a model: a hypothesis state machine puts,
-overwrites and deletes objects, opens, reads and releases files and moves
-the clock, and checks every answer against a plain dict of the bucket and
+overwrites and deletes objects, opens (looks up), reads and releases
+(forgets) files and moves the clock, and checks every answer against a plain dict of the bucket and
 of what each directory's listing shows.
 
 The model of the listings is exact, not a range of answers: a directory's
@@ -18,7 +18,7 @@ a stale listing or a read of a replaced version.
 from __future__ import annotations
 
 import hashlib
-import os
+import itertools
 import random
 import tempfile
 from collections.abc import Iterator
@@ -43,7 +43,7 @@ from cachefsd.aio import LoopThread
 from cachefsd.config import FetchSettings
 from cachefsd.errors import ObjectChanged, ObjectNotFound
 from cachefsd.reader import block_range
-from tests.unit.conftest import BLOCK_SIZE, build_engine, joined
+from tests.unit.conftest import BLOCK_SIZE, build_engine, joined, looked_up
 
 # Hypothesis shrinks a failure for up to 300 s of its own, which the suite's
 # timeout of the same length would cut short, counterexample unprinted.
@@ -81,6 +81,9 @@ class Listed:
 
 @dataclass
 class Handle:
+    """One reference the kernel holds to an inode: an open file, an mmap."""
+
+    node: int
     key: str
     content: bytes  # the version it was opened on
     version: str  # its etag
@@ -104,7 +107,8 @@ class FileSystemAgainstAModel(RuleBasedStateMachine):
         self.bucket: dict[str, bytes] = {}
         self.changed_at: dict[str, float] = {}  # key -> when it was last put or deleted
         self.listed: dict[str, Listed] = {}  # directory prefix ("" or "d/") -> its listing
-        self.open: dict[int, Handle] = {}
+        self.open: dict[int, Handle] = {}  # reference -> what it holds
+        self.references = itertools.count(1)
         self.ever_read: dict[str, set[int]] = {}  # etag -> blocks some read brought into the cache
         self.versions_made = 0
 
@@ -218,41 +222,43 @@ class FileSystemAgainstAModel(RuleBasedStateMachine):
             event("open: stale listing")
         if expected is None:
             with pytest.raises(ObjectNotFound):
-                self.engine.fs.open("/" + key, os.O_RDONLY)
+                looked_up(self.engine.fs, "/" + key)
             return multiple()
-        opened = self.engine.fs.open("/" + key, os.O_RDONLY)
-        if opened.invalidate_attributes is not None:  # as the FUSE layer does
-            self.engine.fs.attributes_dropped(opened.invalidate_attributes)
-        assert self.engine.fs._handles[opened.handle].etag == etag(expected)  # the version it is pinned to
-        self.open[opened.handle] = Handle(
-            key, expected, etag(expected), broken=self.bucket.get(key) != expected
+        ino = looked_up(self.engine.fs, "/" + key).node
+        assert self.engine.fs._files[ino].info.etag == etag(expected)  # the version it stands for
+        for other in self.open.values():  # one inode per version
+            assert (other.node == ino) == (other.key == key and other.version == etag(expected))
+        reference = next(self.references)
+        self.open[reference] = Handle(
+            ino, key, expected, etag(expected), broken=self.bucket.get(key) != expected
         )
-        return opened.handle
+        return reference
 
     @precondition(lambda self: bool(self.open))
     @rule(offset=st.sampled_from(OFFSETS), size=st.sampled_from(READ_SIZES))
     def read_every_handle(self, offset: int, size: int) -> None:
-        """The same range through every open handle, in the order they were
-        opened: old and new versions of a file side by side."""
+        """The same range through every reference, in the order they were
+        taken: old and new versions of a file side by side."""
         for handle in sorted(self.open):
             self._read(handle, offset, size)
 
     def _read(self, handle: int, offset: int, size: int) -> None:
         opened = self.open[handle]
         blocks = set(block_range(offset, size, len(opened.content), BLOCK_SIZE))
-        # Blocks that a handle of this version still open has read: cached,
-        # and kept while a handle reads the version.
+        # Blocks that a reference to this version has read: cached, and
+        # kept while the kernel holds the version's inode.
         pinned = set().union(
             *(other.read_blocks for other in self.open.values() if other.version == opened.version)
         )
         never_cached = blocks - self.ever_read.get(opened.version, set())
         try:
-            data = joined(self.engine.fs.read(handle, size, offset))
+            data = joined(self.engine.fs.read(opened.node, size, offset))
         except ObjectChanged:
             assert opened.broken, "a read failed although the bucket kept its version"
             assert not blocks <= pinned, "a read of cached blocks failed"
             event("read: failed, its version changed")
             self._drop_listing_showing(opened)
+            assert not self.engine.fs.stale_entries.empty()  # the kernel is told to forget the name
             return
         # Exactly the opened version's bytes: never a mix, never another's.
         assert data == opened.content[offset : offset + size]
@@ -266,10 +272,7 @@ class FileSystemAgainstAModel(RuleBasedStateMachine):
 
     @rule(handle=consumes(handles))
     def release(self, handle: int) -> None:
-        stale = self.engine.fs.release(handle)
-        if stale is not None:  # as the FUSE layer does
-            self.engine.fs.attributes_dropped(stale)
-        del self.open[handle]
+        self.engine.fs.forget(self.open.pop(handle).node, 1)
 
     @invariant()
     def every_refresh_ended_with_its_lookup(self) -> None:

@@ -24,7 +24,7 @@ from cachefsd.prefetch.engine import Prefetcher
 from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.store.base import ObjectInfo
 from tests.polling import wait_until
-from tests.unit.conftest import BLOCK_SIZE, Clock, Engine, EngineFactory, joined
+from tests.unit.conftest import BLOCK_SIZE, Clock, Engine, EngineFactory, joined, read_path
 
 POLL_SECONDS = 10.0
 
@@ -90,9 +90,7 @@ def test_unread_files_of_a_listed_dataset_are_fetched_ahead(
         wait_for(lambda: engine.store.get_count >= len(dataset) - 1, "every unread file to be fetched ahead")
     gets = engine.store.get_count
     for key, data in dataset.items():
-        handle = engine.fs.open("/" + key, os.O_RDONLY).handle
-        assert joined(engine.fs.read(handle, len(data), 0)) == data
-        engine.fs.release(handle)
+        assert read_path(engine.fs, "/" + key, len(data)) == data
     assert engine.store.get_count == gets + 1  # every read was a hit but that of s00
     assert engine.metrics.prefetch_issued_bytes._value.get() > 0
 
