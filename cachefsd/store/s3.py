@@ -1,10 +1,21 @@
-"""S3 (and S3-compatible endpoints) as the cold store, over aiobotocore.
+"""S3 (and S3-compatible endpoints) as the cold store: data over obstore,
+listings over aiobotocore.
 
-One aiobotocore client per store, created on first use inside the daemon's
-event loop (aiohttp sessions belong to the loop that made them) and closed
-by ``close()``. Every call is a single attempt: the fetcher owns retries,
-backoff and the total deadline, so botocore's own retries are switched off
-(they would multiply the fetcher's and could outlive its deadline).
+Data GETs go through obstore (Rust ``object_store``): its HTTP, signing and
+body reads run outside the GIL, at about a quarter of aiobotocore's CPU per
+GET (``doc/benchmarks.md``), and a GET is the cold path's unit of work.
+Listings stay on aiobotocore: a listing is paged by continuation token, one
+bounded request a page, which obstore does not expose (it lists a whole
+level in one call, which no deadline could bound for a directory of a
+million keys). botocore also resolves credentials (profiles, SSO, roles)
+and the region, and hands them to obstore, so both clients sign as the
+same principal.
+
+Both clients are created on first use inside the daemon's event loop
+(aiohttp sessions belong to the loop that made them) and closed by
+``close()``. Every call is a single attempt: the fetcher owns retries,
+backoff and the total deadline, so both clients' own retries are switched
+off (they would multiply the fetcher's and could outlive its deadline).
 
 A read is pinned to a version: ``GetObject`` carries ``If-Match`` with the
 etag the namespace saw, S3 answers 412 when the object was replaced, and the
@@ -16,18 +27,22 @@ every other store: for a single-part upload it is the content's MD5, the same
 value ``MemoryStore`` computes) and quoted again for ``If-Match``, which is
 the form HTTP specifies. moto 5 and S3 accept both forms.
 
-Backend errors become ``cachefsd.errors`` types in ``_translate`` and only
-there. Messages name the bucket, key and endpoint; never credentials, and
-never a URL with a query string or user info.
+Backend errors become ``cachefsd.errors`` types in ``_translate`` (botocore)
+and ``_translate_data`` (obstore), and only there. Messages name the bucket,
+key and endpoint; never credentials, and never a URL with a query string or
+user info.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
-from collections.abc import AsyncGenerator, Mapping
+import logging
+import re
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -45,10 +60,20 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.utils import parse_timestamp
+from obstore import get_async
+from obstore.exceptions import BaseError as ObstoreError
+from obstore.exceptions import NotFoundError, PermissionDeniedError, PreconditionError, UnauthenticatedError
+from obstore.store import S3Store as ObstoreS3
 
 from cachefsd.config import StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo, gathered, redact_url
+
+if TYPE_CHECKING:
+    from obstore import GetResult
+    from obstore.store import ClientConfig, S3Credential
+
+log = logging.getLogger(__name__)
 
 # Used when neither the settings nor the AWS config name a region. Requests to
 # a bucket in another region are redirected by S3 itself; us-east-1 is what
@@ -88,6 +113,16 @@ _ERROR_BY_STATUS: Mapping[int, type[StoreError]] = {
     412: ObjectChanged,
 }
 _RANGE_NOT_SATISFIABLE = 416
+# obstore refuses replies that HTTP allows and some S3-compatible stores and
+# proxies send (its messages): those are read through botocore.
+_NONCONFORMING_REPLIES = ("Content-Length Header missing", "Received non-partial response")
+# obstore reports an HTTP failure it has no type for in its message only.
+_HTTP_STATUS = re.compile(r"status code: (\d{3})")
+# How long obstore may sign with one set of credentials before it asks
+# again, and how often they are taken again from botocore (which refreshes
+# expiring ones, such as a role's, itself): well within the first.
+_CREDENTIALS_LIFETIME_SECONDS = 300.0
+_CREDENTIALS_REFRESH_SECONDS = 60.0
 
 _NO_CREDENTIALS = (
     "no usable AWS credentials: set them through the standard chain "
@@ -144,6 +179,36 @@ def _translate(exc: BaseException, *, target: str, endpoint: str) -> StoreError:
 _S3_ERRORS = (ClientError, BotoCoreError, aiohttp.ClientError, TimeoutError, OSError)
 
 
+# What obstore raises: its own types, and Python's for "not found" and "denied".
+_DATA_ERRORS = (ObstoreError, FileNotFoundError, PermissionError)
+
+
+def _translate_data(exc: Exception, *, target: str, endpoint: str) -> StoreError:
+    """The one place obstore's failures become cachefsd errors. Its messages
+    embed the request URL and the server's reply: only types and the HTTP
+    status are kept."""
+    if isinstance(exc, PreconditionError):
+        return ObjectChanged(f"{target}: PreconditionFailed (HTTP 412)")
+    if isinstance(exc, NotFoundError | FileNotFoundError):
+        return ObjectNotFound(f"{target}: NoSuchKey (HTTP 404)")
+    if isinstance(exc, PermissionDeniedError | UnauthenticatedError | PermissionError):
+        return AccessDenied(f"{target}: access denied ({type(exc).__name__})")
+    found = _HTTP_STATUS.search(str(exc))
+    if found is not None:
+        status = int(found.group(1))
+        return _ERROR_BY_STATUS.get(status, StoreError)(f"{target}: HTTP {status} from {endpoint}")
+    return StoreError(f"{target}: cannot reach S3 endpoint {endpoint} ({type(exc).__name__})")
+
+
+class _NonconformingReply(Exception):
+    """The endpoint sent a reply obstore refuses (``_NONCONFORMING_REPLIES``)."""
+
+
+def _is_range_not_satisfiable(exc: Exception) -> bool:
+    found = _HTTP_STATUS.search(str(exc))
+    return found is not None and int(found.group(1)) == _RANGE_NOT_SATISFIABLE
+
+
 def _normalise_prefix(prefix: str) -> str:
     return prefix.strip("/")
 
@@ -187,6 +252,12 @@ class S3Store:
         self._client_lock = asyncio.Lock()
         self._endpoint = redact_url(settings.endpoint_url) if settings.endpoint_url else "AWS S3"
         self._resolved_endpoint: str | None = None  # the client's, once created
+        self._bucket_region: str | None = None  # AWS's answer to ``check``
+        # The data client, made from the listing client's endpoint, region and credentials.
+        self._data: ObstoreS3 | None = None
+        self._credentials: S3Credential | None = None
+        self._credentials_taken = float("-inf")
+        self._nonconforming = False  # the endpoint's replies are read through botocore
 
     @property
     def uri(self) -> str:
@@ -256,9 +327,72 @@ class S3Store:
         client = await self._get_client()
         try:
             page = await client.list_objects_v2(Bucket=self._bucket, Prefix=self._root, MaxKeys=1)
+            if self._settings.endpoint_url is None and self._settings.region is None:
+                # botocore follows S3's redirects to a bucket's region; obstore
+                # does not, so its GETs must be sent there from the start.
+                headers = (await client.head_bucket(Bucket=self._bucket))["ResponseMetadata"]["HTTPHeaders"]
+                self._bucket_region = headers.get("x-amz-bucket-region")
         except _S3_ERRORS as exc:
             raise _translate(exc, target=self._target(), endpoint=self._endpoint) from exc
         return bool(page.get("Contents"))
+
+    async def _data_client(self) -> ObstoreS3:
+        """The obstore client, made on first use; its credentials are
+        botocore's, taken again every ``_CREDENTIALS_REFRESH_SECONDS``."""
+        client = await self._get_client()
+        now = time.monotonic()
+        if now - self._credentials_taken >= _CREDENTIALS_REFRESH_SECONDS:
+            self._credentials = await self._frozen_credentials()
+            self._credentials_taken = now
+        if self._data is None:
+            options: ClientConfig = {
+                "connect_timeout": datetime.timedelta(seconds=self._settings.connect_timeout),
+                # A stalled connection is dropped after this long without a byte.
+                "read_timeout": datetime.timedelta(seconds=self._attempt_timeout),
+                "pool_max_idle_per_host": str(self._settings.max_connections),
+            }
+            endpoint: dict[str, Any] = {}
+            if self._settings.endpoint_url is not None:
+                endpoint = {"endpoint": self._resolved_endpoint, "virtual_hosted_style_request": False}
+                options["allow_http"] = urlsplit(self._settings.endpoint_url).scheme == "http"
+            self._data = ObstoreS3(
+                self._bucket,
+                region=self._bucket_region or client.meta.region_name,
+                client_options=options,
+                retry_config={
+                    "max_retries": 0,
+                    "retry_timeout": datetime.timedelta(seconds=self._attempt_timeout),
+                    "backoff": {
+                        "init_backoff": datetime.timedelta(0),
+                        "max_backoff": datetime.timedelta(0),
+                        "base": 2,
+                    },
+                },
+                credential_provider=self._current_credentials,
+                **endpoint,
+            )
+        return self._data
+
+    def _current_credentials(self) -> S3Credential:
+        """For obstore, from its own threads: what ``_data_client`` took last."""
+        assert self._credentials is not None  # taken before the client is made
+        return self._credentials
+
+    async def _frozen_credentials(self) -> S3Credential:
+        try:
+            credentials = await self._session.get_credentials()
+            frozen = None if credentials is None else await credentials.get_frozen_credentials()
+        except _S3_ERRORS as exc:
+            raise _translate(exc, target=self._target(), endpoint=self._endpoint) from exc
+        if frozen is None or not frozen.access_key:
+            raise AccessDenied(f"{self._target()}: {_NO_CREDENTIALS}")
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": datetime.datetime.now(datetime.UTC)
+            + datetime.timedelta(seconds=_CREDENTIALS_LIFETIME_SECONDS),
+        }
 
     async def list_page(self, prefix: str, token: str | None) -> ListingPage:
         client = await self._get_client()
@@ -320,6 +454,56 @@ class S3Store:
         full_key = self._root + key
         if not full_key:
             raise ObjectNotFound(self._target(key))
+        if not self._nonconforming:
+            try:
+                response = await self._obstore_get(full_key, start, end, etag)
+            except _NonconformingReply:
+                log.warning(
+                    "%s answers ranged GETs without Content-Length or Content-Range; "
+                    "reading it through botocore, at several times the CPU a GET",
+                    self._endpoint,
+                )
+                self._nonconforming = True
+            else:
+                if response is None:
+                    return
+                try:
+                    async for buffer in _cut(response.stream(min_chunk_size=piece), piece):
+                        yield buffer
+                except _DATA_ERRORS as exc:
+                    raise _translate_data(exc, target=self._target(key), endpoint=self._endpoint) from exc
+                return
+        async for read in self._stream_through_botocore(full_key, start, end, etag, piece):
+            yield read
+
+    async def _obstore_get(self, full_key: str, start: int, end: int, etag: str) -> GetResult | None:
+        """The response to a GET of ``[start, end)`` of version ``etag``,
+        its body unread; None when the range starts at or past the end."""
+        target = self._target(full_key[len(self._root) :])
+        data = await self._data_client()
+        quoted = f'"{_strip_quotes(etag)}"'
+        try:
+            response = await get_async(data, full_key, options={"range": (start, end), "if_match": quoted})
+        except _DATA_ERRORS as exc:
+            if _is_range_not_satisfiable(exc):
+                # The range starts at or past the end (or the object is
+                # empty). S3 evaluates If-Match first, so the version matched.
+                return None
+            if any(reply in str(exc) for reply in _NONCONFORMING_REPLIES):
+                raise _NonconformingReply from exc
+            raise _translate_data(exc, target=target, endpoint=self._endpoint) from exc
+        got = _strip_quotes(response.meta.get("e_tag") or "")
+        if got != _strip_quotes(etag):
+            raise ObjectChanged(f"{target}: endpoint returned etag {got}, read pinned to {etag}")
+        return response
+
+    async def _stream_through_botocore(
+        self, full_key: str, start: int, end: int, etag: str, piece: int
+    ) -> AsyncGenerator[bytes | bytearray, None]:
+        """``stream_range`` through aiobotocore, for an endpoint whose replies
+        obstore refuses (a chunked body with no Content-Length, a whole
+        object sent for a range), read exactly all the same."""
+        key = full_key[len(self._root) :]
         client = await self._get_client()
         try:
             response = await client.get_object(
@@ -362,6 +546,24 @@ class S3Store:
         stack, self._exit_stack, self._client = self._exit_stack, None, None
         if stack is not None:
             await stack.aclose()
+
+
+async def _cut(chunks: AsyncIterator[Any], piece: int) -> AsyncGenerator[bytearray, None]:
+    """A body's chunks (buffers of any size) as pieces of exactly ``piece``
+    bytes, the last one shorter: each byte is copied once, into its piece."""
+    buffer, filled = bytearray(piece), 0
+    async for chunk in chunks:
+        view = memoryview(chunk)
+        while view:
+            taken = min(piece - filled, len(view))
+            buffer[filled : filled + taken] = view[:taken]
+            filled, view = filled + taken, view[taken:]
+            if filled == piece:
+                yield buffer
+                buffer, filled = bytearray(piece), 0
+    if filled:
+        del buffer[filled:]
+        yield buffer
 
 
 async def _read_body(body: Any, length: int) -> bytearray:
