@@ -11,7 +11,12 @@ every file once per epoch in a new shuffled order. For each dataset:
   than RAM and every read goes to the cache disk.
 
 Local and mount epochs alternate in one run, repeated, and the medians are
-compared, because the machine is shared and noisy. Prints a table and writes
+compared, because the machine is shared and noisy. The server's own ceiling
+(whole-object GETs from many client threads in other processes) is measured
+in the same run, before each dataset is mounted, and the cold epoch is
+reported against it. The daemon's CPU time (``/proc/PID/stat``) is taken
+around every mount epoch: CPU per file and per MiB, which is what one core
+(one GIL) caps on a node with many. Prints a table and writes
 ``benchmarks/results/read_bench.json``.
 
     .venv/bin/python benchmarks/read_bench.py [--repeats 3] [--workers 4]
@@ -30,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,9 +46,16 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 from cachefsd.cli.supervise import unmount
+from cachefsd.control.mounts import read_state
 from cachefsd.testing.s3_server import S3TestServer
 
 READ_CHUNK = 1 << 20
+# The server's ceiling: GETs from this many processes of this many threads,
+# for this long (client CPU must not be what limits it).
+CEILING_PROCESSES = 4
+CEILING_THREADS = 8
+CEILING_SECONDS = 8.0
+MIB = 1 << 20
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -77,6 +89,43 @@ def epoch(root: Path, relatives: list[str], workers: int, seed: int) -> tuple[fl
     return time.perf_counter() - started, total
 
 
+def _get_for(endpoint: str, keys: list[str], seconds: float, slot: int) -> tuple[int, int]:
+    """GETs and bytes that ``CEILING_THREADS`` threads of one process get in ``seconds``."""
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    deadline = time.monotonic() + seconds
+
+    def loop(thread: int) -> tuple[int, int]:
+        rng = random.Random(slot * CEILING_THREADS + thread)
+        gets = nbytes = 0
+        while time.monotonic() < deadline:
+            nbytes += len(client.get_object(Bucket="bench", Key=rng.choice(keys))["Body"].read())
+            gets += 1
+        return gets, nbytes
+
+    with ThreadPoolExecutor(CEILING_THREADS) as pool:
+        counts = list(pool.map(loop, range(CEILING_THREADS)))
+    return sum(gets for gets, _ in counts), sum(nbytes for _, nbytes in counts)
+
+
+def server_ceiling(endpoint: str, keys: list[str]) -> dict[str, float]:
+    """Whole-object GETs/s and MB/s the server gives many clients at once."""
+    started = time.perf_counter()
+    with ProcessPoolExecutor(CEILING_PROCESSES) as pool:
+        futures = [
+            pool.submit(_get_for, endpoint, keys, CEILING_SECONDS, slot) for slot in range(CEILING_PROCESSES)
+        ]
+        counts = [future.result() for future in futures]
+    elapsed = time.perf_counter() - started
+    gets, nbytes = sum(got for got, _ in counts), sum(size for _, size in counts)
+    return {"gets_per_s": gets / elapsed, "MBps": nbytes / elapsed / 1e6}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def drop_page_cache() -> bool:
     try:
         os.sync()
@@ -106,37 +155,74 @@ def make_dataset(dataset: Dataset, local: Path, client: object, bucket: str) -> 
     return relatives
 
 
+@dataclass(frozen=True)
+class Measured:
+    seconds: float  # median of the runs
+    nbytes: int  # of one epoch
+    cpu_seconds: float  # the daemon's, median of the runs (0 without a daemon)
+
+
 def measure(
-    label: str, root: Path, relatives: list[str], workers: int, runs: int, drop: bool
-) -> tuple[float, int]:
-    """Median seconds of ``runs`` epochs over ``root``, and the bytes of one."""
-    seconds = []
+    label: str,
+    root: Path,
+    relatives: list[str],
+    workers: int,
+    runs: int,
+    drop: bool,
+    daemon: int | None = None,
+) -> Measured:
+    """``runs`` epochs over ``root``: median seconds, the bytes of one, and
+    the median CPU time of process ``daemon`` (if any) an epoch."""
+    seconds, cpu = [], []
     nbytes = 0
     for run in range(runs):
         if drop:
             drop_page_cache()
+        before = cpu_seconds(daemon) if daemon else 0.0
         elapsed, nbytes = epoch(root, relatives, workers, seed=run)
+        cpu.append(cpu_seconds(daemon) - before if daemon else 0.0)
         seconds.append(elapsed)
-        print(f"  {label:<34} run {run + 1}: {nbytes / elapsed / 1e6:8.1f} MB/s", flush=True)
-    return statistics.median(seconds), nbytes
+        used = f", daemon CPU {cpu[-1] / len(relatives) * 1e6:6.0f} us/file" if daemon else ""
+        print(f"  {label:<34} run {run + 1}: {nbytes / elapsed / 1e6:8.1f} MB/s{used}", flush=True)
+    return Measured(statistics.median(seconds), nbytes, statistics.median(cpu))
 
 
 def bench_dataset(
-    local: Path, mountpoint: Path, relatives: list[str], workers: int, runs: int, can_drop: bool
+    local: Path,
+    mountpoint: Path,
+    relatives: list[str],
+    workers: int,
+    runs: int,
+    can_drop: bool,
+    ceiling: dict[str, float],
 ) -> dict[str, float]:
     """One dataset: the cold epoch, then local and mount epochs side by side."""
-    cold, nbytes = measure("mount cold (first epoch)", mountpoint, relatives, workers, 1, drop=False)
-    row = {"mount_cold_MBps": nbytes / cold / 1e6}
+    state = read_state(mountpoint)
+    assert state is not None, f"no daemon serves {mountpoint}"
+    files = len(relatives)
+    cold = measure(
+        "mount cold (first epoch)", mountpoint, relatives, workers, 1, drop=False, daemon=state.pid
+    )
+    row = {
+        "ceiling_MBps": ceiling["MBps"],
+        "ceiling_gets_per_s": ceiling["gets_per_s"],
+        "mount_cold_MBps": cold.nbytes / cold.seconds / 1e6,
+        "ratio_cold_to_ceiling": cold.nbytes / cold.seconds / 1e6 / ceiling["MBps"],
+        "cpu_us_per_file_cold": cold.cpu_seconds / files * 1e6,
+        "cpu_ms_per_MiB_cold": cold.cpu_seconds / (cold.nbytes / MIB) * 1e3,
+    }
     conditions = [("warm", False)] + ([("dropped", True)] if can_drop else [])
     for condition, drop in conditions:
         page_cache = "dropped" if drop else "kept"
-        local_seconds, _ = measure(f"local, page cache {page_cache}", local, relatives, workers, runs, drop)
-        mount_seconds, _ = measure(
-            f"mount, page cache {page_cache}", mountpoint, relatives, workers, runs, drop
+        on_disk = measure(f"local, page cache {page_cache}", local, relatives, workers, runs, drop)
+        mounted = measure(
+            f"mount, page cache {page_cache}", mountpoint, relatives, workers, runs, drop, daemon=state.pid
         )
-        row[f"local_{condition}_MBps"] = nbytes / local_seconds / 1e6
-        row[f"mount_{condition}_MBps"] = nbytes / mount_seconds / 1e6
-        row[f"ratio_{condition}"] = local_seconds / mount_seconds
+        row[f"local_{condition}_MBps"] = on_disk.nbytes / on_disk.seconds / 1e6
+        row[f"mount_{condition}_MBps"] = mounted.nbytes / mounted.seconds / 1e6
+        row[f"ratio_{condition}"] = on_disk.seconds / mounted.seconds
+        row[f"cpu_us_per_file_{condition}"] = mounted.cpu_seconds / files * 1e6
+        row[f"cpu_ms_per_MiB_{condition}"] = mounted.cpu_seconds / (mounted.nbytes / MIB) * 1e3
     return row
 
 
@@ -161,6 +247,12 @@ def main() -> int:
                 f"dataset {dataset.name}: {dataset.files} files x {dataset.file_bytes >> 10} KiB", flush=True
             )
             relatives = make_dataset(dataset, work / "local", client, "bench")
+            ceiling = server_ceiling(server.endpoint_url, relatives)
+            print(
+                f"  server ceiling: {ceiling['gets_per_s']:.0f} GETs/s, {ceiling['MBps']:.1f} MB/s "
+                f"({CEILING_PROCESSES} x {CEILING_THREADS} clients, whole objects)",
+                flush=True,
+            )
             mountpoint = work / f"mnt-{dataset.name}"
             mountpoint.mkdir()
             port = free_port()
@@ -184,7 +276,13 @@ def main() -> int:
             mounted = [r.removeprefix(f"{dataset.name}/") for r in relatives]
             try:
                 results[dataset.name] = bench_dataset(
-                    work / "local" / dataset.name, mountpoint, mounted, args.workers, args.repeats, can_drop
+                    work / "local" / dataset.name,
+                    mountpoint,
+                    mounted,
+                    args.workers,
+                    args.repeats,
+                    can_drop,
+                    ceiling,
                 )
             finally:
                 unmount(mountpoint)
@@ -194,17 +292,24 @@ def main() -> int:
 
     print(f"\nmedians of {args.repeats} runs, {args.workers} readers (MB/s; ratio = mount / local)")
     columns = [
-        "mount_cold_MBps",
-        "local_warm_MBps",
-        "mount_warm_MBps",
-        "ratio_warm",
-        "local_dropped_MBps",
-        "mount_dropped_MBps",
-        "ratio_dropped",
+        ("mount_cold_MBps", "cold MB/s"),
+        ("ratio_cold_to_ceiling", "cold/ceiling"),
+        ("local_warm_MBps", "local kept"),
+        ("mount_warm_MBps", "mount kept"),
+        ("ratio_warm", "ratio kept"),
+        ("local_dropped_MBps", "local dropped"),
+        ("mount_dropped_MBps", "mount dropped"),
+        ("ratio_dropped", "ratio dropped"),
     ]
-    print(f"{'dataset':<8}" + "".join(f"{c:>20}" for c in columns))
-    for name, row in results.items():
-        print(f"{name:<8}" + "".join(f"{row.get(c, float('nan')):>20.2f}" for c in columns))
+    cpu_columns = [
+        (f"cpu_{unit}_{condition}", f"{condition} {unit.replace('_per_', '/')}")
+        for condition in ("cold", "warm", "dropped")
+        for unit in ("us_per_file", "ms_per_MiB")
+    ]
+    for table in (columns, cpu_columns):
+        print(f"{'dataset':<8}" + "".join(f"{title:>16}" for _, title in table))
+        for name, row in results.items():
+            print(f"{name:<8}" + "".join(f"{row.get(key, float('nan')):>16.2f}" for key, _ in table))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "read_bench.json").write_text(json.dumps(results, indent=2))
     return 0

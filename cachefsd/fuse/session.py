@@ -18,6 +18,7 @@ of its own (``_Notifier``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -97,22 +98,30 @@ def _reply_pieces(request: int, pieces: list[Piece]) -> None:
     the mounted file's own pages, and RAM should hold them once."""
     vector = ll.bufvec_type(max(len(pieces), 1))()
     vector.count = len(pieces)
-    keep_alive = []
     for slot, piece in zip(vector.buf, pieces, strict=False):
         if isinstance(piece, FileSpan):
             slot.size, slot.fd, slot.pos = piece.length, piece.fd, piece.offset
             slot.flags = ll.BUF_IS_FD | ll.BUF_FD_SEEK | ll.BUF_FD_RETRY
         else:
-            memory = ctypes.c_char_p(piece)
-            keep_alive.append(memory)
-            slot.size, slot.mem, slot.fd = len(piece), ctypes.cast(memory, ctypes.c_void_p), -1
+            slot.size, slot.mem, slot.fd = len(piece), _address(piece), -1
     try:
         ll.lib.fuse_reply_data(request, ctypes.byref(vector), 0)
     finally:
+        # Answered: nothing here may raise, or the request would be answered twice.
         for piece in pieces:
             if isinstance(piece, FileSpan):
-                os.posix_fadvise(piece.fd, piece.offset, piece.length, os.POSIX_FADV_DONTNEED)
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(piece.fd, piece.offset, piece.length, os.POSIX_FADV_DONTNEED)
                 os.close(piece.fd)
+
+
+def _address(piece: bytes | bytearray) -> int:
+    """Where ``piece``'s bytes are, for C to read while ``piece`` lives."""
+    if isinstance(piece, bytes):
+        address = ctypes.cast(ctypes.c_char_p(piece), ctypes.c_void_p).value
+    else:
+        address = ctypes.addressof((ctypes.c_char * len(piece)).from_buffer(piece))
+    return address or 0
 
 
 class _Notifier:
