@@ -468,7 +468,7 @@ class S3Store:
                 if response is None:
                     return
                 try:
-                    async for buffer in _cut(response.stream(min_chunk_size=piece), piece):
+                    async for buffer in _cut(response.stream(min_chunk_size=piece), piece, end - start):
                         yield buffer
                 except _DATA_ERRORS as exc:
                     raise _translate_data(exc, target=self._target(key), endpoint=self._endpoint) from exc
@@ -548,21 +548,27 @@ class S3Store:
             await stack.aclose()
 
 
-async def _cut(chunks: AsyncIterator[Any], piece: int) -> AsyncGenerator[bytearray, None]:
-    """A body's chunks (buffers of any size) as pieces of exactly ``piece``
-    bytes, the last one shorter: each byte is copied once, into its piece."""
-    buffer, filled = bytearray(piece), 0
+async def _cut(chunks: AsyncIterator[Any], piece: int, length: int) -> AsyncGenerator[bytearray, None]:
+    """A body of at most ``length`` bytes, in chunks (buffers of any size), as
+    pieces of exactly ``piece`` bytes, the last one shorter: each byte is
+    copied once, into a buffer of its piece's size (a small object's range
+    is far shorter than a block)."""
+    remaining = length
+    buffer, filled = bytearray(min(piece, remaining)), 0
     async for chunk in chunks:
         view = memoryview(chunk)
         while view:
-            taken = min(piece - filled, len(view))
+            taken = min(len(buffer) - filled, len(view))
             buffer[filled : filled + taken] = view[:taken]
             filled, view = filled + taken, view[taken:]
-            if filled == piece:
+            if filled == len(buffer):
                 yield buffer
-                buffer, filled = bytearray(piece), 0
+                remaining -= filled
+                if not remaining:
+                    return
+                buffer, filled = bytearray(min(piece, remaining)), 0
     if filled:
-        del buffer[filled:]
+        del buffer[filled:]  # the body ended early: the end of the object
         yield buffer
 
 

@@ -16,14 +16,21 @@ async def _chunks(chunks: list[bytes]) -> AsyncIterator[bytes]:
         yield chunk
 
 
-async def _pieces(chunks: list[bytes], piece: int) -> list[bytes]:
-    return [bytes(cut) async for cut in _cut(_chunks(chunks), piece)]
+async def _pieces(chunks: list[bytes], piece: int, length: int) -> list[bytes]:
+    return [bytes(cut) async for cut in _cut(_chunks(chunks), piece, length)]
 
 
-@given(chunks=st.lists(st.binary(max_size=300), max_size=12), piece=st.integers(min_value=1, max_value=200))
-def test_pieces_hold_the_body_exactly_in_pieces_of_one_size(chunks: list[bytes], piece: int) -> None:
+@given(
+    chunks=st.lists(st.binary(max_size=300), max_size=12),
+    piece=st.integers(min_value=1, max_value=200),
+    short=st.integers(min_value=0, max_value=50),
+)
+def test_pieces_hold_the_body_exactly_in_pieces_of_one_size(
+    chunks: list[bytes], piece: int, short: int
+) -> None:
+    """``short``: the body ended that many bytes before the range did (the end of the object)."""
     body = b"".join(chunks)
-    pieces = asyncio.run(_pieces(chunks, piece))
+    pieces = asyncio.run(_pieces(chunks, piece, len(body) + short))
     assert b"".join(pieces) == body
     assert all(len(cut) == piece for cut in pieces[:-1])
     assert not pieces or 0 < len(pieces[-1]) <= piece
