@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import platform
 from typing import Any
 
@@ -196,6 +197,7 @@ class Buf(ctypes.Structure):
     )
 
 
+@functools.cache
 def bufvec_type(count: int) -> type[ctypes.Structure]:
     """``struct fuse_bufvec`` with room for ``count`` buffers (C declares
     one and over-allocates)."""
