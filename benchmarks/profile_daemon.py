@@ -1,5 +1,6 @@
 """Where the daemon's CPU goes in one epoch: user and system time, per thread,
-and (with ``--py-spy``) a py-spy profile of its Python stacks.
+and (with ``--py-spy``, after ``pip install py-spy``) a py-spy profile of
+its Python stacks.
 
 A moto S3 server in its own process on 127.0.0.1, a dataset of ``--files``
 objects of ``--kib`` KiB, a fresh mount, and one epoch read by 4 processes:
