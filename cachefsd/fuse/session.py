@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 # libfuse workers beyond those that may all be waiting on GETs (``serve``).
 SPARE_WORKERS = 8
+# How long an unmount waits for the notifier's last notification.
+NOTIFIER_STOP_SECONDS = 5.0
 
 P = ParamSpec("P")
 
@@ -140,8 +142,11 @@ class _Notifier:
         self._thread.start()
 
     def stop(self) -> None:
+        """Once the session loop has ended. Bounded: a notification can wait
+        on a directory's lock held by a lookup no worker will answer now,
+        and the thread, a daemon one, must not hold up the unmount."""
         self._fs.stale_entries.put(self._STOP)
-        self._thread.join()
+        self._thread.join(NOTIFIER_STOP_SECONDS)
 
     def _run(self) -> None:
         while (entry := self._fs.stale_entries.get()) != self._STOP:
