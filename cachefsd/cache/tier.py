@@ -200,9 +200,9 @@ class Tier:
 
     # -- files ------------------------------------------------------------
 
-    def write(self, digest: str, frame: bytes) -> None:
-        """Write a frame under its name: a temp file, then a rename. A
-        write that fails leaves neither behind."""
+    def write(self, digest: str, frame: bytes) -> os.stat_result:
+        """Write a frame under its name: a temp file, then a rename; the
+        file's status once in place. A write that fails leaves neither behind."""
         temp = self._tmp_dir / f"{digest}.{secrets.token_hex(4)}"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -223,6 +223,7 @@ class Tier:
             if exc.errno in _BLOCKED_NAME:
                 raise UnplaceableBlock(exc.errno, exc.strerror, str(final)) from exc
             raise
+        return final.stat()
 
     def read(self, digest: str) -> bytes:
         with open(self.path_of(digest), "rb") as block_file:

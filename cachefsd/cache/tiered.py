@@ -123,11 +123,10 @@ class Damage:
     orphans: int = 0
 
 
-def _file_identity(fd: int) -> tuple[int, int, int]:
+def _file_identity(stat: os.stat_result) -> tuple[int, int, int]:
     """What changes when a file is written to or replaced: its device and
     inode, and its ctime, which every write, truncation or rename sets to
     now and no user can set back."""
-    stat = os.fstat(fd)
     return stat.st_dev, stat.st_ino, stat.st_ctime_ns
 
 
@@ -396,7 +395,7 @@ class TieredCache:
     def _verified(self, tier: Tier, digest: str, fd: int) -> bool:
         """Whether block ``digest``, open as ``fd`` in ``tier``, may be
         served: checked by this process in this very file before, or now."""
-        identity = self._checked(tier, digest, lambda: _file_identity(fd))
+        identity = self._checked(tier, digest, lambda: _file_identity(os.fstat(fd)))
         if identity is None:
             return False
         if self._checked_before(digest, identity):
@@ -537,8 +536,12 @@ class TieredCache:
             self._give_up(position, refused.victims)
             raise
         self._give_up(position, victims)
-        tier.write(digest, frame)  # a failed write leaves nothing behind
+        written = tier.write(digest, frame)  # a failed write leaves nothing behind
         tier.add(digest, size, ahead)
+        if tier.codec is Codec.RAW:
+            # Written from verified bytes by this process: checked, until
+            # the file is written to or replaced (``_checked_before``).
+            self._remember_checked(digest, _file_identity(written))
         return size
 
     def _give_up(self, position: int, victims: list[str]) -> None:
