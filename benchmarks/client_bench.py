@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -29,8 +27,7 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
-from profile_daemon import wait_for_server
-from read_bench import free_port
+from profile_daemon import start_server
 
 BUCKET = "bench"
 OBJECTS = 64
@@ -93,13 +90,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="each client this many times, alternating")
     args = parser.parse_args()
     size = args.kib << 10
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "cachefsd.testing.s3_server", "--host", "127.0.0.1", "--port", str(port)]
-    )
+    server, endpoint = start_server()
     try:
-        wait_for_server(endpoint)
         seeding = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
         seeding.create_bucket(Bucket=BUCKET)
         etags = [

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -52,17 +53,18 @@ def thread_cpu(pid: int) -> dict[str, tuple[str, float, float]]:
     return threads
 
 
-def wait_for_server(endpoint: str) -> None:
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    deadline = time.monotonic() + SERVER_START_SECONDS
-    while True:
-        try:
-            client.list_buckets()
-            return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+def start_server() -> tuple[subprocess.Popen[bytes], str]:
+    """moto S3 in a process of its own on a free port of 127.0.0.1, and its
+    endpoint, which it prints once it serves (as epoch_bench.py waits for it)."""
+    command = [sys.executable, "-m", "cachefsd.testing.s3_server", "--host", "127.0.0.1"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE)
+    assert server.stdout is not None
+    ready, _, _ = select.select([server.stdout], [], [], SERVER_START_SECONDS)
+    endpoint = server.stdout.readline().decode().strip() if ready else ""
+    if not endpoint.startswith("http://"):
+        server.kill()
+        raise RuntimeError(f"the S3 server did not start (said {endpoint!r})")
+    return server, endpoint
 
 
 def report(
@@ -101,14 +103,9 @@ def main() -> int:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="cachefsd-profile-"))
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "cachefsd.testing.s3_server", "--host", "127.0.0.1", "--port", str(port)]
-    )
+    server, endpoint = start_server()
     mountpoint = work / "mnt"
     try:
-        wait_for_server(endpoint)
         client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
         client.create_bucket(Bucket="bench")
         dataset = Dataset("data", args.files, args.kib << 10)

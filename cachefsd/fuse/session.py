@@ -32,7 +32,7 @@ from typing import Any, ParamSpec
 from cachefsd.errors import CachefsdError, errno_for
 from cachefsd.fs import Attributes, FileSystem
 from cachefsd.fuse import lowlevel as ll
-from cachefsd.reader import FileSpan, Piece
+from cachefsd.reader import FileSpan, Piece, close_pieces
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def _reply_pieces(request: int, pieces: list[Piece]) -> None:
             if isinstance(piece, FileSpan):
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(piece.fd, piece.offset, piece.length, os.POSIX_FADV_DONTNEED)
-                os.close(piece.fd)
+        close_pieces(pieces)
 
 
 def _address(piece: bytes | bytearray) -> int:
@@ -242,17 +242,18 @@ class Session:
             self._fs.forget(attributes.node, 1)  # interrupted: the kernel holds no reference
 
     def _forget(self, request: int, ino: int, count: int) -> None:
-        _keep_thread_state()
-        try:
-            self._fs.forget(ino, count)
-        finally:
-            ll.lib.fuse_reply_none(request)
+        self._forgotten(request, [(ino, count)])
 
     def _forget_multi(self, request: int, count: int, forgets: Any) -> None:
+        self._forgotten(request, [(forgets[index].ino, forgets[index].nlookup) for index in range(count)])
+
+    def _forgotten(self, request: int, references: list[tuple[int, int]]) -> None:
+        """FORGET has no answer, but libfuse must be told the request is
+        done with, whatever happens."""
         _keep_thread_state()
         try:
-            for index in range(count):
-                self._fs.forget(forgets[index].ino, forgets[index].nlookup)
+            for ino, count in references:
+                self._fs.forget(ino, count)
         finally:
             ll.lib.fuse_reply_none(request)
 
