@@ -27,7 +27,14 @@ class Faults:
     # store that hangs exactly as long as the test needs, whatever the timeouts.
     gate: threading.Event | None = None
     piece_latency_seconds: float = 0.0  # a slow link: the wait before each piece of a stream but the first
+    piece_gate: threading.Event | None = None  # as ``gate``, before each piece of a stream but the first
     cut_after_pieces: int = 0  # the next stream breaks (a StoreError) after this many pieces
+
+
+async def _passed(gate: threading.Event | None) -> None:
+    """Once ``gate`` (read once, now) is set; at once if there is none."""
+    while gate is not None and not gate.is_set():
+        await asyncio.sleep(GATE_POLL_SECONDS)  # the event is set from another thread
 
 
 class FaultyStore:
@@ -59,9 +66,7 @@ class FaultyStore:
             await asyncio.sleep(self.faults.latency_seconds)
         if self.faults.hang:
             await asyncio.Event().wait()
-        gate = self.faults.gate
-        while gate is not None and not gate.is_set():
-            await asyncio.sleep(GATE_POLL_SECONDS)  # the event is set from another thread
+        await _passed(self.faults.gate)
         if self.faults.failures_left > 0:
             self.faults.failures_left -= 1
             raise self.faults.error("injected fault")
@@ -97,6 +102,8 @@ class FaultyStore:
                     raise self.faults.error("injected fault: the connection broke mid-body")
                 if sent and self.faults.piece_latency_seconds:
                     await asyncio.sleep(self.faults.piece_latency_seconds)
+                if sent:
+                    await _passed(self.faults.piece_gate)
                 yield data
                 sent += 1
         finally:

@@ -67,22 +67,34 @@ def test_second_read_is_served_from_disk_with_no_get(make_engine: EngineFactory)
     assert engine.store.get_count == gets
 
 
-def test_concurrent_readers_of_one_block_share_one_get(make_engine: EngineFactory) -> None:
+def test_concurrent_readers_of_one_block_share_one_get(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     data = os.urandom(BLOCK_SIZE)
     engine = make_engine({"f": data})
     info = engine.namespace.lookup("/f").info
     assert info is not None
-    engine.faulty.faults.latency_seconds = 0.2  # keep the first GET in flight while the others arrive
+    gate = engine.faulty.faults.gate = threading.Event()  # the first GET stays in flight until all have come
+    arrived = threading.Semaphore(0)
+    share = engine.reader._in_flight.do
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        arrived.release()
+        return share(*args, **kwargs)
+
+    monkeypatch.setattr(engine.reader._in_flight, "do", counted)
     results: list[bytes] = []
-    barrier = threading.Barrier(8)
-
-    def read() -> None:
-        barrier.wait()
-        results.append(joined(engine.reader.read(info, 0, BLOCK_SIZE)))
-
-    threads = [threading.Thread(target=read) for _ in range(8)]
+    threads = [
+        threading.Thread(target=lambda: results.append(joined(engine.reader.read(info, 0, BLOCK_SIZE))))
+        for _ in range(8)
+    ]
     for thread in threads:
         thread.start()
+    try:
+        for _ in threads:
+            assert arrived.acquire(timeout=10), "a reader never asked for the block"
+    finally:
+        gate.set()
     for thread in threads:
         thread.join(10)
     assert results == [data] * 8
@@ -148,19 +160,21 @@ def test_only_the_most_recently_served_checks_are_remembered(make_engine: Engine
 
 def test_a_read_that_joins_a_run_gets_its_block_before_the_run_ends(make_engine: EngineFactory) -> None:
     """A run is read block by block as it arrives: its first block is
-    served while its last is still on the way (three pieces of 0.3 s
-    behind it)."""
+    served while the rest is held back on the way."""
     data = os.urandom(4 * BLOCK_SIZE)
     engine = make_engine({"f": data})
     info = engine.namespace.lookup("/f").info
     assert info is not None
-    engine.faulty.faults.piece_latency_seconds = 0.3  # a slow link
+    rest = engine.faulty.faults.piece_gate = threading.Event()  # a link that sends the first piece only
     fetched: list[set[int]] = []
     run = threading.Thread(target=lambda: fetched.append(engine.reader.fetch_run_ahead(info, range(4))))
     run.start()
-    wait_until(lambda: engine.faulty.streams, "the run's GET to start", 10.0)
-    assert joined(engine.reader.read(info, 0, 10)) == data[:10]
-    assert engine.reader.fetching(info, 3)  # its last block still to come
+    try:
+        wait_until(lambda: engine.faulty.streams, "the run's GET to start", 10.0)
+        assert joined(engine.reader.read(info, 0, 10)) == data[:10]
+        assert engine.reader.fetching(info, 3)  # its last block still to come
+    finally:
+        rest.set()
     run.join(10)
     assert fetched == [{0, 1, 2, 3}]
     assert [start for start, _ in engine.faulty.streams] == [0]  # one GET
@@ -196,14 +210,17 @@ def test_a_prefetch_that_joins_a_demand_get_did_not_fetch(make_engine: EngineFac
     engine = make_engine({"f": data})
     info = engine.namespace.lookup("/f").info
     assert info is not None
-    engine.faulty.faults.latency_seconds = 0.3
+    gate = engine.faulty.faults.gate = threading.Event()  # the read's GET stays in flight
     calls = engine.faulty.calls
     results: list[bytes] = []
     reader = threading.Thread(target=lambda: results.append(joined(engine.reader.read(info, 0, 10))))
     reader.start()
-    wait_until(lambda: engine.faulty.calls > calls, "the read's GET to start", 10.0)
-    assert engine.store.get_count == 0  # the read's GET is in flight (counted when it lands)
-    assert engine.reader.fetch_run_ahead(info, range(1)) == set()
+    try:
+        wait_until(lambda: engine.faulty.calls > calls, "the read's GET to start", 10.0)
+        assert engine.store.get_count == 0  # the read's GET is in flight (counted when it lands)
+        assert engine.reader.fetch_run_ahead(info, range(1)) == set()
+    finally:
+        gate.set()
     reader.join(10)
     assert results == [data[:10]]
     assert engine.store.get_count == 1

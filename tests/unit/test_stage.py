@@ -193,15 +193,18 @@ def test_a_block_a_read_is_fetching_does_not_stop_the_stage_as_a_full_cache(
     engine = make_engine(objects)
     first = engine.namespace.lookup("/shard-0").info
     assert first is not None
-    engine.faulty.faults.latency_seconds = 0.4  # within the attempt timeout
+    gate = engine.faulty.faults.gate = threading.Event()
     reader = threading.Thread(target=engine.reader.read, args=(first, 0, 1))
     reader.start()
     try:
         wait_until(lambda: engine.reader.fetching(first, 0), "the read's GET to start", 10.0)
-        engine.faulty.faults.latency_seconds = 0.0
+        engine.faulty.faults.gate = (
+            None  # the stage's GETs pass; the read's stays held (a call reads the gate once)
+        )
         ignore = lambda _: None  # noqa: E731
         summary = stage_files(engine.namespace, engine.reader, ["hot"], StageRequest(), ignore, workers=1)
     finally:
+        gate.set()
         reader.join(10)
     assert summary["fetched_bytes"] == 11 * BLOCK_SIZE  # all but the block the read fetches
     for key in objects:
