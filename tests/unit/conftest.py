@@ -23,7 +23,7 @@ from cachefsd.fs import ROOT_INODE, Attributes, FileSystem
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import AccessModel
-from cachefsd.reader import BlockReader, FileSpan, Piece
+from cachefsd.reader import BlockReader, FileSpan, Piece, close_pieces
 from cachefsd.store.faulty import FaultyStore
 from cachefsd.store.memory import MemoryStore
 
@@ -39,14 +39,13 @@ DAEMON_CACHE_TUNING = CacheTuning()
 def joined(pieces: list[Piece]) -> bytes:
     """The bytes a reader would get: memory pieces as they are, file pieces
     read from their descriptor (which is then closed, as libfuse's caller does)."""
-    parts = []
-    for piece in pieces:
-        if isinstance(piece, FileSpan):
-            parts.append(os.pread(piece.fd, piece.length, piece.offset))
-            os.close(piece.fd)
-        else:
-            parts.append(piece)
-    return b"".join(parts)
+    try:
+        return b"".join(
+            os.pread(piece.fd, piece.length, piece.offset) if isinstance(piece, FileSpan) else piece
+            for piece in pieces
+        )
+    finally:
+        close_pieces(pieces)
 
 
 def looked_up(fs: FileSystem, path: str) -> Attributes:

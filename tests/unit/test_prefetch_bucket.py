@@ -49,13 +49,6 @@ def test_a_refund_gives_the_tokens_back() -> None:
     assert bucket.spend(50, now=0.0)
 
 
-def test_time_is_only_what_the_caller_passes() -> None:
-    """No clock of its own: however long the test takes, an unmoved time refills nothing."""
-    bucket = TokenBucket(RATE, now=5.0)
-    assert bucket.spend(RATE, now=5.0)
-    assert not bucket.spend(1, now=5.0)
-
-
 @given(st.lists(st.tuples(st.floats(min_value=0.0, max_value=3.0), st.integers(1, 2 * RATE)), max_size=100))
 def test_spending_never_outruns_the_rate_by_more_than_a_burst(spends: list[tuple[float, int]]) -> None:
     """Over any run of spends, at most a second's worth plus the rate times

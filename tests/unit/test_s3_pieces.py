@@ -16,8 +16,10 @@ async def _chunks(chunks: list[bytes]) -> AsyncIterator[bytes]:
         yield chunk
 
 
-async def _pieces(chunks: list[bytes], piece: int, length: int) -> list[bytes]:
-    return [bytes(cut) async for cut in _cut(_chunks(chunks), piece, length)]
+async def _pieces(chunks: list[bytes], piece: int, length: int) -> list[bytearray]:
+    """Kept as yielded, as the reader keeps blocks: a buffer reused for the
+    next piece would change one kept already."""
+    return [cut async for cut in _cut(_chunks(chunks), piece, length)]
 
 
 @given(
