@@ -46,9 +46,11 @@ def content_hash(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def encode(data: bytes | bytearray, codec: Codec = Codec.RAW) -> bytes:
-    """A complete frame for ``data``. LZ4 is skipped when it does not shrink
-    the block (already-compressed images, tensors): decoding it would be pure cost."""
+def encode(data: bytes | bytearray, codec: Codec = Codec.RAW, digest: str | None = None) -> bytes:
+    """A complete frame for ``data``, whose ``content_hash`` is ``digest``
+    when the caller has it (a block is hashed once as it arrives). LZ4 is
+    skipped when it does not shrink the block (already-compressed images,
+    tensors): decoding it would be pure cost."""
     payload = data
     if codec is Codec.LZ4:
         compressed = lz4.frame.compress(data)
@@ -56,8 +58,8 @@ def encode(data: bytes | bytearray, codec: Codec = Codec.RAW) -> bytes:
             payload = compressed
         else:
             codec = Codec.RAW
-    digest = xxhash.xxh3_128_digest(data)
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, codec, 0, len(data), len(payload), digest)
+    hashed = xxhash.xxh3_128_digest(data) if digest is None else bytes.fromhex(digest)
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, codec, 0, len(data), len(payload), hashed)
     return header + payload
 
 

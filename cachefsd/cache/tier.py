@@ -213,17 +213,18 @@ class Tier:
             os.close(fd)
             temp.unlink(missing_ok=True)
             raise
-        os.close(fd)
         final = self.path_of(digest)
         try:
             final.parent.mkdir(mode=0o700, exist_ok=True)
             os.replace(temp, final)
+            return os.fstat(fd)  # after the rename, which sets the ctime
         except OSError as exc:
             temp.unlink(missing_ok=True)
             if exc.errno in _BLOCKED_NAME:
                 raise UnplaceableBlock(exc.errno, exc.strerror, str(final)) from exc
             raise
-        return final.stat()
+        finally:
+            os.close(fd)
 
     def read(self, digest: str) -> bytes:
         with open(self.path_of(digest), "rb") as block_file:

@@ -528,7 +528,7 @@ class TieredCache:
         """Write ``data`` into tier ``position``, demoting or evicting what
         its policy gives up for it; the frame's bytes on disk."""
         tier = self._tiers[position]
-        frame = encode(data, tier.codec)
+        frame = encode(data, tier.codec, digest)
         size = disk_bytes(len(frame))
         try:
             victims = tier.make_room(size, digest)
@@ -543,6 +543,12 @@ class TieredCache:
             # the file is written to or replaced (``_checked_before``).
             self._remember_checked(digest, _file_identity(written))
         return size
+
+    def _forget_checked(self, digest: str) -> None:
+        """Block ``digest``'s file is gone from where it was checked: its
+        entry would only push out those of blocks still cached."""
+        with self._checked_lock:
+            self._checked_files.pop(digest, None)
 
     def _give_up(self, position: int, victims: list[str]) -> None:
         """Blocks tier ``position`` no longer holds: demote each to the next
@@ -624,6 +630,8 @@ class TieredCache:
             target.delete(digest)
             return False
         source.delete(digest)
+        if target.codec is not Codec.RAW:  # a raw copy was checked as it was written
+            self._forget_checked(digest)
         self._events.block_moved(direction)
         return True
 
@@ -639,6 +647,7 @@ class TieredCache:
             self._index.remove_block(digest)
         except sqlite3.Error as exc:
             log.warning("cannot drop block %s from the index: %s", digest, exc)
+        self._forget_checked(digest)
         if tier is not None:
             try:
                 tier.delete(digest)
