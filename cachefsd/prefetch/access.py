@@ -107,7 +107,7 @@ from typing import Final
 # epoch: a real new pass starts after (nearly) everything was read, while a
 # re-read inside an epoch (a retry, a second crop, a sample referencing a
 # file twice) can come at any time; requiring half halves the window in
-# which one can end an epoch early. Same value and reasoning as
+# which one can end an epoch early.
 MIN_EPOCH_FRACTION: Final = 0.5
 
 # A re-open of one of the last ``min(REOPEN_PEEK_WINDOW, opens // REOPEN_PEEK_DIVISOR)``

@@ -158,7 +158,7 @@ class Prefetcher:
     def read(self, info: ObjectInfo, offset: int, size: int) -> None:
         self._model.read(info.key, offset, size, self._clock())
         block_size = self._reader.block_size
-        if self._heads.awaiting():
+        if offset >= block_size and self._heads.awaiting():  # a read in block 0 says nothing (``judge``)
             self._heads.judge(self._reader.ref(info, 0), offset, block_size)
         if offset < block_size < info.size:
             self._fetch_head(info)
