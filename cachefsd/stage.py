@@ -40,7 +40,6 @@ matched against the file name alone, at any depth, as in ``.gitignore``
 
 Concurrency: ``stage_files`` runs on the calling thread, which alone owns
 the counters; workers only call ``fetch_run_ahead`` and return its result.
-``MountHandlers`` keeps its hint counters under ``_lock``.
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ WINDOW_PER_WORKER = 4
 # 1000 directories; one at a time that is 1000 round trips in a row).
 LIST_WORKERS = 8
 # A progress event at least this often: the client's proof that the stage
-# is alive (control.STREAM_IDLE_SECONDS is far above it).
+# is alive (``control.client.STREAM_IDLE_SECONDS`` is far above it).
 PROGRESS_INTERVAL_SECONDS = 1.0
 # Failures kept for the final listing; a bucket gone entirely would
 # otherwise print (and hold) a line per file. The count is always exact.
@@ -102,7 +101,7 @@ class Tree(Protocol):
 
 
 class Blocks(Protocol):
-    """The block cache as staging sees it (``blocks.BlockReader``)."""
+    """The block cache as staging sees it (``reader.BlockReader``)."""
 
     @property
     def block_size(self) -> int: ...
@@ -482,9 +481,6 @@ class _BlockFetch:
         state.blocks_left -= 1
         if state.blocks_left == 0:
             self._counters.files_done += 1
-
-
-# -- the daemon's side ------------------------------------------------------
 
 
 # -- the command's side -------------------------------------------------------

@@ -22,10 +22,6 @@ from cachefsd.errors import ControlError
 
 # Client: a connect to a live daemon is immediate; one that does not accept
 # within this long is wedged.
-
-
-# Client: a connect to a live daemon is immediate; one that does not accept
-# within this long is wedged.
 CONNECT_TIMEOUT_SECONDS = 5.0
 
 

@@ -191,8 +191,13 @@ def _remove_dead_socket(path: Path) -> None:
 
 
 def read_state(mountpoint: Path) -> MountState | None:
+    return _load_state(state_path(mountpoint))
+
+
+def _load_state(path: Path) -> MountState | None:
+    """The state file at ``path``; None if it is missing or not one of ours."""
     try:
-        return MountState(**json.loads(state_path(mountpoint).read_text()))
+        return MountState(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
 
@@ -214,10 +219,7 @@ def daemon_using(cache_dir: Path) -> MountState | None:
     """The running daemon (of this user) that holds ``cache_dir``, if any."""
     wanted = cache_dir.resolve()
     for state_file in runtime_dir().glob("*.json"):
-        try:
-            state = MountState(**json.loads(state_file.read_text()))
-        except (OSError, ValueError, TypeError):
-            continue
-        if Path(state.cache_dir).resolve() == wanted and pid_alive(state.pid):
+        state = _load_state(state_file)
+        if state is not None and Path(state.cache_dir).resolve() == wanted and pid_alive(state.pid):
             return state
     return None

@@ -262,7 +262,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _stage(self, body: Any) -> None:
         stage = _parsed(StageBody, body)
-        request = StageRequest(stage.path, stage.include, stage.tier, stage.check)
+        request = StageRequest(**stage.model_dump())
         writer = _ChunkedWriter(self)
         try:
             summary = self.server.owner.handlers.stage(request, writer.event)
@@ -411,18 +411,12 @@ class ControlServer:
             self._idle.notify_all()
 
 
-# -- client ----------------------------------------------------------------
-
-
-# -- finding the daemon of a path -------------------------------------------
-
-
 class MountHandlers:
     """What a mounted daemon serves on its control socket
-    (``control.ControlHandlers``): its stats, hints handed to the
-    prefetcher, and stages run on its own data path. It lives here rather
-    than in ``control`` so that ``control`` (imported by loaders through
-    ``cachefsd.hints``) stays free of the data path."""
+    (``ControlHandlers``): its stats, hints handed to the prefetcher, and
+    stages run on its own data path. The server side only: the client
+    (``control/client.py``, imported by loaders through ``cachefsd.hints``)
+    stays free of the data path."""
 
     def __init__(
         self,
