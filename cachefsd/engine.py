@@ -11,6 +11,7 @@ locks, then reconcile the cache.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import time
@@ -61,6 +62,28 @@ class Engine:
     prefetcher: Prefetcher
     model: AccessModel
     fs: FileSystem
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+# The largest mmap threshold glibc accepts on 64-bit machines.
+_MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def _reuse_block_buffers() -> None:
+    """Serve block-sized buffers (cold GETs, frames) from a heap that keeps
+    its freed memory, instead of a fresh mmap each: the kernel zeroes and
+    faults in every page of a fresh one, which cost more CPU than the
+    copies into it (a cold 32 MiB stream: 150 page faults and 1.2 ms of
+    system time a MiB, against 10 and 0.7). Freed memory above 128 MiB is
+    still given back. Not glibc: nothing to do."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except AttributeError:
+        return
+    mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+    mallopt(_M_TRIM_THRESHOLD, 128 << 20)
+    mallopt(_M_TOP_PAD, 16 << 20)
 
 
 def _warn_of_small_disks(cache: TieredCache) -> None:
@@ -129,6 +152,7 @@ def engine(
     offline stage refuses it); ``keep_recorded_layout`` for an offline
     stage, which fills a cache as its daemon laid it out. ``store_factory``
     opens the source (tests give one over an in-memory store)."""
+    _reuse_block_buffers()
     metrics = Metrics(CollectorRegistry())
     model = AccessModel()
     metrics.watch_epoch(model.current)

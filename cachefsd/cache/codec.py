@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from dataclasses import dataclass
 
 import lz4.frame
 import xxhash
@@ -46,11 +47,27 @@ def content_hash(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def encode(data: bytes | bytearray, codec: Codec = Codec.RAW, digest: str | None = None) -> bytes:
-    """A complete frame for ``data``, whose ``content_hash`` is ``digest``
-    when the caller has it (a block is hashed once as it arrives). LZ4 is
-    skipped when it does not shrink the block (already-compressed images,
-    tensors): decoding it would be pure cost."""
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A frame in its two parts, written with one ``writev``: joining them
+    would copy a whole block to prepend 40 bytes."""
+
+    header: bytes
+    payload: bytes | bytearray
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + len(self.payload)
+
+    def __bytes__(self) -> bytes:
+        return self.header + self.payload
+
+
+def encode(data: bytes | bytearray, codec: Codec = Codec.RAW, digest: str | None = None) -> Frame:
+    """The frame for ``data``, whose ``content_hash`` is ``digest`` when the
+    caller has it (a block is hashed once as it arrives). LZ4 is skipped
+    when it does not shrink the block (already-compressed images, tensors):
+    decoding it would be pure cost."""
     payload = data
     if codec is Codec.LZ4:
         compressed = lz4.frame.compress(data)
@@ -60,7 +77,7 @@ def encode(data: bytes | bytearray, codec: Codec = Codec.RAW, digest: str | None
             codec = Codec.RAW
     hashed = xxhash.xxh3_128_digest(data) if digest is None else bytes.fromhex(digest)
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, codec, 0, len(data), len(payload), hashed)
-    return header + payload
+    return Frame(header, payload)
 
 
 def _payload(frame: bytes | memoryview, expected_hash: str) -> tuple[int, int, memoryview]:

@@ -26,7 +26,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from cachefsd.cache.codec import Codec
+from cachefsd.cache.codec import Codec, Frame
 from cachefsd.cache.policy import EvictionPolicy
 from cachefsd.errors import CachefsdError
 
@@ -200,15 +200,19 @@ class Tier:
 
     # -- files ------------------------------------------------------------
 
-    def write(self, digest: str, frame: bytes) -> os.stat_result:
+    def write(self, digest: str, frame: Frame) -> os.stat_result:
         """Write a frame under its name: a temp file, then a rename; the
         file's status once in place. A write that fails leaves neither behind."""
         temp = self._tmp_dir / f"{digest}.{secrets.token_hex(4)}"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            view = memoryview(frame)
-            while view:
-                view = view[os.write(fd, view) :]
+            parts = [memoryview(part) for part in (frame.header, frame.payload) if part]
+            while parts:
+                written = os.writev(fd, parts)
+                while parts and written >= len(parts[0]):
+                    written -= len(parts.pop(0))
+                if parts:
+                    parts[0] = parts[0][written:]
         except OSError:
             os.close(fd)
             temp.unlink(missing_ok=True)

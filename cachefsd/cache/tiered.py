@@ -529,7 +529,7 @@ class TieredCache:
         its policy gives up for it; the frame's bytes on disk."""
         tier = self._tiers[position]
         frame = encode(data, tier.codec, digest)
-        size = disk_bytes(len(frame))
+        size = disk_bytes(frame.size)
         try:
             victims = tier.make_room(size, digest)
         except NoRoom as refused:

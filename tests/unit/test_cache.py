@@ -251,7 +251,7 @@ def test_a_policy_that_keeps_everything_sends_newcomers_to_the_next_tier(tmp_pat
 def test_room_is_free_space_plus_what_the_policy_would_give_up(tmp_path: Path) -> None:
     """What a prefetcher may fill: an LRU tier gives up everything, MinIO nothing."""
     block = os.urandom(8192)
-    frame = disk_bytes(len(encode(block, Codec.RAW)))
+    frame = disk_bytes(encode(block, Codec.RAW).size)
     for policy, expected in (("lru", 4 * frame), ("minio", 2 * frame)):
         root = tmp_path / policy
         root.mkdir()
@@ -266,7 +266,7 @@ def test_an_opened_cache_ranks_by_the_plan(tmp_path: Path) -> None:
     """``open_cache`` hands the plan to the epoch-aware policy: a block
     planned sooner evicts the one planned latest."""
     block = os.urandom(8192)
-    frame = disk_bytes(len(encode(block, Codec.RAW)))
+    frame = disk_bytes(encode(block, Codec.RAW).size)
     (tmp_path / "hot").mkdir()
     spec = TierSpec("hot", str(tmp_path / "hot"), 2 * frame, "raw")
     planned, epochs = PlannedUse(), AccessModel()
@@ -366,7 +366,7 @@ def test_a_block_being_demoted_or_promoted_is_never_a_miss(tmp_path: Path) -> No
     copy is written, and a promoted one out of the warm tier's: a reader in
     that window found it nowhere, and fetched it again from the bucket."""
     blocks = [os.urandom(64 << 10) for _ in range(24)]
-    frame = disk_bytes(len(encode(blocks[0], Codec.RAW)))
+    frame = disk_bytes(encode(blocks[0], Codec.RAW).size)
     with tiered(tmp_path, hot=2 * frame, warm=1 << 30) as (cache, metrics):
         digests = [admit(cache, ref("k", index), data) for index, data in enumerate(blocks[:2])]
         misses: list[str] = []
@@ -704,11 +704,11 @@ def test_reconcile_after_a_crash(tmp_path: Path) -> None:
     orphan = os.urandom(3000)
     orphan_path = tmp_path / "hot" / "blocks" / content_hash(orphan)[:2] / content_hash(orphan)
     orphan_path.parent.mkdir(exist_ok=True)
-    orphan_path.write_bytes(encode(orphan))
+    orphan_path.write_bytes(bytes(encode(orphan)))
     (tmp_path / "hot" / "blocks" / content_hash(lost)[:2] / content_hash(lost)).unlink()
     half_moved = tmp_path / "warm" / "blocks" / content_hash(moved)[:2] / content_hash(moved)
     half_moved.parent.mkdir(parents=True, exist_ok=True)
-    half_moved.write_bytes(encode(moved, Codec.LZ4))
+    half_moved.write_bytes(bytes(encode(moved, Codec.LZ4)))
 
     with tiered(tmp_path, 1 << 20, 1 << 20) as (cache, _):
         assert list((tmp_path / "hot" / "tmp").iterdir()) == []
@@ -758,7 +758,7 @@ def test_start_up_removes_only_our_own_misplaced_files(
     (tier / "tmp" / f"{'0' * 32}.00000000").mkdir()  # our name, cannot be unlinked: logged
     with caplog.at_level(logging.WARNING), tiered(tmp_path, 1 << 20) as (cache, _):
         assert read(cache, ref("k")) == data
-        assert cache.used_bytes == disk_bytes(len(encode(data)))
+        assert cache.used_bytes == disk_bytes(encode(data).size)
     assert not any(path.exists() for path in ours)
     assert all(path.read_bytes() == b"x" * 5000 for path in theirs)
     assert "cannot remove" in caplog.text
@@ -855,7 +855,7 @@ def test_verify_without_repair_reports_damage_and_changes_nothing(tmp_path: Path
     tier.path_of(digests[1]).unlink()
     orphan = os.urandom(3000)
     tier.path_of(content_hash(orphan)).parent.mkdir(exist_ok=True)
-    tier.path_of(content_hash(orphan)).write_bytes(encode(orphan))
+    tier.path_of(content_hash(orphan)).write_bytes(bytes(encode(orphan)))
     (tmp_path / "hot" / "tmp" / f"{content_hash(orphan)}.0000abcd").write_bytes(b"partial")
     before = _snapshot(tmp_path)
 
@@ -935,7 +935,7 @@ def test_capacities_are_never_exceeded_and_reads_are_exact(
 
 def test_a_read_ends_a_blocks_plan_and_a_refused_block_keeps_none(tmp_path: Path) -> None:
     block = os.urandom(8192)
-    frame = disk_bytes(len(encode(block, Codec.RAW)))
+    frame = disk_bytes(encode(block, Codec.RAW).size)
     (tmp_path / "hot").mkdir()
     spec = TierSpec("hot", str(tmp_path / "hot"), frame, "raw")
     planned = PlannedUse()

@@ -166,7 +166,7 @@ def test_no_more_is_fetched_ahead_than_the_cache_would_keep(
     make_engine: EngineFactory, dataset: dict[str, bytes]
 ) -> None:
     """Two blocks of room, a policy that gives up nothing, eight slots: two GETs, none wasted."""
-    frame = disk_bytes(len(encode(bytes(BLOCK_SIZE // 2), Codec.RAW)))
+    frame = disk_bytes(encode(bytes(BLOCK_SIZE // 2), Codec.RAW).size)
     engine = make_engine(dataset, capacity=2 * frame, policy=MinioPolicy())
     with start(engine, PrefetchSettings(concurrency=8)) as prefetcher:
         prefetcher.hint(sorted(dataset))
@@ -182,7 +182,7 @@ def test_a_prefetched_block_the_cache_refuses_counts_issued_and_wasted(
     flight, and a policy that gives up nothing: the fetched block is refused.
     Its bytes crossed the network, so they count as issued and as wasted,
     and the dashboard's accuracy (used / issued) stays a fraction."""
-    frame = disk_bytes(len(encode(bytes(BLOCK_SIZE // 2), Codec.RAW)))
+    frame = disk_bytes(encode(bytes(BLOCK_SIZE // 2), Codec.RAW).size)
     engine = make_engine(dataset, capacity=frame, policy=MinioPolicy())
     first, second = sorted(dataset)[:2]
     info = engine.namespace.lookup("/" + second).info
@@ -210,7 +210,7 @@ def test_with_a_hint_a_full_cache_gives_up_what_is_read_last_for_what_is_read_fi
     still to be read; the first four evict them, latest first. One fetch at
     a time, so that each eviction can be seen."""
     model, planned = AccessModel(), PlannedUse()
-    frame = disk_bytes(len(encode(bytes(BLOCK_SIZE // 2), Codec.RAW)))
+    frame = disk_bytes(encode(bytes(BLOCK_SIZE // 2), Codec.RAW).size)
     policy = EpochAwarePolicy(model, planned)
     engine = make_engine(dataset, capacity=4 * frame, policy=policy, planned=planned)
     order = sorted(dataset)[:8]

@@ -221,7 +221,7 @@ def test_a_selection_larger_than_the_cache_is_reported_not_hidden(
     the first refusal, an evicting one churns; both end with six blocks
     reported as not staged."""
     objects = {f"shard-{index}": os.urandom(BLOCK_SIZE) for index in range(10)}
-    frame = disk_bytes(len(encode(bytes(BLOCK_SIZE), Codec.RAW)))
+    frame = disk_bytes(encode(bytes(BLOCK_SIZE), Codec.RAW).size)
     engine = make_engine(objects, capacity=4 * frame, policy=policy())
     events: list[dict[str, Any]] = []
     summary = stage_files(engine.namespace, engine.reader, ["hot"], StageRequest(), events.append, workers=1)
