@@ -293,6 +293,11 @@ class NamespaceSettings(_Section):
     # At least a second: at 0 every lookup lists its directory again, and
     # `ls -l` of 300 files took 70 s.
     metadata_ttl: Duration = Field(default=3600.0, ge=1.0)
+    # A mount lists each directory again before it serves the listing an
+    # earlier mount saved, so nothing overwritten meanwhile is missed. True
+    # serves saved listings younger than metadata_ttl unchecked: a remount
+    # of millions of objects lists nothing, and misses what changed.
+    trust_saved_listings: bool = False
 
 
 class MetricsSettings(_Section):

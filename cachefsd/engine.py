@@ -30,6 +30,7 @@ from cachefsd.config import FetchSettings, Settings, StoreSettings, human_bytes
 from cachefsd.errors import CachefsdError
 from cachefsd.fetch import Fetcher
 from cachefsd.fs import FileSystem
+from cachefsd.jobs import CallerJobs
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import FRESH_WAIT_SECONDS, Namespace
 from cachefsd.prefetch.access import AccessModel
@@ -130,11 +131,12 @@ def data_path(
         settings.namespace.metadata_ttl,
         # fs is built below, before any listing is refreshed.
         on_version_gone=lambda info: fs.version_gone(info),  # noqa: PLW0108
+        trust_saved=settings.namespace.trust_saved_listings,
         clock=listing_clock,
         fresh_wait=fresh_wait,
     )
     prefetcher = Prefetcher(model, namespace, reader, settings.prefetch, metrics)
-    fs = FileSystem(namespace, reader, os.getuid(), os.getgid(), access=prefetcher)
+    fs = FileSystem(namespace, reader, os.getuid(), os.getgid(), access=prefetcher, jobs=CallerJobs())
     return reader, namespace, prefetcher, fs
 
 

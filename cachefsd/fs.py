@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cachefsd.errors import BadFileHandle, IsADirectory, NotADirectory, ObjectChanged, UnknownInode
+from cachefsd.jobs import CallerJobs
 from cachefsd.namespace.names import inode_number
 from cachefsd.namespace.tree import Namespace
 from cachefsd.reader import BlockReader, Piece
@@ -105,9 +106,11 @@ class FileSystem:
         uid: int,
         gid: int,
         access: AccessEvents,
+        jobs: CallerJobs,
     ) -> None:
         self._namespace = namespace
         self._access = access
+        self._jobs = jobs
         self._reader = reader
         self._uid = uid
         self._gid = gid
@@ -165,10 +168,11 @@ class FileSystem:
                 raise UnknownInode(str(node))
         return self._attributes(node, None if file is None else file.info)
 
-    def read(self, node: int, size: int, offset: int) -> list[Piece]:
-        """Bytes of the version ``node`` stands for. The kernel opens without
-        asking (its pages of an inode are always right), so a read at
-        offset 0 is what tells the access model a file was opened."""
+    def read(self, node: int, size: int, offset: int, pid: int) -> list[Piece]:
+        """Bytes of the version ``node`` stands for, for process ``pid``
+        (whose job is counted). The kernel opens without asking (its pages
+        of an inode are always right), so a read at offset 0 is what tells
+        the access model a file was opened."""
         with self._lock:
             file = self._files.get(node)
         if file is None:
@@ -180,7 +184,7 @@ class FileSystem:
             self._access.opened(info)
         self._access.read(info, offset, size)
         try:
-            return self._reader.read(info, offset, size)
+            return self._reader.read(info, offset, size, self._jobs.of(pid))
         except ObjectChanged:
             # Overwritten or deleted since it was listed: the listing that
             # showed it is dropped, and the kernel forgets the name, so the

@@ -8,6 +8,9 @@ nothing about Prometheus.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
 
@@ -42,6 +45,13 @@ LATENCY_BUCKETS = (
 
 # (prefix, tier, bytes): one sample of ``cachefsd_resident_bytes``.
 ResidencyRows = Callable[[], Iterable[tuple[str, str, int]]]
+
+# Jobs counted under a label of their own at once (the rest as "other"),
+# and how long one reads nothing before its label may go to another.
+MAX_JOB_SERIES = 8
+JOB_IDLE_SECONDS = 300.0
+OTHER_JOBS_LABEL = "other"
+UNKNOWN_JOB_LABEL = "unknown"  # a caller the daemon cannot see (another pid namespace)
 
 RESIDENT_BYTES = "cachefsd_resident_bytes"
 _RESIDENT_HELP = (
@@ -129,10 +139,39 @@ class _DerivedCollector(Collector):
         )
 
 
+class JobLabels:
+    """The ``job`` label a job's reads are counted under, bounded: each of
+    the first ``MAX_JOB_SERIES`` jobs gets its own; a later one takes the
+    place of the job idle longest once that one has read nothing for
+    ``JOB_IDLE_SECONDS`` (whose series are removed), and until then is
+    counted as ``other``. So a dashboard shows the jobs reading now by name."""
+
+    def __init__(self, dropped: Callable[[str], None], clock: Callable[[], float]) -> None:
+        self._dropped = dropped
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last_read: dict[str, float] = {}  # job with a label of its own -> its latest read
+
+    def label(self, job: str) -> str:
+        name = job or UNKNOWN_JOB_LABEL
+        now = self._clock()
+        with self._lock:
+            if name in self._last_read or len(self._last_read) < MAX_JOB_SERIES:
+                self._last_read[name] = now
+                return name
+            idlest = min(self._last_read, key=self._last_read.__getitem__)
+            if now - self._last_read[idlest] < JOB_IDLE_SECONDS:
+                return OTHER_JOBS_LABEL
+            del self._last_read[idlest]
+            self._last_read[name] = now
+        self._dropped(idlest)
+        return name
+
+
 class Metrics:
     """Every metric the daemon exports, declared once on the registry it is given."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = registry
         self.reads = Counter(
             "cachefsd_reads",
@@ -151,6 +190,25 @@ class Metrics:
             "Time reads spent waiting on the cold store: the starvation signal",
             registry=registry,
         )
+        self.job_reads = Counter(
+            "cachefsd_job_reads",
+            "Read requests answered, by the job that sent them (the most active jobs; the rest as other)",
+            ["job"],
+            registry=registry,
+        )
+        self.job_read_bytes = Counter(
+            "cachefsd_job_read_bytes",
+            "Bytes returned to a job, by where they came from (cache or cold)",
+            ["job", "source"],
+            registry=registry,
+        )
+        self.job_read_stall = Counter(
+            "cachefsd_job_read_stall_seconds",
+            "Time a job's reads spent waiting on the cold store",
+            ["job"],
+            registry=registry,
+        )
+        self._job_labels = JobLabels(self._drop_job, clock)
         self.fetch_latency = Histogram(
             "cachefsd_fetch_seconds",
             "Latency of successful requests to the cold store",
@@ -259,15 +317,30 @@ class Metrics:
         (one store a daemon, so the label stays bounded)."""
         self.registry.register(ResidencyCollector(source, rows))
 
+    def _drop_job(self, job: str) -> None:
+        for counter, labels in (
+            (self.job_reads, (job,)),
+            (self.job_read_bytes, (job, "cache")),
+            (self.job_read_bytes, (job, "cold")),
+            (self.job_read_stall, (job,)),
+        ):
+            with contextlib.suppress(KeyError):  # a series never incremented
+                counter.remove(*labels)
+
     # ReadEvents
-    def read_done(self, served: dict[str, int], stall_seconds: float) -> None:
+    def read_done(self, served: dict[str, int], stall_seconds: float, job: str) -> None:
         cold_bytes = served.get("cold", 0)
         nbytes = sum(served.values())
+        label = self._job_labels.label(job)
         self.reads.labels("cold" if cold_bytes else "cache").inc()
+        self.job_reads.labels(label).inc()
         self.read_bytes.labels("cache").inc(nbytes - cold_bytes)
+        self.job_read_bytes.labels(label, "cache").inc(nbytes - cold_bytes)
         if cold_bytes:
             self.read_bytes.labels("cold").inc(cold_bytes)
+            self.job_read_bytes.labels(label, "cold").inc(cold_bytes)
             self.read_stall.inc(stall_seconds)
+            self.job_read_stall.labels(label).inc(stall_seconds)
         for source, count in served.items():
             self.served_bytes.labels(source).inc(count)
 

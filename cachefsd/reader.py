@@ -34,6 +34,7 @@ from cachefsd.cache.index import BlockRef
 from cachefsd.cache.tiered import TieredCache
 from cachefsd.errors import DeadlineExceeded, ObjectChanged, StoreError
 from cachefsd.fetch import Fetcher, FetchKind
+from cachefsd.jobs import UNKNOWN_JOB
 from cachefsd.singleflight import SingleFlight
 from cachefsd.store.base import ObjectInfo
 
@@ -86,9 +87,10 @@ def block_bounds(index: int, object_size: int, block_size: int) -> tuple[int, in
 
 
 class ReadEvents(Protocol):
-    def read_done(self, served: dict[str, int], stall_seconds: float) -> None:
-        """One read answered: its bytes by where they came from (``memory``,
-        a tier's name, ``cold``); the ``cold`` ones waited ``stall_seconds``."""
+    def read_done(self, served: dict[str, int], stall_seconds: float, job: str) -> None:
+        """One read of ``job`` (``jobs.py``) answered: its bytes by where
+        they came from (``memory``, a tier's name, ``cold``); the ``cold``
+        ones waited ``stall_seconds``."""
         ...
 
 
@@ -230,9 +232,10 @@ class BlockReader:
     def ref(self, info: ObjectInfo, index: int) -> BlockRef:
         return BlockRef(self._source, info.key, info.etag, index)
 
-    def read(self, info: ObjectInfo, offset: int, size: int) -> list[Piece]:
+    def read(self, info: ObjectInfo, offset: int, size: int, job: str = UNKNOWN_JOB) -> list[Piece]:
         """Exactly the bytes ``[offset, offset + size)`` of version ``info``
-        (short only at the end of the object), as pieces in order.
+        (short only at the end of the object), as pieces in order, for
+        ``job`` (``jobs.py``; the FUSE edge knows it, a stage has none).
 
         A raw-tier block is served from its file without copying (checked
         where it lies on its first read, see ``TieredCache.raw_hit``); a
@@ -251,7 +254,7 @@ class BlockReader:
         except BaseException:
             close_pieces(pieces)
             raise
-        self._events.read_done(served, stalled)
+        self._events.read_done(served, stalled, job)
         return pieces
 
     def _piece(self, info: ObjectInfo, index: int, lo: int, hi: int) -> tuple[Piece, str, float]:

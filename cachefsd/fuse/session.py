@@ -276,7 +276,8 @@ class Session:
 
     @_answered
     def _read(self, request: int, ino: int, size: int, offset: int, fi: Any) -> None:
-        _reply_pieces(request, self._fs.read(ino, size, offset))
+        caller = ll.lib.fuse_req_ctx(request).contents.pid
+        _reply_pieces(request, self._fs.read(ino, size, offset, caller))
 
     @_answered
     def _opendir(self, request: int, ino: int, fi: Any) -> None:

@@ -3,8 +3,12 @@
 Every path is resolved through the listing of its parent directory, so one
 listing answers ``ls``, every ``stat`` in it and every negative lookup for
 ``metadata_ttl`` seconds (the negative cache is the listing itself). Listings
-are saved in the index, so a remount of a known source lists from disk, not
-the network, while they are fresh.
+are saved in the index. A mount checks each saved listing the first time it
+needs it (it lists the directory again, and serves the saved one only while
+the store does not answer), so an object overwritten while nothing was
+mounted is read at its new version at once; with ``trust_saved``, a saved
+listing serves as it is while it is younger than the TTL, and a remount of a
+source of millions of objects lists nothing.
 
 A listing past its TTL is served at once and refreshed in the background,
 one refresh per directory in flight. While the store answers, the lookup
@@ -88,6 +92,7 @@ ROOT = Node(info=None)
 class _Cached:
     directory: Directory
     fetched_at: float
+    saved: bool = False  # loaded from the index, not listed since this mount began
 
 
 class Namespace:
@@ -102,6 +107,7 @@ class Namespace:
         index: Index,
         ttl: float,
         on_version_gone: Callable[[ObjectInfo], None],
+        trust_saved: bool = False,
         clock: Callable[[], float] = time.time,
         fresh_wait: float = FRESH_WAIT_SECONDS,
         retry_seconds: float = STALE_RETRY_SECONDS,
@@ -111,6 +117,7 @@ class Namespace:
         self._io = io
         self._saved = SavedListings(index, store.cache_key)
         self._ttl = ttl
+        self._trust_saved = trust_saved
         self._on_version_gone = on_version_gone
         self._clock = clock
         self._fresh_wait = fresh_wait
@@ -170,24 +177,39 @@ class Namespace:
         now = self._clock()
         with self._lock:
             cached = self._dirs.get(prefix)
-        if cached is not None and now - cached.fetched_at < self._ttl:
-            return cached
         if cached is None:
             cached = self._from_index(prefix)
             if cached is not None:
-                # Fresh, it serves; expired, it is what the listing below is
-                # compared with (an object replaced while unmounted has its
-                # old version's blocks released).
+                # It is what the listing below is compared with (an object
+                # replaced while unmounted has its old version's blocks
+                # released), and what serves if the store does not answer.
                 with self._lock:
-                    self._dirs.setdefault(prefix, cached)
-            if cached is not None and now - cached.fetched_at < self._ttl:
-                return cached
+                    cached = self._dirs.setdefault(prefix, cached)
+        if cached is not None and cached.saved and not self._trust_saved:
+            return self._checked_saved(prefix, cached)
+        if cached is not None and now - cached.fetched_at < self._ttl:
+            return cached
         if cached is not None and cached.fetched_at != INVALIDATED:
             return self._refresh_stale(prefix, cached)
         # Never listed, or dropped: nothing to serve meanwhile. Other lookups
         # wait for the listing as long as it takes: each of its pages is
         # bounded, not their number.
         return self._listing.do(prefix, lambda: self._listed(prefix), timeout=None)
+
+    def _checked_saved(self, prefix: str, saved: _Cached) -> _Cached:
+        """The listing of ``prefix``, saved by an earlier mount, checked:
+        listed again, waited for as long as a directory never listed, so
+        that what changed while nothing was mounted is seen at once. While
+        the store does not answer (or the directory backs off after a
+        failure), ``saved`` serves as an expired listing does, refreshed behind."""
+        with self._lock:
+            waits = self._answering and self._clock() >= self._retry_at.get(prefix, 0.0)
+        if waits:
+            try:
+                return self._listing.do(prefix, lambda: self._listed(prefix), timeout=None)
+            except StoreError:  # logged and backed off by _listed
+                return saved
+        return self._refresh_stale(prefix, saved)
 
     def _refresh_stale(self, prefix: str, stale: _Cached) -> _Cached:
         """``stale``, past its TTL, after starting its refresh in the
@@ -283,7 +305,7 @@ class Namespace:
         if saved is None:
             return None
         fetched_at, listing = saved
-        return _Cached(directory_from_listing(prefix, listing), fetched_at)
+        return _Cached(directory_from_listing(prefix, listing), fetched_at, saved=True)
 
     def _list(self, prefix: str) -> Listing:
         """Every page of the listing of ``prefix``, each page one request

@@ -117,6 +117,39 @@ def test_metrics_count_what_the_reads_imply(
     assert again["cachefsd_tier_used_bytes{tier=hot}"] == used
 
 
+def _read_in_a_process(mount: Mount, keys: list[str], new_session: bool) -> int:
+    """Read ``keys`` through the mount from a child process (in a session
+    of its own, or in this one's process group); its process group."""
+    script = "import sys\nfor path in sys.argv[1:]:\n    open(path, 'rb').read()\n"
+    paths = [str(mount.path(key)) for key in keys]
+    child = subprocess.Popen([sys.executable, "-c", script, *paths], start_new_session=new_session)
+    assert child.wait(timeout=60) == 0
+    return child.pid if new_session else os.getpgid(0)
+
+
+def test_reads_are_counted_per_job(s3_client: Any, s3_server: S3TestServer, mounter: MountFactory) -> None:
+    """A job is a process group: a child of this test's process is in this
+    job, one started in a session of its own is another."""
+    objects = _dataset(4, {f"d/{index}.bin": 20 * KiB + index for index in range(6)})
+    bucket = new_bucket(s3_client)
+    put_objects(s3_client, bucket, objects)
+    mount = _mount(mounter, s3_server, bucket)
+    keys = sorted(objects)
+    mine = _read_in_a_process(mount, keys[:2], new_session=False)
+    other = _read_in_a_process(mount, keys[2:], new_session=True)
+    samples = mount.metrics()
+    by_job = {
+        name.partition("job=")[2].partition(",")[0]: value
+        for name, value in samples.items()
+        if name.startswith("cachefsd_job_read_bytes_total{") and "source=cold" in name
+    }
+    assert sorted(by_job.values()) == sorted(
+        [sum(len(objects[key]) for key in keys[:2]), sum(len(objects[key]) for key in keys[2:])]
+    )
+    assert {job.rpartition("[")[2] for job in by_job} == {f"{mine}]", f"{other}]"}
+    assert all(samples[f"cachefsd_job_read_stall_seconds_total{{job={job}}}"] > 0 for job in by_job)
+
+
 def test_stats_json_agrees_with_the_metrics_and_shows_residency(
     s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
 ) -> None:

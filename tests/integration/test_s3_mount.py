@@ -701,7 +701,7 @@ def test_a_new_version_is_read_whole_at_its_own_size(
 # -- cache -----------------------------------------------------------------------
 
 
-def test_cache_survives_a_remount(
+def test_cache_survives_a_remount_which_sees_what_changed_while_unmounted(
     s3_client: Any, s3_server: S3TestServer, mount_bucket: MountBucket, tmp_path: Path
 ) -> None:
     bucket = new_bucket(s3_client)
@@ -710,19 +710,39 @@ def test_cache_survives_a_remount(
     cache_dir = tmp_path / "shared-cache"
 
     first = mount_bucket(bucket, *BLOCK_FLAG, cache_dir=cache_dir)
-    s3_server.reset_counts()
     assert walk_files(first.mountpoint) == set(objects)
     for key, data in objects.items():
         assert first.path(key).read_bytes() == data
-    assert s3_server.get_object_count > 0
     first.unmount()
     assert not first.alive
+
+    # While nothing is mounted: one object overwritten (one block, another
+    # size), one deleted, one added.
+    changed, deleted, added = "d0/sub/f0.bin", "d1/sub/f1.bin", "d2/sub/new.bin"
+    objects[changed] = seeded(13, {changed: 20 * KiB})[changed]
+    objects[added] = seeded(14, {added: 10 * KiB})[added]
+    del objects[deleted]
+    put_objects(s3_client, bucket, {key: objects[key] for key in (changed, added)})
+    s3_client.delete_object(Bucket=bucket, Key=deleted)
 
     second = mount_bucket(bucket, *BLOCK_FLAG, cache_dir=cache_dir)
     s3_server.reset_counts()
     assert walk_files(second.mountpoint) == set(objects)
     for key, data in objects.items():
         assert second.path(key).read_bytes() == data
+    counts = s3_server.counts()
+    assert counts.get(GET_OBJECT, 0) == 2, counts  # the changed object and the new one, all else cached
+    assert counts.get(LIST, 0) > 0, counts
+    second.unmount()
+
+    # Trusting saved listings: nothing is asked of the bucket at all.
+    config = tmp_path / "trusting.toml"
+    config.write_text("[namespace]\ntrust_saved_listings = true\n")
+    third = mount_bucket(bucket, *BLOCK_FLAG, "--config", str(config), cache_dir=cache_dir)
+    s3_server.reset_counts()
+    assert walk_files(third.mountpoint) == set(objects)
+    for key, data in objects.items():
+        assert third.path(key).read_bytes() == data
     counts = s3_server.counts()
     assert counts.get(GET_OBJECT, 0) == 0, counts
     assert counts.get(LIST, 0) == 0, counts

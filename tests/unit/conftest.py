@@ -62,7 +62,7 @@ def read_path(fs: FileSystem, path: str, size: int, offset: int = 0) -> bytes:
     a lookup, the read, and the kernel's forget once it drops the inode."""
     ino = looked_up(fs, path).node
     try:
-        return joined(fs.read(ino, size, offset))
+        return joined(fs.read(ino, size, offset, os.getpid()))
     finally:
         fs.forget(ino, 1)
 
@@ -109,6 +109,7 @@ def build_engine(
     capacity: int = 64 << 20,
     store: MemoryStore | None = None,
     ttl: float = 60.0,
+    trust_saved_listings: bool = False,
     policy: EvictionPolicy | None = None,
     planned: PlannedUse | None = None,
     codec: Codec = Codec.RAW,
@@ -138,7 +139,7 @@ def build_engine(
         mountpoint=cache_dir / "mnt",
         cache={"dir": cache_dir, "block_size": BLOCK_SIZE},
         fetch=fetch,
-        namespace={"metadata_ttl": ttl},
+        namespace={"metadata_ttl": ttl, "trust_saved_listings": trust_saved_listings},
     )
     clock = Clock()
     model = AccessModel()

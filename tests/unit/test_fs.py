@@ -41,7 +41,7 @@ def test_attributes(make_engine: EngineFactory) -> None:
     assert engine.fs.getattr(file.node) == file
     assert len({ROOT_INODE, directory.node, file.node}) == 3
     with pytest.raises(IsADirectory):
-        engine.fs.read(directory.node, 1, 0)
+        engine.fs.read(directory.node, 1, 0, os.getpid())
     with pytest.raises(ObjectNotFound):
         engine.fs.lookup(directory.node, "nope")
     with pytest.raises(NotADirectory):
@@ -66,20 +66,20 @@ def test_an_inode_reads_only_its_version(make_engine: EngineFactory) -> None:
     old = os.urandom(3 * BLOCK_SIZE)
     engine = make_engine({"f": old})
     ino = looked_up(engine.fs, "/f").node
-    assert joined(engine.fs.read(ino, BLOCK_SIZE, 0)) == old[:BLOCK_SIZE]
+    assert joined(engine.fs.read(ino, BLOCK_SIZE, 0, os.getpid())) == old[:BLOCK_SIZE]
     new = os.urandom(3 * BLOCK_SIZE)
     engine.store.put("f", new)
     # The cached block is still the looked-up version's; an uncached one
     # cannot be fetched for that version any more, so the read fails, never mixes.
-    assert joined(engine.fs.read(ino, BLOCK_SIZE, 0)) == old[:BLOCK_SIZE]
+    assert joined(engine.fs.read(ino, BLOCK_SIZE, 0, os.getpid())) == old[:BLOCK_SIZE]
     with pytest.raises(ObjectChanged):
-        joined(engine.fs.read(ino, BLOCK_SIZE, BLOCK_SIZE))
+        joined(engine.fs.read(ino, BLOCK_SIZE, BLOCK_SIZE, os.getpid()))
     # The failure dropped the stale listing and names the entry for the
     # kernel to forget: the next lookup finds the new version, as a new inode.
     assert stale_entries(engine.fs) == [(ROOT_INODE, "f")]
     fresh = looked_up(engine.fs, "/f").node
     assert fresh != ino
-    assert joined(engine.fs.read(fresh, 3 * BLOCK_SIZE, 0)) == new
+    assert joined(engine.fs.read(fresh, 3 * BLOCK_SIZE, 0, os.getpid())) == new
 
 
 def test_a_version_replaced_upstream_keeps_its_blocks_until_the_kernel_forgets_its_inode(
@@ -91,13 +91,13 @@ def test_a_version_replaced_upstream_keeps_its_blocks_until_the_kernel_forgets_i
     old = os.urandom(2 * BLOCK_SIZE)
     engine = make_engine({"f": old}, ttl=5)
     ino = looked_up(engine.fs, "/f").node
-    assert joined(engine.fs.read(ino, len(old), 0)) == old
+    assert joined(engine.fs.read(ino, len(old), 0, os.getpid())) == old
     gets = engine.store.get_count
     engine.store.put("f", os.urandom(2 * BLOCK_SIZE))
     engine.clock.now += 10
     newer = looked_up(engine.fs, "/f").node  # the refresh that finds the overwrite
     assert stale_entries(engine.fs) == [(ROOT_INODE, "f")]
-    assert joined(engine.fs.read(ino, len(old), 0)) == old
+    assert joined(engine.fs.read(ino, len(old), 0, os.getpid())) == old
     assert engine.store.get_count == gets  # from the cache, not a failed GET of a gone version
     assert len(engine.index.blocks()) == 2
     engine.fs.forget(newer, 1)
@@ -105,7 +105,7 @@ def test_a_version_replaced_upstream_keeps_its_blocks_until_the_kernel_forgets_i
     engine.fs.forget(ino, 1)
     assert engine.index.blocks() == []  # released with the kernel's last reference
     with pytest.raises(UnknownInode):
-        engine.fs.read(ino, 1, 0)
+        engine.fs.read(ino, 1, 0, os.getpid())
 
 
 def test_a_version_nobody_holds_is_released_when_it_is_gone(make_engine: EngineFactory) -> None:
@@ -126,7 +126,7 @@ def test_a_version_gone_and_listed_again_keeps_its_blocks(make_engine: EngineFac
     data = os.urandom(2 * BLOCK_SIZE)
     engine = make_engine({"f": data, "g": b"g"}, ttl=5)
     ino = looked_up(engine.fs, "/f").node
-    assert joined(engine.fs.read(ino, len(data), 0)) == data
+    assert joined(engine.fs.read(ino, len(data), 0, os.getpid())) == data
     engine.store.delete("f")
     engine.clock.now += 10
     engine.fs.opendir(ROOT_INODE)  # the refresh that finds it gone
@@ -151,7 +151,7 @@ def test_an_inode_of_a_gone_version_fails_its_next_reads_without_asking_the_stor
     with caplog.at_level(logging.WARNING):
         for offset in (BLOCK_SIZE, 2 * BLOCK_SIZE, BLOCK_SIZE):
             with pytest.raises(ObjectChanged):
-                engine.fs.read(ino, BLOCK_SIZE, offset)
+                engine.fs.read(ino, BLOCK_SIZE, offset, os.getpid())
     assert engine.store.get_count == gets + 1
     assert len([record for record in caplog.records if "failed" in record.message]) == 1
     engine.fs.forget(ino, 1)
@@ -164,11 +164,13 @@ def test_reading_a_deleted_object_fails_as_changed_and_drops_the_listing(make_en
     data = os.urandom(2 * BLOCK_SIZE)
     engine = make_engine({"f": data, "g": b"g"})
     ino = looked_up(engine.fs, "/f").node
-    assert joined(engine.fs.read(ino, BLOCK_SIZE, 0)) == data[:BLOCK_SIZE]
+    assert joined(engine.fs.read(ino, BLOCK_SIZE, 0, os.getpid())) == data[:BLOCK_SIZE]
     engine.store.delete("f")
     with pytest.raises(ObjectChanged):  # EIO, as for an overwrite; not ENOENT from read()
-        engine.fs.read(ino, BLOCK_SIZE, BLOCK_SIZE)
-    assert joined(engine.fs.read(ino, BLOCK_SIZE, 0)) == data[:BLOCK_SIZE]  # what is cached still reads
+        engine.fs.read(ino, BLOCK_SIZE, BLOCK_SIZE, os.getpid())
+    assert (
+        joined(engine.fs.read(ino, BLOCK_SIZE, 0, os.getpid())) == data[:BLOCK_SIZE]
+    )  # what is cached still reads
     with pytest.raises(ObjectNotFound):  # the next lookup is told at once, within the metadata TTL
         looked_up(engine.fs, "/f")
     assert looked_up(engine.fs, "/g").size == 1
@@ -180,7 +182,7 @@ def test_an_inode_lives_while_the_kernel_references_it(make_engine: EngineFactor
     ino = first.node
     assert looked_up(engine.fs, "/f").node == ino
     engine.fs.forget(ino, 1)
-    assert joined(engine.fs.read(ino, 1, 0)) == b"x"
+    assert joined(engine.fs.read(ino, 1, 0, os.getpid())) == b"x"
     engine.fs.forget(ino, 1)
     with pytest.raises(UnknownInode):
         engine.fs.getattr(ino)
@@ -258,9 +260,9 @@ def test_a_read_at_the_start_of_a_file_is_its_open(make_engine: EngineFactory) -
     from the read of a file's first bytes, once per read from 0."""
     engine = make_engine({"f": os.urandom(2 * BLOCK_SIZE)})
     ino = looked_up(engine.fs, "/f").node
-    joined(engine.fs.read(ino, BLOCK_SIZE, BLOCK_SIZE))
+    joined(engine.fs.read(ino, BLOCK_SIZE, BLOCK_SIZE, os.getpid()))
     assert engine.model.read_this_epoch("f") == set()
-    joined(engine.fs.read(ino, BLOCK_SIZE, 0))
+    joined(engine.fs.read(ino, BLOCK_SIZE, 0, os.getpid()))
     assert engine.model.read_this_epoch("f") == {"f"}
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import random
 import tempfile
 from collections.abc import Iterator
@@ -252,7 +253,7 @@ class FileSystemAgainstAModel(RuleBasedStateMachine):
         )
         never_cached = blocks - self.ever_read.get(opened.version, set())
         try:
-            data = joined(self.engine.fs.read(opened.node, size, offset))
+            data = joined(self.engine.fs.read(opened.node, size, offset, os.getpid()))
         except ObjectChanged:
             assert opened.broken, "a read failed although the bucket kept its version"
             assert not blocks <= pinned, "a read of cached blocks failed"

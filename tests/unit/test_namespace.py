@@ -76,14 +76,43 @@ def test_a_refresh_that_settles_before_its_lookup_waits_is_still_seen(
     assert "g" in engine.namespace.listdir("/")
 
 
-def test_a_restart_lists_from_the_index_while_fresh(make_engine: EngineFactory) -> None:
+def test_a_remount_sees_what_changed_while_nothing_was_mounted(make_engine: EngineFactory) -> None:
+    engine = make_engine({"d/f": b"1", "d/gone": b"2"})
+    old = engine.namespace.lookup("/d/f").info
+    engine.store.put("d/f", b"new version")
+    engine.store.delete("d/gone")
+    engine.store.put("d/added", b"3")
+    again = make_engine(store=engine.store, cache_dir=engine.cache_dir)
+    again.clock.now = engine.clock.now + 1  # well within the TTL of the saved listing
+    listed = again.namespace.lookup("/d/f").info
+    assert listed is not None
+    assert old is not None
+    assert (listed.etag, listed.size) != (old.etag, old.size)
+    assert sorted(again.namespace.listdir("/d")) == ["added", "f"]
+
+
+def test_a_remount_that_trusts_saved_listings_lists_nothing_while_they_are_fresh(
+    make_engine: EngineFactory,
+) -> None:
+    engine = make_engine({"d/f": b"1"})
+    old = engine.namespace.lookup("/d/f").info
+    engine.store.put("d/f", b"new version")
+    lists = engine.store.list_count
+    again = make_engine(store=engine.store, cache_dir=engine.cache_dir, trust_saved_listings=True)
+    again.clock.now = engine.clock.now + 1
+    assert again.namespace.lookup("/d/f").info == old
+    assert engine.store.list_count == lists
+
+
+def test_a_saved_listing_is_checked_once_per_mount(make_engine: EngineFactory) -> None:
     engine = make_engine({"d/f": b"1"})
     engine.namespace.lookup("/d/f")
-    lists = engine.store.list_count
     again = make_engine(store=engine.store, cache_dir=engine.cache_dir)
     again.clock.now = engine.clock.now + 1
-    assert again.namespace.lookup("/d/f").info is not None
-    assert engine.store.list_count == lists
+    lists = engine.store.list_count
+    for _ in range(3):
+        again.namespace.lookup("/d/f")
+    assert engine.store.list_count == lists + 2  # the root and d/, once each
 
 
 @pytest.mark.parametrize(
@@ -100,7 +129,7 @@ def test_a_saved_listing_that_is_not_intact_is_listed_again(
     caplog: pytest.LogCaptureFixture,
     damage: Callable[[bytes], object],
 ) -> None:
-    """A listing row is trusted on the next mount: damaged, it served a
+    """A listing row a mount trusts must be intact: damaged, it served a
     file 30 bytes short, or its directory EIO, on every mount."""
     engine = make_engine({"d/f": b"1"})
     engine.namespace.lookup("/d/f")
@@ -109,7 +138,7 @@ def test_a_saved_listing_that_is_not_intact_is_listed_again(
     database.execute("UPDATE listings SET payload = ? WHERE prefix = 'd/'", (damage(payload),))
     database.close()
     lists = engine.store.list_count
-    again = make_engine(store=engine.store, cache_dir=engine.cache_dir)
+    again = make_engine(store=engine.store, cache_dir=engine.cache_dir, trust_saved_listings=True)
     again.clock.now = engine.clock.now + 1
     with caplog.at_level(logging.WARNING):
         info = again.namespace.lookup("/d/f").info
@@ -128,7 +157,7 @@ def test_a_saved_listing_with_a_damaged_time_is_listed_again(
     database.execute("UPDATE listings SET fetched_at = 'x' WHERE prefix = 'd/'")
     database.close()
     lists = engine.store.list_count
-    again = make_engine(store=engine.store, cache_dir=engine.cache_dir)
+    again = make_engine(store=engine.store, cache_dir=engine.cache_dir, trust_saved_listings=True)
     again.clock.now = engine.clock.now + 1
     with caplog.at_level(logging.WARNING):
         assert again.namespace.lookup("/d/f").info is not None
@@ -155,7 +184,7 @@ def test_a_saved_listing_is_checked_with_its_row(make_engine: EngineFactory, dam
     database.execute(damage)
     database.close()
     engine.store.put("e/new", b"333")
-    again = make_engine(store=engine.store, cache_dir=engine.cache_dir)
+    again = make_engine(store=engine.store, cache_dir=engine.cache_dir, trust_saved_listings=True)
     again.clock.now = engine.clock.now + 1
     assert sorted(again.namespace.listdir("/e")) == ["g", "new"]
     info = again.namespace.lookup("/e/g").info

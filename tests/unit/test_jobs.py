@@ -1,0 +1,95 @@
+"""Job identity: which job a read's caller belongs to, and the bounded job labels of metrics."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from cachefsd.jobs import UNKNOWN_JOB, CallerJobs, parse_stat
+from cachefsd.metrics import JOB_IDLE_SECONDS, MAX_JOB_SERIES, OTHER_JOBS_LABEL, Metrics
+from tests.unit.conftest import Clock
+
+
+def _stat(pid: int, command: str, group: int) -> str:
+    return f"{pid} ({command}) S 1 {group} {group} 0 -1 4194560 0 0 0 0"
+
+
+def _proc(tmp_path: Path, processes: dict[int, tuple[str, int]]) -> Path:
+    for pid, (command, group) in processes.items():
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(_stat(pid, command, group))
+    return tmp_path
+
+
+def test_a_command_with_spaces_and_parentheses_is_parsed() -> None:
+    assert parse_stat(_stat(7, "my (odd) cmd)", 42)) == ("my (odd) cmd)", 42)
+
+
+def test_workers_of_one_group_are_one_job_named_by_its_leader(tmp_path: Path) -> None:
+    proc = _proc(tmp_path, {10: ("python", 10), 11: ("pt_data_worker", 10), 20: ("python", 20)})
+    jobs = CallerJobs(proc)
+    assert jobs.of(10) == jobs.of(11) == "python[10]"
+    assert jobs.of(20) == "python[20]"
+
+
+def test_callers_it_cannot_see_are_the_unknown_job(tmp_path: Path) -> None:
+    proc = _proc(tmp_path, {11: ("worker", 10)})  # the group's leader exited
+    jobs = CallerJobs(proc)
+    assert jobs.of(0) == UNKNOWN_JOB  # another pid namespace
+    assert jobs.of(99) == UNKNOWN_JOB  # gone
+    assert jobs.of(11) == "?[10]"
+
+
+def test_a_pid_is_looked_up_again_once_its_job_is_old(tmp_path: Path) -> None:
+    proc = _proc(tmp_path, {10: ("python", 10), 30: ("bash", 30)})
+    clock = Clock()
+    jobs = CallerJobs(proc, clock, remember_seconds=10)
+    assert jobs.of(10) == "python[10]"
+    (proc / "10" / "stat").write_text(_stat(10, "python", 30))  # the pid now in another group
+    clock.now += 5
+    assert jobs.of(10) == "python[10]"
+    clock.now += 6
+    assert jobs.of(10) == "bash[30]"
+
+
+def test_real_processes_a_child_shares_its_job_a_new_session_does_not() -> None:
+    jobs = CallerJobs()
+    mine = jobs.of(os.getpid())
+    assert mine.endswith(f"[{os.getpgid(0)}]")
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert jobs.of(child.pid) == mine
+        assert jobs.of(other.pid).endswith(f"[{other.pid}]")  # its own group, led by itself
+    finally:
+        for process in (child, other):
+            process.communicate(b"", timeout=10)
+
+
+def test_job_labels_are_bounded_and_go_to_the_jobs_reading_now() -> None:
+    clock = Clock()
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, clock)
+    for index in range(MAX_JOB_SERIES):
+        metrics.read_done({"cold": 100}, 0.5, f"job{index}")
+    metrics.read_done({"hot": 100}, 0.0, "late")
+    assert registry.get_sample_value("cachefsd_job_reads_total", {"job": OTHER_JOBS_LABEL}) == 1
+    assert registry.get_sample_value("cachefsd_job_reads_total", {"job": "late"}) is None
+    clock.now += JOB_IDLE_SECONDS - 1
+    for index in range(1, MAX_JOB_SERIES):
+        metrics.read_done({"hot": 100}, 0.0, f"job{index}")
+    clock.now += 2  # job0 idle for longer than JOB_IDLE_SECONDS, the others not
+    metrics.read_done({"cold": 100}, 0.25, "late")
+    assert registry.get_sample_value("cachefsd_job_reads_total", {"job": "late"}) == 1
+    assert registry.get_sample_value("cachefsd_job_read_stall_seconds_total", {"job": "late"}) == 0.25
+    assert registry.get_sample_value("cachefsd_job_reads_total", {"job": "job0"}) is None
+    job1 = {"job": "job1", "source": "cache"}
+    assert registry.get_sample_value("cachefsd_job_read_bytes_total", job1) == 100
+    metrics.read_done({"hot": 100}, 0.0, "another")  # every other job read just now
+    assert registry.get_sample_value("cachefsd_job_reads_total", {"job": OTHER_JOBS_LABEL}) == 2
