@@ -73,10 +73,11 @@ BELADY = "belady"
 SIMULATED = (*POLICY_NAMES, PLANNED, BELADY)
 
 
-def shuffled_trace(files: int, epochs: int, seed: int, readers: int = 1) -> list[str]:
+def shuffled_trace(files: int, epochs: int, seed: int, readers: int = 1) -> tuple[list[str], list[str]]:
     """Every file once per epoch, a fresh shuffle each epoch; files are named
     by index. With several ``readers`` (jobs sharing a dataset, each at its
-    own pace), each reads its own passes, interleaved at random."""
+    own pace), each reads its own passes, interleaved at random. The reads,
+    and the job (``jobs.py`` name) of each."""
     rng = random.Random(seed)
     names = [f"{index:08x}" for index in range(files)]
     passes: list[list[str]] = []
@@ -88,15 +89,21 @@ def shuffled_trace(files: int, epochs: int, seed: int, readers: int = 1) -> list
             trace.extend(order)
         passes.append(trace)
     if readers == 1:
-        return passes[0]
+        return passes[0], [_job(0)] * len(passes[0])
     interleaved: list[str] = []
+    jobs: list[str] = []
     positions = [0] * readers
     while len(interleaved) < readers * files * epochs:
         reader = rng.randrange(readers)
         if positions[reader] < len(passes[reader]):
             interleaved.append(passes[reader][positions[reader]])
+            jobs.append(_job(reader))
             positions[reader] += 1
-    return interleaved
+    return interleaved, jobs
+
+
+def _job(reader: int) -> str:
+    return f"reader[{reader + 1}]"
 
 
 def next_uses(trace: Sequence[str]) -> list[float]:
@@ -133,17 +140,19 @@ class TraceOracle:
 def simulate(
     policy: EvictionPolicy,
     trace: Sequence[str],
+    jobs: Sequence[str],
     capacity: int,
     clock: AccessModel,
     oracle: TraceOracle | None = None,
 ) -> list[bool]:
-    """Replay ``trace`` through a cache of ``capacity`` blocks run by ``policy``; hit per read."""
+    """Replay ``trace`` (read by ``jobs``) through a cache of ``capacity``
+    blocks run by ``policy``; hit per read."""
     resident: set[str] = set()
     hits: list[bool] = []
     for position, block in enumerate(trace):
         now = position * READ_SECONDS
-        clock.opened(block, BLOCK_BYTES, now)
-        clock.read(block, 0, BLOCK_BYTES, now)
+        clock.opened(block, BLOCK_BYTES, now, jobs[position])
+        clock.read(block, 0, BLOCK_BYTES, now, jobs[position])
         if oracle is not None:
             oracle.advance(position)
         if block in resident:
@@ -162,15 +171,17 @@ def simulate(
     return hits
 
 
-def simulate_policy(name: str, trace: Sequence[str], capacity: int, seed: int) -> list[bool]:
+def simulate_policy(
+    name: str, trace: Sequence[str], jobs: Sequence[str], capacity: int, seed: int
+) -> list[bool]:
     """One of ``SIMULATED`` over ``trace``: hit per read."""
     if name == BELADY:
         return simulate_belady(trace, capacity)
     clock = AccessModel()
     if name == PLANNED:
         oracle = TraceOracle(trace)
-        return simulate(EpochAwarePolicy(clock, oracle), trace, capacity, clock, oracle)
-    return simulate(make_policy(name, clock, random.Random(seed)), trace, capacity, clock)
+        return simulate(EpochAwarePolicy(clock, oracle), trace, jobs, capacity, clock, oracle)
+    return simulate(make_policy(name, clock, random.Random(seed)), trace, jobs, capacity, clock)
 
 
 def simulate_belady(trace: Sequence[str], capacity: int) -> list[bool]:
@@ -218,12 +229,12 @@ def analytic_lru(fraction: float) -> float:
 
 def run(files: int, epochs: int, fractions: Sequence[float], seed: int, readers: int = 1) -> dict[str, Any]:
     """Every policy at every cache fraction over one seeded trace; a JSON-ready result."""
-    trace = shuffled_trace(files, epochs, seed, readers)
+    trace, jobs = shuffled_trace(files, epochs, seed, readers)
     rows: list[dict[str, Any]] = []
     for fraction in fractions:
         capacity = round(fraction * files)
         for name in SIMULATED:
-            ratios = epoch_hit_ratios(simulate_policy(name, trace, capacity, seed), files * readers)
+            ratios = epoch_hit_ratios(simulate_policy(name, trace, jobs, capacity, seed), files * readers)
             rows.append({"fraction": fraction, "policy": name, "epochs": ratios, "steady": steady(ratios)})
         if readers == 1:  # the formula is for one reader's passes
             rows.append({"fraction": fraction, "policy": "lru (analytic)", "steady": analytic_lru(fraction)})

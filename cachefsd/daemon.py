@@ -21,6 +21,7 @@ from cachefsd.control.server import ControlServer, MountHandlers
 from cachefsd.engine import engine
 from cachefsd.errors import ConfigError
 from cachefsd.fuse.session import Session
+from cachefsd.jobs import CallerJobs
 from cachefsd.preflight import check_allow_other, check_fuse_device, check_mountpoint
 from cachefsd.stats import DaemonStats, Residency
 
@@ -54,6 +55,13 @@ def _start_metrics(settings: Settings, registry: CollectorRegistry) -> str | Non
     return f"{host}:{server.server_port}"
 
 
+def _for_job(
+    hint: Callable[[list[str], tuple[int, int] | None, str], tuple[int, int]], jobs: CallerJobs
+) -> Callable[[list[str], tuple[int, int] | None, int], tuple[int, int]]:
+    """``hint`` for the job of the process that sent it."""
+    return lambda order, part, pid: hint(order, part, jobs.of(pid))
+
+
 def run(settings: Settings, ready: Callable[[], None]) -> None:
     """Mount ``settings.source`` and serve until unmounted."""
     mountpoint = settings.mountpoint.resolve()
@@ -68,6 +76,7 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
         # stops before the engine closes.
         identity = {"pid": os.getpid(), "mountpoint": str(mountpoint), "source": parts.store.uri}
         hint = parts.prefetcher.hint if settings.prefetch.enabled else None
+        job_hint = None if hint is None else _for_job(hint, parts.fs.jobs)
         # /stats and the metrics endpoint read the same registry; residency
         # is one cached index query shared by both.
         residency = Residency(
@@ -77,7 +86,9 @@ def run(settings: Settings, ready: Callable[[], None]) -> None:
         parts.metrics.watch_residency(parts.store.uri, residency.rows)
         stats = DaemonStats(parts.metrics, parts.model, residency, parts.store.uri)
         stats.start()
-        handlers = MountHandlers(parts.namespace, parts.reader, parts.cache, identity, hint, stats.snapshot)
+        handlers = MountHandlers(
+            parts.namespace, parts.reader, parts.cache, identity, job_hint, stats.snapshot
+        )
         control = ControlServer(control_path(mountpoint), handlers)
         control.start()
         state = write_state(

@@ -53,9 +53,9 @@ ROOT_INODE = 1
 class AccessEvents(Protocol):
     """What the access model learns from (prefetch/engine.py implements it)."""
 
-    def opened(self, info: ObjectInfo) -> None: ...
-    def read(self, info: ObjectInfo, offset: int, size: int) -> None: ...
-    def listed(self, entries: dict[str, ObjectInfo | None], directory: str) -> None: ...
+    def opened(self, info: ObjectInfo, job: str) -> None: ...
+    def read(self, info: ObjectInfo, offset: int, size: int, job: str) -> None: ...
+    def listed(self, entries: dict[str, ObjectInfo | None], directory: str, job: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +110,7 @@ class FileSystem:
     ) -> None:
         self._namespace = namespace
         self._access = access
-        self._jobs = jobs
+        self.jobs = jobs  # who a request's pid reads for
         self._reader = reader
         self._uid = uid
         self._gid = gid
@@ -180,11 +180,12 @@ class FileSystem:
                 raise IsADirectory(str(node))
             raise UnknownInode(str(node))
         info = file.info
+        job = self.jobs.of(pid)
         if offset == 0:
-            self._access.opened(info)
-        self._access.read(info, offset, size)
+            self._access.opened(info, job)
+        self._access.read(info, offset, size, job)
         try:
-            return self._reader.read(info, offset, size, self._jobs.of(pid))
+            return self._reader.read(info, offset, size, job)
         except ObjectChanged:
             # Overwritten or deleted since it was listed: the listing that
             # showed it is dropped, and the kernel forgets the name, so the
@@ -193,13 +194,13 @@ class FileSystem:
             self.stale_entries.put((file.parent, file.name))
             raise
 
-    def opendir(self, node: int) -> int:
-        """A handle on the listing of directory ``node`` as it is now: the
-        kernel reads it in pieces, by offset, and each piece must come from
-        the same listing."""
+    def opendir(self, node: int, pid: int) -> int:
+        """A handle on the listing of directory ``node`` as it is now, for
+        process ``pid``: the kernel reads it in pieces, by offset, and each
+        piece must come from the same listing."""
         directory = self._dir(node)
         listing = self._namespace.listdir(directory.path)
-        self._access.listed(listing, directory.path.strip("/"))
+        self._access.listed(listing, directory.path.strip("/"), self.jobs.of(pid))
         entries = [DirEntry(".", None), DirEntry("..", None)]
         entries.extend(DirEntry(name, info) for name, info in listing.items())
         with self._lock:

@@ -101,6 +101,11 @@ class EpochClock(Protocol):
         """The current epoch number; never decreases."""
         ...
 
+    def shared(self) -> bool:
+        """Several jobs read now: what one job read this epoch, another may
+        still be to read this epoch."""
+        ...
+
 
 class NextUse(Protocol):
     """Exact knowledge of when a block will be read next (a loader's plan, fed by prefetch).
@@ -410,7 +415,8 @@ class EpochAwarePolicy:
         plus, for a newcomer with a known next use, the planned residents
         due after it."""
         current = self._epochs.current()
-        unplanned = sum(len(group) for epoch, group in self._unknown.items() if epoch != current - 1)
+        due = {current - 1, current} if self._epochs.shared() else {current - 1}
+        unplanned = sum(len(group) for epoch, group in self._unknown.items() if epoch not in due)
         if incoming_use is None or unplanned >= enough:
             return unplanned
         return unplanned + self._planned_after(incoming_use, enough - unplanned)
@@ -436,12 +442,15 @@ class EpochAwarePolicy:
         return count
 
     def _evictable_epoch(self, current: int) -> int | None:
-        """The group ``victim`` takes from: the stalest, else this epoch's.
-        O(groups), and there is one group per epoch that still has residents."""
+        """The group ``victim`` takes from: the stalest, else this epoch's
+        unless several jobs read (``EpochClock.shared``: a block one read
+        this epoch is due for another, so only stale ones go, as MinIO's
+        rule keeps what every job still needs). O(groups), and there is one
+        group per epoch that still has residents."""
         oldest = min(self._unknown, default=None)
         if oldest is not None and oldest < current - 1:
             return oldest
-        return current if current in self._unknown else None
+        return current if current in self._unknown and not self._epochs.shared() else None
 
     def _lookup(self, block: str) -> float | None:
         return None if self._next_use is None else self._next_use.next_use(block)

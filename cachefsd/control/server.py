@@ -36,7 +36,9 @@ import http.server
 import json
 import logging
 import os
+import socket
 import socketserver
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -128,6 +130,20 @@ def _parsed(model: type[RequestBody], body: Any) -> RequestBody:
         raise BadRequest("; ".join(problems)) from None
 
 
+# struct ucred: pid, uid, gid.
+_PEER_CREDENTIALS = struct.Struct("3i")
+
+
+def _peer_pid(connection: socket.socket) -> int:
+    """The process at the other end of a Unix socket (0 if unknown)."""
+    try:
+        credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER_CREDENTIALS.size)
+    except OSError:
+        return 0
+    pid, _, _ = _PEER_CREDENTIALS.unpack(credentials)
+    return int(pid)
+
+
 class _ClientGone(ConnectionError):
     """Writing to the client failed: it hung up, or stopped reading."""
 
@@ -139,10 +155,11 @@ class ControlHandlers(Protocol):
         """A JSON-serialisable snapshot for ``GET /stats``."""
         ...
 
-    def hint(self, order: list[str], part: tuple[int, int] | None) -> tuple[int, int]:
-        """Accept the read order of mount-relative paths; returns (accepted,
-        unknown). Paths that do not exist are counted, not errors. ``part``
-        is (rank, world size) when the order is one rank's share."""
+    def hint(self, order: list[str], part: tuple[int, int] | None, pid: int) -> tuple[int, int]:
+        """Accept the read order of mount-relative paths from process
+        ``pid`` (0 if unknown), for its job; returns (accepted, unknown).
+        Paths that do not exist are counted, not errors. ``part`` is (rank,
+        world size) when the order is one rank's share."""
         ...
 
     def stage(self, request: StageRequest, report: Report) -> dict[str, Any]:
@@ -257,7 +274,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _hint(self, body: Any) -> None:
         hint = _parsed(HintBody, body)
-        accepted, unknown = self.server.owner.handlers.hint(hint.order, hint.part)
+        accepted, unknown = self.server.owner.handlers.hint(hint.order, hint.part, _peer_pid(self.request))
         self._json(200, {"accepted": accepted, "unknown": unknown})
 
     def _stage(self, body: Any) -> None:
@@ -424,7 +441,7 @@ class MountHandlers:
         reader: Blocks,
         cache: TieredCache,
         mount: dict[str, Any],
-        hint: Callable[[list[str], tuple[int, int] | None], tuple[int, int]] | None = None,
+        hint: Callable[[list[str], tuple[int, int] | None, int], tuple[int, int]] | None = None,
         extra_stats: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         """``mount``: what identifies the mount in ``/stats`` (pid, mountpoint,
@@ -462,9 +479,9 @@ class MountHandlers:
             stats.update(self._extra_stats())
         return stats
 
-    def hint(self, order: list[str], part: tuple[int, int] | None = None) -> tuple[int, int]:
+    def hint(self, order: list[str], part: tuple[int, int] | None = None, pid: int = 0) -> tuple[int, int]:
         if self._hint is not None:
-            accepted, unknown = self._hint(order, part)
+            accepted, unknown = self._hint(order, part, pid)
         else:
             accepted = sum(1 for path in order if self._is_file(path))
             unknown = len(order) - accepted

@@ -276,12 +276,11 @@ class Session:
 
     @_answered
     def _read(self, request: int, ino: int, size: int, offset: int, fi: Any) -> None:
-        caller = ll.lib.fuse_req_ctx(request).contents.pid
-        _reply_pieces(request, self._fs.read(ino, size, offset, caller))
+        _reply_pieces(request, self._fs.read(ino, size, offset, ll.lib.fuse_req_ctx(request).contents.pid))
 
     @_answered
     def _opendir(self, request: int, ino: int, fi: Any) -> None:
-        fi.contents.fh = self._fs.opendir(ino)
+        fi.contents.fh = self._fs.opendir(ino, ll.lib.fuse_req_ctx(request).contents.pid)
         if ll.lib.fuse_reply_open(request, fi) != 0:
             self._fs.releasedir(fi.contents.fh)
 

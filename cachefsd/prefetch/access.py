@@ -11,10 +11,14 @@ read next (``predict``, for the prefetcher), when each file a trusted
 plan places is read next (``planned``, which the prefetcher hands to the
 eviction policy), and which epoch it is (``current``, an ``EpochClock``).
 
-Jobs. Several jobs may read different prefixes of one mount, so every piece
-of state below is kept per job, and a job is named by its root directory.
-A path belongs to the job whose root is its DEEPEST ancestor directory that
-already is a job root. When no job root is an ancestor, a new root is made:
+Jobs. Several jobs may read one mount: different prefixes, or one prefix
+(a sweep). Every piece of state below is kept per job, and a job is the
+caller that reads (``jobs.py``: the readers' process group) and a root
+directory, named ``caller:root`` (the root alone when the caller is
+unknown). Of one caller, a path belongs to the job whose root is its
+DEEPEST ancestor directory that already is a job root. When no job root is
+an ancestor, a new root is made (the same for every caller: which
+directories were listed is known to all):
 
 1. if an ancestor directory was listed, the deepest listed ancestor, moved
    up while its parent was listed too (a recursive scan such as ImageFolder's
@@ -44,7 +48,9 @@ open count once: only opens feed epochs. A new hint also starts an epoch,
 unless the current one has barely begun (then the hint joins it). Epochs
 are numbered from 0, like ``ObservedEpochs``.
 
-Working set. Listings are the first guess (so the unread set, and with it
+Working set. A working set is the dataset's: a listing reaches every job
+that holds its directory, and a caller's new job starts with the working
+set another caller's job of the same root has. Listings are the first guess (so the unread set, and with it
 prediction, is useful from the first open of epoch 0); files opened without
 having been listed join it. It only grows: datasets are immutable, and a
 stale entry costs one useless prediction, which the prefetcher drops when
@@ -102,6 +108,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
+
+from cachefsd.jobs import UNKNOWN_JOB
 
 # Half of the reference must have been opened before a re-open ends an
 # epoch: a real new pass starts after (nearly) everything was read, while a
@@ -263,6 +271,7 @@ class _Plan:
 class _Job:
     root: str
     made_by_listing: bool
+    caller: str = ""  # the job of the processes reading (``jobs.py``), "" if unknown
     # Working set: path -> size (-1 unknown), in listing / first-seen order.
     working: dict[str, int] = field(default_factory=dict)
     # Working-set files not opened this epoch -> size, in working-set order,
@@ -291,6 +300,10 @@ class _Job:
     engaged: bool = False
     last_event: float = float("-inf")
 
+    @property
+    def id(self) -> str:
+        return job_id(self.caller, self.root)
+
     def unread_count(self) -> int:
         return len(self.unread) + len(self.satisfied)
 
@@ -301,6 +314,44 @@ class _Job:
         if self.replay is not None and self.replay.trusted():
             return self.replay
         return None
+
+
+def job_id(caller: str, root: str) -> str:
+    """How a job is named to the prefetcher, ``stats`` and metrics: its root
+    alone for reads of unknown callers, else ``caller:root``."""
+    return f"{caller}:{root}" if caller else root
+
+
+@dataclass
+class _Tree:
+    """One caller's jobs, by root."""
+
+    caller: str
+    jobs: dict[str, _Job] = field(default_factory=dict)
+
+
+_NO_JOBS: Final = _Tree(UNKNOWN_JOB)  # what a query about a caller never seen looks in
+
+
+def _add_files(job: _Job, files: dict[str, int]) -> None:
+    """Listed ``files`` (path -> size) join ``job``'s working set, unread
+    unless it opened them this epoch."""
+    for name, size in files.items():
+        path = _clean(name)
+        known = path in job.working
+        job.working[path] = size
+        if not known and path not in job.seen:
+            job.unread[path] = size
+
+
+def _dataset_root(tree: _Tree) -> _Job | None:
+    """The mount root's job among ``jobs`` when it is a dataset root, made
+    by a hint whose paths span several top-level directories (ImageFolder
+    class folders right under the mount): it then holds every path no
+    deeper job claims. A root job made by a plain listing (someone ran
+    ``ls``) or by a file at the root does not."""
+    job = tree.jobs.get("")
+    return job if job is not None and job.made_by_listing else None
 
 
 def _common_directory(roots: list[str]) -> str:
@@ -335,37 +386,41 @@ class AccessModel:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         # Guarded by _lock:
-        self._jobs: dict[str, _Job] = {}
+        # caller -> job root -> job: the same directory read by two callers
+        # is two jobs, each with its epochs, orders, streams and hint.
+        self._callers: dict[str, _Tree] = {}
+        self._by_id: dict[str, _Job] = {}
         self._listed: set[str] = set()
         self._now = float("-inf")
         self._max_epoch = 0
-        self._turns: dict[str, int] = {}  # job root -> epoch, started since ``take_turns``
+        self._turns: dict[str, int] = {}  # job id -> epoch, started since ``take_turns``
 
     # -- events ------------------------------------------------------------
 
-    def listed(self, directory: str, files: dict[str, int]) -> None:
-        """``directory`` was listed; ``files`` maps each child FILE's path to its size."""
+    def listed(self, directory: str, files: dict[str, int], caller: str = UNKNOWN_JOB) -> None:
+        """``directory`` was listed for ``caller``; ``files`` maps each child
+        FILE's path to its size. The jobs of other callers that hold the
+        directory learn of its files too: a working set is the dataset's."""
         directory = _clean(directory)
         with self._lock:
+            tree = self._tree_locked(caller)
             if directory:
                 self._listed.add(directory)
-                job = self._job_for_directory_locked(directory)
+                job = self._job_for_directory_locked(tree, directory)
             else:
-                job = self._job_locked("", made_by_listing=False)
-            for name, size in files.items():
-                path = _clean(name)
-                if path in job.working:
-                    job.working[path] = size
-                    continue
-                job.working[path] = size
-                if path not in job.seen:
-                    job.unread[path] = size
+                job = self._job_locked(tree, "", made_by_listing=False)
+            holders = [job]
+            for other in self._callers.values():
+                if other is not tree and (held := self._existing_job_locked(other, directory)) is not None:
+                    holders.append(held)
+            for holder in holders:
+                _add_files(holder, files)
 
-    def opened(self, path: str, size: int, now: float) -> None:
-        """``path`` (``size`` bytes, -1 if unknown) was opened for reading at ``now``."""
+    def opened(self, path: str, size: int, now: float, caller: str = UNKNOWN_JOB) -> None:
+        """``path`` (``size`` bytes, -1 if unknown) was opened for reading at ``now`` by ``caller``."""
         path = _clean(path)
         with self._lock:
-            job = self._touch_locked(path, now)
+            job = self._touch_locked(path, now, caller)
             if size >= 0 or path not in job.working:
                 job.working[path] = size
             position = job.seen.get(path)
@@ -375,11 +430,11 @@ class AccessModel:
                 self._start_epoch_locked(job, None)
             self._first_open_locked(job, path)
 
-    def read(self, path: str, offset: int, length: int, now: float) -> None:
-        """``length`` bytes of ``path`` at ``offset`` were read at ``now``."""
+    def read(self, path: str, offset: int, length: int, now: float, caller: str = UNKNOWN_JOB) -> None:
+        """``length`` bytes of ``path`` at ``offset`` were read at ``now`` by ``caller``."""
         path = _clean(path)
         with self._lock:
-            job = self._touch_locked(path, now)
+            job = self._touch_locked(path, now, caller)
             size = job.working.get(path, -1)
             if 0 <= size <= STREAM_MIN_FILE_BYTES:
                 return
@@ -404,30 +459,32 @@ class AccessModel:
             while len(job.streams) > MAX_STREAMS_PER_JOB:
                 job.streams.popitem(last=False)
 
-    def satisfied(self, path: str) -> None:
-        """``path`` needs nothing fetched (it is cached): stop predicting it
-        until its job opens it or starts a new epoch."""
+    def satisfied(self, path: str, job_name: str) -> None:
+        """``path``, predicted for the job ``job_name`` (``Prediction.job``),
+        needs nothing fetched (it is cached): stop predicting it until that
+        job opens it or starts a new epoch."""
         path = _clean(path)
         with self._lock:
-            job = self._existing_job_locked(path)
+            job = self._by_id.get(job_name)
             if job is None or path in job.seen:
                 return
             job.satisfied[path] = job.unread.pop(path, job.working.get(path, -1))
 
-    def hint(self, order: list[str], now: float) -> None:
-        """The exact order of the current (or next) epoch of the job that
-        ``order[0]`` belongs to; replaces that job's previous hint. Paths of
-        other jobs are ignored; an empty order is a no-op."""
+    def hint(self, order: list[str], now: float, caller: str = UNKNOWN_JOB) -> None:
+        """The exact order of the current (or next) epoch of ``caller``'s job
+        that ``order[0]`` belongs to; replaces that job's previous hint, and
+        no other job's. Paths of other jobs are ignored; an empty order is a no-op."""
         paths = [_clean(path) for path in order]
         if not paths:
             return
         with self._lock:
-            roots = {self._root_of_locked(path) for path in paths}
+            tree = self._tree_locked(caller)
+            roots = {self._root_of_locked(tree, path) for path in paths}
             if len(roots) > 1:
                 # One loader's order over what were guessed to be several jobs.
-                self._claim_root_locked(_common_directory(sorted(roots)))
-            job = self._touch_locked(paths[0], now)
-            mine = [path for path in paths if self._root_of_locked(path) == job.root]
+                self._claim_root_locked(tree, _common_directory(sorted(roots)))
+            job = self._touch_locked(paths[0], now, caller)
+            mine = [path for path in paths if self._root_of_locked(tree, path) == job.root]
             plan = _Plan.of(mine, HINT_MIN_MATCH, trusted=True)
             if len(job.order) <= HINT_JOIN_FRACTION * len(mine):
                 # The pass has barely begun: the hint is for this epoch.
@@ -448,8 +505,8 @@ class AccessModel:
         with self._lock:
             sources = [
                 self._job_predictions_locked(job, limit)
-                for job in self._jobs.values()
-                if job.engaged and self._now - job.last_event <= JOB_IDLE_SECONDS
+                for job in self._by_id.values()
+                if self._active_locked(job)
             ]
             while sources and len(out) < limit:
                 alive = []
@@ -471,7 +528,7 @@ class AccessModel:
         once per plan, not per round."""
         out: list[tuple[str, float]] = []
         with self._lock:
-            for job in self._jobs.values():
+            for job in self._by_id.values():
                 plan = job.plan()
                 if plan is not None:
                     out.extend(self._placements_locked(job, plan, len(plan.order)))
@@ -484,25 +541,37 @@ class AccessModel:
         with self._lock:
             return self._max_epoch
 
-    def current_epoch(self, job_path: str | None = None) -> int:
-        """The epoch of the job ``job_path`` (a root or any path under it)
-        belongs to, 0 for an unknown job; ``current()`` when None."""
+    def shared(self) -> bool:
+        """``EpochClock``: more than one job read in the last ``JOB_IDLE_SECONDS``."""
+        with self._lock:
+            active = (job for job in self._by_id.values() if self._active_locked(job))
+            return next(active, None) is not None and next(active, None) is not None
+
+    def current_epoch(self, job_path: str | None = None, caller: str = UNKNOWN_JOB) -> int:
+        """The epoch of ``caller``'s job that ``job_path`` (a root or any path
+        under it) belongs to, 0 for an unknown job; ``current()`` when None."""
         with self._lock:
             if job_path is None:
                 return self._max_epoch
-            job = self._existing_job_locked(_clean(job_path))
+            job = self._existing_job_locked(self._callers.get(caller, _NO_JOBS), _clean(job_path))
             return 0 if job is None else job.epoch
 
-    def job_of(self, path: str) -> str | None:
-        """The root of the job ``path`` belongs to now, None if none yet."""
+    def epoch_of(self, job_name: str) -> int:
+        """The epoch of the job named ``job_name`` (``Prediction.job``), 0 if none."""
         with self._lock:
-            job = self._existing_job_locked(_clean(path))
-            return None if job is None else job.root
+            job = self._by_id.get(job_name)
+            return 0 if job is None else job.epoch
+
+    def job_of(self, path: str, caller: str = UNKNOWN_JOB) -> str | None:
+        """The name (``job_id``) of ``caller``'s job that ``path`` belongs to now, None if none yet."""
+        with self._lock:
+            job = self._existing_job_locked(self._callers.get(caller, _NO_JOBS), _clean(path))
+            return None if job is None else job.id
 
     def jobs(self) -> list[str]:
-        """Every job root, oldest first."""
+        """Every job's name (``job_id``), oldest first."""
         with self._lock:
-            return list(self._jobs)
+            return list(self._by_id)
 
     def take_turns(self) -> dict[str, int]:
         """The jobs that started an epoch since the last call -> their epoch
@@ -511,22 +580,22 @@ class AccessModel:
             turns, self._turns = self._turns, {}
             return turns
 
-    def unread(self, job_path: str) -> set[str]:
-        """Working-set files of ``job_path``'s job not opened this epoch. O(working set)."""
+    def unread(self, job_path: str, caller: str = UNKNOWN_JOB) -> set[str]:
+        """Working-set files of ``caller``'s job of ``job_path`` not opened this epoch. O(working set)."""
         with self._lock:
-            job = self._existing_job_locked(_clean(job_path))
+            job = self._existing_job_locked(self._callers.get(caller, _NO_JOBS), _clean(job_path))
             return set() if job is None else set(job.unread) | set(job.satisfied)
 
-    def read_this_epoch(self, job_path: str) -> set[str]:
-        """Files ``job_path``'s job opened this epoch. O(files opened)."""
+    def read_this_epoch(self, job_path: str, caller: str = UNKNOWN_JOB) -> set[str]:
+        """Files ``caller``'s job of ``job_path`` opened this epoch. O(files opened)."""
         with self._lock:
-            job = self._existing_job_locked(_clean(job_path))
+            job = self._existing_job_locked(self._callers.get(caller, _NO_JOBS), _clean(job_path))
             return set() if job is None else set(job.seen)
 
-    def working_set(self, job_path: str) -> set[str]:
-        """Files of ``job_path``'s job's working set. O(working set)."""
+    def working_set(self, job_path: str, caller: str = UNKNOWN_JOB) -> set[str]:
+        """Files of ``caller``'s job of ``job_path``'s working set. O(working set)."""
         with self._lock:
-            job = self._existing_job_locked(_clean(job_path))
+            job = self._existing_job_locked(self._callers.get(caller, _NO_JOBS), _clean(job_path))
             return set() if job is None else set(job.working)
 
     def stats(self) -> dict[str, object]:
@@ -537,7 +606,7 @@ class AccessModel:
         loaders send exact hints.
         """
         with self._lock:
-            jobs = list(self._jobs.values())
+            jobs = list(self._by_id.values())
             opens = sum(len(job.order) for job in jobs)
             hinted = sum(job.hint.matched for job in jobs if job.hint is not None)
             active = sorted(jobs, key=lambda job: job.last_event, reverse=True)[:STATS_MAX_JOBS]
@@ -549,47 +618,55 @@ class AccessModel:
                 "read_this_epoch_files": opens,
                 "active_streams": sum(self._live_streams_locked(job) for job in jobs),
                 "hint_coverage": hinted / opens if opens else 0.0,
-                "per_job": {job.root: self._job_stats_locked(job) for job in active},
+                "per_job": {job.id: self._job_stats_locked(job) for job in active},
             }
 
     # -- jobs ---------------------------------------------------------------
 
-    def _job_locked(self, root: str, made_by_listing: bool) -> _Job:
-        job = self._jobs.get(root)
+    def _active_locked(self, job: _Job) -> bool:
+        return job.engaged and self._now - job.last_event <= JOB_IDLE_SECONDS
+
+    def _tree_locked(self, caller: str) -> _Tree:
+        """``caller``'s jobs, none yet if it is new."""
+        tree = self._callers.get(caller)
+        if tree is None:
+            tree = self._callers[caller] = _Tree(caller)
+        return tree
+
+    def _job_locked(self, tree: _Tree, root: str, made_by_listing: bool) -> _Job:
+        job = tree.jobs.get(root)
         if job is None:
-            job = _Job(root, made_by_listing)
-            self._jobs[root] = job
+            job = _Job(root, made_by_listing, tree.caller)
+            # Another caller's job of the same root knows the working set
+            # (it listed the dataset): this one starts its epoch with it unread.
+            twin = next((each.jobs[root] for each in self._callers.values() if root in each.jobs), None)
+            if twin is not None:
+                job.working = twin.working.copy()
+                job.unread = twin.working.copy()
+            tree.jobs[root] = job
+            self._by_id[job.id] = job
         return job
 
-    def _existing_job_locked(self, path: str) -> _Job | None:
-        """The job of ``path`` (a file, directory or root), without making one."""
-        job = self._jobs.get(path)
+    def _existing_job_locked(self, tree: _Tree, path: str) -> _Job | None:
+        """The job of ``path`` (a file, directory or root) among ``jobs``, without making one."""
+        job = tree.jobs.get(path)
         if job is not None:
             return job
         for directory in reversed(_ancestors(path)):
-            job = self._jobs.get(directory)
+            job = tree.jobs.get(directory)
             if job is not None:
                 return job
         if "/" not in path:
-            return self._jobs.get("")
-        return self._dataset_root_locked()
+            return tree.jobs.get("")
+        return _dataset_root(tree)
 
-    def _dataset_root_locked(self) -> _Job | None:
-        """The mount root's job when it is a dataset root, made by a hint
-        whose paths span several top-level directories (ImageFolder class
-        folders right under the mount): it then holds every path no deeper
-        job claims. A root job made by a plain listing (someone ran ``ls``)
-        or by a file at the root does not."""
-        job = self._jobs.get("")
-        return job if job is not None and job.made_by_listing else None
-
-    def _root_of_locked(self, path: str) -> str:
-        """The root of the job a FILE ``path`` belongs to or would get."""
+    def _root_of_locked(self, tree: _Tree, path: str) -> str:
+        """The root of the job among ``jobs`` a FILE ``path`` belongs to or would get."""
         ancestors = _ancestors(path)
         for directory in reversed(ancestors):
-            if directory in self._jobs:
+            if directory in tree.jobs:
                 return directory
-        if self._dataset_root_locked() is not None:
+        if _dataset_root(tree) is not None:
             return ""
         for directory in reversed(ancestors):
             if directory in self._listed:
@@ -603,51 +680,52 @@ class AccessModel:
                 return directory
             directory = parent
 
-    def _file_job_locked(self, path: str) -> _Job:
-        root = self._root_of_locked(path)
-        job = self._jobs.get(root)
+    def _file_job_locked(self, tree: _Tree, path: str) -> _Job:
+        root = self._root_of_locked(tree, path)
+        job = tree.jobs.get(root)
         if job is not None:
             return job
         if root and root in self._listed:
-            return self._job_for_directory_locked(root)
-        return self._job_locked(root, made_by_listing=False)
+            return self._job_for_directory_locked(tree, root)
+        return self._job_locked(tree, root, made_by_listing=False)
 
-    def _job_for_directory_locked(self, directory: str) -> _Job:
-        """The job of a listed ``directory`` (not the root); may make and merge."""
+    def _job_for_directory_locked(self, tree: _Tree, directory: str) -> _Job:
+        """The job among ``jobs`` of a listed ``directory`` (not the root); may make and merge."""
         for candidate in [directory, *reversed(_ancestors(directory))]:
-            job = self._jobs.get(candidate)
+            job = tree.jobs.get(candidate)
             if job is not None:
                 return job
-        root_job = self._dataset_root_locked()
+        root_job = _dataset_root(tree)
         if root_job is not None:
             return root_job
         root = self._chain_top_locked(directory)
-        job = self._job_locked(root, made_by_listing=True)
+        job = self._job_locked(tree, root, made_by_listing=True)
         prefix = root + "/"
-        for other in [other for other in self._jobs.values() if other.made_by_listing]:
+        for other in [other for other in tree.jobs.values() if other.made_by_listing]:
             if other.root.startswith(prefix):
-                self._merge_locked(job, other)
+                self._merge_locked(tree, job, other)
         return job
 
-    def _claim_root_locked(self, root: str) -> None:
+    def _claim_root_locked(self, tree: _Tree, root: str) -> None:
         """A hint spans the directory ``root``: make it one job, folding in
         the jobs that guessed smaller roots below it (one per class folder)."""
-        job = self._job_locked(root, made_by_listing=True)
+        job = self._job_locked(tree, root, made_by_listing=True)
         job.made_by_listing = True  # a root job made by ``ls`` becomes a dataset root too
         prefix = root + "/" if root else ""
-        for other in [other for other in self._jobs.values() if other is not job]:
+        for other in [other for other in tree.jobs.values() if other is not job]:
             if other.root.startswith(prefix) and other.root != root:
-                self._merge_locked(job, other)
+                self._merge_locked(tree, job, other)
 
-    def _merge_locked(self, into: _Job, child: _Job) -> None:
+    def _merge_locked(self, tree: _Tree, into: _Job, child: _Job) -> None:
         """Fold a job made below ``into`` (its child listed first) into it.
 
         The child's opens this epoch count as opens of ``into``; its orders
         and hint are dropped (they were orders of a part of the job).
         """
-        del self._jobs[child.root]
-        if self._turns.pop(child.root, None) is not None:
-            self._turns[into.root] = max(into.epoch, child.epoch)
+        del tree.jobs[child.root]
+        del self._by_id[child.id]
+        if self._turns.pop(child.id, None) is not None:
+            self._turns[into.id] = max(into.epoch, child.epoch)
         for path, size in child.working.items():
             into.working.setdefault(path, size)
         for path in child.order:
@@ -666,9 +744,9 @@ class AccessModel:
 
     # -- epochs -------------------------------------------------------------
 
-    def _touch_locked(self, path: str, now: float) -> _Job:
+    def _touch_locked(self, path: str, now: float, caller: str) -> _Job:
         self._now = max(self._now, now)
-        job = self._file_job_locked(path)
+        job = self._file_job_locked(self._tree_locked(caller), path)
         job.engaged = True
         job.last_event = max(job.last_event, now)
         return job
@@ -693,7 +771,7 @@ class AccessModel:
             job.previous_size = len(job.order)
         job.epoch += 1
         self._max_epoch = max(self._max_epoch, job.epoch)
-        self._turns[job.root] = job.epoch
+        self._turns[job.id] = job.epoch
         job.order = []
         job.seen = {}
         job.unread = job.working.copy()
@@ -726,14 +804,14 @@ class AccessModel:
     def _file_prediction_locked(self, job: _Job, path: str, distance: float, planned: bool) -> Prediction:
         size = job.working.get(path, -1)
         length = FILE_PREDICTION_BYTES if size < 0 else min(size, FILE_PREDICTION_BYTES)
-        return Prediction(path, 0, length, distance, planned, job.root, job.epoch)
+        return Prediction(path, 0, length, distance, planned, job.id, job.epoch)
 
     def _job_predictions_locked(self, job: _Job, limit: int) -> Iterator[Prediction]:
         """One job's predictions, nearest first. Consumed under the lock."""
         for path, stream in reversed(job.streams.items()):
             if self._stream_live_locked(stream):
                 length = stream.window if stream.size < 0 else min(stream.window, stream.size - stream.end)
-                yield Prediction(path, stream.end, length, 0.0, job=job.root, epoch=job.epoch)
+                yield Prediction(path, stream.end, length, 0.0, job=job.id, epoch=job.epoch)
         emitted: set[str] = set()
         plan = job.plan()
         if plan is not None:

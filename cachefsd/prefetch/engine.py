@@ -67,6 +67,7 @@ from typing import Protocol
 from cachefsd.cache.index import BlockRef
 from cachefsd.config import PrefetchSettings
 from cachefsd.errors import CachefsdError
+from cachefsd.jobs import UNKNOWN_JOB
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import AccessModel, Prediction
 from cachefsd.prefetch.bucket import TokenBucket
@@ -127,8 +128,8 @@ class Prefetcher:
         # block's plan in the cache.
         self._resident_plans: set[str] = set()
         self._replan = False
-        self._hint_world = 0
-        self._hint_parts: dict[int, list[str]] = {}  # rank -> its share of the epoch's order
+        # job -> (world size, rank -> its share of the epoch's order)
+        self._hint_parts: dict[str, tuple[int, dict[int, list[str]]]] = {}
         self._opens = 0
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -149,19 +150,19 @@ class Prefetcher:
 
     # -- events from the filesystem -------------------------------------
 
-    def opened(self, info: ObjectInfo) -> None:
-        self._model.opened(info.key, info.size, self._clock())
+    def opened(self, info: ObjectInfo, job: str = UNKNOWN_JOB) -> None:
+        self._model.opened(info.key, info.size, self._clock(), job)
         with self._lock:
             self._opens += 1
         self._wake.set()
 
-    def read(self, info: ObjectInfo, offset: int, size: int) -> None:
-        self._model.read(info.key, offset, size, self._clock())
+    def read(self, info: ObjectInfo, offset: int, size: int, job: str = UNKNOWN_JOB) -> None:
+        self._model.read(info.key, offset, size, self._clock(), job)
         block_size = self._reader.block_size
         if offset >= block_size and self._heads.awaiting():  # a read in block 0 says nothing (``judge``)
             self._heads.judge(self._reader.ref(info, 0), offset, block_size)
         if offset < block_size < info.size:
-            self._fetch_head(info)
+            self._fetch_head(info, job)
         used = 0
         with self._lock:
             for index in block_range(offset, size, info.size, block_size):
@@ -172,7 +173,7 @@ class Prefetcher:
             self._events.prefetch_used(used)
         self._wake.set()
 
-    def _fetch_head(self, info: ObjectInfo) -> None:
+    def _fetch_head(self, info: ObjectInfo, job: str) -> None:
         """Fetch the first run of a large file (``head.py``) with the GET of
         this read in its first block (the kernel's first reads of a file
         come in any order), if that block is neither cached nor being
@@ -183,7 +184,7 @@ class Prefetcher:
             return
         if self._reader.digest(info, 0) is not None or self._reader.fetching(info, 0):
             return
-        prediction = Prediction(info.key, 0, RUN_BYTES, 0.0, job=self._model.job_of(info.key) or "")
+        prediction = Prediction(info.key, 0, RUN_BYTES, 0.0, job=self._model.job_of(info.key, job) or "")
 
         def take() -> tuple[Run, float] | None:
             with self._lock:
@@ -232,33 +233,37 @@ class Prefetcher:
             run.append((index, *taken))
         return run
 
-    def listed(self, entries: dict[str, ObjectInfo | None], directory: str) -> None:
+    def listed(self, entries: dict[str, ObjectInfo | None], directory: str, job: str = UNKNOWN_JOB) -> None:
         files = {info.key: info.size for info in entries.values() if info is not None}
-        self._model.listed(directory, files)
+        self._model.listed(directory, files, job)
         self._wake.set()
 
-    def hint(self, order: list[str], part: tuple[int, int] | None = None) -> tuple[int, int]:
+    def hint(
+        self, order: list[str], part: tuple[int, int] | None = None, job: str = UNKNOWN_JOB
+    ) -> tuple[int, int]:
         """Follow ``order`` (mount-relative paths) for the current epoch;
         returns (accepted, unknown). Unknown paths are dropped, not errors:
         a stale hint costs bandwidth, never correctness. ``part`` (rank,
         world size) marks one rank's share: the shares of the ranks on this
         node are interleaved into one order, as their readers run side by side."""
         accepted = [info.key for path in order if (info := self._file_info(path)) is not None]
-        self._model.hint(self._merged(accepted, part), self._clock())
+        self._model.hint(self._merged(accepted, part, job), self._clock(), job)
         with self._lock:
             self._replan = True
         self._wake.set()
         return len(accepted), len(order) - len(accepted)
 
-    def _merged(self, order: list[str], part: tuple[int, int] | None) -> list[str]:
+    def _merged(self, order: list[str], part: tuple[int, int] | None, job: str) -> list[str]:
         if part is None:
             return order
         rank, world = part
         with self._lock:
-            if world != self._hint_world:
-                self._hint_world, self._hint_parts = world, {}
-            self._hint_parts[rank] = order
-            shares = [self._hint_parts[rank] for rank in sorted(self._hint_parts)]
+            known_world, parts = self._hint_parts.get(job, (0, {}))
+            if world != known_world:
+                parts = {}
+                self._hint_parts[job] = (world, parts)
+            parts[rank] = order
+            shares = [parts[rank] for rank in sorted(parts)]
         merged: list[str] = []
         for position in range(max(len(share) for share in shares)):
             merged.extend(share[position] for share in shares if position < len(share))
@@ -316,7 +321,7 @@ class Prefetcher:
 
     def _stale(self, job: str, epoch: int) -> bool:
         """A prediction of ``job`` made in ``epoch``, which it has since left."""
-        return epoch < self._model.current_epoch(job)
+        return epoch < self._model.epoch_of(job)
 
     def _plan_residents(self) -> None:
         """Tell the cache when each cached block of a file a plan (hint,
@@ -374,7 +379,7 @@ class Prefetcher:
             blocks = block_range(prediction.offset, end - prediction.offset, info.size, block_size)
             if all(self._reader.digest(info, index) is not None for index in blocks):
                 if prediction.offset == 0 and prediction.length >= info.size:
-                    self._model.satisfied(prediction.path)
+                    self._model.satisfied(prediction.path, prediction.job)
                     if prediction.planned:
                         position = opens + prediction.distance
                         self._warming.plan(

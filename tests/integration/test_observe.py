@@ -150,6 +150,54 @@ def test_reads_are_counted_per_job(s3_client: Any, s3_server: S3TestServer, moun
     assert all(samples[f"cachefsd_job_read_stall_seconds_total{{job={job}}}"] > 0 for job in by_job)
 
 
+_EPOCHS_SCRIPT = """
+import os, random, sys
+paths, seed, epochs = sys.argv[3:], int(sys.argv[1]), int(sys.argv[2])
+rng = random.Random(seed)
+for _ in range(epochs):
+    rng.shuffle(paths)
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        while os.read(fd, 1 << 20):
+            pass
+        # Its pages dropped, as for a dataset larger than RAM: the next
+        # epoch's read reaches the daemon again.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+"""
+
+
+def test_two_jobs_on_one_prefix_keep_their_own_epochs(
+    s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
+) -> None:
+    """Two jobs started in sessions of their own read the same files in
+    their own shuffles at once: each is a job with its own epochs (3
+    passes: epoch 2), where one access model for both counted an epoch at
+    nearly every open."""
+    objects = _dataset(5, {f"d/{index}.bin": 8 * KiB for index in range(40)})
+    bucket = new_bucket(s3_client)
+    put_objects(s3_client, bucket, objects)
+    mount = _mount(mounter, s3_server, bucket)
+    paths = [str(mount.path(key)) for key in sorted(objects)]
+    jobs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _EPOCHS_SCRIPT, str(seed), "3", *paths], start_new_session=True
+        )
+        for seed in (1, 2)
+    ]
+    for job in jobs:
+        assert job.wait(timeout=120) == 0
+    result = run_cli("stats", str(mount.mountpoint), "--json")
+    assert result.returncode == 0, result.stderr
+    epochs = json.loads(result.stdout)["epoch"]["jobs"]
+    mine = {
+        name: epoch
+        for name, epoch in epochs.items()
+        if name.endswith(tuple(f"[{job.pid}]:d" for job in jobs))
+    }
+    assert sorted(mine.values()) == [2, 2], epochs
+
+
 def test_stats_json_agrees_with_the_metrics_and_shows_residency(
     s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
 ) -> None:

@@ -269,7 +269,7 @@ def test_satisfied_files_stay_unread_but_are_not_predicted_until_the_next_epoch(
     order = files[::-1]
     model.hint(order, 0.0)
     for path in (files[1], files[4]):
-        model.satisfied(path)
+        model.satisfied(path, "s")
     predicted = paths_of(model.predict(100))
     assert predicted == [path for path in order if path not in (files[1], files[4])]
     assert model.unread("s") == set(files)
@@ -720,3 +720,72 @@ def test_unread_and_read_this_epoch_stay_disjoint_parts_of_the_working_set(
         assert len(predicted) <= 5
         assert all(p.length > 0 and p.offset >= 0 and p.distance >= 0 for p in predicted)
     assert len(set(model.jobs())) == len(model.jobs())
+
+
+# -- jobs told apart by their callers -----------------------------------------
+
+
+def _interleaved(orders: dict[str, list[str]], rng: random.Random) -> list[tuple[str, str]]:
+    """(caller, path) events of several callers' passes, each in its own
+    order, taking turns at random."""
+    positions = dict.fromkeys(orders, 0)
+    events: list[tuple[str, str]] = []
+    while positions:
+        caller = rng.choice(sorted(positions))
+        events.append((caller, orders[caller][positions[caller]]))
+        positions[caller] += 1
+        if positions[caller] == len(orders[caller]):
+            del positions[caller]
+    return events
+
+
+def test_two_callers_reading_one_dataset_keep_their_own_epochs() -> None:
+    """Two jobs (a sweep) shuffling the same files: each epoch boundary is a
+    job's own, not every re-read of a file the other job read."""
+    model = AccessModel()
+    files = listed_dataset(model, "d", 200)
+    rng = random.Random(7)
+    passes = {caller: shuffled_epochs(files, 3, rng) for caller in ("a[1]", "b[2]")}
+    now = 1000.0
+    for epoch in range(3):
+        events = _interleaved({caller: orders[epoch] for caller, orders in passes.items()}, rng)
+        for caller, path in events:
+            now += 0.01
+            model.opened(path, SMALL, now, caller)
+    assert model.current_epoch("d", "a[1]") == model.current_epoch("d", "b[2]") == 2
+    assert model.current() == 2
+    assert set(model.jobs()) == {"d", "a[1]:d", "b[2]:d"}  # "d": the listing's (no caller)
+
+
+def test_a_job_that_never_listed_starts_with_the_datasets_files_unread() -> None:
+    model = AccessModel()
+    files = listed_dataset(model, "d", 10)
+    model.opened(files[3], SMALL, 1000.0, "w[5]")
+    assert model.unread("d", "w[5]") == set(files) - {files[3]}
+    model.listed("d", {"d/new.jpg": SMALL}, "other[9]")  # a later listing reaches every job of d
+    assert "d/new.jpg" in model.unread("d", "w[5]")
+
+
+def test_a_hint_replaces_only_its_own_jobs_plan() -> None:
+    model = AccessModel()
+    files = listed_dataset(model, "d", 8)
+    model.hint(files, 1000.0, "a[1]")
+    model.hint(files[::-1], 1000.0, "b[2]")
+    model.hint(files[2:] + files[:2], 1001.0, "a[1]")
+    first = {
+        caller: next(p.path for p in model.predict(100) if p.job == f"{caller}:d")
+        for caller in ("a[1]", "b[2]")
+    }
+    assert first == {"a[1]": files[2], "b[2]": files[-1]}
+
+
+def test_the_clock_is_shared_while_two_jobs_read_and_not_once_one_is_idle() -> None:
+    model = AccessModel()
+    files = listed_dataset(model, "d", 4)
+    assert not model.shared()  # a listing alone is nobody's reading
+    model.opened(files[0], SMALL, 1000.0, "a[1]")
+    assert not model.shared()
+    model.opened(files[1], SMALL, 1001.0, "b[2]")
+    assert model.shared()
+    model.opened(files[2], SMALL, 1001.0 + JOB_IDLE_SECONDS + 1, "b[2]")
+    assert not model.shared()  # a[1] stopped reading: it protects nothing any more

@@ -36,6 +36,7 @@ class FakeHandlers:
     def __init__(self) -> None:
         self.orders: list[list[str]] = []
         self.parts: list[tuple[int, int] | None] = []
+        self.pids: list[int] = []
         self.stage_requests: list[StageRequest] = []
         self.closed = threading.Event()
         self.stage_release = threading.Event()  # set by a test to let a stage finish
@@ -47,7 +48,8 @@ class FakeHandlers:
             raise RuntimeError("stats broke")
         return {"mountpoint": "/mnt", "tiers": [{"name": "hot", "used_bytes": 3}]}
 
-    def hint(self, order: list[str], part: tuple[int, int] | None) -> tuple[int, int]:
+    def hint(self, order: list[str], part: tuple[int, int] | None, pid: int) -> tuple[int, int]:
+        self.pids.append(pid)
         self.orders.append(order)
         self.parts.append(part)
         known = sum(1 for path in order if not path.startswith("/missing"))

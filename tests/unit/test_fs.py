@@ -114,7 +114,7 @@ def test_a_version_nobody_holds_is_released_when_it_is_gone(make_engine: EngineF
     assert read_path(engine.fs, "/f", len(data)) == data
     engine.store.delete("f")
     engine.clock.now += 10
-    engine.fs.opendir(ROOT_INODE)  # the refresh that finds it gone
+    engine.fs.opendir(ROOT_INODE, os.getpid())  # the refresh that finds it gone
     assert engine.index.blocks() == []
     assert stale_entries(engine.fs) == []  # the kernel held no name of it
 
@@ -129,7 +129,7 @@ def test_a_version_gone_and_listed_again_keeps_its_blocks(make_engine: EngineFac
     assert joined(engine.fs.read(ino, len(data), 0, os.getpid())) == data
     engine.store.delete("f")
     engine.clock.now += 10
-    engine.fs.opendir(ROOT_INODE)  # the refresh that finds it gone
+    engine.fs.opendir(ROOT_INODE, os.getpid())  # the refresh that finds it gone
     engine.store.put("f", data)
     engine.clock.now += 10
     assert looked_up(engine.fs, "/f").node == ino
@@ -197,7 +197,7 @@ def test_a_listing_is_read_whole_from_one_handle(make_engine: EngineFactory) -> 
     from the listing its opendir took, whatever the bucket does meanwhile."""
     engine = make_engine({"d/a": b"a", "d/e/x": b"x"}, ttl=5)
     directory = looked_up(engine.fs, "/d").node
-    handle = engine.fs.opendir(directory)
+    handle = engine.fs.opendir(directory, os.getpid())
     engine.store.put("d/b", b"b")
     engine.clock.now += 10
     entries = engine.fs.readdir(handle)
@@ -208,14 +208,14 @@ def test_a_listing_is_read_whole_from_one_handle(make_engine: EngineFactory) -> 
     engine.fs.releasedir(handle)
     with pytest.raises(BadFileHandle):
         engine.fs.readdir(handle)
-    again = engine.fs.opendir(directory)
+    again = engine.fs.opendir(directory, os.getpid())
     assert sorted(entry.name for entry in engine.fs.readdir(again)) == [".", "..", "a", "b", "e"]
 
 
 def test_an_entry_sent_with_its_attributes_is_a_reference(make_engine: EngineFactory) -> None:
     """READDIRPLUS: the kernel holds each entry (but . and ..) as if looked up."""
     engine = make_engine({"a": b"a"})
-    handle = engine.fs.opendir(ROOT_INODE)
+    handle = engine.fs.opendir(ROOT_INODE, os.getpid())
     entries = {entry.name: entry for entry in engine.fs.readdir(handle)}
     file = engine.fs.remember(handle, entries["a"])
     assert file == looked_up(engine.fs, "/a")
@@ -260,10 +260,12 @@ def test_a_read_at_the_start_of_a_file_is_its_open(make_engine: EngineFactory) -
     from the read of a file's first bytes, once per read from 0."""
     engine = make_engine({"f": os.urandom(2 * BLOCK_SIZE)})
     ino = looked_up(engine.fs, "/f").node
+    job = engine.fs.jobs.of(os.getpid())  # the read's caller's
     joined(engine.fs.read(ino, BLOCK_SIZE, BLOCK_SIZE, os.getpid()))
-    assert engine.model.read_this_epoch("f") == set()
+    assert engine.model.read_this_epoch("f", job) == set()
     joined(engine.fs.read(ino, BLOCK_SIZE, 0, os.getpid()))
-    assert engine.model.read_this_epoch("f") == {"f"}
+    assert engine.model.read_this_epoch("f", job) == {"f"}
+    assert engine.model.read_this_epoch("f") == set()  # another job's epoch
 
 
 def test_df_shows_the_cache_capacity_and_its_room(make_engine: EngineFactory) -> None:

@@ -26,9 +26,13 @@ class FakeClock:
 
     def __init__(self) -> None:
         self.epoch = 0
+        self.jobs = 1
 
     def current(self) -> int:
         return self.epoch
+
+    def shared(self) -> bool:
+        return self.jobs > 1
 
 
 class PlanOracle:
@@ -141,6 +145,24 @@ def test_epoch_aware_evicts_earliest_read_this_epoch_first() -> None:
     assert policy.victim() == "d"
     policy.removed("d")
     assert policy.victim() is None  # "a" is still to be read this epoch
+
+
+def test_epoch_aware_keeps_what_one_job_read_while_another_reads_too() -> None:
+    """Two jobs on one dataset: a block one read this epoch may still be due
+    for the other, so only stale blocks go; alone again, the first job's
+    reads are victims as before."""
+    clock = FakeClock()
+    policy = EpochAwarePolicy(clock)
+    fill(policy, "stale", "a", "b")
+    clock.epoch = 2
+    policy.accessed("a")
+    policy.accessed("b")
+    clock.jobs = 2
+    assert (policy.victim(), policy.spare()) == ("stale", 1)
+    policy.removed("stale")
+    assert (policy.victim(), policy.spare()) == (None, 0)
+    clock.jobs = 1
+    assert (policy.victim(), policy.spare()) == ("a", 2)
 
 
 def test_epoch_aware_keeps_a_block_fetched_ahead_until_it_is_read() -> None:

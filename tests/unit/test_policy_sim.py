@@ -27,7 +27,7 @@ def fixture_steady() -> dict[tuple[float, str], float]:
 
 
 def test_trace_reads_every_file_once_per_epoch() -> None:
-    trace = shuffled_trace(files=50, epochs=3, seed=1)
+    trace, _ = shuffled_trace(files=50, epochs=3, seed=1)
     epochs = [trace[start : start + 50] for start in range(0, 150, 50)]
     assert all(sorted(epoch) == sorted(epochs[0]) and len(set(epoch)) == 50 for epoch in epochs)
     assert epochs[0] != epochs[1]  # a fresh shuffle
@@ -75,10 +75,13 @@ def test_analytic_lru_at_half() -> None:
 
 
 def test_two_readers_each_read_every_file_once_per_epoch() -> None:
-    trace = shuffled_trace(files=50, epochs=3, seed=1, readers=2)
-    assert len(trace) == 300
+    trace, jobs = shuffled_trace(files=50, epochs=3, seed=1, readers=2)
+    assert len(trace) == len(jobs) == 300
     assert all(trace.count(name) == 6 for name in set(trace))
-    assert trace[:50] != shuffled_trace(files=50, epochs=3, seed=1)[:50]  # interleaved
+    assert trace[:50] != shuffled_trace(files=50, epochs=3, seed=1)[0][:50]  # interleaved
+    for job in set(jobs):  # each reader's own reads are its passes
+        reads = [block for block, reader in zip(trace, jobs, strict=True) if reader == job]
+        assert all(sorted(reads[start : start + 50]) == sorted(set(trace)) for start in (0, 50, 100))
 
 
 def test_belady_bounds_every_policy_with_two_readers() -> None:

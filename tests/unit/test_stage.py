@@ -302,7 +302,7 @@ def test_mount_handlers_pass_hints_to_the_prefetcher(make_engine: EngineFactory)
     engine = make_engine(OBJECTS)
     given: list[list[str]] = []
 
-    def prefetcher_hint(order: list[str], part: tuple[int, int] | None) -> tuple[int, int]:
+    def prefetcher_hint(order: list[str], part: tuple[int, int] | None, pid: int) -> tuple[int, int]:
         given.append(order)
         return len(order), 0
 
