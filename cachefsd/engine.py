@@ -157,7 +157,7 @@ def engine(
     _reuse_block_buffers()
     metrics = Metrics(CollectorRegistry())
     model = AccessModel()
-    metrics.watch_epoch(model.current)
+    metrics.watch_epoch(model.current, model.caller_epochs)
     planned = PlannedUse()
     io = LoopThread()
     try:

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from cachefsd.cache.tiered import DedupWhere
 from cachefsd.fetch import FetchKind
+from cachefsd.jobs import UNKNOWN_JOB
 
 # 100 µs (a local store or an in-region hit) to 30 s (the default deadline).
 LATENCY_BUCKETS = (
@@ -152,6 +153,11 @@ class JobLabels:
         self._lock = threading.Lock()
         self._last_read: dict[str, float] = {}  # job with a label of its own -> its latest read
 
+    def named(self) -> list[str]:
+        """The jobs counted under a label of their own now."""
+        with self._lock:
+            return [UNKNOWN_JOB if name == UNKNOWN_JOB_LABEL else name for name in self._last_read]
+
     def label(self, job: str) -> str:
         name = job or UNKNOWN_JOB_LABEL
         now = self._clock()
@@ -166,6 +172,42 @@ class JobLabels:
             self._last_read[name] = now
         self._dropped(idlest)
         return name
+
+
+class _JobCollector(Collector):
+    """Per-job gauges computed when scraped, for the jobs with a label of
+    their own: the hit ratio of their bytes, and their epoch."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self._families())
+
+    def _families(self) -> list[GaugeMetricFamily]:
+        metrics = self._metrics
+        ratio = GaugeMetricFamily(
+            "cachefsd_job_hit_ratio",
+            "Fraction of a job's bytes read that did not wait on the store",
+            labels=["job"],
+        )
+        by_job: dict[str, dict[str, float]] = {}
+        for family in metrics.job_read_bytes.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    by_job.setdefault(sample.labels["job"], {})[sample.labels["source"]] = sample.value
+        for job, read in sorted(by_job.items()):
+            total = sum(read.values())
+            ratio.add_metric([job], read.get("cache", 0.0) / total if total else 0.0)
+        epoch = GaugeMetricFamily("cachefsd_job_epoch", "The epoch a job reads (its highest)", labels=["job"])
+        epochs = metrics.job_epochs()
+        for job in metrics.job_labels.named():
+            if job in epochs:
+                epoch.add_metric([job or UNKNOWN_JOB_LABEL], epochs[job])
+        return [ratio, epoch]
 
 
 class Metrics:
@@ -208,7 +250,8 @@ class Metrics:
             ["job"],
             registry=registry,
         )
-        self._job_labels = JobLabels(self._drop_job, clock)
+        self.job_labels = JobLabels(self._drop_job, clock)
+        self.job_epochs: Callable[[], dict[str, int]] = dict  # set by ``watch_epoch``
         self.fetch_latency = Histogram(
             "cachefsd_fetch_seconds",
             "Latency of successful requests to the cold store",
@@ -311,6 +354,7 @@ class Metrics:
             self.fetch_retries.labels(kind)
             self.fetch_errors.labels(kind)
         registry.register(_DerivedCollector(self))
+        registry.register(_JobCollector(self))
 
     def watch_residency(self, source: str, rows: ResidencyRows) -> None:
         """Export ``rows()`` as ``cachefsd_resident_bytes`` for ``source``
@@ -331,7 +375,7 @@ class Metrics:
     def read_done(self, served: dict[str, int], stall_seconds: float, job: str) -> None:
         cold_bytes = served.get("cold", 0)
         nbytes = sum(served.values())
-        label = self._job_labels.label(job)
+        label = self.job_labels.label(job)
         self.reads.labels("cold" if cold_bytes else "cache").inc()
         self.job_reads.labels(label).inc()
         self.read_bytes.labels("cache").inc(nbytes - cold_bytes)
@@ -368,11 +412,13 @@ class Metrics:
     def prefetch_warmed(self, nbytes: int) -> None:
         self.prefetch_warmed_bytes.inc(nbytes)
 
-    def watch_epoch(self, current: Callable[[], int]) -> None:
-        """Export ``current()`` as ``cachefsd_epoch``, read at each scrape:
-        set by whoever happened to look, it lagged the model (by whole
+    def watch_epoch(self, current: Callable[[], int], job_epochs: Callable[[], dict[str, int]]) -> None:
+        """Export ``current()`` as ``cachefsd_epoch`` and ``job_epochs()``
+        (job -> its epoch) as ``cachefsd_job_epoch``, read at each scrape:
+        set by whoever happened to look, they lagged the model (by whole
         epochs with prefetching off)."""
         self.epoch_number.set_function(current)
+        self.job_epochs = job_epochs
 
     # CacheEvents
     def tier_usage(self, tier: str, used_bytes: int, capacity_bytes: int, blocks: int) -> None:

@@ -556,6 +556,15 @@ class AccessModel:
             job = self._existing_job_locked(self._callers.get(caller, _NO_JOBS), _clean(job_path))
             return 0 if job is None else job.epoch
 
+    def caller_epochs(self) -> dict[str, int]:
+        """Each caller (``jobs.py``) -> the highest epoch of its jobs."""
+        with self._lock:
+            return {
+                caller: max(job.epoch for job in tree.jobs.values())
+                for caller, tree in self._callers.items()
+                if tree.jobs
+            }
+
     def epoch_of(self, job_name: str) -> int:
         """The epoch of the job named ``job_name`` (``Prediction.job``), 0 if none."""
         with self._lock:

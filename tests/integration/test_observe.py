@@ -196,6 +196,17 @@ def test_two_jobs_on_one_prefix_keep_their_own_epochs(
         if name.endswith(tuple(f"[{job.pid}]:d" for job in jobs))
     }
     assert sorted(mine.values()) == [2, 2], epochs
+    # The same per job in the metrics, with each job's hit ratio.
+    samples = mount.metrics()
+    for job in jobs:
+        (epoch,) = [
+            v for k, v in samples.items() if k.startswith("cachefsd_job_epoch{") and f"[{job.pid}]" in k
+        ]
+        assert epoch == 2
+        (ratio,) = [
+            v for k, v in samples.items() if k.startswith("cachefsd_job_hit_ratio{") and f"[{job.pid}]" in k
+        ]
+        assert ratio >= 2 / 3  # epochs 1 and 2 read the cache only
 
 
 def test_stats_json_agrees_with_the_metrics_and_shows_residency(

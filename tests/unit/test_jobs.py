@@ -93,3 +93,22 @@ def test_job_labels_are_bounded_and_go_to_the_jobs_reading_now() -> None:
     assert registry.get_sample_value("cachefsd_job_read_bytes_total", job1) == 100
     metrics.read_done({"hot": 100}, 0.0, "another")  # every other job read just now
     assert registry.get_sample_value("cachefsd_job_reads_total", {"job": OTHER_JOBS_LABEL}) == 2
+
+
+def test_each_named_job_has_its_hit_ratio_and_epoch() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, Clock())
+    metrics.watch_epoch(lambda: 3, lambda: {"a[1]": 3, "b[2]": 1, "": 0, "never-read[3]": 9})
+    metrics.read_done({"cold": 100, "hot": 300}, 0.1, "a[1]")
+    metrics.read_done({"memory": 50}, 0.0, "b[2]")
+    metrics.read_done({"cold": 10}, 0.1, UNKNOWN_JOB)
+
+    def gauge(name: str, job: str) -> float | None:
+        return registry.get_sample_value(name, {"job": job})
+
+    assert gauge("cachefsd_job_hit_ratio", "a[1]") == 0.75
+    assert gauge("cachefsd_job_hit_ratio", "b[2]") == 1.0
+    assert gauge("cachefsd_job_hit_ratio", "unknown") == 0.0
+    assert (gauge("cachefsd_job_epoch", "a[1]"), gauge("cachefsd_job_epoch", "b[2]")) == (3, 1)
+    assert gauge("cachefsd_job_epoch", "unknown") == 0
+    assert gauge("cachefsd_job_epoch", "never-read[3]") is None  # only jobs that read have series

@@ -273,7 +273,7 @@ def test_snapshot_agrees_with_the_registry(index: Index) -> None:
     residency = Residency(lambda: index.resident_bytes_by_prefix("s3://bucket/data"), ["hot", "warm"])
     metrics.watch_residency("s3://bucket/data", residency.rows)
     model = FakeModel()
-    metrics.watch_epoch(model.current)
+    metrics.watch_epoch(model.current, dict)
     stats = DaemonStats(metrics, model, residency, "s3://bucket/data", clock=clock)
     stats.sample()  # t=1000: nothing read yet
     metrics.read_done({"cold": 300}, 0.5, "python[1]")
