@@ -47,6 +47,9 @@ LATENCY_BUCKETS = (
 # (prefix, tier, bytes): one sample of ``cachefsd_resident_bytes``.
 ResidencyRows = Callable[[], Iterable[tuple[str, str, int]]]
 
+# The label naming a reading job: Prometheus keeps "job" for its scrape
+# targets (and renames a "job" label it scrapes to "exported_job").
+JOB_LABEL = "reader_job"
 # Jobs counted under a label of their own at once (the rest as "other"),
 # and how long one reads nothing before its label may go to another.
 MAX_JOB_SERIES = 8
@@ -192,17 +195,19 @@ class _JobCollector(Collector):
         ratio = GaugeMetricFamily(
             "cachefsd_job_hit_ratio",
             "Fraction of a job's bytes read that did not wait on the store",
-            labels=["job"],
+            labels=[JOB_LABEL],
         )
         by_job: dict[str, dict[str, float]] = {}
         for family in metrics.job_read_bytes.collect():
             for sample in family.samples:
                 if sample.name.endswith("_total"):
-                    by_job.setdefault(sample.labels["job"], {})[sample.labels["source"]] = sample.value
+                    by_job.setdefault(sample.labels[JOB_LABEL], {})[sample.labels["source"]] = sample.value
         for job, read in sorted(by_job.items()):
             total = sum(read.values())
             ratio.add_metric([job], read.get("cache", 0.0) / total if total else 0.0)
-        epoch = GaugeMetricFamily("cachefsd_job_epoch", "The epoch a job reads (its highest)", labels=["job"])
+        epoch = GaugeMetricFamily(
+            "cachefsd_job_epoch", "The epoch a job reads (its highest)", labels=[JOB_LABEL]
+        )
         epochs = metrics.job_epochs()
         for job in metrics.job_labels.named():
             if job in epochs:
@@ -235,19 +240,19 @@ class Metrics:
         self.job_reads = Counter(
             "cachefsd_job_reads",
             "Read requests answered, by the job that sent them (the most active jobs; the rest as other)",
-            ["job"],
+            [JOB_LABEL],
             registry=registry,
         )
         self.job_read_bytes = Counter(
             "cachefsd_job_read_bytes",
             "Bytes returned to a job, by where they came from (cache or cold)",
-            ["job", "source"],
+            [JOB_LABEL, "source"],
             registry=registry,
         )
         self.job_read_stall = Counter(
             "cachefsd_job_read_stall_seconds",
             "Time a job's reads spent waiting on the cold store",
-            ["job"],
+            [JOB_LABEL],
             registry=registry,
         )
         self.job_labels = JobLabels(self._drop_job, clock)

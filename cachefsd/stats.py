@@ -341,7 +341,7 @@ class DaemonStats:
             dedup: {disk_saved_bytes, wire_saved_bytes}
             cache: {used_bytes, capacity_bytes, promotions, demotions,
                     evictions: {tier: n}, corrupt_blocks: {tier: n}, errors: {tier: n}}
-            epoch: {current, jobs: {job root: epoch}}
+            epoch: {current, jobs: {job (caller:root): epoch}}
             access: the access model's stats (prefetch.access.AccessModel.stats)
             residency: {source, tiers: [name], age_seconds, refresh_seconds,
                         max_prefixes, error, prefixes: [{prefix, bytes: {tier: n},

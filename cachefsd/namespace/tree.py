@@ -185,7 +185,7 @@ class Namespace:
                 # released), and what serves if the store does not answer.
                 with self._lock:
                     cached = self._dirs.setdefault(prefix, cached)
-        if cached is not None and cached.saved and not self._trust_saved:
+        if cached is not None and cached.saved and not self._trust_saved and cached.fetched_at != INVALIDATED:
             return self._checked_saved(prefix, cached)
         if cached is not None and now - cached.fetched_at < self._ttl:
             return cached
@@ -206,10 +206,20 @@ class Namespace:
             waits = self._answering and self._clock() >= self._retry_at.get(prefix, 0.0)
         if waits:
             try:
-                return self._listing.do(prefix, lambda: self._listed(prefix), timeout=None)
+                return self._listing.do(prefix, lambda: self._checked(prefix), timeout=None)
             except StoreError:  # logged and backed off by _listed
                 return saved
         return self._refresh_stale(prefix, saved)
+
+    def _checked(self, prefix: str) -> _Cached:
+        """The listing of ``prefix`` as this mount listed it: the one a
+        lookup that read the saved one meanwhile was beaten to, else a new
+        one (a directory of a million objects is minutes of listing)."""
+        with self._lock:
+            cached = self._dirs.get(prefix)
+        if cached is not None and not cached.saved and cached.fetched_at != INVALIDATED:
+            return cached
+        return self._listed(prefix)
 
     def _refresh_stale(self, prefix: str, stale: _Cached) -> _Cached:
         """``stale``, past its TTL, after starting its refresh in the

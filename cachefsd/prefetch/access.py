@@ -35,7 +35,9 @@ loader's order, so a hint whose paths fall in several jobs makes their
 common directory one job (the mount root, for those class folders), which
 then also holds every path no deeper job claims. A listing that makes a new root above existing
 listing-made roots (a child listed before its parent) merges them into it.
-Roots, once made, are kept; jobs are never dropped (they are few).
+Roots, once made, are kept while their caller reads: the first event of a
+new caller (every shell command is one) forgets the callers idle for
+``JOB_IDLE_SECONDS``, with their jobs.
 
 Epochs. A job's epoch ends when a file it already opened this epoch is
 opened again AND at least ``MIN_EPOCH_FRACTION`` of the reference size has
@@ -159,6 +161,9 @@ STREAM_IDLE_SECONDS: Final = 30.0
 # predicts nothing, so the prefetcher stops fetching its leftovers. Training
 # reads continuously; five minutes covers checkpointing and evaluation pauses.
 JOB_IDLE_SECONDS: Final = 300.0
+# A job that starts on a dataset another caller's job listed gets its
+# unread set after this many opens (before, it may be a shell's ``cat``).
+SEED_UNREAD_OPENS: Final = 16
 
 # A whole file predicted by a plan or the unread set: fetch at most its first
 # stream-sized window (the consumer clips to the object); a stream takes
@@ -299,6 +304,10 @@ class _Job:
     # a listing alone may be a human's ``ls``.
     engaged: bool = False
     last_event: float = float("-inf")
+    # Made with another caller's working set: ``unread`` stays empty until
+    # the job has opened ``SEED_UNREAD_OPENS`` files (a shell's ``cat`` of a
+    # file should not copy a million names).
+    unread_pending: bool = False
 
     @property
     def id(self) -> str:
@@ -333,15 +342,19 @@ class _Tree:
 _NO_JOBS: Final = _Tree(UNKNOWN_JOB)  # what a query about a caller never seen looks in
 
 
-def _add_files(job: _Job, files: dict[str, int]) -> None:
-    """Listed ``files`` (path -> size) join ``job``'s working set, unread
-    unless it opened them this epoch."""
-    for name, size in files.items():
-        path = _clean(name)
-        known = path in job.working
-        job.working[path] = size
-        if not known and path not in job.seen:
-            job.unread[path] = size
+def _add_files(holders: list[_Job], files: dict[str, int]) -> None:
+    """Listed ``files`` (path -> size) join the working set of each of
+    ``holders`` (which jobs of several callers may share), and the new ones
+    are unread by each holder that did not open them this epoch."""
+    listed = {_clean(name): size for name, size in files.items()}
+    new = {id(job.working): [path for path in listed if path not in job.working] for job in holders}
+    for job in holders:
+        if not job.unread_pending:
+            for path in new[id(job.working)]:
+                if path not in job.seen:
+                    job.unread[path] = listed[path]
+    for job in holders:
+        job.working.update(listed)
 
 
 def _dataset_root(tree: _Tree) -> _Job | None:
@@ -390,6 +403,7 @@ class AccessModel:
         # is two jobs, each with its epochs, orders, streams and hint.
         self._callers: dict[str, _Tree] = {}
         self._by_id: dict[str, _Job] = {}
+        self._aliases: dict[str, str] = {}  # id of a job merged away -> id of the job it went into
         self._listed: set[str] = set()
         self._now = float("-inf")
         self._max_epoch = 0
@@ -397,24 +411,30 @@ class AccessModel:
 
     # -- events ------------------------------------------------------------
 
-    def listed(self, directory: str, files: dict[str, int], caller: str = UNKNOWN_JOB) -> None:
-        """``directory`` was listed for ``caller``; ``files`` maps each child
-        FILE's path to its size. The jobs of other callers that hold the
-        directory learn of its files too: a working set is the dataset's."""
+    def listed(self, directory: str, files: dict[str, int], now: float, caller: str = UNKNOWN_JOB) -> None:
+        """``directory`` was listed for ``caller`` at ``now``; ``files`` maps
+        each child FILE's path to its size. The jobs of other callers that
+        hold the directory learn of its files too: a working set is the dataset's."""
         directory = _clean(directory)
         with self._lock:
+            self._now = max(self._now, now)
             tree = self._tree_locked(caller)
             if directory:
                 self._listed.add(directory)
                 job = self._job_for_directory_locked(tree, directory)
             else:
                 job = self._job_locked(tree, "", made_by_listing=False)
+            job.last_event = max(job.last_event, now)  # listed, not engaged: kept a while
             holders = [job]
             for other in self._callers.values():
-                if other is not tree and (held := self._existing_job_locked(other, directory)) is not None:
+                held = None if other is tree else self._existing_job_locked(other, directory)
+                if held is not None and (
+                    held is _dataset_root(other)
+                    or directory == held.root
+                    or directory.startswith(held.root + "/")
+                ):
                     holders.append(held)
-            for holder in holders:
-                _add_files(holder, files)
+            _add_files(holders, files)
 
     def opened(self, path: str, size: int, now: float, caller: str = UNKNOWN_JOB) -> None:
         """``path`` (``size`` bytes, -1 if unknown) was opened for reading at ``now`` by ``caller``."""
@@ -542,10 +562,15 @@ class AccessModel:
             return self._max_epoch
 
     def shared(self) -> bool:
-        """``EpochClock``: more than one job read in the last ``JOB_IDLE_SECONDS``."""
+        """``EpochClock``: jobs of two callers read one dataset (root) in the
+        last ``JOB_IDLE_SECONDS``. One caller reading ``train`` and ``val``
+        is not: it reads each once an epoch."""
         with self._lock:
-            active = (job for job in self._by_id.values() if self._active_locked(job))
-            return next(active, None) is not None and next(active, None) is not None
+            readers: dict[str, str] = {}  # root -> a caller reading it
+            for job in self._by_id.values():
+                if self._active_locked(job) and readers.setdefault(job.root, job.caller) != job.caller:
+                    return True
+            return False
 
     def current_epoch(self, job_path: str | None = None, caller: str = UNKNOWN_JOB) -> int:
         """The epoch of ``caller``'s job that ``job_path`` (a root or any path
@@ -565,11 +590,12 @@ class AccessModel:
                 if tree.jobs
             }
 
-    def epoch_of(self, job_name: str) -> int:
-        """The epoch of the job named ``job_name`` (``Prediction.job``), 0 if none."""
+    def epoch_of(self, job_name: str) -> int | None:
+        """The epoch of the job named ``job_name`` (``Prediction.job``), or
+        of the job it was merged into; None once it is gone (idle)."""
         with self._lock:
-            job = self._by_id.get(job_name)
-            return 0 if job is None else job.epoch
+            job = self._by_id.get(self._aliases.get(job_name, job_name))
+            return None if job is None else job.epoch
 
     def job_of(self, path: str, caller: str = UNKNOWN_JOB) -> str | None:
         """The name (``job_id``) of ``caller``'s job that ``path`` belongs to now, None if none yet."""
@@ -636,11 +662,26 @@ class AccessModel:
         return job.engaged and self._now - job.last_event <= JOB_IDLE_SECONDS
 
     def _tree_locked(self, caller: str) -> _Tree:
-        """``caller``'s jobs, none yet if it is new."""
+        """``caller``'s jobs, none yet if it is new. A new caller (every
+        shell command is one) first sweeps away the callers idle for
+        ``JOB_IDLE_SECONDS``: a job that stopped reading protects nothing."""
         tree = self._callers.get(caller)
         if tree is None:
+            for idle in [each for each in self._callers.values() if self._idle_locked(each)]:
+                self._drop_locked(idle)
             tree = self._callers[caller] = _Tree(caller)
         return tree
+
+    def _idle_locked(self, tree: _Tree) -> bool:
+        return all(self._now - job.last_event > JOB_IDLE_SECONDS for job in tree.jobs.values())
+
+    def _drop_locked(self, tree: _Tree) -> None:
+        del self._callers[tree.caller]
+        gone = {job.id for job in tree.jobs.values()}
+        for name in gone:
+            del self._by_id[name]
+            self._turns.pop(name, None)
+        self._aliases = {child: into for child, into in self._aliases.items() if into not in gone}
 
     def _job_locked(self, tree: _Tree, root: str, made_by_listing: bool) -> _Job:
         job = tree.jobs.get(root)
@@ -650,8 +691,8 @@ class AccessModel:
             # (it listed the dataset): this one starts its epoch with it unread.
             twin = next((each.jobs[root] for each in self._callers.values() if root in each.jobs), None)
             if twin is not None:
-                job.working = twin.working.copy()
-                job.unread = twin.working.copy()
+                job.working = twin.working  # shared: the dataset's
+                job.unread_pending = True
             tree.jobs[root] = job
             self._by_id[job.id] = job
         return job
@@ -733,6 +774,8 @@ class AccessModel:
         """
         del tree.jobs[child.root]
         del self._by_id[child.id]
+        self._aliases = {old: into.id if new == child.id else new for old, new in self._aliases.items()}
+        self._aliases[child.id] = into.id
         if self._turns.pop(child.id, None) is not None:
             self._turns[into.id] = max(into.epoch, child.epoch)
         for path, size in child.working.items():
@@ -784,6 +827,7 @@ class AccessModel:
         job.order = []
         job.seen = {}
         job.unread = job.working.copy()
+        job.unread_pending = False
         job.satisfied = {}
         job.hint = hint
 
@@ -793,6 +837,9 @@ class AccessModel:
         job.seen[path] = position
         job.unread.pop(path, None)
         job.satisfied.pop(path, None)
+        if job.unread_pending and len(job.order) >= SEED_UNREAD_OPENS:
+            job.unread = {path: size for path, size in job.working.items() if path not in job.seen}
+            job.unread_pending = False
         if job.hint is not None:
             job.hint.observe(position, path)
         if job.replay is not None:

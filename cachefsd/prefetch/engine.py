@@ -235,7 +235,7 @@ class Prefetcher:
 
     def listed(self, entries: dict[str, ObjectInfo | None], directory: str, job: str = UNKNOWN_JOB) -> None:
         files = {info.key: info.size for info in entries.values() if info is not None}
-        self._model.listed(directory, files, job)
+        self._model.listed(directory, files, self._clock(), job)
         self._wake.set()
 
     def hint(
@@ -320,8 +320,10 @@ class Prefetcher:
         self._warming.void(self._stale)
 
     def _stale(self, job: str, epoch: int) -> bool:
-        """A prediction of ``job`` made in ``epoch``, which it has since left."""
-        return epoch < self._model.epoch_of(job)
+        """A prediction of ``job`` made in ``epoch``, which it has since left
+        (or the job is gone: it stopped reading)."""
+        current = self._model.epoch_of(job)
+        return current is None or epoch < current
 
     def _plan_residents(self) -> None:
         """Tell the cache when each cached block of a file a plan (hint,

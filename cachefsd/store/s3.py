@@ -556,9 +556,10 @@ async def _cut(chunks: AsyncIterator[Any], piece: int, length: int) -> AsyncGene
     is far shorter than a block)."""
     remaining = length
     buffer, filled = bytearray(min(piece, remaining)), 0
-    async for chunk in chunks:
+    async for received in chunks:
         # ctypes lets go of the GIL for the copy (megabytes each): the FUSE
         # threads serve the cached reads meanwhile.
+        chunk = received if isinstance(received, bytes) else bytes(received)  # obstore gives bytes
         source, offset = ctypes.cast(ctypes.c_char_p(chunk), ctypes.c_void_p).value or 0, 0
         while offset < len(chunk):
             taken = min(len(buffer) - filled, len(chunk) - offset)

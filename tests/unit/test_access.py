@@ -15,6 +15,7 @@ from cachefsd.prefetch.access import (
     FILE_PREDICTION_BYTES,
     JOB_IDLE_SECONDS,
     PLAN_PROBATION_OPENS,
+    SEED_UNREAD_OPENS,
     STREAM_CONFIRM_BYTES,
     STREAM_IDLE_SECONDS,
     STREAM_INITIAL_WINDOW,
@@ -53,7 +54,7 @@ def dataset(root: str, count: int) -> list[str]:
 
 
 def listed(model: AccessModel, directory: str, paths: list[str], size: int = SMALL) -> None:
-    model.listed(directory, dict.fromkeys(paths, size))
+    model.listed(directory, dict.fromkeys(paths, size), 0.0)
 
 
 def listed_dataset(model: AccessModel, root: str, count: int) -> list[str]:
@@ -87,8 +88,8 @@ def paths_of(predictions: list[Prediction]) -> list[str]:
 
 def test_recursive_scan_makes_one_job_at_the_top_listed_directory() -> None:
     model = AccessModel()
-    model.listed("", {})
-    model.listed("data/train", {})
+    model.listed("", {}, 0.0)
+    model.listed("data/train", {}, 0.0)
     for label in ("cat", "dog"):
         listed_dataset(model, f"data/train/{label}", 3)
     assert model.jobs() == ["", "data/train"]
@@ -253,7 +254,7 @@ def test_a_file_opened_without_listing_joins_the_working_set() -> None:
 
 def test_listing_predicts_unread_files_from_the_first_open() -> None:
     model = AccessModel()
-    model.listed("train", {})
+    model.listed("train", {}, 0.0)
     cats, dogs = listed_dataset(model, "train/cat", 5), listed_dataset(model, "train/dog", 5)
     assert model.predict(10) == []  # a listing alone may be a human's `ls`
     Trace(model).open(dogs[2])
@@ -589,7 +590,7 @@ def test_predictions_interleave_jobs_round_robin() -> None:
 
 def test_listing_the_mount_root_does_not_merge_jobs() -> None:
     model = AccessModel()
-    model.listed("", {"README": 10})
+    model.listed("", {"README": 10}, 0.0)
     listed_dataset(model, "a", 2)
     listed_dataset(model, "b", 2)
     assert model.jobs() == ["", "a", "b"]
@@ -703,7 +704,9 @@ def test_unread_and_read_this_epoch_stay_disjoint_parts_of_the_working_set(
         elif kind == "list":
             directory = str(event[1])
             prefix = directory + "/" if directory else ""
-            model.listed(directory, {p: 64 * MIB for p in PATHS if p.rsplit("/", 1)[0] + "/" == prefix})
+            model.listed(
+                directory, {p: 64 * MIB for p in PATHS if p.rsplit("/", 1)[0] + "/" == prefix}, 1000.0
+            )
         else:
             model.hint([str(path) for path in event[1]], now)  # type: ignore[union-attr]
         for root in model.jobs():
@@ -746,7 +749,7 @@ def test_two_callers_reading_one_dataset_keep_their_own_epochs() -> None:
     files = listed_dataset(model, "d", 200)
     rng = random.Random(7)
     passes = {caller: shuffled_epochs(files, 3, rng) for caller in ("a[1]", "b[2]")}
-    now = 1000.0
+    now = 0.0
     for epoch in range(3):
         events = _interleaved({caller: orders[epoch] for caller, orders in passes.items()}, rng)
         for caller, path in events:
@@ -757,13 +760,33 @@ def test_two_callers_reading_one_dataset_keep_their_own_epochs() -> None:
     assert set(model.jobs()) == {"d", "a[1]:d", "b[2]:d"}  # "d": the listing's (no caller)
 
 
-def test_a_job_that_never_listed_starts_with_the_datasets_files_unread() -> None:
+def test_a_job_that_never_listed_shares_the_datasets_working_set() -> None:
+    """A second job on a listed dataset knows its files: its unread set
+    once it has opened a few (a shell's ``cat`` of one file copies nothing),
+    and what a later listing adds."""
     model = AccessModel()
-    files = listed_dataset(model, "d", 10)
-    model.opened(files[3], SMALL, 1000.0, "w[5]")
-    assert model.unread("d", "w[5]") == set(files) - {files[3]}
-    model.listed("d", {"d/new.jpg": SMALL}, "other[9]")  # a later listing reaches every job of d
-    assert "d/new.jpg" in model.unread("d", "w[5]")
+    files = listed_dataset(model, "d", 40)
+    model.opened(files[0], SMALL, 1.0, "cat[5]")
+    assert model.unread("d", "cat[5]") == set()
+    assert model.working_set("d", "cat[5]") == set(files)
+    for index, path in enumerate(files[:SEED_UNREAD_OPENS]):
+        model.opened(path, SMALL, 1.0 + index, "w[6]")
+    assert model.unread("d", "w[6]") == set(files[SEED_UNREAD_OPENS:])
+    model.listed("d", {"d/new.jpg": SMALL}, 100.0, "other[9]")  # a later listing reaches every job of d
+    assert "d/new.jpg" in model.unread("d", "w[6]")
+    assert "d/new.jpg" in model.working_set("d", "cat[5]")
+
+
+def test_a_caller_idle_for_long_is_forgotten_when_a_new_one_comes() -> None:
+    model = AccessModel()
+    files = listed_dataset(model, "d", 4)
+    model.opened(files[0], SMALL, 1000.0, "a[1]")
+    model.opened(files[1], SMALL, 1000.0 + JOB_IDLE_SECONDS / 2, "b[2]")
+    assert {"a[1]:d", "b[2]:d"} <= set(model.jobs())
+    model.opened(files[2], SMALL, 1001.0 + JOB_IDLE_SECONDS, "c[3]")
+    assert "a[1]:d" not in model.jobs()
+    assert "b[2]:d" in model.jobs()
+    assert model.epoch_of("a[1]:d") is None  # its predictions are stale for the prefetcher
 
 
 def test_a_hint_replaces_only_its_own_jobs_plan() -> None:
@@ -789,3 +812,31 @@ def test_the_clock_is_shared_while_two_jobs_read_and_not_once_one_is_idle() -> N
     assert model.shared()
     model.opened(files[2], SMALL, 1001.0 + JOB_IDLE_SECONDS + 1, "b[2]")
     assert not model.shared()  # a[1] stopped reading: it protects nothing any more
+
+
+def test_a_listing_reaches_only_the_jobs_that_hold_its_directory() -> None:
+    model = AccessModel()
+    model.listed("", {"README": 10}, 0.0, "ls[1]")
+    model.opened("README", 10, 1.0, "cat[2]")  # cat[2]'s job is the mount root's, not a dataset
+    files = listed_dataset(model, "train", 5)
+    model.listed("train", dict.fromkeys(files, SMALL), 2.0, "loader[3]")
+    assert model.working_set("README", "cat[2]") == {"README"}
+
+
+def test_one_caller_reading_two_datasets_does_not_share_the_clock() -> None:
+    model = AccessModel()
+    model.opened("train/a.jpg", SMALL, 1.0, "python[1]")
+    model.opened("val/b.jpg", SMALL, 2.0, "python[1]")
+    assert not model.shared()
+    model.opened("val/b.jpg", SMALL, 3.0, "python[2]")
+    assert model.shared()
+
+
+def test_a_job_merged_into_its_parent_answers_for_its_predictions() -> None:
+    model = AccessModel()
+    model.listed("ds/a", {"ds/a/1.jpg": SMALL}, 0.0, "p[1]")
+    model.opened("ds/a/1.jpg", SMALL, 1.0, "p[1]")
+    assert model.job_of("ds/a/1.jpg", "p[1]") == "p[1]:ds/a"
+    model.listed("ds", {}, 2.0, "p[1]")  # the parent, listed after its child: one job
+    assert model.job_of("ds/a/1.jpg", "p[1]") == "p[1]:ds"
+    assert model.epoch_of("p[1]:ds/a") == model.epoch_of("p[1]:ds") == 0

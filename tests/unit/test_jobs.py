@@ -9,13 +9,13 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from cachefsd.jobs import UNKNOWN_JOB, CallerJobs, parse_stat
+from cachefsd.jobs import UNKNOWN_JOB, CallerJobs, ProcessStat, parse_stat
 from cachefsd.metrics import JOB_IDLE_SECONDS, MAX_JOB_SERIES, OTHER_JOBS_LABEL, Metrics
 from tests.unit.conftest import Clock
 
 
-def _stat(pid: int, command: str, group: int) -> str:
-    return f"{pid} ({command}) S 1 {group} {group} 0 -1 4194560 0 0 0 0"
+def _stat(pid: int, command: str, group: int, parent: int = 1, session: int = 1) -> str:
+    return f"{pid} ({command}) S {parent} {group} {session} 0 -1 4194560 0 0 0 0"
 
 
 def _proc(tmp_path: Path, processes: dict[int, tuple[str, int]]) -> Path:
@@ -26,7 +26,29 @@ def _proc(tmp_path: Path, processes: dict[int, tuple[str, int]]) -> Path:
 
 
 def test_a_command_with_spaces_and_parentheses_is_parsed() -> None:
-    assert parse_stat(_stat(7, "my (odd) cmd)", 42)) == ("my (odd) cmd)", 42)
+    assert parse_stat(_stat(7, "my (odd) cmd)", 42, 3, 9)) == ProcessStat("my (odd) cmd)", 3, 42, 9)
+
+
+def test_the_ranks_of_one_torchrun_are_one_job(tmp_path: Path) -> None:
+    """torchrun starts each rank in a session of its own; the ranks and their
+    workers are named by torchrun's group. A session leader without the
+    variable is a job of its own."""
+    processes = {
+        10: _stat(10, "torchrun", 10, parent=5, session=5),
+        20: _stat(20, "python", 20, parent=10, session=20),  # rank 0
+        21: _stat(21, "pt_data_worker", 20, parent=20, session=20),  # its DataLoader worker
+        30: _stat(30, "python", 30, parent=10, session=30),  # rank 1
+        40: _stat(40, "python", 40, parent=10, session=40),  # setsid, no torchrun variable
+    }
+    for pid, stat in processes.items():
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(stat)
+        (tmp_path / str(pid) / "environ").write_bytes(
+            b"PATH=/bin\0TORCHELASTIC_RUN_ID=none\0" if pid in (20, 30) else b"PATH=/bin\0"
+        )
+    jobs = CallerJobs(tmp_path)
+    assert jobs.of(20) == jobs.of(21) == jobs.of(30) == "torchrun[10]"
+    assert jobs.of(40) == "python[40]"
 
 
 def test_workers_of_one_group_are_one_job_named_by_its_leader(tmp_path: Path) -> None:
@@ -79,20 +101,20 @@ def test_job_labels_are_bounded_and_go_to_the_jobs_reading_now() -> None:
     for index in range(MAX_JOB_SERIES):
         metrics.read_done({"cold": 100}, 0.5, f"job{index}")
     metrics.read_done({"hot": 100}, 0.0, "late")
-    assert registry.get_sample_value("cachefsd_job_reads_total", {"job": OTHER_JOBS_LABEL}) == 1
-    assert registry.get_sample_value("cachefsd_job_reads_total", {"job": "late"}) is None
+    assert registry.get_sample_value("cachefsd_job_reads_total", {"reader_job": OTHER_JOBS_LABEL}) == 1
+    assert registry.get_sample_value("cachefsd_job_reads_total", {"reader_job": "late"}) is None
     clock.now += JOB_IDLE_SECONDS - 1
     for index in range(1, MAX_JOB_SERIES):
         metrics.read_done({"hot": 100}, 0.0, f"job{index}")
     clock.now += 2  # job0 idle for longer than JOB_IDLE_SECONDS, the others not
     metrics.read_done({"cold": 100}, 0.25, "late")
-    assert registry.get_sample_value("cachefsd_job_reads_total", {"job": "late"}) == 1
-    assert registry.get_sample_value("cachefsd_job_read_stall_seconds_total", {"job": "late"}) == 0.25
-    assert registry.get_sample_value("cachefsd_job_reads_total", {"job": "job0"}) is None
-    job1 = {"job": "job1", "source": "cache"}
+    assert registry.get_sample_value("cachefsd_job_reads_total", {"reader_job": "late"}) == 1
+    assert registry.get_sample_value("cachefsd_job_read_stall_seconds_total", {"reader_job": "late"}) == 0.25
+    assert registry.get_sample_value("cachefsd_job_reads_total", {"reader_job": "job0"}) is None
+    job1 = {"reader_job": "job1", "source": "cache"}
     assert registry.get_sample_value("cachefsd_job_read_bytes_total", job1) == 100
     metrics.read_done({"hot": 100}, 0.0, "another")  # every other job read just now
-    assert registry.get_sample_value("cachefsd_job_reads_total", {"job": OTHER_JOBS_LABEL}) == 2
+    assert registry.get_sample_value("cachefsd_job_reads_total", {"reader_job": OTHER_JOBS_LABEL}) == 2
 
 
 def test_each_named_job_has_its_hit_ratio_and_epoch() -> None:
@@ -104,7 +126,7 @@ def test_each_named_job_has_its_hit_ratio_and_epoch() -> None:
     metrics.read_done({"cold": 10}, 0.1, UNKNOWN_JOB)
 
     def gauge(name: str, job: str) -> float | None:
-        return registry.get_sample_value(name, {"job": job})
+        return registry.get_sample_value(name, {"reader_job": job})
 
     assert gauge("cachefsd_job_hit_ratio", "a[1]") == 0.75
     assert gauge("cachefsd_job_hit_ratio", "b[2]") == 1.0

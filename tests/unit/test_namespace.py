@@ -441,6 +441,25 @@ def test_a_listing_saved_by_a_previous_mount_serves_through_an_outage(make_engin
         again.namespace.lookup("/d/f")
 
 
+def test_a_listing_dropped_before_a_remount_is_not_served_through_an_outage(
+    make_engine: EngineFactory,
+) -> None:
+    """Dropped (an object changed under a reader), a saved listing is empty
+    and expired: a remount whose store fails must fail the lookup, not
+    answer that the directory holds nothing."""
+    engine = make_engine({"d/f": b"1"}, ttl=60)
+    listed = engine.namespace.lookup("/d/f").info
+    assert listed is not None
+    engine.namespace.invalidate(listed)
+    again = make_engine(store=engine.store, cache_dir=engine.cache_dir, ttl=60)
+    again.clock.now = engine.clock.now + 1
+    again.namespace.lookup("/d")  # the root's listing is checked while the store answers
+    again.faulty.faults.failures_left = 1_000_000
+    with pytest.raises(StoreError) as failed:
+        again.namespace.lookup("/d/f")
+    assert not isinstance(failed.value, ObjectNotFound)  # EIO, not "no such file"
+
+
 def test_a_listing_dropped_while_it_is_refreshed_is_not_served_stale(make_engine: EngineFactory) -> None:
     """A listing dropped because an object changed under a reader must not
     come back when the refresh under way fails: its next lookup waits for
