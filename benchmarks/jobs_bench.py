@@ -37,45 +37,21 @@ from cachefsd.cache.codec import HEADER_SIZE
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.cli.supervise import unmount
 
-# One job: argv = metrics URL, seed, epochs, paths. Prints one JSON line an
-# epoch: the epoch's bytes from the cache and from the store, its own.
-JOB = """
-import json, os, random, sys, urllib.request
-from prometheus_client.parser import text_string_to_metric_families
-
-url, seed, epochs, paths = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
-me = f"[{os.getpgid(0)}]"
-
-def mine():
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out = {"cache": 0.0, "cold": 0.0}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "cachefsd_job_read_bytes_total" and sample.labels["reader_job"].endswith(me):
-                out[sample.labels["source"]] += sample.value
-    return out
-
-rng = random.Random(seed)
-before = mine()
-for epoch in range(epochs):
-    rng.shuffle(paths)
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        while os.read(fd, 1 << 20):
-            pass
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-    after = mine()
-    print(json.dumps({"epoch": epoch, **{k: after[k] - before[k] for k in after}}), flush=True)
-    before = after
-"""
-
 
 def run_jobs(metrics_url: str, paths: list[str], jobs: int, epochs: int) -> list[list[float]]:
     """Hit ratio of each epoch of each of ``jobs`` jobs run side by side."""
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", JOB, metrics_url, str(seed), str(epochs), *paths],
+            [
+                sys.executable,
+                "-m",
+                "cachefsd.testing.epochs",
+                str(seed),
+                str(epochs),
+                "--metrics",
+                metrics_url,
+                *paths,
+            ],
             stdout=subprocess.PIPE,
             start_new_session=True,
         )

@@ -150,23 +150,6 @@ def test_reads_are_counted_per_job(s3_client: Any, s3_server: S3TestServer, moun
     assert all(samples[f"cachefsd_job_read_stall_seconds_total{{reader_job={job}}}"] > 0 for job in by_job)
 
 
-_EPOCHS_SCRIPT = """
-import os, random, sys
-paths, seed, epochs = sys.argv[3:], int(sys.argv[1]), int(sys.argv[2])
-rng = random.Random(seed)
-for _ in range(epochs):
-    rng.shuffle(paths)
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        while os.read(fd, 1 << 20):
-            pass
-        # Its pages dropped, as for a dataset larger than RAM: the next
-        # epoch's read reaches the daemon again.
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-"""
-
-
 def test_two_jobs_on_one_prefix_keep_their_own_epochs(
     s3_client: Any, s3_server: S3TestServer, mounter: MountFactory
 ) -> None:
@@ -181,7 +164,7 @@ def test_two_jobs_on_one_prefix_keep_their_own_epochs(
     paths = [str(mount.path(key)) for key in sorted(objects)]
     jobs = [
         subprocess.Popen(
-            [sys.executable, "-c", _EPOCHS_SCRIPT, str(seed), "3", *paths], start_new_session=True
+            [sys.executable, "-m", "cachefsd.testing.epochs", str(seed), "3", *paths], start_new_session=True
         )
         for seed in (1, 2)
     ]
