@@ -194,6 +194,12 @@ class FileSystem:
             self.stale_entries.put((file.parent, file.name))
             raise
 
+    def entry_of(self, node: int) -> tuple[int, str] | None:
+        """(parent inode, name) of file inode ``node``, None if unknown."""
+        with self._lock:
+            file = self._files.get(node)
+        return None if file is None else (file.parent, file.name)
+
     def opendir(self, node: int, pid: int) -> int:
         """A handle on the listing of directory ``node`` as it is now, for
         process ``pid``: the kernel reads it in pieces, by offset, and each
