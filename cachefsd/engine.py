@@ -11,7 +11,6 @@ locks, then reconcile the cache.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from cachefsd.aio import LoopThread
+from cachefsd.buffers import reuse_block_buffers
 from cachefsd.cache.directory import open_cache, tier_specs
 from cachefsd.cache.index import Index
 from cachefsd.cache.policy import PlannedUse
@@ -63,32 +63,6 @@ class Engine:
     prefetcher: Prefetcher
     model: AccessModel
     fs: FileSystem
-
-
-# glibc's mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8
-# The largest mmap threshold glibc accepts on 64-bit machines.
-_MMAP_THRESHOLD_MAX = 32 << 20
-
-
-def _reuse_block_buffers() -> None:
-    """Serve block-sized buffers (cold GETs, frames) from heaps that keep
-    their freed memory, instead of a fresh mmap each: the kernel zeroes and
-    faults in every page of a fresh one, which cost more CPU than the
-    copies into it (a cold 32 MiB stream: 150 page faults and 1.2 ms of
-    system time a MiB, against 4-13 and 0.55). Each heap (arena) gives back
-    what it holds free above 128 MiB, and there are at most 4 (glibc makes
-    up to 8 a core), so at most about 600 MiB is kept on any node. Blocks
-    over 32 MiB (glibc's largest threshold) are still mmapped. Not glibc:
-    nothing to do."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except AttributeError:
-        return
-    mallopt(_M_ARENA_MAX, 4)
-    mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-    mallopt(_M_TRIM_THRESHOLD, 128 << 20)
-    mallopt(_M_TOP_PAD, 16 << 20)
 
 
 def _warn_of_small_disks(cache: TieredCache) -> None:
@@ -158,7 +132,7 @@ def engine(
     offline stage refuses it); ``keep_recorded_layout`` for an offline
     stage, which fills a cache as its daemon laid it out. ``store_factory``
     opens the source (tests give one over an in-memory store)."""
-    _reuse_block_buffers()
+    reuse_block_buffers()
     metrics = Metrics(CollectorRegistry())
     model = AccessModel()
     metrics.watch_epoch(model.current, model.caller_epochs)

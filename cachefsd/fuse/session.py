@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ParamSpec
 
+from cachefsd.buffers import address
 from cachefsd.errors import CachefsdError, ObjectChanged, errno_for
 from cachefsd.fs import Attributes, FileSystem
 from cachefsd.fuse import lowlevel as ll
@@ -105,7 +106,7 @@ def _reply_pieces(request: int, pieces: list[Piece]) -> None:
             slot.size, slot.fd, slot.pos = piece.length, piece.fd, piece.offset
             slot.flags = ll.BUF_IS_FD | ll.BUF_FD_SEEK | ll.BUF_FD_RETRY
         else:
-            slot.size, slot.mem, slot.fd = len(piece), _address(piece), -1
+            slot.size, slot.mem, slot.fd = len(piece), address(piece), -1
     try:
         ll.lib.fuse_reply_data(request, ctypes.byref(vector), 0)
     finally:
@@ -115,15 +116,6 @@ def _reply_pieces(request: int, pieces: list[Piece]) -> None:
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(piece.fd, piece.offset, piece.length, os.POSIX_FADV_DONTNEED)
         close_pieces(pieces)
-
-
-def _address(piece: bytes | bytearray) -> int:
-    """Where ``piece``'s bytes are, for C to read while ``piece`` lives."""
-    if isinstance(piece, bytes):
-        address = ctypes.cast(ctypes.c_char_p(piece), ctypes.c_void_p).value
-    else:
-        address = ctypes.addressof((ctypes.c_char * len(piece)).from_buffer(piece))
-    return address or 0
 
 
 class _Notifier:

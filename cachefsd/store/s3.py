@@ -66,6 +66,7 @@ from obstore.exceptions import BaseError as ObstoreError
 from obstore.exceptions import NotFoundError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 from obstore.store import S3Store as ObstoreS3
 
+from cachefsd.buffers import address
 from cachefsd.config import StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo, gathered, redact_url
@@ -549,21 +550,20 @@ class S3Store:
             await stack.aclose()
 
 
-async def _cut(chunks: AsyncIterator[Any], piece: int, length: int) -> AsyncGenerator[bytearray, None]:
+async def _cut(chunks: AsyncIterator[bytes], piece: int, length: int) -> AsyncGenerator[bytearray, None]:
     """A body of at most ``length`` bytes, in chunks (buffers of any size), as
     pieces of exactly ``piece`` bytes, the last one shorter: each byte is
     copied once, into a buffer of its piece's size (a small object's range
     is far shorter than a block)."""
     remaining = length
     buffer, filled = bytearray(min(piece, remaining)), 0
-    async for received in chunks:
+    async for chunk in chunks:
         # ctypes lets go of the GIL for the copy (megabytes each): the FUSE
         # threads serve the cached reads meanwhile.
-        chunk = received if isinstance(received, bytes) else bytes(received)  # obstore gives bytes
-        source, offset = ctypes.cast(ctypes.c_char_p(chunk), ctypes.c_void_p).value or 0, 0
+        source, offset = address(chunk), 0
         while offset < len(chunk):
             taken = min(len(buffer) - filled, len(chunk) - offset)
-            ctypes.memmove(_address_in(buffer, filled), source + offset, taken)
+            ctypes.memmove(address(buffer) + filled, source + offset, taken)
             filled, offset = filled + taken, offset + taken
             if filled == len(buffer):
                 yield buffer
@@ -574,12 +574,6 @@ async def _cut(chunks: AsyncIterator[Any], piece: int, length: int) -> AsyncGene
     if filled:
         del buffer[filled:]  # the body ended early: the end of the object
         yield buffer
-
-
-def _address_in(buffer: bytearray, offset: int) -> int:
-    """Where byte ``offset`` of ``buffer`` lies (``buffer`` not resized meanwhile)."""
-    base = ctypes.addressof((ctypes.c_char * 1).from_buffer(buffer))
-    return base + offset
 
 
 async def _read_body(body: Any, length: int) -> bytearray:
