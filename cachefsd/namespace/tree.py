@@ -92,7 +92,9 @@ ROOT = Node(info=None)
 class _Cached:
     directory: Directory
     fetched_at: float
-    saved: bool = False  # loaded from the index, not listed since this mount began
+    # Saved by an earlier mount and not listed since this one began: it is
+    # listed again before it serves (unless saved listings are trusted).
+    unchecked: bool = False
 
 
 class Namespace:
@@ -185,7 +187,7 @@ class Namespace:
                 # released), and what serves if the store does not answer.
                 with self._lock:
                     cached = self._dirs.setdefault(prefix, cached)
-        if cached is not None and cached.saved and not self._trust_saved and cached.fetched_at != INVALIDATED:
+        if cached is not None and cached.unchecked:
             return self._checked_saved(prefix, cached)
         if cached is not None and now - cached.fetched_at < self._ttl:
             return cached
@@ -217,7 +219,7 @@ class Namespace:
         one (a directory of a million objects is minutes of listing)."""
         with self._lock:
             cached = self._dirs.get(prefix)
-        if cached is not None and not cached.saved and cached.fetched_at != INVALIDATED:
+        if cached is not None and not cached.unchecked and cached.fetched_at != INVALIDATED:
             return cached
         return self._listed(prefix)
 
@@ -315,7 +317,8 @@ class Namespace:
         if saved is None:
             return None
         fetched_at, listing = saved
-        return _Cached(directory_from_listing(prefix, listing), fetched_at, saved=True)
+        unchecked = not self._trust_saved and fetched_at != INVALIDATED  # a dropped one is listed anyway
+        return _Cached(directory_from_listing(prefix, listing), fetched_at, unchecked)
 
     def _list(self, prefix: str) -> Listing:
         """Every page of the listing of ``prefix``, each page one request
