@@ -347,12 +347,15 @@ def _add_files(holders: list[_Job], files: dict[str, int]) -> None:
     ``holders`` (which jobs of several callers may share), and the new ones
     are unread by each holder that did not open them this epoch."""
     listed = {_clean(name): size for name, size in files.items()}
-    new = {id(job.working): [path for path in listed if path not in job.working] for job in holders}
+    # Every holder's new files first: a shared working set, grown for one
+    # holder, would hide them from the next.
     for job in holders:
         if not job.unread_pending:
-            for path in new[id(job.working)]:
-                if path not in job.seen:
-                    job.unread[path] = listed[path]
+            job.unread.update(
+                (path, size)
+                for path, size in listed.items()
+                if path not in job.working and path not in job.seen
+            )
     for job in holders:
         job.working.update(listed)
 
