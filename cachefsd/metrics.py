@@ -20,7 +20,6 @@ from prometheus_client.registry import Collector
 
 from cachefsd.cache.tiered import DedupWhere
 from cachefsd.fetch import FetchKind
-from cachefsd.jobs import UNKNOWN_JOB
 
 # 100 µs (a local store or an in-region hit) to 30 s (the default deadline).
 LATENCY_BUCKETS = (
@@ -157,9 +156,9 @@ class JobLabels:
         self._last_read: dict[str, float] = {}  # job with a label of its own -> its latest read
 
     def named(self) -> list[str]:
-        """The jobs counted under a label of their own now."""
+        """The labels of the jobs counted under one of their own now."""
         with self._lock:
-            return [UNKNOWN_JOB if name == UNKNOWN_JOB_LABEL else name for name in self._last_read]
+            return list(self._last_read)
 
     def label(self, job: str) -> str:
         name = job or UNKNOWN_JOB_LABEL
@@ -208,10 +207,10 @@ class _JobCollector(Collector):
         epoch = GaugeMetricFamily(
             "cachefsd_job_epoch", "The epoch a job reads (its highest)", labels=[JOB_LABEL]
         )
-        epochs = metrics.job_epochs()
-        for job in metrics.job_labels.named():
-            if job in epochs:
-                epoch.add_metric([job or UNKNOWN_JOB_LABEL], epochs[job])
+        epochs = {job or UNKNOWN_JOB_LABEL: value for job, value in metrics.job_epochs().items()}
+        for label in metrics.job_labels.named():
+            if label in epochs:
+                epoch.add_metric([label], epochs[label])
         return [ratio, epoch]
 
 
