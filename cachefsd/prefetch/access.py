@@ -584,6 +584,12 @@ class AccessModel:
             job = self._existing_job_locked(self._callers.get(caller, _NO_JOBS), _clean(job_path))
             return 0 if job is None else job.epoch
 
+    def callers(self) -> set[str]:
+        """The callers (``jobs.py``) the model keeps jobs of: those that read
+        in the last ``JOB_IDLE_SECONDS``, or since the last new caller came."""
+        with self._lock:
+            return set(self._callers)
+
     def caller_epochs(self) -> dict[str, int]:
         """Each caller (``jobs.py``) -> the highest epoch of its jobs."""
         with self._lock:

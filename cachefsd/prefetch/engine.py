@@ -257,7 +257,10 @@ class Prefetcher:
         if part is None:
             return order
         rank, world = part
+        reading = self._model.callers()
         with self._lock:
+            # The shares of jobs the model forgot (they stopped reading) go.
+            self._hint_parts = {each: kept for each, kept in self._hint_parts.items() if each in reading}
             known_world, parts = self._hint_parts.get(job, (0, {}))
             if world != known_world:
                 parts = {}

@@ -19,7 +19,7 @@ from cachefsd.cache.policy import EpochAwarePolicy, MinioPolicy, PlannedUse
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
 from cachefsd.errors import CachefsdError
-from cachefsd.prefetch.access import AccessModel
+from cachefsd.prefetch.access import JOB_IDLE_SECONDS, AccessModel
 from cachefsd.prefetch.engine import Prefetcher
 from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.store.base import ObjectInfo
@@ -129,6 +129,29 @@ def test_the_shares_of_distributed_ranks_are_merged_into_one_order(
     prefetcher.hint(keys[4:8], part=(1, 2))
     predicted = [prediction.path for prediction in model.predict(8)]
     assert predicted == [keys[0], keys[4], keys[1], keys[5], keys[2], keys[6], keys[3], keys[7]]
+
+
+def test_the_shares_of_a_job_that_stopped_reading_are_not_kept(
+    make_engine: EngineFactory, dataset: dict[str, bytes]
+) -> None:
+    """A sweep's trials each hint their ranks' shares: a trial that stopped
+    reading (the model forgot it) must not keep its order, nor merge it
+    into a later hint of a job of the same name."""
+    engine = make_engine(dataset)
+    model, clock = AccessModel(), Clock()
+    prefetcher = Prefetcher(
+        model, engine.namespace, engine.reader, PrefetchSettings(), engine.metrics, DEFAULT_TUNING, clock
+    )
+    keys = sorted(dataset)
+    prefetcher.hint(keys[0:4], part=(0, 2), job="trial[1]")
+    prefetcher.hint(keys[4:8], part=(1, 2), job="trial[1]")
+    assert model.stats()["per_job"]["trial[1]:train"]["hint_files"] == 8  # type: ignore[index]
+    clock.now += JOB_IDLE_SECONDS + 1
+    info = engine.namespace.lookup("/" + keys[0]).info
+    assert info is not None
+    prefetcher.opened(info, "trial[2]")  # a new caller: trial[1], idle, is forgotten
+    prefetcher.hint(keys[4:8], part=(1, 2), job="trial[1]")
+    assert model.stats()["per_job"]["trial[1]:train"]["hint_files"] == 4  # type: ignore[index]
 
 
 def test_a_read_that_joins_a_prefetch_in_flight_counts_it_used_not_wasted(
