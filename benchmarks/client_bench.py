@@ -27,7 +27,7 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
-from profile_daemon import start_server
+from profile_daemon import s3_server
 
 BUCKET = "bench"
 OBJECTS = 64
@@ -90,8 +90,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="each client this many times, alternating")
     args = parser.parse_args()
     size = args.kib << 10
-    server, endpoint = start_server()
-    try:
+    with s3_server() as endpoint:
         seeding = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
         seeding.create_bucket(Bucket=BUCKET)
         etags = [
@@ -106,9 +105,6 @@ def main() -> int:
                 cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
                 rate, each = args.gets / wall, cpu / args.gets * 1e3
                 print(f"{name:<12} {rate:6.0f} GETs/s   client CPU {each:.2f} ms a GET")
-    finally:
-        server.terminate()
-        server.wait(30)
     return 0
 
 

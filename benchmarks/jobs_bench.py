@@ -30,7 +30,7 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
-from profile_daemon import start_server
+from profile_daemon import s3_server
 from read_bench import Dataset, free_port, make_dataset
 
 from cachefsd.cache.codec import HEADER_SIZE
@@ -78,9 +78,8 @@ def main() -> int:
     parser.add_argument("--policy", default="epoch-aware", help="the cache's eviction policy")
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="cachefsd-jobs-"))
-    server, endpoint = start_server()
-    try:
+    with tempfile.TemporaryDirectory(prefix="cachefsd-jobs-") as temporary, s3_server() as endpoint:
+        work = Path(temporary)
         client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
         client.create_bucket(Bucket="bench")
         relatives = make_dataset(Dataset("data", args.files, args.kib << 10), work / "local", client, "bench")
@@ -110,9 +109,6 @@ def main() -> int:
                 shown = " ".join(f"{ratio:.2f}" for ratio in per_epoch)
                 steady = statistics.median(per_epoch[1:])
                 print(f"  {jobs} job(s), job {job + 1}: hit ratio by epoch {shown}; 2+ median {steady:.2f}")
-    finally:
-        server.terminate()
-        server.wait(30)
     return 0
 
 

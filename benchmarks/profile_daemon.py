@@ -23,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import boto3
@@ -53,18 +55,23 @@ def thread_cpu(pid: int) -> dict[str, tuple[str, float, float]]:
     return threads
 
 
-def start_server() -> tuple[subprocess.Popen[bytes], str]:
-    """moto S3 in a process of its own on a free port of 127.0.0.1, and its
-    endpoint, which it prints once it serves (as epoch_bench.py waits for it)."""
+@contextmanager
+def s3_server() -> Iterator[str]:
+    """moto S3 in a process of its own on a free port of 127.0.0.1, while
+    the block runs: its endpoint, which it prints once it serves (as
+    epoch_bench.py waits for it)."""
     command = [sys.executable, "-m", "cachefsd.testing.s3_server", "--host", "127.0.0.1"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE)
-    assert server.stdout is not None
-    ready, _, _ = select.select([server.stdout], [], [], SERVER_START_SECONDS)
-    endpoint = server.stdout.readline().decode().strip() if ready else ""
-    if not endpoint.startswith("http://"):
-        server.kill()
-        raise RuntimeError(f"the S3 server did not start (said {endpoint!r})")
-    return server, endpoint
+    try:
+        assert server.stdout is not None
+        ready, _, _ = select.select([server.stdout], [], [], SERVER_START_SECONDS)
+        endpoint = server.stdout.readline().decode().strip() if ready else ""
+        if not endpoint.startswith("http://"):
+            raise RuntimeError(f"the S3 server did not start (said {endpoint!r})")
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(30)
 
 
 def report(
@@ -103,42 +110,44 @@ def main() -> int:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="cachefsd-profile-"))
-    server, endpoint = start_server()
     mountpoint = work / "mnt"
-    try:
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        client.create_bucket(Bucket="bench")
-        dataset = Dataset("data", args.files, args.kib << 10)
-        relatives = [r.removeprefix("data/") for r in make_dataset(dataset, work / "local", client, "bench")]
-        mountpoint.mkdir()
-        mount = [sys.executable, "-m", "cachefsd", "mount", "s3://bench/data", str(mountpoint)]
-        options = ["--endpoint-url", endpoint, "--cache-dir", str(work / "cache")]
-        subprocess.run([*mount, *options, "--metrics-addr", f"127.0.0.1:{free_port()}"], check=True)
-        state = read_state(mountpoint)
-        assert state is not None
-        if args.dropped:
-            epoch(mountpoint, relatives, 4, seed=0)
-            epoch(mountpoint, relatives, 4, seed=1)
-            drop_page_cache()
-        spy = None
-        if args.py_spy:
-            command = ["py-spy", "record", "-p", str(state.pid), "-o", str(args.py_spy), "--format", "raw"]
-            spy = subprocess.Popen(
-                [*command, "--threads"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-            )
-            time.sleep(1)  # attached
-        before = thread_cpu(state.pid)
-        seconds, nbytes = epoch(mountpoint, relatives, 4, seed=2)
-        after = thread_cpu(state.pid)
-        if spy is not None:
-            spy.send_signal(2)
-            spy.wait(60)
-    finally:
-        if mountpoint.exists():
-            unmount(mountpoint)
-        server.terminate()
-        server.wait(30)
-        shutil.rmtree(work, ignore_errors=True)
+    with s3_server() as endpoint:
+        try:
+            client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+            client.create_bucket(Bucket="bench")
+            dataset = Dataset("data", args.files, args.kib << 10)
+            relatives = [
+                r.removeprefix("data/") for r in make_dataset(dataset, work / "local", client, "bench")
+            ]
+            mountpoint.mkdir()
+            mount = [sys.executable, "-m", "cachefsd", "mount", "s3://bench/data", str(mountpoint)]
+            options = ["--endpoint-url", endpoint, "--cache-dir", str(work / "cache")]
+            subprocess.run([*mount, *options, "--metrics-addr", f"127.0.0.1:{free_port()}"], check=True)
+            state = read_state(mountpoint)
+            assert state is not None
+            if args.dropped:
+                epoch(mountpoint, relatives, 4, seed=0)
+                epoch(mountpoint, relatives, 4, seed=1)
+                drop_page_cache()
+            spy = None
+            if args.py_spy:
+                command = ["py-spy", "record", "-p", str(state.pid), "-o", str(args.py_spy)]
+                spy = subprocess.Popen(
+                    [*command, "--format", "raw", "--threads"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                time.sleep(1)  # attached
+            before = thread_cpu(state.pid)
+            seconds, nbytes = epoch(mountpoint, relatives, 4, seed=2)
+            after = thread_cpu(state.pid)
+            if spy is not None:
+                spy.send_signal(2)
+                spy.wait(60)
+        finally:
+            if mountpoint.exists():
+                unmount(mountpoint)
+            shutil.rmtree(work, ignore_errors=True)
 
     report(before, after, args.files, seconds, nbytes, args.dropped)
     return 0
