@@ -12,7 +12,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -419,22 +419,22 @@ def _describe(error: ValidationError, env_origins: Mapping[tuple[str, ...], str]
     return "; ".join(lines)
 
 
-def load_settings(
-    config_file: Path | None,
-    flags: Mapping[str, Any],
-    environ: Mapping[str, str] = os.environ,
+def _read_config(config_file: Path | None) -> dict[str, Any]:
+    if config_file is None:
+        return {}
+    try:
+        return tomllib.loads(config_file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {config_file}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {config_file} is not UTF-8 text (byte {exc.start})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {config_file} is not valid TOML: {exc}") from exc
+
+
+def _validated(
+    tree: dict[str, Any], flags: Mapping[str, Any], environ: Mapping[str, str], where: str
 ) -> Settings:
-    """The validated settings, or ``ConfigError`` naming every bad field."""
-    tree: dict[str, Any] = {}
-    if config_file is not None:
-        try:
-            tree = tomllib.loads(config_file.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {config_file}: {exc.strerror}") from exc
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"config file {config_file} is not UTF-8 text (byte {exc.start})") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {config_file} is not valid TOML: {exc}") from exc
     tree = _deep_merge(tree, env_overrides(environ))
     tree = _deep_merge(tree, flags)
     try:
@@ -442,4 +442,94 @@ def load_settings(
     except ValidationError as exc:
         env_settings = _env_settings(environ).items()
         env_origins = {path: name for name, path in env_settings if not _set_in(flags, path)}
-        raise ConfigError(_describe(exc, env_origins)) from exc
+        raise ConfigError(where + _describe(exc, env_origins)) from exc
+
+
+def load_settings(
+    config_file: Path | None,
+    flags: Mapping[str, Any],
+    environ: Mapping[str, str] = os.environ,
+) -> Settings:
+    """The validated settings of one mount (or an offline stage), or
+    ``ConfigError`` naming every bad field. A config file's ``[[mounts]]``
+    play no part: the command names its source."""
+    tree = _read_config(config_file)
+    tree.pop("mounts", None)
+    return _validated(tree, flags, environ, "")
+
+
+# What belongs to the daemon, not to one of its mounts: the cache it
+# serves from, its metrics endpoint and its log. Every mount of a daemon
+# has the daemon's (``node_conflicts``).
+NODE_SETTINGS = ("cache", "metrics", "log_level")
+
+
+def load_mounts(
+    config_file: Path | None,
+    flags: Mapping[str, Any],
+    environ: Mapping[str, str] = os.environ,
+) -> list[Settings]:
+    """The settings of each ``[[mounts]]`` entry of the config file (its
+    ``source``, ``mountpoint`` and any per-mount section, over the file's
+    top level), for a daemon that serves them all; ``ConfigError`` naming
+    the entry and field at fault."""
+    tree = _read_config(config_file)
+    entries = tree.pop("mounts", None)
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+        raise ConfigError(
+            "mounts: give SOURCE and MOUNTPOINT, or a config file that lists them as [[mounts]] tables"
+        )
+    named = [name for name, path in _env_settings(environ).items() if path in (("source",), ("mountpoint",))]
+    named += [key.upper() for key in ("source", "mountpoint") if key in flags]
+    if named:
+        raise ConfigError(
+            f"mounts: the config file lists the mounts, so {' and '.join(named)} must not name one"
+        )
+    mounts = []
+    for number, entry in enumerate(entries):
+        where = f"mounts[{number}]."
+        for key in NODE_SETTINGS:
+            if key in entry:
+                raise ConfigError(
+                    f"{where}{key}: belongs to the daemon all its mounts share: set it at the top level"
+                )
+        mounts.append(_validated(_deep_merge(tree, entry, where), flags, environ, where))
+    seen: dict[Path, int] = {}
+    for number, settings in enumerate(mounts):
+        first = seen.setdefault(settings.mountpoint.resolve(), number)
+        if first != number:
+            raise ConfigError(f"mounts[{number}].mountpoint: {settings.mountpoint} is mounts[{first}]'s too")
+    return mounts
+
+
+def node_conflicts(daemon: Settings, mount: Settings) -> list[str]:
+    """The daemon's settings that ``mount`` asks for differently, each as
+    ``field: asked, daemon's``: a mount joining a running daemon gets the
+    daemon's cache, metrics and log, so a difference the user asked for
+    (not a default left alone) is refused rather than ignored."""
+    asked = mount.model_dump(mode="json", include=set(NODE_SETTINGS), exclude_unset=True)
+    has = daemon.model_dump(mode="json", include=set(NODE_SETTINGS))
+    return list(_differences(asked, has, ""))
+
+
+def _differences(asked: Mapping[str, Any], has: Mapping[str, Any], where: str) -> Iterator[str]:
+    for key, value in asked.items():
+        theirs = has.get(key)
+        if isinstance(value, Mapping) and isinstance(theirs, Mapping):
+            yield from _differences(value, theirs, f"{where}{key}.")
+        elif value != theirs:
+            yield f"{where}{key}: {_shown(value, key)} here, {_shown(theirs, key)} in the daemon"
+
+
+def _shown(value: Any, key: str) -> str:
+    if value is None:
+        return "none"
+    if key.endswith("size") and isinstance(value, int):
+        return human_bytes(value)
+    return str(value)
+
+
+def validated_settings(tree: Mapping[str, Any]) -> Settings:
+    """Settings sent as a tree (``Settings.model_dump``, the unset fields
+    left out), validated again; ``ConfigError`` naming every bad field."""
+    return _validated(dict(tree), {}, {}, "")

@@ -1,36 +1,60 @@
-"""The daemon process: the engine's data path served through a FUSE mount,
-with the metrics endpoint and the control API beside it.
+"""The daemon process: one node (the cache, metrics, one epoch clock) and
+the mounts it serves, each a FUSE session on a thread of its own with its
+control socket and state file beside it.
 
-A failure before the kernel has initialised the mount is raised to the
-caller, which reports it in one line; ``ready`` is called once it has.
+The mounts a daemon starts with are mounted in order; more join later
+through the control API (``cachefsd mount`` on a cache directory this
+daemon serves), and an unmount detaches one. The process ends with its
+last mount. SIGTERM, SIGINT and SIGHUP end every session, as libfuse's own
+handlers would for one.
+
+A failure before a mount is ready is raised to whoever asked for it,
+which reports it in one line; ``ready`` is called once every starting
+mount is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import logging
 import os
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from cachefsd.config import Settings
-from cachefsd.control.mounts import MountState, control_path, write_state
+from cachefsd.config import Settings, node_conflicts
+from cachefsd.control.mounts import MountState, control_path, remove_state, write_state
 from cachefsd.control.server import ControlServer, MountHandlers
-from cachefsd.engine import engine
-from cachefsd.errors import ConfigError
-from cachefsd.fuse.session import Session
+from cachefsd.engine import Node
+from cachefsd.errors import CachefsdError, ConfigError
+from cachefsd.fuse.session import Session, install_wake_handler
 from cachefsd.jobs import CallerJobs
 from cachefsd.preflight import check_allow_other, check_fuse_device, check_mountpoint
 from cachefsd.stats import DaemonStats, Residency
+from cachefsd.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
+
+# The longest a mount may take to be ready once its source answered (the
+# cache is already open): the kernel's INIT comes within milliseconds.
+SESSION_READY_SECONDS = 60.0
+# How long a stopping session is woken, a tenth of a second apart, before
+# the daemon gives up on it (its process exit then ends it).
+SESSION_STOP_SECONDS = 10.0
+_WAKE_INTERVAL_SECONDS = 0.1
 
 
 def _start_metrics(settings: Settings, registry: CollectorRegistry) -> str | None:
     """Serve metrics; ``None`` when disabled. An address the user chose must
-    work or the mount fails; the default one may be taken by another mount
+    work or the mount fails; the default one may be taken by another daemon
     on this node, which then runs without metrics rather than not at all."""
     if not settings.metrics.enabled:
         return None
@@ -62,62 +86,295 @@ def _for_job(
     return lambda order, part, pid: hint(order, part, jobs.of(pid))
 
 
-def run(settings: Settings, ready: Callable[[], None]) -> None:
-    """Mount ``settings.source`` and serve until unmounted."""
-    mountpoint = settings.mountpoint.resolve()
-    check_fuse_device()
-    check_allow_other(settings.fuse.allow_other)
-    check_mountpoint(mountpoint, settings.cache.directories())
-    with engine(settings, mounting=True) as parts:
-        metrics_addr = _start_metrics(settings, parts.metrics.registry)
-        if settings.prefetch.enabled:
-            parts.prefetcher.start()
-        # The control API starts before the state file names its socket, and
-        # stops before the engine closes.
-        identity = {"pid": os.getpid(), "mountpoint": str(mountpoint), "source": parts.store.uri}
-        hint = parts.prefetcher.hint if settings.prefetch.enabled else None
-        job_hint = None if hint is None else _for_job(hint, parts.fs.jobs)
-        # /stats and the metrics endpoint read the same registry; residency
-        # is one cached index query shared by both.
-        residency = Residency(
-            functools.partial(parts.index.resident_bytes_by_prefix, parts.store.cache_key),
-            [tier.name for tier in parts.cache.tiers],
+class _Mount:
+    """One mount of the daemon: what it opened (``resources``, closed when
+    its session ends), and its session on a thread of its own."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        session: Session,
+        ready: threading.Event,
+        resources: ExitStack,
+        state: MountState,
+        ended: Callable[[_Mount], None],
+    ) -> None:
+        """``ended`` is called once the session has ended and ``resources`` are closed."""
+        self.settings = settings
+        self.mountpoint = settings.mountpoint.resolve()
+        self.session = session
+        self.ready = ready  # set by the kernel's INIT, or when the session ends
+        self.resources = resources
+        self.state = state
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, name=f"cachefsd-session:{self.mountpoint}")
+        self._ended = ended
+
+    def _serve(self) -> None:
+        try:
+            self.session.serve(
+                f"cachefsd:{self.state.source}",
+                self.settings.fuse.allow_other,
+                self.settings.fetch.concurrency,
+            )
+            log.info("unmounted %s", self.mountpoint)
+        except BaseException as exc:  # told to whoever waits for ``ready``, or logged
+            self.failure = exc
+            if self.ready.is_set():
+                log.exception("the session of %s failed", self.mountpoint)
+        finally:
+            try:
+                self.resources.close()
+            except Exception:
+                log.exception("closing the mount of %s failed", self.mountpoint)
+            finally:
+                self.ready.set()
+                self._ended(self)
+
+
+class Daemon:
+    """The mounts of one node, attached and detached while it runs.
+    ``attach`` is called on the main thread at start and on control-server
+    threads after; the mounts table is guarded by ``_lock``."""
+
+    def __init__(self, settings: Settings, node: Node, metrics_addr: str | None) -> None:
+        self.settings = settings  # the daemon's own: cache, metrics and log are every mount's
+        self._node = node
+        self._metrics_addr = metrics_addr
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._mounts: dict[Path, _Mount] = {}
+        self._pending = 0  # attaches under way: the daemon does not end under them
+        self._closing = False
+
+    def attach(self, settings: Settings, source: tuple[ExitStack, ObjectStore] | None = None) -> MountState:
+        """Mount ``settings`` on this node and return once the kernel has
+        initialised it; raises (``ConfigError`` naming the setting) when it
+        cannot be. ``source``: its store already opened and checked (the
+        first mount, checked before the cache was opened), and what closes it."""
+        opened = ExitStack()  # what the mount takes over once it is built
+        try:
+            if source is not None:
+                opened.enter_context(source[0])
+            conflicts = node_conflicts(self.settings, settings)
+            if conflicts:
+                raise ConfigError(
+                    f"{conflicts[0]} (pid {os.getpid()}, cache {self.settings.cache.dir}): "
+                    "a mount joining a running daemon shares its cache, metrics and log; "
+                    "leave the setting out, or give another --cache-dir"
+                )
+            mountpoint = settings.mountpoint.resolve()
+            with self._attaching(mountpoint):
+                check_allow_other(settings.fuse.allow_other)
+                check_mountpoint(mountpoint, self.settings.cache.directories())
+                store = opened.enter_context(self._node.source(settings)) if source is None else source[1]
+                state = self._start(self._open(settings, store, opened))
+        finally:
+            opened.close()
+        return state
+
+    @contextlib.contextmanager
+    def _attaching(self, mountpoint: Path) -> Iterator[None]:
+        """While a mount is being attached: the daemon does not end under it."""
+        with self._lock:
+            if self._closing:
+                raise CachefsdError(f"the daemon of {self.settings.cache.dir} is stopping: mount again")
+            if mountpoint in self._mounts:
+                raise ConfigError(
+                    f"mountpoint: {mountpoint} is already mounted by cachefsd (pid {os.getpid()})"
+                )
+            self._pending += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._pending -= 1
+                self._changed.notify_all()
+
+    def _start(self, mount: _Mount) -> MountState:
+        with self._lock:
+            self._mounts[mount.mountpoint] = mount
+        mount.thread.start()
+        if not mount.ready.wait(SESSION_READY_SECONDS):
+            self._stop(mount)
+            raise CachefsdError(
+                f"the kernel did not initialise {mount.mountpoint} within {SESSION_READY_SECONDS:g}s"
+            )
+        if mount.failure is not None:
+            raise mount.failure
+        log.info(
+            "mounted %s on %s (tiers %s, metrics %s)",
+            mount.state.source,
+            mount.mountpoint,
+            ", ".join(f"{tier.name} {tier.root} {tier.capacity}B" for tier in self._node.cache.tiers),
+            self._metrics_addr,
         )
-        parts.metrics.watch_residency(parts.store.uri, residency.rows)
-        stats = DaemonStats(parts.metrics, parts.model, residency, parts.store.uri)
-        stats.start()
-        handlers = MountHandlers(
-            parts.namespace, parts.reader, parts.cache, identity, job_hint, stats.snapshot
-        )
-        control = ControlServer(control_path(mountpoint), handlers)
-        control.start()
-        state = write_state(
-            MountState(
+        return mount.state
+
+    def _open(self, settings: Settings, store: ObjectStore, opened: ExitStack) -> _Mount:
+        """Everything one mount serves from, started, and its session (not
+        yet serving); takes over what ``opened`` holds."""
+        mountpoint = settings.mountpoint.resolve()
+        resources = ExitStack()
+        try:
+            state = MountState(
                 os.getpid(),
                 str(mountpoint),
-                parts.store.uri,
-                str(settings.cache.dir),
-                metrics_addr,
-                str(control.path),
+                store.uri,
+                str(self.settings.cache.dir),
+                self._metrics_addr,
+                str(control_path(mountpoint)),
             )
-        )
-        try:
-            log.info(
-                "mounting %s on %s (tiers %s, metrics %s)",
-                parts.store.uri,
-                mountpoint,
-                ", ".join(f"{tier.name} {tier.root} {tier.capacity}B" for tier in parts.cache.tiers),
-                metrics_addr,
+            # The state file goes last, so that ``cachefsd unmount``, which
+            # waits for it to go, returns once everything here is closed.
+            resources.callback(remove_state, state)
+            resources.enter_context(opened.pop_all())
+            parts = resources.enter_context(self._node.mount(settings, store))
+            if settings.prefetch.enabled:
+                parts.prefetcher.start()
+            resources.callback(parts.prefetcher.stop)
+            # /stats and the metrics endpoint read the same registry;
+            # residency is one cached index query shared by both.
+            residency = Residency(
+                functools.partial(parts.index.resident_bytes_by_prefix, parts.store.cache_key),
+                [tier.name for tier in parts.cache.tiers],
             )
+            parts.metrics.watch_residency(str(mountpoint), parts.store.uri, residency.rows)
+            stats = DaemonStats(
+                parts.metrics, parts.model, residency, parts.store.uri, str(mountpoint), self.node_stats
+            )
+            stats.start()
+            resources.callback(stats.stop)
+            hint = parts.prefetcher.hint if settings.prefetch.enabled else None
+            handlers = MountHandlers(
+                parts.namespace,
+                parts.reader,
+                parts.cache,
+                {"pid": os.getpid(), "mountpoint": str(mountpoint), "source": parts.store.uri},
+                None if hint is None else _for_job(hint, parts.fs.jobs),
+                stats.snapshot,
+                node=self,
+            )
+            # The control API starts before the state file names its socket,
+            # and stops before the data path closes.
+            control = ControlServer(control_path(mountpoint), handlers)
+            control.start()
+            resources.callback(control.stop)
+            write_state(state)
+            ready = threading.Event()
             session = Session(
-                parts.fs, str(mountpoint), settings.namespace.metadata_ttl, settings.cache.block_size, ready
+                parts.fs,
+                str(mountpoint),
+                settings.namespace.metadata_ttl,
+                settings.cache.block_size,
+                ready.set,
             )
-            session.serve(
-                f"cachefsd:{parts.store.uri}", settings.fuse.allow_other, settings.fetch.concurrency
-            )
-            log.info("unmounted %s", mountpoint)
-        finally:
-            parts.prefetcher.stop()
-            state.unlink(missing_ok=True)
-            control.stop()
-            stats.stop()
+        except BaseException:
+            resources.close()
+            raise
+        return _Mount(settings, session, ready, resources, state, self._ended)
+
+    def _ended(self, mount: _Mount) -> None:
+        with self._changed:
+            if self._mounts.get(mount.mountpoint) is mount:
+                del self._mounts[mount.mountpoint]
+            self._changed.notify_all()
+
+    def detach(self, mountpoint: str) -> None:
+        """End the session of ``mountpoint`` (the mount a joining command
+        gave up on): it is unmounted lazily, as by SIGTERM."""
+        with self._lock:
+            mount = self._mounts.get(Path(mountpoint))
+        if mount is not None:
+            self._stop(mount)
+
+    def stop_all(self) -> None:
+        """End every session (a signal, or the mounting command is gone)."""
+        with self._lock:
+            self._closing = True
+            mounts = list(self._mounts.values())
+        for mount in mounts:
+            threading.Thread(target=self._stop, args=(mount,), name="cachefsd-stop", daemon=True).start()
+
+    @staticmethod
+    def _stop(mount: _Mount) -> None:
+        # The session's loop may be between its check and its wait when a
+        # wake-up comes: it is woken again until it has ended.
+        for _ in range(int(SESSION_STOP_SECONDS / _WAKE_INTERVAL_SECONDS)):
+            mount.session.stop()
+            mount.thread.join(_WAKE_INTERVAL_SECONDS)
+            if not mount.thread.is_alive():
+                return
+        log.warning("the session of %s did not stop within %gs", mount.mountpoint, SESSION_STOP_SECONDS)
+
+    def serve(self) -> None:
+        """Until the last mount has ended (no attach under way)."""
+        with self._changed:
+            while self._mounts or self._pending:
+                self._changed.wait()
+            self._closing = True
+
+    def node_stats(self) -> dict[str, Any]:
+        """What ``stats`` shows of the node beside one mount's own."""
+        with self._lock:
+            mounts = [
+                {"mountpoint": str(path), "source": mount.state.source}
+                for path, mount in self._mounts.items()
+            ]
+        return {
+            "pid": os.getpid(),
+            "cache_dir": str(self.settings.cache.dir),
+            "metrics_addr": self._metrics_addr,
+            "mounts": sorted(mounts, key=lambda mount: mount["mountpoint"]),
+        }
+
+
+def run(mounts: list[Settings], ready: Callable[[], None]) -> None:
+    """Mount each of ``mounts`` on one node (the first one's cache, metrics
+    and log settings are all of theirs) and serve until the last is unmounted."""
+    settings = mounts[0]
+    check_fuse_device()
+    for each in mounts:
+        check_allow_other(each.fuse.allow_other)
+        check_mountpoint(each.mountpoint.resolve(), settings.cache.directories())
+    install_wake_handler()
+    node = Node()
+    try:
+        with ExitStack() as first_source:
+            # The first source before the cache: a mount that fails on it
+            # must not have opened (and trimmed to a mistyped capacity) the cache.
+            store = first_source.enter_context(node.source(settings))
+            with node.opened(settings.cache, mounting=True):
+                daemon = Daemon(settings, node, _start_metrics(settings, node.metrics.registry))
+                _serve(daemon, mounts, (first_source.pop_all(), store), ready)
+    finally:
+        node.close()
+
+
+def _serve(
+    daemon: Daemon,
+    mounts: list[Settings],
+    first_source: tuple[ExitStack, ObjectStore],
+    ready: Callable[[], None],
+) -> None:
+    def stop(signum: int, frame: FrameType | None) -> None:
+        log.info("%s: unmounting every mount", signal.Signals(signum).name)
+        daemon.stop_all()
+
+    previous = {
+        signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    }
+    try:
+        try:
+            daemon.attach(mounts[0], first_source)
+            for each in mounts[1:]:
+                daemon.attach(each)
+        except BaseException:
+            daemon.stop_all()
+            daemon.serve()
+            raise
+        ready()
+        daemon.serve()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,11 +23,11 @@ from prometheus_client import CollectorRegistry
 
 from cachefsd.aio import LoopThread
 from cachefsd.buffers import reuse_block_buffers
-from cachefsd.cache.directory import open_cache, tier_specs
+from cachefsd.cache.directory import OpenCache, open_cache, tier_specs
 from cachefsd.cache.index import Index
 from cachefsd.cache.policy import PlannedUse
 from cachefsd.cache.tiered import TieredCache
-from cachefsd.config import FetchSettings, Settings, StoreSettings, human_bytes
+from cachefsd.config import CacheSettings, FetchSettings, Settings, StoreSettings, human_bytes
 from cachefsd.errors import CachefsdError
 from cachefsd.fetch import Fetcher
 from cachefsd.fs import FileSystem
@@ -35,7 +36,7 @@ from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import FRESH_WAIT_SECONDS, Namespace
 from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import Prefetcher
-from cachefsd.reader import BlockReader
+from cachefsd.reader import BlockReader, ReadEvents
 from cachefsd.store import open_store
 from cachefsd.store.base import ObjectStore
 
@@ -90,16 +91,24 @@ def data_path(
     metrics: Metrics,
     model: AccessModel,
     settings: Settings,
+    reads: ReadEvents | None = None,
     listing_clock: Callable[[], float] = time.time,
     fresh_wait: float = FRESH_WAIT_SECONDS,
 ) -> tuple[BlockReader, Namespace, Prefetcher, FileSystem]:
     """The data path over an opened cache, from the fetcher to the
-    filesystem, wired as every mount has it; ``listing_clock`` and
-    ``fresh_wait`` are the namespace's (tests pass their own)."""
+    filesystem, wired as every mount has it; ``reads`` counts its reads
+    (``metrics`` when None), ``listing_clock`` and ``fresh_wait`` are the
+    namespace's (tests pass their own)."""
     fetcher = Fetcher(store, settings.fetch, metrics)
     dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
     reader = BlockReader(
-        store.cache_key, settings.cache.block_size, cache, fetcher, io, metrics, dedup_by_etag
+        store.cache_key,
+        settings.cache.block_size,
+        cache,
+        fetcher,
+        io,
+        metrics if reads is None else reads,
+        dedup_by_etag,
     )
     namespace = Namespace(
         store,
@@ -118,6 +127,137 @@ def data_path(
     return reader, namespace, prefetcher, fs
 
 
+class NodeEpochs:
+    """``EpochClock`` over the access models of a daemon's mounts: the
+    cache's policy ranks every block by one clock. Each model already
+    serves several jobs the same way (its highest epoch; shared when two
+    callers read one root), and a root of one mount is never a root of
+    another, so the node's clock is the highest epoch of any mount, shared
+    when any mount's is. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._models: list[AccessModel] = []
+
+    def add(self, model: AccessModel) -> None:
+        with self._lock:
+            self._models.append(model)
+
+    def remove(self, model: AccessModel) -> None:
+        with self._lock:
+            self._models.remove(model)
+
+    def _current_models(self) -> list[AccessModel]:
+        with self._lock:
+            return list(self._models)
+
+    def current(self) -> int:
+        return max((model.current() for model in self._current_models()), default=0)
+
+    def shared(self) -> bool:
+        return any(model.shared() for model in self._current_models())
+
+    def caller_epochs(self) -> dict[str, int]:
+        """Each caller (``jobs.py``) -> the highest epoch of its jobs on any mount."""
+        epochs: dict[str, int] = {}
+        for model in self._current_models():
+            for caller, epoch in model.caller_epochs().items():
+                epochs[caller] = max(epoch, epochs.get(caller, epoch))
+        return epochs
+
+
+class Node:
+    """What all the mounts of one daemon share: the I/O loop, the metrics,
+    one epoch clock, and the cache (tiers, index, policy), opened once by
+    ``opened``. ``close`` stops the loop."""
+
+    def __init__(self) -> None:
+        reuse_block_buffers()
+        self.metrics = Metrics(CollectorRegistry())
+        self.epochs = NodeEpochs()
+        self.metrics.watch_epoch(self.epochs.current, self.epochs.caller_epochs)
+        self.planned = PlannedUse()
+        self.io = LoopThread()
+        self._opened: OpenCache | None = None
+
+    @property
+    def cache(self) -> TieredCache:
+        assert self._opened is not None, "the node's cache is not open"
+        return self._opened.cache
+
+    @property
+    def index(self) -> Index:
+        assert self._opened is not None, "the node's cache is not open"
+        return self._opened.index
+
+    @contextmanager
+    def source(self, settings: Settings, store_factory: StoreFactory = open_store) -> Iterator[ObjectStore]:
+        """The store of ``settings.source``, proved reachable (bounded), closed on exit."""
+        store = store_factory(settings.source, settings.store, settings.fetch)
+        try:
+            if not self.io.run(store.check(), MOUNT_CHECK_SECONDS):
+                log.warning("%s holds no objects: is its prefix mistyped?", store.uri)
+            yield store
+        finally:
+            with contextlib.suppress(CachefsdError):
+                self.io.run(store.close(), MOUNT_CHECK_SECONDS)
+
+    @contextmanager
+    def opened(
+        self,
+        cache: CacheSettings,
+        lock_wait: float | None = None,
+        mounting: bool = False,
+        keep_recorded_layout: bool = False,
+    ) -> Iterator[None]:
+        """The cache open (locked, reconciled) within the block: see ``engine``."""
+        with open_cache(
+            cache.dir,
+            tier_specs(cache),
+            cache.policy,
+            self.epochs,
+            self.metrics,
+            lock_wait,
+            self.planned,
+            cache.block_size,
+            migrate_block_size=mounting,
+            keep_recorded_layout=keep_recorded_layout,
+        ) as opened:
+            _warn_of_small_disks(opened.cache)
+            self._opened = opened
+            try:
+                yield
+            finally:
+                self._opened = None
+
+    @contextmanager
+    def mount(self, settings: Settings, store: ObjectStore) -> Iterator[Engine]:
+        """The data path of one mount over the node's cache; its access
+        model ticks the node's clock until the block ends."""
+        model = AccessModel()
+        reader, namespace, prefetcher, fs = data_path(
+            store,
+            self.cache,
+            self.index,
+            self.io,
+            self.metrics,
+            model,
+            settings,
+            self.metrics.for_mount(str(settings.mountpoint)),
+        )
+        self.epochs.add(model)
+        try:
+            yield Engine(
+                store, self.cache, self.index, reader, namespace, self.metrics, prefetcher, model, fs
+            )
+        finally:
+            self.epochs.remove(model)
+            self.metrics.forget_mount(str(settings.mountpoint))
+
+    def close(self) -> None:
+        self.io.stop()
+
+
 @contextmanager
 def engine(
     settings: Settings,
@@ -126,46 +266,22 @@ def engine(
     keep_recorded_layout: bool = False,
     store_factory: StoreFactory = open_store,
 ) -> Iterator[Engine]:
-    """Prove the source reachable, open the cache (locks, reconcile), and
-    build the data path; close it all on exit. ``mounting`` for the
-    daemon's, which may drop a cache filled at another block size (an
-    offline stage refuses it); ``keep_recorded_layout`` for an offline
-    stage, which fills a cache as its daemon laid it out. ``store_factory``
-    opens the source (tests give one over an in-memory store)."""
-    reuse_block_buffers()
-    metrics = Metrics(CollectorRegistry())
-    model = AccessModel()
-    metrics.watch_epoch(model.current, model.caller_epochs)
-    planned = PlannedUse()
-    io = LoopThread()
+    """One mount's data path on a node of its own: prove the source
+    reachable, open the cache (locks, reconcile), and build the data path;
+    close it all on exit. ``mounting`` for the daemon's, which may drop a
+    cache filled at another block size (an offline stage refuses it);
+    ``keep_recorded_layout`` for an offline stage, which fills a cache as
+    its daemon laid it out. ``store_factory`` opens the source (tests give
+    one over an in-memory store)."""
+    node = Node()
     try:
         # The source first: a mount that fails on it must not have opened
         # (and trimmed to a mistyped capacity) the cache.
-        store = store_factory(settings.source, settings.store, settings.fetch)
-        try:
-            if not io.run(store.check(), MOUNT_CHECK_SECONDS):
-                log.warning("%s holds no objects: is its prefix mistyped?", store.uri)
-            with open_cache(
-                settings.cache.dir,
-                tier_specs(settings.cache),
-                settings.cache.policy,
-                model,
-                metrics,
-                lock_wait,
-                planned,
-                settings.cache.block_size,
-                migrate_block_size=mounting,
-                keep_recorded_layout=keep_recorded_layout,
-            ) as opened:
-                _warn_of_small_disks(opened.cache)
-                reader, namespace, prefetcher, fs = data_path(
-                    store, opened.cache, opened.index, io, metrics, model, settings
-                )
-                yield Engine(
-                    store, opened.cache, opened.index, reader, namespace, metrics, prefetcher, model, fs
-                )
-        finally:
-            with contextlib.suppress(CachefsdError):
-                io.run(store.close(), MOUNT_CHECK_SECONDS)
+        with (
+            node.source(settings, store_factory) as store,
+            node.opened(settings.cache, lock_wait, mounting, keep_recorded_layout),
+            node.mount(settings, store) as parts,
+        ):
+            yield parts
     finally:
-        io.stop()
+        node.close()

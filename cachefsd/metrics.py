@@ -64,23 +64,55 @@ _RESIDENT_HELP = (
 
 
 class ResidencyCollector(Collector):
-    """``cachefsd_resident_bytes{source, prefix, tier}``, from rows the
-    caller computes and caches (``stats.Residency``): a scrape must not
-    scan the index, and the labels must already be bounded."""
+    """``cachefsd_resident_bytes{source, prefix, tier}``, from rows each
+    mount's caller computes and caches (``stats.Residency``): a scrape must
+    not scan the index, and the labels must already be bounded. Two mounts
+    of one source export it once."""
 
-    def __init__(self, source: str, rows: ResidencyRows) -> None:
-        self._source = source
-        self._rows = rows
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_mount: dict[str, tuple[str, ResidencyRows]] = {}
+
+    def watch(self, mount: str, source: str, rows: ResidencyRows) -> None:
+        with self._lock:
+            self._by_mount[mount] = (source, rows)
+
+    def forget(self, mount: str) -> None:
+        with self._lock:
+            self._by_mount.pop(mount, None)
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         """The family without samples: registering must not compute rows."""
         yield GaugeMetricFamily(RESIDENT_BYTES, _RESIDENT_HELP, labels=["source", "prefix", "tier"])
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self._lock:
+            by_source = {source: rows for source, rows in self._by_mount.values()}
         family = GaugeMetricFamily(RESIDENT_BYTES, _RESIDENT_HELP, labels=["source", "prefix", "tier"])
-        for prefix, tier, nbytes in self._rows():
-            family.add_metric([self._source, prefix, tier], nbytes)
+        for source, rows in by_source.items():
+            for prefix, tier, nbytes in rows():
+                family.add_metric([source, prefix, tier], nbytes)
         yield family
+
+
+class MountReads:
+    """``ReadEvents`` of one mount: the node's counters, and the mount's own
+    (``cachefsd_mount_*{mount}``), so a dashboard tells which mount waits."""
+
+    def __init__(self, metrics: Metrics, mount: str) -> None:
+        self._metrics = metrics
+        self._reads = {source: metrics.mount_reads.labels(mount, source) for source in ("cache", "cold")}
+        self._bytes = {source: metrics.mount_read_bytes.labels(mount, source) for source in ("cache", "cold")}
+        self._stall = metrics.mount_read_stall.labels(mount)
+
+    def read_done(self, served: dict[str, int], stall_seconds: float, job: str) -> None:
+        self._metrics.read_done(served, stall_seconds, job)
+        cold_bytes = served.get("cold", 0)
+        self._reads["cold" if cold_bytes else "cache"].inc()
+        self._bytes["cache"].inc(sum(served.values()) - cold_bytes)
+        if cold_bytes:
+            self._bytes["cold"].inc(cold_bytes)
+            self._stall.inc(stall_seconds)
 
 
 def _by_label(metric: Counter | Gauge, label: str) -> dict[str, float]:
@@ -254,6 +286,24 @@ class Metrics:
             [JOB_LABEL],
             registry=registry,
         )
+        self.mount_reads = Counter(
+            "cachefsd_mount_reads",
+            "Read requests answered through one mount, by where their bytes came from",
+            ["mount", "source"],
+            registry=registry,
+        )
+        self.mount_read_bytes = Counter(
+            "cachefsd_mount_read_bytes",
+            "Bytes returned to readers of one mount, by where they came from",
+            ["mount", "source"],
+            registry=registry,
+        )
+        self.mount_read_stall = Counter(
+            "cachefsd_mount_read_stall_seconds",
+            "Time the reads of one mount spent waiting on the cold store",
+            ["mount"],
+            registry=registry,
+        )
         self.job_labels = JobLabels(self._drop_job, clock)
         self.job_epochs: Callable[[], dict[str, int]] = dict  # set by ``watch_epoch``
         self.fetch_latency = Histogram(
@@ -357,13 +407,32 @@ class Metrics:
             self.fetch_bytes.labels(kind)
             self.fetch_retries.labels(kind)
             self.fetch_errors.labels(kind)
+        self._residency = ResidencyCollector()
+        registry.register(self._residency)
         registry.register(_DerivedCollector(self))
         registry.register(_JobCollector(self))
 
-    def watch_residency(self, source: str, rows: ResidencyRows) -> None:
+    def watch_residency(self, mount: str, source: str, rows: ResidencyRows) -> None:
         """Export ``rows()`` as ``cachefsd_resident_bytes`` for ``source``
-        (one store a daemon, so the label stays bounded)."""
-        self.registry.register(ResidencyCollector(source, rows))
+        while ``mount`` is mounted (a source a mount: the label stays bounded)."""
+        self._residency.watch(mount, source, rows)
+
+    def for_mount(self, mount: str) -> MountReads:
+        """The ``ReadEvents`` of the mount at ``mount``: its series exist,
+        at 0, from now until ``forget_mount``."""
+        return MountReads(self, mount)
+
+    def forget_mount(self, mount: str) -> None:
+        """Drop the series of a mount that is gone: the label stays bounded
+        by the mounts a daemon has, not by all it ever had."""
+        self._residency.forget(mount)
+        for counter, labels in (
+            *((self.mount_reads, (mount, source)) for source in ("cache", "cold")),
+            *((self.mount_read_bytes, (mount, source)) for source in ("cache", "cold")),
+            (self.mount_read_stall, (mount,)),
+        ):
+            with contextlib.suppress(KeyError):
+                counter.remove(*labels)
 
     def _drop_job(self, job: str) -> None:
         for counter, labels in (

@@ -286,12 +286,18 @@ class DaemonStats:
         model: AccessStats,
         residency: Residency,
         source: str,
+        mount: str,
+        node: Callable[[], dict[str, Any]],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """The stats of the mount at ``mount`` (of ``source``), beside
+        ``node()``: what its daemon shows of itself."""
         self._metrics = metrics
         self._model = model
         self.residency = residency
         self._source = source
+        self._mount = mount
+        self._node = node
         self._clock = clock
         self._started = clock()
         self._ring = HitRing()
@@ -325,10 +331,15 @@ class DaemonStats:
         self._ring.add(self._clock(), by_source.get("cache", 0.0), by_source.get("cold", 0.0))
 
     def snapshot(self) -> dict[str, Any]:
-        """The stats of this mount, beside ``MountHandlers``' own keys (pid,
-        mountpoint, source, block_size, tiers, hints). Bytes are integers,
-        ratios are 0..1 or null when nothing was measured yet::
+        """The stats of this mount's daemon, beside ``MountHandlers``' own
+        keys (pid, mountpoint, source, block_size, tiers, hints). ``mount``
+        is what this mount's readers got; the rest is the node's, all its
+        mounts together (one cache). Bytes are integers, ratios are 0..1 or
+        null when nothing was measured yet::
 
+            mount: {mountpoint, reads: {count: {cache, cold}, bytes: {cache,
+                    cold, total}}, hit_ratio, stall_seconds}
+            node: {pid, cache_dir, metrics_addr, mounts: [{mountpoint, source}]}
             uptime_seconds: float
             reads: {count: {cache, cold}, bytes: {cache, cold, total},
                     served_bytes: {memory?, <tier>..., cold?}}
@@ -364,7 +375,23 @@ class DaemonStats:
         )
         residency = self.residency.current(max_age=STATS_RESIDENCY_MAX_AGE)
         age = self.residency.age(residency)
+        mount_bytes = samples.by("cachefsd_mount_read_bytes_total", "source", mount=self._mount)
+        mount_cache, mount_cold = mount_bytes.get("cache", 0.0), mount_bytes.get("cold", 0.0)
         return {
+            "mount": {
+                "mountpoint": self._mount,
+                "reads": {
+                    "count": _ints(samples.by("cachefsd_mount_reads_total", "source", mount=self._mount)),
+                    "bytes": {
+                        "cache": int(mount_cache),
+                        "cold": int(mount_cold),
+                        "total": int(mount_cache + mount_cold),
+                    },
+                },
+                "hit_ratio": _ratio(mount_cache, mount_cache + mount_cold),
+                "stall_seconds": samples.value("cachefsd_mount_read_stall_seconds_total", mount=self._mount),
+            },
+            "node": self._node(),
             "uptime_seconds": round(now - self._started, 3),
             "reads": {
                 "count": _ints(samples.by("cachefsd_reads_total", "source")),

@@ -36,7 +36,7 @@ class CacheDirLock:
         cache_dir: Path,
         wait_seconds: float = LOCK_WAIT_SECONDS,
         setting: str = "cache.dir",
-        busy: str = "give each mount its own --cache-dir",
+        busy: str = "wait for it to finish, or give another --cache-dir",
     ) -> None:
         try:
             self._fd = os.open(cache_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)

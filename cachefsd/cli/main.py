@@ -15,7 +15,8 @@ from typing import Any
 from cachefsd import __version__
 from cachefsd.cli.logs import _configure_logging
 from cachefsd.cli.supervise import _mount_background, _mount_foreground, unmount
-from cachefsd.config import load_settings
+from cachefsd.config import load_mounts, load_settings
+from cachefsd.control.mounts import mount_types
 from cachefsd.errors import CachefsdError
 
 log = logging.getLogger("cachefsd")
@@ -63,9 +64,12 @@ def _put(flags: dict[str, Any], section: str, key: str, value: Any) -> None:
         flags.setdefault(section, {})[key] = value
 
 
-def _data_path_flags(args: argparse.Namespace, source: str, mountpoint: Any) -> dict[str, Any]:
-    """The cache and store flags shared by ``mount`` and an offline ``stage``."""
-    flags: dict[str, Any] = {"source": source, "mountpoint": mountpoint}
+def _data_path_flags(args: argparse.Namespace, source: str | None, mountpoint: Any) -> dict[str, Any]:
+    """The cache and store flags shared by ``mount`` and an offline ``stage``
+    (``source`` and ``mountpoint`` left out when None: a config file's
+    ``[[mounts]]`` name them)."""
+    named = {"source": source, "mountpoint": mountpoint}
+    flags: dict[str, Any] = {key: value for key, value in named.items() if value is not None}
     _put(flags, "cache", "dir", args.cache_dir)
     _put(flags, "cache", "size", args.cache_size)
     _put(flags, "cache", "block_size", args.block_size)
@@ -105,15 +109,35 @@ def _mount_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
-    settings = load_settings(args.config, _mount_flags(args))
+    flags = _mount_flags(args)
+    if args.source is None and args.mountpoint is None:
+        mounts = load_mounts(args.config, flags)
+    elif args.mountpoint is None:
+        raise CachefsdError(
+            "mount: give SOURCE and MOUNTPOINT (or neither, with a --config listing [[mounts]])"
+        )
+    else:
+        mounts = [load_settings(args.config, flags)]
     if args.foreground:
-        return _mount_foreground(settings, args.ready_fd)
-    return _mount_background(argv, settings)
+        return _mount_foreground(mounts, args.ready_fd)
+    return _mount_background(argv, mounts)
 
 
 def _cmd_unmount(args: argparse.Namespace, argv: list[str]) -> int:
-    unmount(args.mountpoint)
-    print(f"cachefsd: unmounted {args.mountpoint.resolve()}")
+    if (args.mountpoint is None) == (args.config is None):
+        raise CachefsdError("unmount: give MOUNTPOINT, or --config FILE for each of its [[mounts]]")
+    if args.mountpoint is not None:
+        unmount(args.mountpoint)
+        print(f"cachefsd: unmounted {args.mountpoint.resolve()}")
+        return 0
+    # Each of the file's mounts that is mounted (a supervisor's clean-up,
+    # before a start and after a stop: a crashed daemon's are detached).
+    mounted = set(mount_types())
+    for settings in reversed(load_mounts(args.config, {})):
+        mountpoint = settings.mountpoint.resolve()
+        if str(mountpoint) in mounted:
+            unmount(mountpoint)
+            print(f"cachefsd: unmounted {mountpoint}")
     return 0
 
 
@@ -340,9 +364,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cachefsd {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    mount = commands.add_parser("mount", help="mount SOURCE on MOUNTPOINT")
-    mount.add_argument("source", help="s3://bucket[/prefix], gs://bucket[/prefix], /a/dir or file:///a/dir")
-    mount.add_argument("mountpoint", type=Path)
+    mount = commands.add_parser(
+        "mount",
+        help="mount SOURCE on MOUNTPOINT (or every [[mounts]] of --config); "
+        "joins the daemon already serving the cache directory",
+    )
+    mount.add_argument(
+        "source", nargs="?", help="s3://bucket[/prefix], gs://bucket[/prefix], /a/dir or file:///a/dir"
+    )
+    mount.add_argument("mountpoint", nargs="?", type=Path)
     _add_data_path_arguments(mount)
     mount.add_argument("--metadata-ttl", help="how long listings and attributes are trusted, e.g. 60s, 1h")
     mount.add_argument("--metrics-addr", help="HOST:PORT of the Prometheus endpoint (default 127.0.0.1:9468)")
@@ -353,8 +383,11 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     mount.set_defaults(handler=_cmd_mount)
 
-    unmount_cmd = commands.add_parser("unmount", help="unmount MOUNTPOINT and stop its daemon")
-    unmount_cmd.add_argument("mountpoint", type=Path)
+    unmount_cmd = commands.add_parser(
+        "unmount", help="unmount MOUNTPOINT (its daemon stops with its last mount)"
+    )
+    unmount_cmd.add_argument("mountpoint", nargs="?", type=Path)
+    unmount_cmd.add_argument("--config", type=Path, help="unmount each of the [[mounts]] of this TOML file")
     unmount_cmd.set_defaults(handler=_cmd_unmount)
 
     for name, handler, summary in (

@@ -46,6 +46,19 @@ def render(stats: dict[str, Any], throughput: RenderableType | None = None) -> R
         f"   epoch {epoch.get('current', 0)}"
     )
     parts: list[RenderableType] = [header]
+    node = stats.get("node", {})
+    others = [mount for mount in node.get("mounts", []) if mount["mountpoint"] != stats.get("mountpoint")]
+    if others:
+        # One cache for every mount of the daemon: the tables below are the node's.
+        parts.append(
+            Text(
+                f"one daemon, one cache ({node.get('cache_dir', '?')}) for this mount and "
+                + ", ".join(f"{mount['mountpoint']} <- {mount['source']}" for mount in others)
+                + ": the tables below are all of them together",
+                style="dim",
+            )
+        )
+        parts.append(_this_mount(stats.get("mount", {})))
     if throughput is not None:
         parts.append(throughput)
 
@@ -90,6 +103,20 @@ def render(stats: dict[str, Any], throughput: RenderableType | None = None) -> R
             note += f"; the last refresh failed: {residency['error']}"
         parts.append(Text(note, style="dim"))
     return Group(*parts)
+
+
+def _this_mount(mount: dict[str, Any]) -> RenderableType:
+    table = Table(title="this mount", title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    read_bytes = mount.get("reads", {}).get("bytes", {})
+    table.add_row("hit ratio since mount", _percent(mount.get("hit_ratio")))
+    table.add_row(
+        "read from cache / cold",
+        f"{human_bytes(read_bytes.get('cache', 0))} / {human_bytes(read_bytes.get('cold', 0))}",
+    )
+    table.add_row("read stall", _duration(mount.get("stall_seconds", 0.0)))
+    return table
 
 
 def _activity(stats: dict[str, Any]) -> RenderableType:

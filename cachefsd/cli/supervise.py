@@ -21,7 +21,15 @@ from typing import Any
 from cachefsd.cache.lock import create_cache_directory
 from cachefsd.cli.logs import WARNING_PREFIX, _configure_logging
 from cachefsd.config import Settings
-from cachefsd.control.mounts import MOUNT_TYPE, mount_types, pid_alive, read_state
+from cachefsd.control.mounts import (
+    MOUNT_TYPE,
+    MountState,
+    daemon_states,
+    daemon_using,
+    mount_types,
+    pid_alive,
+    read_state,
+)
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.preflight import check_allow_other, check_fuse_device, check_mountpoint, notify_systemd
 
@@ -85,10 +93,10 @@ class _ReadyPipe(logging.Handler):
         return delivered
 
 
-def _mount_foreground(settings: Settings, ready_fd: int | None) -> int:
+def _mount_foreground(mounts: list[Settings], ready_fd: int | None) -> int:
     from cachefsd import daemon  # noqa: PLC0415 - keep `cachefsd --help` free of FUSE and SDK imports
 
-    _configure_logging(settings.log_level)
+    _configure_logging(mounts[0].log_level)
     pipe = _ReadyPipe(ready_fd)
     log.addHandler(pipe)
 
@@ -98,12 +106,12 @@ def _mount_foreground(settings: Settings, ready_fd: int | None) -> int:
         if not pipe.finish("ready"):
             # Whoever ran `cachefsd mount` was killed before the mount was
             # ready, and was told nothing or a failure: no mount may appear
-            # behind its back. SIGTERM unmounts cleanly (libfuse's handler).
+            # behind its back. SIGTERM unmounts cleanly.
             log.warning("the mounting command is gone: unmounting")
             os.kill(os.getpid(), signal.SIGTERM)
 
     try:
-        daemon.run(settings, ready)
+        daemon.run(mounts, ready)
     except CachefsdError as exc:
         pipe.finish(str(exc))
         log.error("%s", exc)
@@ -117,13 +125,19 @@ def _mount_foreground(settings: Settings, ready_fd: int | None) -> int:
     return 0
 
 
-def _mount_background(argv: list[str], settings: Settings) -> int:
-    """Start the daemon detached and return once its mount is ready."""
+def _mount_background(argv: list[str], mounts: list[Settings]) -> int:
+    """Start the daemon detached and return once its mounts are ready; a
+    single mount on a cache directory a daemon serves joins that daemon."""
     # What the daemon would refuse, refused before the cache directory and
     # its log are created for a mount that cannot happen.
+    settings = mounts[0]
     check_fuse_device()
-    check_allow_other(settings.fuse.allow_other)
-    check_mountpoint(settings.mountpoint.resolve(), settings.cache.directories())
+    for each in mounts:
+        check_allow_other(each.fuse.allow_other)
+        check_mountpoint(each.mountpoint.resolve(), settings.cache.directories())
+    running = daemon_using(settings.cache.dir)
+    if running is not None and len(mounts) == 1:
+        return _join(settings, running)
     log_path = settings.cache.dir / "cachefsd.log"
     create_cache_directory("cache.dir", settings.cache.dir)
     try:
@@ -136,6 +150,7 @@ def _mount_background(argv: list[str], settings: Settings) -> int:
     # supervisor, stops it, or the mount would appear behind the back of a
     # command that reported failure. (If this command is killed, the
     # daemon finds nobody reading its "ready" and unmounts.)
+    mountpoints = [each.mountpoint for each in mounts]
     child = None
     try:
         with _signals_set((signal.SIGTERM, signal.SIGHUP), _interrupt):
@@ -152,13 +167,14 @@ def _mount_background(argv: list[str], settings: Settings) -> int:
             line = _ready_line(read_end)
     except KeyboardInterrupt:
         if child is not None:
-            _stop(child, settings.mountpoint)
+            _stop(child, mountpoints)
         raise
     if line == "ready":
-        print(f"cachefsd: mounted {settings.source} on {settings.mountpoint} (pid {child.pid})")
+        for each in mounts:
+            print(f"cachefsd: mounted {each.source} on {each.mountpoint} (pid {child.pid})")
         return 0
     if line is None:
-        _stop(child, settings.mountpoint)
+        _stop(child, mountpoints)
         line = f"the mount was not ready within {MOUNT_READY_SECONDS:g}s; see {log_path}"
     elif not line:
         # The daemon closed the pipe without a word: it is exiting (a crash
@@ -166,10 +182,24 @@ def _mount_background(argv: list[str], settings: Settings) -> int:
         try:
             line = f"the daemon exited with status {child.wait(timeout=UNMOUNT_SECONDS)}; see {log_path}"
         except subprocess.TimeoutExpired:
-            _stop(child, settings.mountpoint)
+            _stop(child, mountpoints)
             line = f"the daemon closed its ready pipe and did not exit; see {log_path}"
     print(f"cachefsd: error: {line}", file=sys.stderr)
     return 1
+
+
+def _join(settings: Settings, running: MountState) -> int:
+    """Mount ``settings`` on the daemon that serves its cache directory:
+    one cache, one capacity, for all the node's mounts."""
+    from cachefsd.control.client import ControlClient  # noqa: PLC0415 - only this path needs it
+
+    tree = settings.model_dump(mode="json", exclude_unset=True)
+    state = ControlClient(running.control_socket, MOUNT_READY_SECONDS).attach(tree)
+    print(
+        f"cachefsd: mounted {settings.source} on {state.mountpoint} "
+        f"(pid {state.pid}, joined the daemon of {settings.cache.dir})"
+    )
+    return 0
 
 
 def _ready_line(read_end: int) -> str | None:
@@ -203,10 +233,10 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def _stop(child: subprocess.Popen[bytes], mountpoint: Path) -> None:
+def _stop(child: subprocess.Popen[bytes], mountpoints: list[Path]) -> None:
     """Stop a daemon that is not (or not yet) mounted: SIGTERM, which
     unmounts cleanly if it just got there; SIGKILL if it does not exit;
-    then a lazy unmount of what it may have left, if the mount there is
+    then a lazy unmount of what it may have left, where the mount there is
     its own (another daemon may have mounted that path meanwhile). A second
     Ctrl-C must not cut this short."""
     with _signals_set(_STOP_SIGNALS, signal.SIG_IGN):
@@ -216,13 +246,13 @@ def _stop(child: subprocess.Popen[bytes], mountpoint: Path) -> None:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-        mountpoint = mountpoint.resolve()
-        state = read_state(mountpoint)
-        ours = state is not None and state.pid == child.pid
-        if ours and mount_types().get(str(mountpoint)) == MOUNT_TYPE:
-            subprocess.run(
-                ["fusermount3", "-uz", str(mountpoint)], capture_output=True, timeout=10, check=False
-            )
+        for mountpoint in (path.resolve() for path in mountpoints):
+            state = read_state(mountpoint)
+            ours = state is not None and state.pid == child.pid
+            if ours and mount_types().get(str(mountpoint)) == MOUNT_TYPE:
+                subprocess.run(
+                    ["fusermount3", "-uz", str(mountpoint)], capture_output=True, timeout=10, check=False
+                )
 
 
 @contextlib.contextmanager
@@ -251,6 +281,12 @@ def unmount(mountpoint: Path, timeout: float = UNMOUNT_SECONDS) -> None:
         command = ["fusermount3", flag, str(mountpoint)]
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
 
+    # The daemon's other mounts: it serves on after this one.
+    others = [
+        other
+        for other in daemon_states()
+        if state is not None and other.pid == state.pid and other.mountpoint != state.mountpoint
+    ]
     result = fusermount("-u")
     if result.returncode != 0 and state is not None and not pid_alive(state.pid):
         # Its daemon died (kill -9, OOM) and a process still holds a file
@@ -262,8 +298,11 @@ def unmount(mountpoint: Path, timeout: float = UNMOUNT_SECONDS) -> None:
         raise CachefsdError(result.stderr.strip() or f"fusermount3 -u {mountpoint} failed")
     if state is None:
         return
+    # Done once this mount's state file is gone (its data path is closed);
+    # and, when it was the daemon's last mount, once the daemon has exited
+    # (its cache is released).
     deadline = time.monotonic() + timeout
-    while pid_alive(state.pid):
+    while pid_alive(state.pid) and (not others or read_state(mountpoint) is not None):
         if time.monotonic() > deadline:
-            raise CachefsdError(f"unmounted, but daemon pid {state.pid} did not exit within {timeout:g}s")
+            raise CachefsdError(f"unmounted, but daemon pid {state.pid} did not finish within {timeout:g}s")
         time.sleep(_POLL_SECONDS)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cachefsd.control.mounts import MountOf
+from cachefsd.control.mounts import MountOf, MountState
 from cachefsd.errors import ControlError
 
 # Client: a connect to a live daemon is immediate; one that does not accept
@@ -97,6 +97,12 @@ class ControlClient:
         answer = self._call("POST", "/hint", body, self._timeout, MAX_BODY_BYTES)
         return int(answer["accepted"]), int(answer["unknown"])
 
+    def attach(self, settings: dict[str, Any]) -> MountState:
+        """Mount ``settings`` (the fields that were set) on this daemon's
+        node; its state once ready, or ``ControlError`` saying why not."""
+        answer = self._call("POST", "/mounts", {"settings": settings}, self._timeout)
+        return MountState(**answer)
+
     def stage(self, request: StageRequest) -> Iterator[dict[str, Any]]:
         """The events of a stage as they arrive, ending with its summary
         (``ControlError`` if it ends with an error or the stream breaks)."""
@@ -170,6 +176,8 @@ class ControlClient:
             message = json.loads(payload)["error"]
         except (ValueError, KeyError, TypeError):
             message = payload.decode(errors="replace").strip() or response.reason
+        if response.status == 409:  # the daemon's own account of what stands in the way
+            return str(message)
         return f"the daemon refused the request ({response.status}): {message}"
 
 

@@ -157,6 +157,14 @@ def write_state(state: MountState) -> Path:
     return path
 
 
+def remove_state(state: MountState) -> None:
+    """Remove the state file of ``state``'s mount, unless it is another's
+    by now: a new mount on the same mountpoint may have written its own."""
+    path = state_path(Path(state.mountpoint))
+    if _load_state(path) == state:
+        path.unlink(missing_ok=True)
+
+
 def _remove_dead_states(keep: Path) -> None:
     """Remove the state files and control sockets of daemons that died
     without cleaning up (kill -9, OOM): each would otherwise stay in the
@@ -215,11 +223,14 @@ def pid_alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] != "Z"
 
 
+def daemon_states() -> list[MountState]:
+    """The state of every mount this user's running daemons serve (a
+    daemon serving several mounts has a state for each)."""
+    states = (_load_state(state_file) for state_file in runtime_dir().glob("*.json"))
+    return [state for state in states if state is not None and pid_alive(state.pid)]
+
+
 def daemon_using(cache_dir: Path) -> MountState | None:
-    """The running daemon (of this user) that holds ``cache_dir``, if any."""
+    """A mount of the running daemon (of this user) that holds ``cache_dir``, if any."""
     wanted = cache_dir.resolve()
-    for state_file in runtime_dir().glob("*.json"):
-        state = _load_state(state_file)
-        if state is not None and Path(state.cache_dir).resolve() == wanted and pid_alive(state.pid):
-            return state
-    return None
+    return next((state for state in daemon_states() if Path(state.cache_dir).resolve() == wanted), None)

@@ -18,6 +18,10 @@ Endpoints (bodies are JSON; errors are ``{"error": message}`` with a 4xx/5xx):
 - ``POST /stage`` ``{"path": "/", "include": glob|null, "tier": name|null,
   "check": bool}`` -> newline-delimited JSON events (chunked transfer), the
   last one ``{"event": "summary", ...}`` or ``{"event": "error", ...}``.
+- ``POST /mounts`` ``{"settings": {...}}`` (``Settings.model_dump`` without
+  the fields left unset) mounts another source on this daemon's node and
+  answers once it is ready -> the new mount's ``MountState``; a mount it
+  cannot make is refused with 409 and why (the setting at fault first).
 
 Request bodies are pydantic models that forbid unknown fields. A bad request
 is answered with 400 and never reaches the data path; a handler that fails
@@ -42,6 +46,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -57,7 +62,9 @@ from pydantic import (
 )
 
 from cachefsd.cache.tiered import TieredCache
+from cachefsd.config import Settings, validated_settings
 from cachefsd.control.client import MAX_BODY_BYTES, NDJSON, SMALL_BODY_BYTES, StageRequest
+from cachefsd.control.mounts import MountState
 from cachefsd.errors import BadRequest, CachefsdError, StageCancelled
 from cachefsd.namespace.tree import Namespace
 from cachefsd.stage import Blocks, Report, normalise, stage_files
@@ -92,6 +99,12 @@ class HintBody(_Request):
         if self.part is not None and not 0 <= self.part[0] < self.part[1]:
             raise ValueError("part: expected [rank, world size] with 0 <= rank < world size")
         return self
+
+
+class MountBody(_Request):
+    """``POST /mounts``: the settings of the mount to add."""
+
+    settings: dict[StrictStr, Any]
 
 
 class StageBody(_Request):
@@ -169,6 +182,15 @@ class ControlHandlers(Protocol):
         raises ``OSError`` when the client has gone: let it propagate to
         stop the work. Raise ``BadRequest`` before the first report for a
         request that cannot be served."""
+        ...
+
+    def attach(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """Mount ``settings`` on this daemon's node; its ``MountState`` once
+        ready. Raise ``CachefsdError`` saying why it cannot be."""
+        ...
+
+    def detach(self, mountpoint: str) -> None:
+        """Unmount ``mountpoint``, attached for a client that has gone."""
         ...
 
     def close(self) -> None:
@@ -252,6 +274,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         routes: dict[str, tuple[int, Callable[[Any], None]]] = {
             "/hint": (self.server.owner.max_body_bytes, self._hint),
             "/stage": (SMALL_BODY_BYTES, self._stage),
+            "/mounts": (SMALL_BODY_BYTES, self._attach),
         }
         if self.path not in routes:
             self._error(404, f"no such endpoint: POST {self.path}")
@@ -276,6 +299,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         hint = _parsed(HintBody, body)
         accepted, unknown = self.server.owner.handlers.hint(hint.order, hint.part, _peer_pid(self.request))
         self._json(200, {"accepted": accepted, "unknown": unknown})
+
+    def _attach(self, body: Any) -> None:
+        handlers = self.server.owner.handlers
+        try:
+            state = handlers.attach(_parsed(MountBody, body).settings)
+        except CachefsdError as exc:
+            self._error(409, str(exc))
+            return
+        try:
+            self._json(200, state)
+        except _ClientGone:
+            # Nobody will be told it is mounted: no mount may appear behind its back.
+            handlers.detach(state["mountpoint"])
+            raise
 
     def _stage(self, body: Any) -> None:
         stage = _parsed(StageBody, body)
@@ -428,6 +465,13 @@ class ControlServer:
             self._idle.notify_all()
 
 
+class NodeMounts(Protocol):
+    """The daemon a mount belongs to, which can take more mounts."""
+
+    def attach(self, settings: Settings) -> MountState: ...
+    def detach(self, mountpoint: str) -> None: ...
+
+
 class MountHandlers:
     """What a mounted daemon serves on its control socket
     (``ControlHandlers``): its stats, hints handed to the prefetcher, and
@@ -443,16 +487,19 @@ class MountHandlers:
         mount: dict[str, Any],
         hint: Callable[[list[str], tuple[int, int] | None, int], tuple[int, int]] | None = None,
         extra_stats: Callable[[], dict[str, Any]] | None = None,
+        node: NodeMounts | None = None,
     ) -> None:
         """``mount``: what identifies the mount in ``/stats`` (pid, mountpoint,
         source). ``hint``: the prefetcher's, when there is one; without it a
-        hint is only checked against the namespace and counted."""
+        hint is only checked against the namespace and counted. ``node``:
+        the daemon that takes more mounts, if any."""
         self._namespace = namespace
         self._reader = reader
         self._cache = cache
         self._mount = mount
         self._hint = hint
         self._extra_stats = extra_stats
+        self._node = node
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._hints = {"received": 0, "paths": 0, "accepted": 0, "unknown": 0}
@@ -501,6 +548,15 @@ class MountHandlers:
     def stage(self, request: StageRequest, report: Report) -> dict[str, Any]:
         tiers = [tier.name for tier in self._cache.tiers]
         return stage_files(self._namespace, self._reader, tiers, request, report, self._closing)
+
+    def attach(self, settings: dict[str, Any]) -> dict[str, Any]:
+        if self._node is None:
+            raise CachefsdError("this daemon takes no more mounts")
+        return asdict(self._node.attach(validated_settings(settings)))
+
+    def detach(self, mountpoint: str) -> None:
+        if self._node is not None:
+            self._node.detach(mountpoint)
 
     def close(self) -> None:
         self._closing.set()

@@ -262,8 +262,6 @@ def _declare(name: str, restype: type | None, *argtypes: type) -> None:
 _p = ctypes.c_void_p
 _declare("fuse_session_new", _p, ctypes.POINTER(Args), ctypes.POINTER(Operations), ctypes.c_size_t, _p)
 _declare("fuse_session_mount", ctypes.c_int, _p, ctypes.c_char_p)
-_declare("fuse_set_signal_handlers", ctypes.c_int, _p)
-_declare("fuse_remove_signal_handlers", None, _p)
 _declare("fuse_session_loop_mt_312", ctypes.c_int, _p, _p)
 _declare("fuse_session_exit", None, _p)
 _declare("fuse_session_unmount", None, _p)

@@ -24,6 +24,7 @@ import errno
 import functools
 import logging
 import os
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -204,6 +205,10 @@ class Session:
             "statfs": ll.STATFS(self._statfs),
         }
         self._notifier: _Notifier | None = None  # while the session loop runs
+        # The session and the thread running its loop, while it runs
+        # (``stop``); guarded by ``_running_lock``.
+        self._running_lock = threading.Lock()
+        self._running: tuple[int, int] | None = None
         self.operations = ll.Operations()
         for name, callback in self._callbacks.items():
             setattr(self.operations, name, ctypes.cast(callback, ctypes.c_void_p))
@@ -333,9 +338,8 @@ class Session:
         ll.lib.fuse_reply_statfs(request, ctypes.byref(sizes))
 
     def serve(self, fsname: str, allow_other: bool, cold_reads: int) -> None:
-        """Mount and serve until unmounted (or SIGTERM/SIGINT/SIGHUP, which
-        libfuse turns into a clean unmount). Blocks the calling thread,
-        which must be the main one: the kernel delivers those signals to it.
+        """Mount and serve until unmounted or ``stop``. Blocks the calling
+        thread (one a session: a daemon serves several mounts at once).
 
         A read that waits on the network holds its libfuse worker until the
         block arrives, so the workers bound how many reads are in flight:
@@ -361,23 +365,48 @@ class Session:
             ll.lib.fuse_session_destroy(handle)
 
     def _loop(self, handle: int, workers: int) -> None:
-        if ll.lib.fuse_set_signal_handlers(handle) != 0:
-            raise CachefsdError("libfuse could not set its signal handlers")
         notifier = self._notifier = _Notifier(self._fs, handle)
         notifier.start()
         config = ll.lib.fuse_loop_cfg_create()
         ll.lib.fuse_loop_cfg_set_max_threads(config, workers)
         ll.lib.fuse_loop_cfg_set_idle_threads(config, workers)
+        with self._running_lock:
+            self._running = (handle, threading.get_ident())
         try:
             result = ll.lib.fuse_session_loop_mt_312(handle, config)
         finally:
+            with self._running_lock:
+                self._running = None
             ll.lib.fuse_loop_cfg_destroy(config)
-            ll.lib.fuse_remove_signal_handlers(handle)
             notifier.stop()
         if not self.mounted:
             raise CachefsdError(f"the FUSE session of {self._mountpoint} ended before the mount was ready")
-        # A signal ends the loop with its number, an unmount with 0.
-        log.info("FUSE session ended (libfuse code %d)", result)
+        log.info("FUSE session of %s ended (libfuse code %d)", self._mountpoint, result)
+
+    def stop(self) -> None:
+        """Ask the loop to end, as libfuse's signal handler does: the
+        session is marked exited and the thread waiting in the loop is
+        woken by ``WAKE_SIGNAL``; the mount is then detached lazily (files
+        still open under it get ENOTCONN). A wake-up that comes just before
+        the loop waits is lost: call again until ``serve`` has returned."""
+        with self._running_lock:
+            if self._running is None:
+                return
+            handle, thread = self._running
+            ll.lib.fuse_session_exit(handle)
+            signal.pthread_kill(thread, WAKE_SIGNAL)
+
+
+# Wakes a session's loop thread out of its wait (``Session.stop``). Not a
+# signal anyone sends a daemon for another purpose.
+WAKE_SIGNAL = signal.SIGUSR1
+
+
+def install_wake_handler() -> None:
+    """Give ``WAKE_SIGNAL`` a handler that does nothing (its default kills
+    the process): what matters is that it interrupts the loop's wait. Only
+    the main thread may set handlers."""
+    signal.signal(WAKE_SIGNAL, lambda signum, frame: None)
 
 
 def _mount_options(fsname: str, allow_other: bool) -> bytes:

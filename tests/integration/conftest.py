@@ -101,32 +101,38 @@ MountFactory = Callable[..., Mount]
 
 @pytest.fixture(name="mounter")
 def fixture_mounter(tmp_path: Path) -> Iterator[MountFactory]:
-    """``mounter(source, *flags, name="mnt", cache_dir=None)`` mounts ``source``
-    in the background and returns once the mount is ready; everything mounted
-    is unmounted when the test ends."""
+    """``mounter(source, *flags, name="mnt", cache_dir=None, joining=None)``
+    mounts ``source`` in the background and returns once the mount is
+    ready; ``joining`` a mount whose daemon it joins (on its cache
+    directory, with its metrics endpoint). Everything mounted is unmounted
+    when the test ends."""
     mounted: list[Path] = []
 
-    def mount(source: str, *flags: str, name: str = "mnt", cache_dir: Path | None = None) -> Mount:
+    def mount(
+        source: str,
+        *flags: str,
+        name: str = "mnt",
+        cache_dir: Path | None = None,
+        joining: Mount | None = None,
+    ) -> Mount:
         mountpoint = tmp_path / name
         mountpoint.mkdir(exist_ok=True)
-        cache_dir = cache_dir or tmp_path / f"{name}-cache"
-        port = free_port()
+        if joining is not None:
+            cache_dir, metrics_url, metrics_flags = joining.cache_dir, joining.metrics_url, ()
+        else:
+            port = free_port()
+            cache_dir = cache_dir or tmp_path / f"{name}-cache"
+            metrics_url = f"http://127.0.0.1:{port}/metrics"
+            metrics_flags = ("--metrics-addr", f"127.0.0.1:{port}")
         mounted.append(mountpoint)
         result = run_cli(
-            "mount",
-            source,
-            str(mountpoint),
-            "--cache-dir",
-            str(cache_dir),
-            "--metrics-addr",
-            f"127.0.0.1:{port}",
-            *flags,
+            "mount", source, str(mountpoint), "--cache-dir", str(cache_dir), *metrics_flags, *flags
         )
         assert result.returncode == 0, f"mount failed: {result.stderr}"
         assert os.path.ismount(mountpoint)
         state = read_state(mountpoint)
         assert state is not None
-        return Mount(mountpoint, cache_dir, f"http://127.0.0.1:{port}/metrics", state.pid, result.stderr)
+        return Mount(mountpoint, cache_dir, metrics_url, state.pid, result.stderr)
 
     try:
         yield mount
@@ -137,6 +143,8 @@ def fixture_mounter(tmp_path: Path) -> Iterator[MountFactory]:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     run_cli("unmount", str(mountpoint), timeout=UNMOUNT_TIMEOUT_SECONDS)
                 force_unmount(mountpoint)
-                if state is not None and pid_alive(state.pid):
+                # A daemon that still serves this mount is wedged; one that
+                # serves only others (it joined them) is left to them.
+                if state is not None and pid_alive(state.pid) and read_state(mountpoint) is not None:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(state.pid, 9)

@@ -19,7 +19,9 @@ import functools
 import mmap
 import os
 import random
+import select
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -32,7 +34,7 @@ from cachefsd.cache.codec import HEADER_SIZE, CorruptBlock, decode
 from cachefsd.cache.lock import LOCK_WAIT_SECONDS
 from cachefsd.cache.tiered import disk_bytes
 from cachefsd.testing.s3_server import S3TestServer
-from tests.integration.conftest import Mount, MountFactory, force_unmount, free_port, run_cli
+from tests.integration.conftest import Mount, MountFactory, force_unmount, run_cli
 from tests.integration.torture import KILL_ROUNDS, assert_reads_right, kill_round, metric, write_manifest
 
 KiB = 1 << 10
@@ -441,41 +443,57 @@ def test_an_index_disk_filled_while_no_daemon_runs_is_named(
             force_unmount(tmp_path / "mnt")
 
 
-# -- two daemons, one cache directory --------------------------------------------------------
+# -- a cache directory held by another process ---------------------------------------------
+
+# Holds a cache directory's lock as an offline stage, `verify` or another
+# user's daemon does: no state file this user's mount could join.
+_HOLD_LOCK = (
+    "import pathlib, sys\n"
+    "from cachefsd.cache.lock import CacheDirLock\n"
+    "CacheDirLock(pathlib.Path(sys.argv[1]))\n"
+    "print('locked', flush=True)\n"
+    "sys.stdin.read()\n"
+)
 
 
-def test_second_daemon_on_a_cache_dir_in_use_fails_in_one_line(tmp_path: Path, mounter: MountFactory) -> None:
+def test_a_mount_on_a_cache_dir_another_process_holds_fails_in_one_line(tmp_path: Path) -> None:
     source = tmp_path / "src"
     source.mkdir()
     (source / "x.bin").write_bytes(b"x" * 1000)
-    first = mounter(str(source))
-    second_mountpoint = tmp_path / "second"
-    second_mountpoint.mkdir()
-
-    started = time.monotonic()
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(cache_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        result = run_cli(
-            "mount",
-            str(source),
-            str(second_mountpoint),
-            "--cache-dir",
-            str(first.cache_dir),
-            "--metrics-addr",
-            f"127.0.0.1:{free_port()}",
-            timeout=LOCK_WAIT_SECONDS + 30,
-        )
+        assert holder.stdout is not None
+        readable, _, _ = select.select([holder.stdout], [], [], 30)
+        assert readable, "the lock holder did not start"
+        assert holder.stdout.readline() == "locked\n"
+        started = time.monotonic()
+        try:
+            result = run_cli(
+                "mount", str(source), str(mountpoint), "--cache-dir", str(cache_dir), "--no-metrics",
+                timeout=LOCK_WAIT_SECONDS + 30,
+            )  # fmt: skip
+        finally:
+            force_unmount(mountpoint)
+        elapsed = time.monotonic() - started
     finally:
-        force_unmount(second_mountpoint)
-    elapsed = time.monotonic() - started
+        holder.kill()
+        holder.wait(timeout=30)
 
     assert result.returncode != 0
-    assert not os.path.ismount(second_mountpoint)
+    assert not os.path.ismount(mountpoint)
     message = result.stderr.strip()
     assert "\n" not in message, message
-    assert message.startswith("cachefsd: error: cache.dir: "), message
-    assert "in use" in message
-    assert str(first.cache_dir) in message
+    assert message.startswith(f"cachefsd: error: cache.dir: {cache_dir} is in use by pid {holder.pid}"), (
+        message
+    )
+    assert "give another --cache-dir" in message
     assert elapsed < LOCK_WAIT_SECONDS + 15, f"refused only after {elapsed:.1f}s"
-    # The first daemon is untouched.
-    assert first.alive
-    assert first.path("x.bin").read_bytes() == b"x" * 1000

@@ -144,7 +144,7 @@ def build_engine(
     clock = Clock()
     model = AccessModel()
     reader, namespace, _, fs = data_path(
-        faulty, cache, index, io, metrics, model, settings, clock, fresh_wait
+        faulty, cache, index, io, metrics, model, settings, listing_clock=clock, fresh_wait=fresh_wait
     )
     return Engine(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir, model)
 

@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 from cachefsd.cache.directory import tier_specs
-from cachefsd.config import FetchSettings, StoreSettings, load_settings, parse_duration, parse_size
+from cachefsd.config import (
+    FetchSettings,
+    StoreSettings,
+    load_mounts,
+    load_settings,
+    node_conflicts,
+    parse_duration,
+    parse_size,
+    validated_settings,
+)
 from cachefsd.errors import ConfigError
 from cachefsd.store import open_store
 from cachefsd.store.base import redact_url
@@ -231,3 +240,119 @@ def test_a_tier_smaller_than_a_block_is_warned_of_and_one_without_a_unit_refused
     typo = load_settings(None, {**REQUIRED, "cache": {"dir": str(tmp_path), "size": "500"}}, environ={})
     with pytest.raises(ConfigError, match=r"^cache\.size: 500 B is too small for a cache \(no unit\?\)$"):
         tier_specs(typo.cache)
+
+
+# -- a daemon's mounts ----------------------------------------------------------------------
+
+
+def _node_file(tmp_path: Path, text: str) -> Path:
+    config = tmp_path / "node.toml"
+    config.write_text('[cache]\ndir = "/var/tmp/node-cache"\nsize = "50G"\n' + text)
+    return config
+
+
+def test_mounts_of_a_config_file_share_its_top_level_and_keep_their_own_sections(tmp_path: Path) -> None:
+    config = _node_file(
+        tmp_path,
+        '[fetch]\ndeadline = "20s"\n'
+        '[[mounts]]\nsource = "s3://a/train"\nmountpoint = "/mnt/a"\n'
+        '[[mounts]]\nsource = "/data/b"\nmountpoint = "/mnt/b"\n[mounts.fetch]\ndeadline = "5s"\n',
+    )
+    first, second = load_mounts(config, {"log_level": "debug"}, environ={})
+    assert (first.source, first.mountpoint, second.source) == ("s3://a/train", Path("/mnt/a"), "/data/b")
+    assert first.cache == second.cache
+    assert first.cache.size == 50 << 30
+    assert (first.fetch.deadline, second.fetch.deadline) == (20.0, 5.0)
+    assert first.log_level == second.log_level == "debug"  # a flag applies to every mount
+
+
+@pytest.mark.parametrize(
+    ("entries", "flags", "environ", "message"),
+    [
+        (
+            '[[mounts]]\nsource = "/d"\nmountpoint = "/m"\n[mounts.cache]\nsize = "1G"\n',
+            {},
+            {},
+            "mounts[0].cache: belongs to the daemon",
+        ),
+        (
+            '[[mounts]]\nsource = "/d"\nmountpoint = "/m"\nlog_level = "debug"\n',
+            {},
+            {},
+            "mounts[0].log_level: belongs to the daemon",
+        ),
+        (
+            '[[mounts]]\nsource = "/d"\nmountpoint = "/m"\n[[mounts]]\nsource = "/e"\nmountpoint = "/m"\n',
+            {},
+            {},
+            "mounts[1].mountpoint: /m is mounts[0]'s too",
+        ),
+        (
+            '[[mounts]]\nsource = "/d"\nmountpoint = "/m"\n[[mounts]]\nsource = ""\nmountpoint = "/n"\n',
+            {},
+            {},
+            "mounts[1].source: empty",
+        ),
+        (
+            '[[mounts]]\nsource = "/d"\nmountpoint = "/m"\n[mounts.fetch]\ndeadlin = "1s"\n',
+            {},
+            {},
+            "mounts[0].fetch.deadlin: unknown setting",
+        ),
+        (
+            '[[mounts]]\nsource = "/d"\nmountpoint = "/m"\n',
+            {"source": "/x"},
+            {},
+            "so SOURCE must not name one",
+        ),
+        (
+            '[[mounts]]\nsource = "/d"\nmountpoint = "/m"\n',
+            {},
+            {"CACHEFSD_MOUNTPOINT": "/x"},
+            "so CACHEFSD_MOUNTPOINT must",
+        ),
+        ("", {}, {}, "mounts: give SOURCE and MOUNTPOINT, or a config file that lists them"),
+    ],
+)
+def test_a_bad_list_of_mounts_is_named(
+    tmp_path: Path, entries: str, flags: dict[str, str], environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_mounts(_node_file(tmp_path, entries), flags, environ=environ)
+
+
+def test_a_command_that_names_its_source_ignores_the_files_mounts(tmp_path: Path) -> None:
+    config = _node_file(tmp_path, '[[mounts]]\nsource = "/d"\nmountpoint = "/m"\n')
+    settings = load_settings(config, {"source": "/other", "mountpoint": "/mnt/other"}, environ={})
+    assert (settings.source, settings.cache.size) == ("/other", 50 << 30)
+
+
+def test_only_daemon_settings_a_joining_mount_sets_differently_conflict() -> None:
+    daemon = load_settings(None, {**REQUIRED, "cache": {"dir": "/c", "size": "10G"}}, environ={})
+
+    def conflicts(flags: dict[str, object]) -> list[str]:
+        return node_conflicts(daemon, load_settings(None, {"source": "/e", "mountpoint": "/n", **flags}, {}))
+
+    assert conflicts({"cache": {"dir": "/c"}}) == []  # the size left at its default is the daemon's
+    assert conflicts({"cache": {"dir": "/c", "size": "10G"}, "fetch": {"deadline": "1s"}}) == []
+    assert conflicts({"cache": {"dir": "/c", "size": "20G"}}) == [
+        "cache.size: 20.0 GiB here, 10.0 GiB in the daemon"
+    ]
+    assert conflicts({"cache": {"dir": "/c", "hot": {"dir": "/h", "size": "1G"}}}) == [
+        "cache.hot: {'dir': '/h', 'size': 1073741824, 'codec': 'raw'} here, none in the daemon"
+    ]
+    assert conflicts({"metrics": {"enabled": False}, "log_level": "debug"}) == [
+        "log_level: debug here, info in the daemon",
+        "metrics.enabled: False here, True in the daemon",
+    ]
+
+
+def test_settings_sent_to_a_daemon_come_back_the_same_with_what_was_set() -> None:
+    settings = load_settings(
+        None, {**REQUIRED, "cache": {"dir": "/c", "size": "2G"}, "fetch": {"deadline": "3s"}}, {}
+    )
+    again = validated_settings(settings.model_dump(mode="json", exclude_unset=True))
+    assert again == settings
+    assert again.cache.model_fields_set == {"dir", "size"}
+    with pytest.raises(ConfigError, match=re.escape("fetch.deadline: Input should be greater than 0")):
+        validated_settings({**REQUIRED, "fetch": {"deadline": 0}})

@@ -17,14 +17,14 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from cachefsd.config import Settings, load_settings
+from cachefsd.config import Settings, load_mounts, load_settings
 from cachefsd.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "cachefsd.json"
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 SCRAPE = ROOT / "deploy" / "prometheus" / "scrape.yaml"
-UNIT = ROOT / "systemd" / "cachefsd@.service"
+UNIT = ROOT / "systemd" / "cachefsd.service"
 DOC_DIR = ROOT / "doc"
 DOCS = (ROOT / "README.md", ROOT / "SEMANTICS.md", *sorted(DOC_DIR.glob("*.md")))
 # The oldest Kubernetes release the manifests are meant for.
@@ -69,9 +69,9 @@ def exported_names() -> set[str]:
     suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created")}
     names: set[str] = set()
     metrics = Metrics(CollectorRegistry())
-    # Collectors the daemon registers once it knows its source.
-    if hasattr(metrics, "watch_residency"):
-        metrics.watch_residency("s3://bucket", lambda: [("train", "hot", 1)])
+    # Series the daemon adds once it knows its mounts.
+    metrics.watch_residency("/mnt/data", "s3://bucket", lambda: [("train", "hot", 1)])
+    metrics.for_mount("/mnt/data")
     for family in metrics.registry.collect():
         if family.type != "counter":
             names.add(family.name)
@@ -276,15 +276,31 @@ def test_service_reaches_the_daemons_metrics_port() -> None:
         assert ports[port["targetPort"]] == port["port"]
 
 
-@pytest.fixture(name="daemon_settings")
-def fixture_daemon_settings(tmp_path: Path) -> Settings:
-    """The DaemonSet's settings, loaded as its daemon loads them: the
-    ConfigMap's TOML, the container's environment and the CLI arguments."""
+@pytest.fixture(name="daemon_mounts")
+def fixture_daemon_mounts(tmp_path: Path) -> list[Settings]:
+    """The DaemonSet's mounts, loaded as its daemon loads them: the
+    ConfigMap's TOML and the container's environment."""
     config = tmp_path / "cachefsd.toml"
     config.write_text(resource("ConfigMap", "cachefsd-config")["data"]["cachefsd.toml"])
-    env = daemon_env()
-    flags = {"source": env["CACHEFSD_SOURCE"], "mountpoint": env["CACHEFSD_MOUNTPOINT"]}
-    return load_settings(config, flags, environ=env)
+    return load_mounts(config, {}, environ=daemon_env())
+
+
+@pytest.fixture(name="daemon_settings")
+def fixture_daemon_settings(daemon_mounts: list[Settings]) -> Settings:
+    return daemon_mounts[0]
+
+
+def daemon_mountpoints() -> list[Path]:
+    return [Path(path) for path in daemon_env()["MOUNTPOINTS"].split()]
+
+
+def test_daemonset_creates_probes_and_reads_every_mount_of_its_config(daemon_mounts: list[Settings]) -> None:
+    assert len(daemon_mounts) > 1, "the example shows a node's several datasets on one cache"
+    assert [settings.mountpoint for settings in daemon_mounts] == daemon_mountpoints()
+    script = " ".join(container(daemon_spec(), "cachefsd")["args"])
+    assert "for mountpoint in $MOUNTPOINTS" in script
+    probe = " ".join(container(daemon_spec(), "cachefsd")["readinessProbe"]["exec"]["command"])
+    assert "for m in $MOUNTPOINTS" in probe
 
 
 def test_daemonset_settings_are_valid_and_match_the_volumes(daemon_settings: Settings) -> None:
@@ -322,7 +338,7 @@ def test_daemonset_mounts_on_the_node_and_unmounts_on_sigterm() -> None:
     assert daemon["resources"]["limits"]
     shared = [mount for mount in daemon["volumeMounts"] if mount.get("mountPropagation") == "Bidirectional"]
     assert len(shared) == 1
-    assert Path(daemon_env()["CACHEFSD_MOUNTPOINT"]).parent == Path(shared[0]["mountPath"])
+    assert all(mountpoint.parent == Path(shared[0]["mountPath"]) for mountpoint in daemon_mountpoints())
 
 
 def test_training_pod_reads_the_mount_with_host_to_container_propagation() -> None:
@@ -333,8 +349,8 @@ def test_training_pod_reads_the_mount_with_host_to_container_propagation() -> No
         if mount.get("mountPropagation") == "Bidirectional"
     )
     node_path = Path(daemon_volumes[shared["name"]]["hostPath"]["path"])
-    # The daemon's mountpoint, as a path on the node.
-    mountpoint = node_path / Path(daemon_env()["CACHEFSD_MOUNTPOINT"]).relative_to(shared["mountPath"])
+    # The daemon's first mountpoint, as a path on the node.
+    mountpoint = node_path / daemon_mountpoints()[0].relative_to(shared["mountPath"])
 
     pod = resource("Pod")["spec"]
     volumes = {volume["name"]: volume for volume in pod["volumes"]}
@@ -407,20 +423,21 @@ def unit_values(section: str, key: str) -> list[str]:
     return [value for name, value in unit_entries()[section] if name == key]
 
 
-def test_unit_is_a_notify_service_that_mounts_in_the_foreground() -> None:
+def test_unit_is_a_notify_service_that_mounts_its_configs_mounts_in_the_foreground() -> None:
     assert unit_values("Service", "Type") == ["notify"]
     assert unit_values("Service", "NotifyAccess") == ["main"]
     assert unit_values("Service", "Restart") == ["on-failure"]
-    assert unit_values("Service", "EnvironmentFile") == ["/etc/cachefsd/%i.env"]
+    assert unit_values("Service", "EnvironmentFile") == ["-/etc/cachefsd/cachefsd.env"]
     [exec_start] = unit_values("Service", "ExecStart")
     words = exec_start.split()
     assert Path(words[0]).name == "cachefsd"
-    assert words[1:4] == ["mount", "${CACHEFSD_SOURCE}", "${CACHEFSD_MOUNTPOINT}"]
+    assert words[1] == "mount"
     assert "--foreground" in words
-    assert words[words.index("--config") + 1] == "/etc/cachefsd/%i.toml"
-    assert any(
-        "fusermount3 -uz ${CACHEFSD_MOUNTPOINT}" in value for value in unit_values("Service", "ExecStopPost")
-    )
+    assert words[words.index("--config") + 1] == "/etc/cachefsd/cachefsd.toml"
+    # A crashed daemon's mounts are detached before a start and after a stop.
+    cleanup = f"{words[0]} unmount --config /etc/cachefsd/cachefsd.toml"
+    assert unit_values("Service", "ExecStartPre") == [f"-+{cleanup}"]
+    assert unit_values("Service", "ExecStopPost") == [f"-+{cleanup}"]
     assert unit_values("Install", "WantedBy") == ["multi-user.target"]
 
 
@@ -433,17 +450,6 @@ def test_unit_hardening_still_allows_fuse() -> None:
     assert unit_values("Service", "NoNewPrivileges") == ["yes"]
     present = sorted({key for key, _ in unit_entries()["Service"]} & set(MOUNT_NAMESPACE_SETTINGS))
     assert not present, f"{present} would hide the FUSE mount from the host (private mount namespace)"
-
-
-def test_unit_environment_names_are_settings() -> None:
-    """CACHEFSD_* variables are read by the settings tree too: the ones the
-    unit uses must be settings, or the daemon refuses them as unknown."""
-    used = set(re.findall(r"\$\{(CACHEFSD_[A-Z_]+)\}", UNIT.read_text()))
-    assert used == {"CACHEFSD_SOURCE", "CACHEFSD_MOUNTPOINT"}
-    settings = load_settings(
-        None, {}, environ={"CACHEFSD_SOURCE": "s3://b/p", "CACHEFSD_MOUNTPOINT": "/mnt/b"}
-    )
-    assert (settings.source, settings.mountpoint) == ("s3://b/p", Path("/mnt/b"))
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
@@ -460,7 +466,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
         ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60, check=False
     )
     # verify exits 0 on unknown keys and bad values; it only warns about them.
-    problems = [line for line in (result.stdout + result.stderr).splitlines() if "cachefsd@" in line]
+    problems = [line for line in (result.stdout + result.stderr).splitlines() if UNIT.name in line]
     assert result.returncode == 0, result.stderr
     assert not problems, "\n".join(problems)
 
@@ -475,3 +481,14 @@ def test_the_configuration_example_is_valid(tmp_path: Path) -> None:
     settings = load_settings(config, required, environ={})
     assert settings.cache.hot is not None
     assert settings.cache.warm is not None
+
+
+def test_the_mounts_example_is_valid(tmp_path: Path) -> None:
+    page = (DOC_DIR / "configuration.md").read_text()
+    section = page[page.index("## One daemon, many mounts") :]
+    start = section.index("```toml\n") + len("```toml\n")
+    config = tmp_path / "node.toml"
+    config.write_text(section[start : section.index("```", start)])
+    mounts = load_mounts(config, {}, environ={})
+    assert [settings.mountpoint for settings in mounts] == [Path("/mnt/imagenet"), Path("/mnt/c4")]
+    assert mounts[1].prefetch.lookahead == 8 << 30

@@ -212,7 +212,7 @@ def test_residency_is_queried_at_most_once_per_refresh(index: Index) -> None:
 
     residency = Residency(query, ["hot", "warm"], refresh=30.0, limit=2, clock=clock)
     metrics = Metrics(CollectorRegistry())
-    metrics.watch_residency("s3://bucket/data", residency.rows)
+    metrics.watch_residency("/mnt/data", "s3://bucket/data", residency.rows)
     assert queries == [], "registering the collector must not scan the index"
 
     def sample(prefix: str, tier: str) -> float | None:
@@ -271,10 +271,10 @@ def test_snapshot_agrees_with_the_registry(index: Index) -> None:
     clock = FakeClock()
     metrics = Metrics(CollectorRegistry())
     residency = Residency(lambda: index.resident_bytes_by_prefix("s3://bucket/data"), ["hot", "warm"])
-    metrics.watch_residency("s3://bucket/data", residency.rows)
+    metrics.watch_residency("/mnt/data", "s3://bucket/data", residency.rows)
     model = FakeModel()
     metrics.watch_epoch(model.current, dict)
-    stats = DaemonStats(metrics, model, residency, "s3://bucket/data", clock=clock)
+    stats = DaemonStats(metrics, model, residency, "s3://bucket/data", "/mnt/data", dict, clock=clock)
     stats.sample()  # t=1000: nothing read yet
     metrics.read_done({"cold": 300}, 0.5, "python[1]")
     clock.now += 70.0
@@ -331,7 +331,9 @@ def test_snapshot_agrees_with_the_registry(index: Index) -> None:
 def test_a_residency_computed_for_the_snapshot_is_not_negative_seconds_old(index: Index) -> None:
     """It is computed after the snapshot's clock was read: "as of 0 s ago", not "-0"."""
     residency = Residency(lambda: index.resident_bytes_by_prefix("s3://bucket/data"), ["hot"])
-    stats = DaemonStats(Metrics(CollectorRegistry()), FakeModel(), residency, "s3://bucket/data")
+    stats = DaemonStats(
+        Metrics(CollectorRegistry()), FakeModel(), residency, "s3://bucket/data", "/mnt/data", dict
+    )
     assert f"{stats.snapshot()['residency']['age_seconds']:.0f}" == "0"
     index.close()
 
@@ -341,7 +343,9 @@ def test_stats_count_residency_afresh_after_a_scrape() -> None:
     stats`` say nothing is cached beside a full tier."""
     rows: list[tuple[str, str, int]] = []
     residency = Residency(lambda: list(rows), ["hot"])
-    stats = DaemonStats(Metrics(CollectorRegistry()), FakeModel(), residency, "s3://bucket/data")
+    stats = DaemonStats(
+        Metrics(CollectorRegistry()), FakeModel(), residency, "s3://bucket/data", "/mnt/data", dict
+    )
     assert residency.current().prefixes == []  # the scrape
     rows.append(("train", "hot", 4096))
     assert stats.snapshot()["residency"]["prefixes"] == [

@@ -1,0 +1,99 @@
+"""One node, several mounts: one cache and one epoch clock under every
+mount's data path, without a FUSE mount (``engine.Node``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cachefsd.config import FetchSettings, Settings, StoreSettings
+from cachefsd.engine import Node, NodeEpochs, StoreFactory
+from cachefsd.prefetch.access import AccessModel
+from cachefsd.store.memory import MemoryStore
+from tests.unit.conftest import read_path
+
+BLOCK = 64 << 10
+
+
+def _settings(tmp_path: Path, name: str, **cache: object) -> Settings:
+    return Settings(
+        source=f"/{name}",
+        mountpoint=tmp_path / name,
+        cache={"dir": tmp_path / "cache", "block_size": BLOCK, **cache},
+        prefetch={"enabled": False},
+    )
+
+
+def _stores(**stores: MemoryStore) -> StoreFactory:
+    def open_store(source: str, store: StoreSettings, fetch: FetchSettings) -> MemoryStore:
+        return stores[source.strip("/")]
+
+    return open_store
+
+
+def test_two_mounts_share_one_capacity_and_count_their_own_reads(tmp_path: Path) -> None:
+    a = {f"a{n}.bin": bytes([n]) * BLOCK for n in range(6)}
+    b = {f"b{n}.bin": bytes([100 + n]) * BLOCK for n in range(6)}
+    stores = _stores(a=MemoryStore(a, uri="memory://a"), b=MemoryStore(b, uri="memory://b"))
+    first, second = _settings(tmp_path, "a", size=8 * BLOCK + BLOCK // 2), _settings(tmp_path, "b")
+    node = Node()
+    try:
+        with (
+            node.source(first, stores) as store_a,
+            node.opened(first.cache),
+            node.mount(first, store_a) as mount_a,
+        ):
+            with node.source(second, stores) as store_b, node.mount(second, store_b) as mount_b:
+                assert mount_a.cache is mount_b.cache
+                for name, data in a.items():
+                    assert read_path(mount_a.fs, name, BLOCK) == data
+                for name, data in b.items():
+                    assert read_path(mount_b.fs, name, BLOCK) == data
+                (tier,) = node.cache.tiers
+                # Twelve blocks read, room for eight (and their headers): one
+                # capacity over both mounts.
+                assert tier.block_count == 8
+                assert tier.used_bytes <= tier.capacity
+
+                def mount_bytes(mount: Path, source: str) -> float | None:
+                    labels = {"mount": str(mount), "source": source}
+                    return node.metrics.registry.get_sample_value("cachefsd_mount_read_bytes_total", labels)
+
+                assert mount_bytes(first.mountpoint, "cold") == 6 * BLOCK
+                assert mount_bytes(second.mountpoint, "cold") == 6 * BLOCK
+                node_cold = node.metrics.registry.get_sample_value(
+                    "cachefsd_read_bytes_total", {"source": "cold"}
+                )
+                assert node_cold == 12 * BLOCK
+            # Gone with its mount: the label is bounded by the mounts there are.
+            assert mount_bytes(second.mountpoint, "cold") is None
+            assert mount_bytes(first.mountpoint, "cold") == 6 * BLOCK
+            assert read_path(mount_a.fs, "a5.bin", BLOCK) == a["a5.bin"]
+    finally:
+        node.close()
+
+
+def test_the_node_clock_is_the_latest_epoch_of_any_mount_and_shared_when_one_is() -> None:
+    clock = NodeEpochs()
+    assert (clock.current(), clock.shared(), clock.caller_epochs()) == (0, False, {})
+    first, second = AccessModel(), AccessModel()
+    clock.add(first)
+    clock.add(second)
+    files = {f"d/{n}": 10 for n in range(4)}
+    for model in (first, second):
+        model.listed("d", files, 0.0, caller="sid:1")
+    # Mount one: caller sid:1 reads its dataset twice; mount two: once, by two callers.
+    for epoch in range(2):
+        for path in files:
+            first.opened(path, 10, 1.0 + epoch, caller="sid:1")
+    for caller in ("sid:1", "sid:2"):
+        for path in files:
+            second.opened(path, 10, 5.0, caller=caller)
+    assert clock.current() == max(first.current(), second.current()) == first.current()
+    assert first.current() > second.current()
+    assert clock.shared()
+    assert second.shared()
+    assert not first.shared()
+    assert clock.caller_epochs()["sid:1"] == first.caller_epochs()["sid:1"]
+    assert clock.caller_epochs()["sid:2"] == second.caller_epochs()["sid:2"]
+    clock.remove(second)
+    assert not clock.shared()
