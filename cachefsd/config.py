@@ -322,7 +322,7 @@ class Settings(_Section):
     """The whole settings tree: what to mount where, and one slice for each component."""
 
     source: str
-    mountpoint: Path
+    mountpoint: Directory
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     cache: CacheSettings = Field(default_factory=CacheSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)
@@ -496,7 +496,7 @@ def load_mounts(
         mounts.append(_validated(_deep_merge(tree, entry, where), flags, environ, where))
     seen: dict[Path, int] = {}
     for number, settings in enumerate(mounts):
-        first = seen.setdefault(settings.mountpoint.resolve(), number)
+        first = seen.setdefault(settings.mountpoint, number)
         if first != number:
             raise ConfigError(f"mounts[{number}].mountpoint: {settings.mountpoint} is mounts[{first}]'s too")
     return mounts

@@ -30,14 +30,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from cachefsd.config import Settings, node_conflicts
+from cachefsd.config import NODE_SETTINGS, Settings, node_conflicts
 from cachefsd.control.mounts import MountState, control_path, remove_state, write_state
 from cachefsd.control.server import ControlServer, MountHandlers
 from cachefsd.engine import Node
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.fuse.session import Session, install_wake_handler
 from cachefsd.jobs import CallerJobs
-from cachefsd.preflight import check_allow_other, check_fuse_device, check_mountpoint
+from cachefsd.preflight import check_mounts
 from cachefsd.stats import DaemonStats, Residency
 from cachefsd.store.base import ObjectStore
 
@@ -46,9 +46,11 @@ log = logging.getLogger(__name__)
 # The longest a mount may take to be ready once its source answered (the
 # cache is already open): the kernel's INIT comes within milliseconds.
 SESSION_READY_SECONDS = 60.0
-# How long a stopping session is woken, a tenth of a second apart, before
-# the daemon gives up on it (its process exit then ends it).
-SESSION_STOP_SECONDS = 10.0
+# How long a stopping session is woken, a tenth of a second apart, beyond
+# its fetch deadline (libfuse's loop joins its workers, and a worker in a
+# read waits for its block up to that deadline), before the daemon stops
+# waking it and logs it.
+SESSION_STOP_MARGIN_SECONDS = 10.0
 _WAKE_INTERVAL_SECONDS = 0.1
 
 
@@ -101,7 +103,7 @@ class _Mount:
     ) -> None:
         """``ended`` is called once the session has ended and ``resources`` are closed."""
         self.settings = settings
-        self.mountpoint = settings.mountpoint.resolve()
+        self.mountpoint = settings.mountpoint
         self.session = session
         self.ready = ready  # set by the kernel's INIT, or when the session ends
         self.resources = resources
@@ -144,7 +146,7 @@ class Daemon:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._mounts: dict[Path, _Mount] = {}
-        self._pending = 0  # attaches under way: the daemon does not end under them
+        self._attaching_at: set[Path] = set()  # attaches under way: the daemon does not end under them
         self._closing = False
 
     def attach(self, settings: Settings, source: tuple[ExitStack, ObjectStore] | None = None) -> MountState:
@@ -163,10 +165,13 @@ class Daemon:
                     "a mount joining a running daemon shares its cache, metrics and log; "
                     "leave the setting out, or give another --cache-dir"
                 )
-            mountpoint = settings.mountpoint.resolve()
+            # What it left at its defaults is the daemon's too: blocks of one
+            # cache are read at one size, whoever mounts.
+            node = {key: getattr(self.settings, key) for key in NODE_SETTINGS}
+            settings = settings.model_copy(update=node)
+            mountpoint = settings.mountpoint
             with self._attaching(mountpoint):
-                check_allow_other(settings.fuse.allow_other)
-                check_mountpoint(mountpoint, self.settings.cache.directories())
+                check_mounts([settings])
                 store = opened.enter_context(self._node.source(settings)) if source is None else source[1]
                 state = self._start(self._open(settings, store, opened))
         finally:
@@ -175,26 +180,37 @@ class Daemon:
 
     @contextlib.contextmanager
     def _attaching(self, mountpoint: Path) -> Iterator[None]:
-        """While a mount is being attached: the daemon does not end under it."""
+        """While a mount is being attached: its mountpoint is taken, and the
+        daemon does not end under it."""
         with self._lock:
-            if self._closing:
-                raise CachefsdError(f"the daemon of {self.settings.cache.dir} is stopping: mount again")
-            if mountpoint in self._mounts:
+            self._refuse_if_closing()
+            if mountpoint in self._mounts or mountpoint in self._attaching_at:
                 raise ConfigError(
                     f"mountpoint: {mountpoint} is already mounted by cachefsd (pid {os.getpid()})"
                 )
-            self._pending += 1
+            self._attaching_at.add(mountpoint)
         try:
             yield
         finally:
             with self._changed:
-                self._pending -= 1
+                self._attaching_at.discard(mountpoint)
                 self._changed.notify_all()
 
+    def _refuse_if_closing(self) -> None:
+        if self._closing:
+            raise CachefsdError(f"the daemon of {self.settings.cache.dir} is stopping: mount again")
+
     def _start(self, mount: _Mount) -> MountState:
+        # A stop that came while the mount was being built finds it served
+        # (the table and its thread together), or the mount never starts.
         with self._lock:
+            try:
+                self._refuse_if_closing()
+            except CachefsdError:
+                mount.resources.close()
+                raise
             self._mounts[mount.mountpoint] = mount
-        mount.thread.start()
+            mount.thread.start()
         if not mount.ready.wait(SESSION_READY_SECONDS):
             self._stop(mount)
             raise CachefsdError(
@@ -214,7 +230,7 @@ class Daemon:
     def _open(self, settings: Settings, store: ObjectStore, opened: ExitStack) -> _Mount:
         """Everything one mount serves from, started, and its session (not
         yet serving); takes over what ``opened`` holds."""
-        mountpoint = settings.mountpoint.resolve()
+        mountpoint = settings.mountpoint
         resources = ExitStack()
         try:
             state = MountState(
@@ -300,17 +316,18 @@ class Daemon:
     def _stop(mount: _Mount) -> None:
         # The session's loop may be between its check and its wait when a
         # wake-up comes: it is woken again until it has ended.
-        for _ in range(int(SESSION_STOP_SECONDS / _WAKE_INTERVAL_SECONDS)):
+        bound = mount.settings.fetch.deadline + SESSION_STOP_MARGIN_SECONDS
+        for _ in range(int(bound / _WAKE_INTERVAL_SECONDS)):
             mount.session.stop()
             mount.thread.join(_WAKE_INTERVAL_SECONDS)
             if not mount.thread.is_alive():
                 return
-        log.warning("the session of %s did not stop within %gs", mount.mountpoint, SESSION_STOP_SECONDS)
+        log.warning("the session of %s did not stop within %gs", mount.mountpoint, bound)
 
     def serve(self) -> None:
         """Until the last mount has ended (no attach under way)."""
         with self._changed:
-            while self._mounts or self._pending:
+            while self._mounts or self._attaching_at:
                 self._changed.wait()
             self._closing = True
 
@@ -333,10 +350,7 @@ def run(mounts: list[Settings], ready: Callable[[], None]) -> None:
     """Mount each of ``mounts`` on one node (the first one's cache, metrics
     and log settings are all of theirs) and serve until the last is unmounted."""
     settings = mounts[0]
-    check_fuse_device()
-    for each in mounts:
-        check_allow_other(each.fuse.allow_other)
-        check_mountpoint(each.mountpoint.resolve(), settings.cache.directories())
+    check_mounts(mounts)
     install_wake_handler()
     node = Node()
     try:
@@ -358,8 +372,9 @@ def _serve(
     ready: Callable[[], None],
 ) -> None:
     def stop(signum: int, frame: FrameType | None) -> None:
+        # On a thread: the main thread may hold the daemon's lock right now.
         log.info("%s: unmounting every mount", signal.Signals(signum).name)
-        daemon.stop_all()
+        threading.Thread(target=daemon.stop_all, name="cachefsd-stop", daemon=True).start()
 
     previous = {
         signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

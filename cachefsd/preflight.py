@@ -9,9 +9,13 @@ import errno
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cachefsd.control.mounts import pid_alive, read_state
 from cachefsd.errors import CachefsdError, ConfigError
+
+if TYPE_CHECKING:
+    from cachefsd.config import Settings
 
 FUSE_DEVICE = "/dev/fuse"
 FUSE_CONF = Path("/etc/fuse.conf")
@@ -57,6 +61,15 @@ def check_allow_other(allow_other: bool, uid: int | None = None, fuse_conf: Path
             f"fuse.allow_other: a user's mount may allow other users only when {fuse_conf} "
             "has the line user_allow_other (or mount as root)"
         )
+
+
+def check_mounts(mounts: list[Settings]) -> None:
+    """What makes every one of ``mounts`` (one daemon's: the first one's
+    cache is theirs) impossible, refused before anything is opened or created."""
+    check_fuse_device()
+    for settings in mounts:
+        check_allow_other(settings.fuse.allow_other)
+        check_mountpoint(settings.mountpoint, mounts[0].cache.directories())
 
 
 def check_mountpoint(mountpoint: Path, cache_directories: list[tuple[str, Path]]) -> None:

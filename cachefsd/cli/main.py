@@ -134,7 +134,7 @@ def _cmd_unmount(args: argparse.Namespace, argv: list[str]) -> int:
     # before a start and after a stop: a crashed daemon's are detached).
     mounted = set(mount_types())
     for settings in reversed(load_mounts(args.config, {})):
-        mountpoint = settings.mountpoint.resolve()
+        mountpoint = settings.mountpoint
         if str(mountpoint) in mounted:
             unmount(mountpoint)
             print(f"cachefsd: unmounted {mountpoint}")

@@ -31,7 +31,7 @@ from cachefsd.control.mounts import (
     read_state,
 )
 from cachefsd.errors import CachefsdError, ConfigError
-from cachefsd.preflight import check_allow_other, check_fuse_device, check_mountpoint, notify_systemd
+from cachefsd.preflight import check_mounts, notify_systemd
 
 log = logging.getLogger("cachefsd")
 
@@ -131,10 +131,7 @@ def _mount_background(argv: list[str], mounts: list[Settings]) -> int:
     # What the daemon would refuse, refused before the cache directory and
     # its log are created for a mount that cannot happen.
     settings = mounts[0]
-    check_fuse_device()
-    for each in mounts:
-        check_allow_other(each.fuse.allow_other)
-        check_mountpoint(each.mountpoint.resolve(), settings.cache.directories())
+    check_mounts(mounts)
     running = daemon_using(settings.cache.dir)
     if running is not None and len(mounts) == 1:
         return _join(settings, running)
@@ -267,7 +264,8 @@ def _signals_set(signums: tuple[signal.Signals, ...], handler: Any) -> Iterator[
 
 
 def unmount(mountpoint: Path, timeout: float = UNMOUNT_SECONDS) -> None:
-    """Unmount and wait for the daemon to exit (so its cache is released)."""
+    """Unmount, and wait until the mount's data path is closed, and its
+    daemon has exited when it was its last mount (so its cache is released)."""
     mountpoint = mountpoint.resolve()
     state = read_state(mountpoint)
     kind = mount_types().get(str(mountpoint))
@@ -281,12 +279,6 @@ def unmount(mountpoint: Path, timeout: float = UNMOUNT_SECONDS) -> None:
         command = ["fusermount3", flag, str(mountpoint)]
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
 
-    # The daemon's other mounts: it serves on after this one.
-    others = [
-        other
-        for other in daemon_states()
-        if state is not None and other.pid == state.pid and other.mountpoint != state.mountpoint
-    ]
     result = fusermount("-u")
     if result.returncode != 0 and state is not None and not pid_alive(state.pid):
         # Its daemon died (kill -9, OOM) and a process still holds a file
@@ -298,11 +290,13 @@ def unmount(mountpoint: Path, timeout: float = UNMOUNT_SECONDS) -> None:
         raise CachefsdError(result.stderr.strip() or f"fusermount3 -u {mountpoint} failed")
     if state is None:
         return
-    # Done once this mount's state file is gone (its data path is closed);
-    # and, when it was the daemon's last mount, once the daemon has exited
-    # (its cache is released).
+    # Done once this mount's state file is gone (its data path is closed)
+    # while the daemon serves other mounts; else once it has exited (its
+    # cache is released).
     deadline = time.monotonic() + timeout
-    while pid_alive(state.pid) and (not others or read_state(mountpoint) is not None):
+    while pid_alive(state.pid):
+        if read_state(mountpoint) is None and any(other.pid == state.pid for other in daemon_states()):
+            return
         if time.monotonic() > deadline:
             raise CachefsdError(f"unmounted, but daemon pid {state.pid} did not finish within {timeout:g}s")
         time.sleep(_POLL_SECONDS)

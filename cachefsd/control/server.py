@@ -147,14 +147,15 @@ def _parsed(model: type[RequestBody], body: Any) -> RequestBody:
 _PEER_CREDENTIALS = struct.Struct("3i")
 
 
-def _peer_pid(connection: socket.socket) -> int:
-    """The process at the other end of a Unix socket (0 if unknown)."""
+def _peer(connection: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of a Unix socket
+    ((0, -1) if unknown)."""
     try:
         credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER_CREDENTIALS.size)
     except OSError:
-        return 0
-    pid, _, _ = _PEER_CREDENTIALS.unpack(credentials)
-    return int(pid)
+        return 0, -1
+    pid, uid, _ = _PEER_CREDENTIALS.unpack(credentials)
+    return int(pid), int(uid)
 
 
 class _ClientGone(ConnectionError):
@@ -297,11 +298,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _hint(self, body: Any) -> None:
         hint = _parsed(HintBody, body)
-        accepted, unknown = self.server.owner.handlers.hint(hint.order, hint.part, _peer_pid(self.request))
+        accepted, unknown = self.server.owner.handlers.hint(hint.order, hint.part, _peer(self.request)[0])
         self._json(200, {"accepted": accepted, "unknown": unknown})
 
     def _attach(self, body: Any) -> None:
         handlers = self.server.owner.handlers
+        if _peer(self.request)[1] != os.geteuid():
+            # The socket is owner-only already; a mount is made with the
+            # daemon's credentials, so its own user alone may ask for one.
+            self._error(403, "only the daemon's own user may add a mount")
+            return
         try:
             state = handlers.attach(_parsed(MountBody, body).settings)
         except CachefsdError as exc:

@@ -57,7 +57,9 @@ def _keep_thread_state() -> None:
     TLB: a third of the daemon's CPU on small files. One extra
     ``PyGILState_Ensure``, never released, keeps the state (and this
     thread-local) alive. libfuse >= 3.12 never retires its workers (at most
-    ``max_threads``, see ``serve``), so this holds at most that many states."""
+    ``max_threads``, see ``serve``), so this holds at most that many states a
+    session; those of a session that ended (a mount detached from a daemon
+    that serves on) stay, some KiB each."""
     if not getattr(_worker, "kept", False):
         ctypes.pythonapi.PyGILState_Ensure()
         _worker.kept = True

@@ -76,6 +76,7 @@ def test_a_second_mount_joins_the_daemon_of_its_cache_dir_and_shares_its_capacit
         str(second.mountpoint),
     ]
     assert shown["tiers"][0]["capacity_bytes"] == capacity
+    assert shown["block_size"] == BLOCK  # the daemon's, though the joining mount gave none
     drawn = run_cli("stats", str(second.mountpoint)).stdout
     assert "this mount" in drawn
     assert str(first.mountpoint) in drawn  # the node's other mount, whose cache this is too
