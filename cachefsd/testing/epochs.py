@@ -2,11 +2,14 @@
 every file once an epoch in a seeded shuffle, each file's pages dropped once
 read (a dataset larger than RAM: the next epoch's reads reach the daemon).
 
-    python -m cachefsd.testing.epochs SEED EPOCHS [--metrics URL] PATH...
+    python -m cachefsd.testing.epochs SEED EPOCHS [--metrics URL] [--compute-ms MS] [--hint] PATH...
 
 With ``--metrics`` (a mount's metrics endpoint), it prints a JSON line an
 epoch: the bytes of this job's reads (``reader_job`` of its process group)
-that came from the cache and from the store in that epoch.
+that came from the cache and from the store in that epoch. ``--compute-ms``
+sleeps that long after each file, as a GPU step would (no CPU used);
+``--hint`` sends each epoch's order to the mount's daemon before the epoch,
+as ``cachefsd.hints.HintingSampler`` does.
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ import argparse
 import json
 import os
 import random
+import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachefsd.control.client import client_for
+from cachefsd.control.mounts import find_mount
 
-def read_epoch(paths: list[str]) -> None:
+
+def read_epoch(paths: list[str], compute_seconds: float = 0.0) -> None:
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -29,6 +36,16 @@ def read_epoch(paths: list[str]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+        if compute_seconds:
+            time.sleep(compute_seconds)
+
+
+def hint(paths: list[str]) -> None:
+    """Send ``paths``, in the order they are about to be read, to their mount's daemon."""
+    mount = find_mount(paths[0])
+    if mount is None:
+        raise SystemExit(f"{paths[0]} is not under a cachefsd mount")
+    client_for(mount).hint(["/" + os.path.relpath(path, mount.mountpoint) for path in paths])
 
 
 def my_read_bytes(metrics_url: str) -> dict[str, float]:
@@ -50,12 +67,16 @@ def main() -> None:
     parser.add_argument("epochs", type=int)
     parser.add_argument("paths", nargs="+")
     parser.add_argument("--metrics", help="print each epoch's bytes by source from this endpoint")
+    parser.add_argument("--compute-ms", type=float, default=0.0, help="a training step after each file")
+    parser.add_argument("--hint", action="store_true", help="hint each epoch's order to the daemon")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     before = my_read_bytes(args.metrics) if args.metrics else {}
     for epoch in range(args.epochs):
         rng.shuffle(args.paths)
-        read_epoch(args.paths)
+        if args.hint:
+            hint(args.paths)
+        read_epoch(args.paths, args.compute_ms / 1000)
         if args.metrics:
             after = my_read_bytes(args.metrics)
             print(
