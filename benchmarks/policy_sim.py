@@ -28,9 +28,8 @@ a block being read) is outside this trace. Prints a table and writes ``benchmark
 
 ``--readers 2`` is two jobs reading the same dataset side by side (a sweep),
 each its own shuffled passes, interleaved at random; an "epoch" is then one
-pass of each. The access model cannot tell the jobs apart: it sees re-reads
-all the time and counts epochs many times too fast, and the epoch-aware
-policy falls below MinIO. It shows what a fix must beat.
+pass of each. Each read tells the policy, as the mount does, whether the
+other job is still to read the block this epoch (``accessed(again=...)``).
 
     .venv/bin/python benchmarks/policy_sim.py [--files 1000] [--epochs 5] [--seed 0] [--readers 1]
 """
@@ -155,9 +154,10 @@ def simulate(
         clock.read(block, 0, BLOCK_BYTES, now, jobs[position])
         if oracle is not None:
             oracle.advance(position)
+        again = clock.wanted_elsewhere(block, jobs[position])  # as the mount asks at each read
         if block in resident:
             hits.append(True)
-            policy.accessed(block)
+            policy.accessed(block, again)
             continue
         hits.append(False)
         if len(resident) >= capacity:
@@ -168,6 +168,8 @@ def simulate(
             policy.removed(evicted)
         resident.add(block)
         policy.admitted(block)
+        if again:
+            policy.accessed(block, again)
     return hits
 
 

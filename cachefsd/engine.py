@@ -130,10 +130,8 @@ def data_path(
 class NodeEpochs:
     """``EpochClock`` over the access models of a daemon's mounts: the
     cache's policy ranks every block by one clock. Each model already
-    serves several jobs the same way (its highest epoch; shared when two
-    callers read one root), and a root of one mount is never a root of
-    another, so the node's clock is the highest epoch of any mount, shared
-    when any mount's is. Thread-safe."""
+    serves several jobs the same way (its highest epoch), so the node's
+    clock is the highest epoch of any mount. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -153,9 +151,6 @@ class NodeEpochs:
 
     def current(self) -> int:
         return max((model.current() for model in self._current_models()), default=0)
-
-    def shared(self) -> bool:
-        return any(model.shared() for model in self._current_models())
 
     def caller_epochs(self) -> dict[str, int]:
         """Each caller (``jobs.py``) -> the highest epoch of its jobs on any mount."""

@@ -51,11 +51,15 @@ ROOT_INODE = 1
 
 
 class AccessEvents(Protocol):
-    """What the access model learns from (prefetch/engine.py implements it)."""
+    """What the access model learns from, and the one thing a read asks it
+    (prefetch/engine.py implements it)."""
 
     def opened(self, info: ObjectInfo, job: str) -> None: ...
     def read(self, info: ObjectInfo, offset: int, size: int, job: str) -> None: ...
     def listed(self, entries: dict[str, ObjectInfo | None], directory: str, job: str) -> None: ...
+    def wanted_elsewhere(self, info: ObjectInfo, job: str) -> bool:
+        """Whether another job is still to read ``info`` this epoch."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +189,7 @@ class FileSystem:
             self._access.opened(info, job)
         self._access.read(info, offset, size, job)
         try:
-            return self._reader.read(info, offset, size, job)
+            return self._reader.read(info, offset, size, job, self._access.wanted_elsewhere(info, job))
         except ObjectChanged:
             # Overwritten or deleted since it was listed: the listing that
             # showed it is dropped, and the kernel forgets the name, so the

@@ -232,10 +232,14 @@ class BlockReader:
     def ref(self, info: ObjectInfo, index: int) -> BlockRef:
         return BlockRef(self._source, info.key, info.etag, index)
 
-    def read(self, info: ObjectInfo, offset: int, size: int, job: str = UNKNOWN_JOB) -> list[Piece]:
+    def read(
+        self, info: ObjectInfo, offset: int, size: int, job: str = UNKNOWN_JOB, again: bool = False
+    ) -> list[Piece]:
         """Exactly the bytes ``[offset, offset + size)`` of version ``info``
         (short only at the end of the object), as pieces in order, for
-        ``job`` (``jobs.py``; the FUSE edge knows it, a stage has none).
+        ``job`` (``jobs.py``; the FUSE edge knows it, a stage has none);
+        ``again`` when another job is still to read them this epoch, which
+        the cache's policy then ranks them by.
 
         A raw-tier block is served from its file without copying (checked
         where it lies on its first read, see ``TieredCache.raw_hit``); a
@@ -255,6 +259,11 @@ class BlockReader:
             close_pieces(pieces)
             raise
         self._events.read_done(served, stalled, job)
+        if again:
+            for index in block_range(offset, size, info.size, self._block_size):
+                digest = self._cache.lookup(self.ref(info, index))
+                if digest is not None:
+                    self._cache.touch(digest, again=True)
         return pieces
 
     def _piece(self, info: ObjectInfo, index: int, lo: int, hi: int) -> tuple[Piece, str, float]:

@@ -356,9 +356,6 @@ class _NoEpochs:
     def current(self) -> int:
         return 0
 
-    def shared(self) -> bool:
-        return False
-
 
 @contextmanager
 def _maintenance(cache_dir: Path, inspect_only: bool = False) -> Iterator[OpenCache]:

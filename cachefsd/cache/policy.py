@@ -64,8 +64,9 @@ class EvictionPolicy(Protocol):
         before anyone asked for it (prefetch, stage) and not read yet."""
         ...
 
-    def accessed(self, block: str) -> None:
-        """``block`` was read from the tier."""
+    def accessed(self, block: str, again: bool = False) -> None:
+        """``block`` was read from the tier; ``again`` when another job is
+        still to read it this epoch (jobs sharing a dataset)."""
         ...
 
     def removed(self, block: str) -> None:
@@ -99,11 +100,6 @@ class EpochClock(Protocol):
 
     def current(self) -> int:
         """The current epoch number; never decreases."""
-        ...
-
-    def shared(self) -> bool:
-        """Several jobs read now: what one job read this epoch, another may
-        still be to read this epoch."""
         ...
 
 
@@ -165,7 +161,7 @@ class LruPolicy:
         self._order[block] = None
         self._order.move_to_end(block)
 
-    def accessed(self, block: str) -> None:
+    def accessed(self, block: str, again: bool = False) -> None:
         if block in self._order:
             self._order.move_to_end(block)
 
@@ -216,7 +212,7 @@ class TwoRandomPolicy:
             self._blocks.append(block)
         self._touch(block)
 
-    def accessed(self, block: str) -> None:
+    def accessed(self, block: str, again: bool = False) -> None:
         if block in self._index:
             self._touch(block)
 
@@ -272,7 +268,7 @@ class MinioPolicy:
     def admitted(self, block: str, ahead: bool = False) -> None:
         self._resident.add(block)
 
-    def accessed(self, block: str) -> None:
+    def accessed(self, block: str, again: bool = False) -> None:
         """Reads change nothing: MinIO keeps whatever filled the cache first."""
 
     def removed(self, block: str) -> None:
@@ -313,6 +309,10 @@ class EpochAwarePolicy:
       refused: each is still to be read this epoch, and the newcomer, just
       read, is the least useful block of all. Steady state is MinIO's hit
       ratio (the cached fraction), but the contents follow the working set.
+    - a block read while another job sharing the dataset is still to read
+      it this epoch (``accessed(again=True)``: a sweep's jobs each read every
+      block once an epoch, in orders of their own) ranks as due too, until
+      a read that leaves no job to come;
     - a block fetched ahead (prefetch, stage) has not been read: it ranks as
       if last read in the previous epoch, due in this one, until it is read
       (or goes stale unread). Counting its admission as a read would make it
@@ -363,9 +363,14 @@ class EpochAwarePolicy:
         elif block not in self._epoch_of:
             self._settle(block, self._epochs.current() - 1)
 
-    def accessed(self, block: str) -> None:
+    def accessed(self, block: str, again: bool = False) -> None:
         if block in self._epoch_of:
-            self._read(block)
+            if again:
+                # Another job is still to read it this epoch: due, as if
+                # last read in the previous one.
+                self._settle(block, self._epochs.current() - 1)
+            else:
+                self._read(block)
 
     def removed(self, block: str) -> None:
         epoch = self._epoch_of.pop(block, None)
@@ -414,9 +419,8 @@ class EpochAwarePolicy:
         ``victim`` re-ranks any of them the plan has since given a next use),
         plus, for a newcomer with a known next use, the planned residents
         due after it."""
-        current = self._epochs.current()
-        due = {current - 1, current} if self._epochs.shared() else {current - 1}
-        unplanned = sum(len(group) for epoch, group in self._unknown.items() if epoch not in due)
+        due = self._epochs.current() - 1
+        unplanned = sum(len(group) for epoch, group in self._unknown.items() if epoch != due)
         if incoming_use is None or unplanned >= enough:
             return unplanned
         return unplanned + self._planned_after(incoming_use, enough - unplanned)
@@ -442,15 +446,12 @@ class EpochAwarePolicy:
         return count
 
     def _evictable_epoch(self, current: int) -> int | None:
-        """The group ``victim`` takes from: the stalest, else this epoch's
-        unless several jobs read (``EpochClock.shared``: a block one read
-        this epoch is due for another, so only stale ones go, as MinIO's
-        rule keeps what every job still needs). O(groups), and there is one
-        group per epoch that still has residents."""
+        """The group ``victim`` takes from: the stalest, else this epoch's.
+        O(groups), and there is one group per epoch that still has residents."""
         oldest = min(self._unknown, default=None)
         if oldest is not None and oldest < current - 1:
             return oldest
-        return current if current in self._unknown and not self._epochs.shared() else None
+        return current if current in self._unknown else None
 
     def _lookup(self, block: str) -> float | None:
         return None if self._next_use is None else self._next_use.next_use(block)

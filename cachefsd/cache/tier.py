@@ -193,10 +193,11 @@ class Tier:
             if digest in self._sizes:
                 self._policy.next_use_changed(digest)
 
-    def accessed(self, digest: str) -> None:
+    def accessed(self, digest: str, again: bool = False) -> None:
+        """``again`` as in ``EvictionPolicy.accessed``."""
         with self._lock:
             if digest in self._sizes:
-                self._policy.accessed(digest)
+                self._policy.accessed(digest, again)
 
     # -- files ------------------------------------------------------------
 

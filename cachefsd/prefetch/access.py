@@ -564,14 +564,24 @@ class AccessModel:
         with self._lock:
             return self._max_epoch
 
-    def shared(self) -> bool:
-        """``EpochClock``: jobs of two callers read one dataset (root) in the
-        last ``JOB_IDLE_SECONDS``. One caller reading ``train`` and ``val``
-        is not: it reads each once an epoch."""
+    def wanted_elsewhere(self, path: str, caller: str = UNKNOWN_JOB) -> bool:
+        """Whether a job of a caller other than ``caller``, reading in the
+        last ``JOB_IDLE_SECONDS``, still has ``path`` to read this epoch: a
+        block of it read now is due again (``EvictionPolicy.accessed``). Two
+        jobs of a sweep on one dataset each read every file once an epoch,
+        in orders of their own. O(callers)."""
+        path = _clean(path)
         with self._lock:
-            readers: dict[str, str] = {}  # root -> a caller reading it
-            for job in self._by_id.values():
-                if self._active_locked(job) and readers.setdefault(job.root, job.caller) != job.caller:
+            for tree in self._callers.values():
+                if tree.caller == caller:
+                    continue
+                job = self._existing_job_locked(tree, path)
+                if (
+                    job is not None
+                    and self._active_locked(job)
+                    and path in job.working
+                    and path not in job.seen
+                ):
                     return True
             return False
 

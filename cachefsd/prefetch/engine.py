@@ -173,6 +173,9 @@ class Prefetcher:
             self._events.prefetch_used(used)
         self._wake.set()
 
+    def wanted_elsewhere(self, info: ObjectInfo, job: str = UNKNOWN_JOB) -> bool:
+        return self._model.wanted_elsewhere(info.key, job)
+
     def _fetch_head(self, info: ObjectInfo, job: str) -> None:
         """Fetch the first run of a large file (``head.py``) with the GET of
         this read in its first block (the kernel's first reads of a file

@@ -802,16 +802,19 @@ def test_a_hint_replaces_only_its_own_jobs_plan() -> None:
     assert first == {"a[1]": files[2], "b[2]": files[-1]}
 
 
-def test_the_clock_is_shared_while_two_jobs_read_and_not_once_one_is_idle() -> None:
+def test_a_file_is_wanted_elsewhere_while_another_active_job_is_still_to_read_it() -> None:
     model = AccessModel()
     files = listed_dataset(model, "d", 4)
-    assert not model.shared()  # a listing alone is nobody's reading
+    assert not model.wanted_elsewhere(files[0], "a[1]")  # a listing alone is nobody's reading
     model.opened(files[0], SMALL, 1000.0, "a[1]")
-    assert not model.shared()
     model.opened(files[1], SMALL, 1001.0, "b[2]")
-    assert model.shared()
-    model.opened(files[2], SMALL, 1001.0 + JOB_IDLE_SECONDS + 1, "b[2]")
-    assert not model.shared()  # a[1] stopped reading: it protects nothing any more
+    assert model.wanted_elsewhere(files[0], "a[1]")  # b[2] has yet to read it
+    assert model.wanted_elsewhere(files[1], "b[2]")  # and a[1] this one
+    assert not model.wanted_elsewhere(files[0], "b[2]")  # the caller's own job does not count
+    model.opened(files[0], SMALL, 1002.0, "b[2]")
+    assert not model.wanted_elsewhere(files[0], "a[1]")  # both read it this epoch
+    model.opened(files[2], SMALL, 1002.0 + JOB_IDLE_SECONDS + 1, "b[2]")
+    assert not model.wanted_elsewhere(files[2], "b[2]")  # a[1] stopped reading: it protects nothing any more
 
 
 def test_a_listing_reaches_only_the_jobs_that_hold_its_directory() -> None:
@@ -823,13 +826,13 @@ def test_a_listing_reaches_only_the_jobs_that_hold_its_directory() -> None:
     assert model.working_set("README", "cat[2]") == {"README"}
 
 
-def test_one_caller_reading_two_datasets_does_not_share_the_clock() -> None:
+def test_a_file_of_one_callers_other_dataset_is_not_wanted_elsewhere() -> None:
     model = AccessModel()
     model.opened("train/a.jpg", SMALL, 1.0, "python[1]")
     model.opened("val/b.jpg", SMALL, 2.0, "python[1]")
-    assert not model.shared()
-    model.opened("val/b.jpg", SMALL, 3.0, "python[2]")
-    assert model.shared()
+    assert not model.wanted_elsewhere("val/b.jpg", "python[1]")
+    model.opened("train/a.jpg", SMALL, 3.0, "python[2]")
+    assert not model.wanted_elsewhere("train/a.jpg", "python[2]")  # python[1] read it this epoch
 
 
 def test_a_job_merged_into_its_parent_answers_for_its_predictions() -> None:

@@ -72,9 +72,9 @@ def test_two_mounts_share_one_capacity_and_count_their_own_reads(tmp_path: Path)
         node.close()
 
 
-def test_the_node_clock_is_the_latest_epoch_of_any_mount_and_shared_when_one_is() -> None:
+def test_the_node_clock_is_the_latest_epoch_of_any_mount() -> None:
     clock = NodeEpochs()
-    assert (clock.current(), clock.shared(), clock.caller_epochs()) == (0, False, {})
+    assert (clock.current(), clock.caller_epochs()) == (0, {})
     first, second = AccessModel(), AccessModel()
     clock.add(first)
     clock.add(second)
@@ -90,10 +90,7 @@ def test_the_node_clock_is_the_latest_epoch_of_any_mount_and_shared_when_one_is(
             second.opened(path, 10, 5.0, caller=caller)
     assert clock.current() == max(first.current(), second.current()) == first.current()
     assert first.current() > second.current()
-    assert clock.shared()
-    assert second.shared()
-    assert not first.shared()
     assert clock.caller_epochs()["sid:1"] == first.caller_epochs()["sid:1"]
     assert clock.caller_epochs()["sid:2"] == second.caller_epochs()["sid:2"]
-    clock.remove(second)
-    assert not clock.shared()
+    clock.remove(first)
+    assert clock.current() == second.current()

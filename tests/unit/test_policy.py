@@ -26,13 +26,9 @@ class FakeClock:
 
     def __init__(self) -> None:
         self.epoch = 0
-        self.jobs = 1
 
     def current(self) -> int:
         return self.epoch
-
-    def shared(self) -> bool:
-        return self.jobs > 1
 
 
 class PlanOracle:
@@ -147,22 +143,21 @@ def test_epoch_aware_evicts_earliest_read_this_epoch_first() -> None:
     assert policy.victim() is None  # "a" is still to be read this epoch
 
 
-def test_epoch_aware_keeps_what_one_job_read_while_another_reads_too() -> None:
-    """Two jobs on one dataset: a block one read this epoch may still be due
-    for the other, so only stale blocks go; alone again, the first job's
-    reads are victims as before."""
+def test_epoch_aware_keeps_what_one_job_read_while_another_is_still_to_read_it() -> None:
+    """Two jobs on one dataset: a block one read this epoch and the other is
+    still to read is due, as if unread; once the other reads it too, it is
+    read this epoch and a victim as for one job."""
     clock = FakeClock()
     policy = EpochAwarePolicy(clock)
     fill(policy, "stale", "a", "b")
     clock.epoch = 2
-    policy.accessed("a")
-    policy.accessed("b")
-    clock.jobs = 2
+    policy.accessed("a", again=True)
+    policy.accessed("b", again=True)
     assert (policy.victim(), policy.spare()) == ("stale", 1)
     policy.removed("stale")
     assert (policy.victim(), policy.spare()) == (None, 0)
-    clock.jobs = 1
-    assert (policy.victim(), policy.spare()) == ("a", 2)
+    policy.accessed("b")  # the second job's read: nobody is to read it again this epoch
+    assert (policy.victim(), policy.spare()) == ("b", 1)
 
 
 def test_epoch_aware_keeps_a_block_fetched_ahead_until_it_is_read() -> None:
