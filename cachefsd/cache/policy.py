@@ -56,6 +56,12 @@ SPARE_COUNT_LIMIT: Final = 1024
 HEAP_SLACK: Final = 2
 
 
+# Where the epoch-aware policy ranks a block another job is still to read:
+# between the current epoch and the next, so it is neither this epoch's
+# victim nor stale until the clock is two epochs on.
+DUE_ELSEWHERE_RANK: Final = 0.5
+
+
 class EvictionPolicy(Protocol):
     """Bookkeeping for one tier. Not thread-safe: the tier calls it under its lock."""
 
@@ -339,11 +345,11 @@ class EpochAwarePolicy:
         self._epochs = epochs
         self._next_use = next_use
         # Epoch of each resident's last read (admission counts).
-        self._epoch_of: dict[str, int] = {}
+        self._epoch_of: dict[str, float] = {}
         # Residents whose next use is unknown, grouped by the epoch of their
         # last read, earliest read first within a group. Groups are dropped
         # when empty, so there are at most as many as epochs with residents.
-        self._unknown: dict[int, OrderedDict[str, None]] = {}
+        self._unknown: dict[float, OrderedDict[str, None]] = {}
         # Residents with a known next use: block -> (next use, entry id) of
         # its one valid heap entry; the heap holds (-next use, entry id, block)
         # and may hold stale entries, skipped on pop and purged by compaction.
@@ -366,9 +372,10 @@ class EpochAwarePolicy:
     def accessed(self, block: str, again: bool = False) -> None:
         if block in self._epoch_of:
             if again:
-                # Another job is still to read it this epoch: due, as if
-                # last read in the previous one.
-                self._settle(block, self._epochs.current() - 1)
+                # Another job is still to read it: due, until the clock (the
+                # leading job's epoch) has moved on twice, so that a job
+                # still in the leader's previous epoch keeps it too.
+                self._settle(block, self._epochs.current() + DUE_ELSEWHERE_RANK)
             else:
                 self._read(block)
 
@@ -419,8 +426,10 @@ class EpochAwarePolicy:
         ``victim`` re-ranks any of them the plan has since given a next use),
         plus, for a newcomer with a known next use, the planned residents
         due after it."""
-        due = self._epochs.current() - 1
-        unplanned = sum(len(group) for epoch, group in self._unknown.items() if epoch != due)
+        current = self._epochs.current()
+        unplanned = sum(
+            len(group) for epoch, group in self._unknown.items() if epoch < current - 1 or epoch == current
+        )
         if incoming_use is None or unplanned >= enough:
             return unplanned
         return unplanned + self._planned_after(incoming_use, enough - unplanned)
@@ -445,9 +454,9 @@ class EpochAwarePolicy:
             pending.extend((2 * position + 1, 2 * position + 2))
         return count
 
-    def _evictable_epoch(self, current: int) -> int | None:
+    def _evictable_epoch(self, current: int) -> float | None:
         """The group ``victim`` takes from: the stalest, else this epoch's.
-        O(groups), and there is one group per epoch that still has residents."""
+        O(groups), and there are at most two groups an epoch that still has residents."""
         oldest = min(self._unknown, default=None)
         if oldest is not None and oldest < current - 1:
             return oldest
@@ -459,14 +468,14 @@ class EpochAwarePolicy:
     def _read(self, block: str) -> None:
         self._settle(block, self._epochs.current())
 
-    def _settle(self, block: str, epoch: int) -> None:
+    def _settle(self, block: str, epoch: float) -> None:
         previous = self._epoch_of.get(block)
         if previous is not None:
             self._forget_placement(block, previous)
         self._epoch_of[block] = epoch
         self._place(block, epoch)
 
-    def _place(self, block: str, epoch: int) -> None:
+    def _place(self, block: str, epoch: float) -> None:
         when = self._lookup(block)
         if when is None:
             self._unknown.setdefault(epoch, OrderedDict())[block] = None
@@ -475,7 +484,7 @@ class EpochAwarePolicy:
         self._known[block] = (when, self._entry)
         heapq.heappush(self._heap, (-when, self._entry, block))
 
-    def _forget_placement(self, block: str, epoch: int) -> None:
+    def _forget_placement(self, block: str, epoch: float) -> None:
         if self._known.pop(block, None) is not None:
             self._compact_heap()
             return

@@ -160,6 +160,27 @@ def test_epoch_aware_keeps_what_one_job_read_while_another_is_still_to_read_it()
     assert (policy.victim(), policy.spare()) == ("b", 1)
 
 
+def test_epoch_aware_keeps_a_block_due_elsewhere_through_the_leading_jobs_next_epoch() -> None:
+    """The clock is the leading job's epoch: a job one epoch behind still
+    needs what it has not read, after the leader moved on; two epochs on, an
+    unread due block is as stale as any."""
+    clock = FakeClock()
+    policy = EpochAwarePolicy(clock)
+    clock.epoch = 2
+    fill(policy, "done")
+    policy.admitted("due")
+    policy.accessed("due", again=True)
+    clock.epoch = 3  # the leader's next epoch
+    assert (policy.victim(), policy.spare()) == (
+        None,
+        0,
+    )  # "done" is now due for the leader, "due" for the other
+    clock.epoch = 4
+    assert policy.victim() == "done"
+    policy.removed("done")
+    assert (policy.victim(), policy.spare()) == ("due", 1)
+
+
 def test_epoch_aware_keeps_a_block_fetched_ahead_until_it_is_read() -> None:
     clock = FakeClock()
     policy = EpochAwarePolicy(clock)
