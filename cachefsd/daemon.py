@@ -183,7 +183,8 @@ class Daemon:
         """While a mount is being attached: its mountpoint is taken, and the
         daemon does not end under it."""
         with self._lock:
-            self._refuse_if_closing()
+            if self._closing:
+                raise self._stopping()
             if mountpoint in self._mounts or mountpoint in self._attaching_at:
                 raise ConfigError(
                     f"mountpoint: {mountpoint} is already mounted by cachefsd (pid {os.getpid()})"
@@ -196,21 +197,20 @@ class Daemon:
                 self._attaching_at.discard(mountpoint)
                 self._changed.notify_all()
 
-    def _refuse_if_closing(self) -> None:
-        if self._closing:
-            raise CachefsdError(f"the daemon of {self.settings.cache.dir} is stopping: mount again")
+    def _stopping(self) -> CachefsdError:
+        return CachefsdError(f"the daemon of {self.settings.cache.dir} is stopping: mount again")
 
     def _start(self, mount: _Mount) -> MountState:
         # A stop that came while the mount was being built finds it served
         # (the table and its thread together), or the mount never starts.
         with self._lock:
-            try:
-                self._refuse_if_closing()
-            except CachefsdError:
-                mount.resources.close()
-                raise
-            self._mounts[mount.mountpoint] = mount
-            mount.thread.start()
+            refused = self._closing
+            if not refused:
+                self._mounts[mount.mountpoint] = mount
+                mount.thread.start()
+        if refused:
+            mount.resources.close()
+            raise self._stopping()
         if not mount.ready.wait(SESSION_READY_SECONDS):
             self._stop(mount)
             raise CachefsdError(

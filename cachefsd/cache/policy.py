@@ -318,7 +318,9 @@ class EpochAwarePolicy:
     - a block read while another job sharing the dataset is still to read
       it this epoch (``accessed(again=True)``: a sweep's jobs each read every
       block once an epoch, in orders of their own) ranks as due too, until
-      a read that leaves no job to come;
+      a read that leaves no job to come, and goes stale only once the clock
+      (the leading job's epoch) is two epochs on: a job an epoch behind the
+      leader still needs it;
     - a block fetched ahead (prefetch, stage) has not been read: it ranks as
       if last read in the previous epoch, due in this one, until it is read
       (or goes stale unread). Counting its admission as a read would make it
@@ -344,11 +346,13 @@ class EpochAwarePolicy:
     def __init__(self, epochs: EpochClock, next_use: NextUse | None = None) -> None:
         self._epochs = epochs
         self._next_use = next_use
-        # Epoch of each resident's last read (admission counts).
+        # Epoch of each resident's last read (admission counts), as ranked:
+        # its group's key below.
         self._epoch_of: dict[str, float] = {}
         # Residents whose next use is unknown, grouped by the epoch of their
-        # last read, earliest read first within a group. Groups are dropped
-        # when empty, so there are at most as many as epochs with residents.
+        # last read (``DUE_ELSEWHERE_RANK`` past it when another job is still
+        # to read them), earliest read first within a group. Groups are
+        # dropped when empty: at most two an epoch with residents.
         self._unknown: dict[float, OrderedDict[str, None]] = {}
         # Residents with a known next use: block -> (next use, entry id) of
         # its one valid heap entry; the heap holds (-next use, entry id, block)

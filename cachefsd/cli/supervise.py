@@ -243,7 +243,7 @@ def _stop(child: subprocess.Popen[bytes], mountpoints: list[Path]) -> None:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-        for mountpoint in (path.resolve() for path in mountpoints):
+        for mountpoint in mountpoints:
             state = read_state(mountpoint)
             ours = state is not None and state.pid == child.pid
             if ours and mount_types().get(str(mountpoint)) == MOUNT_TYPE:

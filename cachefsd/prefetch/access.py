@@ -570,6 +570,10 @@ class AccessModel:
         block of it read now is due again (``EvictionPolicy.accessed``). Two
         jobs of a sweep on one dataset each read every file once an epoch,
         in orders of their own. O(callers)."""
+        # Asked at every FUSE read. With one caller, it is the asker (its
+        # read, told first, made it one): the usual node answers without the lock.
+        if len(self._callers) < 2:
+            return False
         path = _clean(path)
         with self._lock:
             for tree in self._callers.values():
