@@ -75,7 +75,9 @@ Predictions, per job, in priority order:
 Files the prefetcher reports ``satisfied`` (wholly cached) are left out of
 2-4 until they are opened or the epoch ends: with the whole dataset cached,
 a round would otherwise rebuild thousands of useless predictions (tens of
-times a second, holding the GIL that every FUSE request needs).
+times a second, holding the GIL that every FUSE request needs). A planned
+one comes back once its turn is ``PLAN_RECHECK_FILES`` away, in case it was
+evicted since.
 
 A plan (hint or replay) is trusted while at least a threshold fraction of
 the opens it has seen came at about the position it predicted (within
@@ -193,6 +195,12 @@ PLAN_SLACK_DIVISOR: Final = 8
 # predict() looks at most this many plan entries per prediction asked for,
 # so a plan whose head was read out of order cannot make it O(plan).
 PLAN_SCAN_FACTOR: Final = 4
+# A planned file found wholly cached is predicted again once it is this many
+# files from its turn: the plan's own sooner files may have evicted it since
+# (Belady gives up the farthest), and then it must be fetched again before
+# its read. The prefetcher's check of a cached file is a dictionary lookup
+# per block, so the cost is this many lookups per job and round.
+PLAN_RECHECK_FILES: Final = 64
 # A hint arriving when the current epoch has opened at most this fraction of
 # the hint's length joins the epoch instead of starting a new one: the
 # loader's pass began (and the re-open rule noticed) just before the hint came.
@@ -482,16 +490,18 @@ class AccessModel:
             while len(job.streams) > MAX_STREAMS_PER_JOB:
                 job.streams.popitem(last=False)
 
-    def satisfied(self, path: str, job_name: str) -> None:
+    def satisfied(self, path: str, job_name: str) -> bool:
         """``path``, predicted for the job ``job_name`` (``Prediction.job``),
         needs nothing fetched (it is cached): stop predicting it until that
-        job opens it or starts a new epoch."""
+        job opens it or starts a new epoch (a planned one, until its turn
+        nears). Whether this is news (it was not satisfied already)."""
         path = _clean(path)
         with self._lock:
             job = self._by_id.get(job_name)
-            if job is None or path in job.seen:
-                return
+            if job is None or path in job.seen or path in job.satisfied:
+                return False
             job.satisfied[path] = job.unread.pop(path, job.working.get(path, -1))
+            return True
 
     def hint(self, order: list[str], now: float, caller: str = UNKNOWN_JOB) -> None:
         """The exact order of the current (or next) epoch of ``caller``'s job
@@ -899,7 +909,7 @@ class AccessModel:
                 plan.low += 1
             stop = min(len(order), plan.low + PLAN_SCAN_FACTOR * limit)
             for path, distance in self._placements_locked(job, plan, stop):
-                if path not in job.satisfied:
+                if path not in job.satisfied or distance < PLAN_RECHECK_FILES:
                     emitted.add(path)
                     yield self._file_prediction_locked(job, path, distance, planned=True)
         # Unread, order unknown: under a random order the expected wait is half the rest.

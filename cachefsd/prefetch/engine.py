@@ -387,8 +387,8 @@ class Prefetcher:
             blocks = block_range(prediction.offset, end - prediction.offset, info.size, block_size)
             if all(self._reader.digest(info, index) is not None for index in blocks):
                 if prediction.offset == 0 and prediction.length >= info.size:
-                    self._model.satisfied(prediction.path, prediction.job)
-                    if prediction.planned:
+                    news = self._model.satisfied(prediction.path, prediction.job)
+                    if news and prediction.planned:
                         position = opens + prediction.distance
                         self._warming.plan(
                             ToWarm(position, prediction.path, prediction.job, prediction.epoch)

@@ -15,6 +15,7 @@ from cachefsd.prefetch.access import (
     FILE_PREDICTION_BYTES,
     JOB_IDLE_SECONDS,
     PLAN_PROBATION_OPENS,
+    PLAN_RECHECK_FILES,
     SEED_UNREAD_OPENS,
     STREAM_CONFIRM_BYTES,
     STREAM_IDLE_SECONDS,
@@ -267,18 +268,35 @@ def test_listing_predicts_unread_files_from_the_first_open() -> None:
 def test_satisfied_files_stay_unread_but_are_not_predicted_until_the_next_epoch() -> None:
     model = AccessModel()
     files = listed_dataset(model, "s", 6)
-    order = files[::-1]
-    model.hint(order, 0.0)
-    for path in (files[1], files[4]):
-        model.satisfied(path, "s")
-    predicted = paths_of(model.predict(100))
-    assert predicted == [path for path in order if path not in (files[1], files[4])]
-    assert model.unread("s") == set(files)
-    assert model.stats()["per_job"]["s"]["unread_files"] == 6  # type: ignore[index]
     trace = Trace(model)
-    trace.pass_over(order)
+    trace.open(files[0])
+    for path in (files[1], files[4]):
+        assert model.satisfied(path, "s")
+    assert not model.satisfied(files[1], "s")  # not news
+    predicted = paths_of(model.predict(100))
+    assert predicted == [files[2], files[3], files[5]]
+    assert model.unread("s") == set(files[1:])
+    assert model.stats()["per_job"]["s"]["unread_files"] == 5  # type: ignore[index]
+    trace.pass_over(files[1:])
     trace.open(files[0])  # a new epoch: every file is a candidate again
     assert set(paths_of(model.predict(100))) == set(files) - {files[0]}
+
+
+def test_a_satisfied_planned_file_is_predicted_again_as_its_turn_nears() -> None:
+    # It may have been evicted since it was found cached: a plan's sooner
+    # files take the room of its later ones.
+    model = AccessModel()
+    files = listed_dataset(model, "s", PLAN_RECHECK_FILES + 8)
+    order = files[::-1]
+    model.hint(order, 0.0)
+    near, far = order[1], order[PLAN_RECHECK_FILES + 4]
+    for path in (near, far):
+        model.satisfied(path, "s")
+    predicted = paths_of(model.predict(1000))
+    assert near in predicted
+    assert far not in predicted
+    Trace(model).pass_over(order[:8])  # the far one's turn is near now
+    assert far in paths_of(model.predict(1000))
 
 
 def test_an_idle_job_predicts_nothing() -> None:
