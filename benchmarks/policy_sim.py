@@ -1,9 +1,10 @@
 """Eviction policies replayed over shuffled training epochs, against Belady's optimum.
 
 N files of one block each are read once per epoch in a fresh random order
-(seeded). A simulated cache of ``f * N`` blocks admits on every miss; when
-full it asks the policy for a victim, and a refusal (None) means the block
-is not admitted. Every policy is the real class from
+(seeded). A simulated cache of ``f * N`` blocks (``cachefsd.cache.replay``,
+which ``cachefsd doctor``'s what-if table replays a job's order through)
+admits on every miss; when full it asks the policy for a victim, and a
+refusal (None) means the block is not admitted. Every policy is the real class from
 ``cachefsd.cache.policy``, with the daemon's own access model
 (``cachefsd.prefetch.access.AccessModel``) as its epoch clock, told of
 each read as the mount tells it (an open, then a read of the block). Rows:
@@ -17,6 +18,20 @@ each read as the mount tells it (an open, then a read of the block). Rows:
   next use is farther than every resident's;
 - lru (analytic): f + (1-f)ln(1-f), LRU's expected hit ratio under
   independent per-epoch shuffles (CoorDL, VLDB 2021).
+
+Then the prefetching replays, where a block may enter before it is read,
+with unbounded bandwidth (what the mount reaches when the store keeps up):
+
+- epoch-aware+prefetch: the mount's prefetcher (``SimPrefetcher``: the
+  access model's predictions, planned on the count of opens as the mount
+  plans them) filling the cache after every read, no hint;
+- order-blind bound: the best any cache can do that knows which blocks
+  each job is still to read this epoch but not their order (what the mount
+  knows without a hint); for one reader, f(1 - ln f): every read hits once
+  the rest of the epoch fits, and f / (rest) of them before
+  (``analytic_order_blind``);
+- +prefetch+hint: the mount's prefetcher with each job hinting its pass
+  order as it starts it; every read can hit.
 
 The first epoch is all compulsory misses; "steady" is the mean of the later
 epochs. On this workload the optimum is exactly f: a block is admitted only
@@ -50,9 +65,10 @@ from cachefsd.cache.policy import (
     EPOCH_AWARE,
     POLICY_NAMES,
     EpochAwarePolicy,
-    EvictionPolicy,
+    PlannedUse,
     make_policy,
 )
+from cachefsd.cache.replay import ReplayCache, replay
 from cachefsd.prefetch.access import AccessModel
 
 RESULTS = Path(__file__).parent / "results"
@@ -63,13 +79,17 @@ DEFAULT_EPOCHS = 5
 DEFAULT_SEED = 0
 # The issue's three regimes: a small, a half and a large cache.
 DEFAULT_FRACTIONS = (0.25, 0.5, 0.75)
-# Each file is one block of the daemon's default size, read whole 1 ms after
-# the one before (time only orders the model's events here).
-BLOCK_BYTES = 4 << 20
+# Each file is one block, read whole 1 ms after the one before (time only
+# orders the model's events here).
 READ_SECONDS = 0.001
 PLANNED = "epoch-aware+plan"
 BELADY = "belady"
+PREFETCHED = "epoch-aware+prefetch"
+HINTED = "+prefetch+hint"
+BOUND = "order-blind bound"
+# Replays without prefetching, where Belady is the optimum; then with it.
 SIMULATED = (*POLICY_NAMES, PLANNED, BELADY)
+PREFETCHING = (PREFETCHED, BOUND, HINTED)
 
 
 def shuffled_trace(files: int, epochs: int, seed: int, readers: int = 1) -> tuple[list[str], list[str]]:
@@ -127,63 +147,153 @@ class TraceOracle:
         for position in range(len(trace) - 1, -1, -1):
             self._next[trace[position]] = position
 
-    def advance(self, position: int) -> None:
+    def before(self, position: int, now: float) -> None:
         """The read at ``position`` is happening: its block's next use moves on."""
         self._next[self._trace[position]] = self._upcoming[position]
+
+    def after(self, opens: int) -> None:
+        """Nothing changes after a read."""
 
     def next_use(self, block: str) -> float | None:
         when = self._next.get(block, math.inf)
         return None if when == math.inf else when
 
 
-def simulate(
-    policy: EvictionPolicy,
-    trace: Sequence[str],
-    jobs: Sequence[str],
-    capacity: int,
-    clock: AccessModel,
-    oracle: TraceOracle | None = None,
-) -> list[bool]:
-    """Replay ``trace`` (read by ``jobs``) through a cache of ``capacity``
-    blocks run by ``policy``; hit per read."""
-    resident: set[str] = set()
-    hits: list[bool] = []
-    for position, block in enumerate(trace):
-        now = position * READ_SECONDS
-        clock.opened(block, BLOCK_BYTES, now, jobs[position])
-        clock.read(block, 0, BLOCK_BYTES, now, jobs[position])
-        if oracle is not None:
-            oracle.advance(position)
-        again = clock.wanted_elsewhere(block, jobs[position])  # as the mount asks at each read
-        if block in resident:
-            hits.append(True)
-            policy.accessed(block, again)
-            continue
-        hits.append(False)
-        if len(resident) >= capacity:
-            evicted = policy.victim(block)
-            if evicted is None:
+class SimPrefetcher:
+    """The mount's prefetcher (``cachefsd.prefetch.engine``) with unbounded
+    bandwidth and reach: after every read it fetches the access model's
+    predictions, jobs round-robin and nearest first, planning each at its
+    predicted position on the count of opens, until the cache refuses one.
+    With ``hints`` (the reader's pass order by the trace position that
+    starts the pass), each job hints its pass as it begins it, and the
+    cached blocks the hint places are planned, as ``_plan_residents`` does."""
+
+    def __init__(
+        self, cache: ReplayCache, clock: AccessModel, hints: dict[int, tuple[str, list[str]]] | None = None
+    ) -> None:
+        assert cache.planned is not None
+        self._cache = cache
+        self._planned = cache.planned
+        self._clock = clock
+        self._hints = hints or {}
+
+    def before(self, position: int, now: float) -> None:
+        """The read at ``position`` is next: a job starting a pass hints it."""
+        hint = self._hints.get(position)
+        if hint is None:
+            return
+        job, order = hint
+        self._clock.hint(order, now, job)
+        for path, distance in self._clock.planned():
+            if path in self._cache.resident:
+                self._planned.plan(path, position + distance)
+                self._cache.policy.next_use_changed(path)
+
+    def after(self, opens: int) -> None:
+        """Fill the cache ahead of the reads, ``opens`` reads in."""
+        for prediction in self._clock.predict(self._cache.capacity):
+            if prediction.path in self._cache.resident:
+                self._clock.satisfied(prediction.path, prediction.job)
                 continue
-            resident.remove(evicted)
-            policy.removed(evicted)
-        resident.add(block)
-        policy.admitted(block)
-        if again:
-            policy.accessed(block, again)
-    return hits
+            self._planned.plan(prediction.path, opens + prediction.distance)
+            if not self._cache.admit(prediction.path, ahead=True):
+                self._planned.consumed(prediction.path)
+                return
 
 
 def simulate_policy(
-    name: str, trace: Sequence[str], jobs: Sequence[str], capacity: int, seed: int
+    name: str, trace: Sequence[str], jobs: Sequence[str], capacity: int, seed: int, files: int
 ) -> list[bool]:
     """One of ``SIMULATED`` over ``trace``: hit per read."""
     if name == BELADY:
         return simulate_belady(trace, capacity)
+    if name == BOUND:
+        return simulate_order_blind_bound(trace, jobs, capacity, files)
     clock = AccessModel()
     if name == PLANNED:
         oracle = TraceOracle(trace)
-        return simulate(EpochAwarePolicy(clock, oracle), trace, jobs, capacity, clock, oracle)
-    return simulate(make_policy(name, clock, random.Random(seed)), trace, jobs, capacity, clock)
+        cache = ReplayCache(EpochAwarePolicy(clock, oracle), capacity)
+        return replay(cache, trace, clock, jobs, hooks=[oracle], read_seconds=READ_SECONDS)
+    if name in (PREFETCHED, HINTED):
+        planned = PlannedUse()
+        cache = ReplayCache(EpochAwarePolicy(clock, planned), capacity, planned=planned)
+        hints = pass_orders(trace, jobs, files) if name == HINTED else None
+        prefetcher = SimPrefetcher(cache, clock, hints)
+        return replay(cache, trace, clock, jobs, hooks=[prefetcher], read_seconds=READ_SECONDS)
+    cache = ReplayCache(make_policy(name, clock, random.Random(seed)), capacity)
+    return replay(cache, trace, clock, jobs, read_seconds=READ_SECONDS)
+
+
+def pass_orders(trace: Sequence[str], jobs: Sequence[str], files: int) -> dict[int, tuple[str, list[str]]]:
+    """Each reader's passes: the trace position that starts one, its job and its order."""
+    reads: dict[str, list[int]] = {}
+    for position, job in enumerate(jobs):
+        reads.setdefault(job, []).append(position)
+    passes: dict[int, tuple[str, list[str]]] = {}
+    for job, positions in reads.items():
+        for start in range(0, len(positions), files):
+            chunk = positions[start : start + files]
+            passes[chunk[0]] = (job, [trace[position] for position in chunk])
+    return passes
+
+
+def simulate_order_blind_bound(
+    trace: Sequence[str], jobs: Sequence[str], capacity: int, files: int
+) -> list[bool]:
+    """The best any cache can do that knows what each job is still to read
+    this pass but not in which order, with a free, instant prefetcher:
+    before every read it holds the blocks most likely to be read next. A
+    block still to be read by the jobs S is read next with a chance in
+    proportion to the sum over S of 1 / (blocks that job is still to read),
+    so that sum ranks it; since fetching costs nothing, the best contents at
+    each read are the best for that read alone. Blocks are kept in buckets
+    by S (at most 2^jobs of them)."""
+    names = sorted(set(trace))
+    readers = list(dict.fromkeys(jobs))
+    unread = {job: 0 for job in readers}
+    reads = dict.fromkeys(readers, 0)
+    needed_by: dict[str, frozenset[str]] = dict.fromkeys(names, frozenset())
+    inside: dict[frozenset[str], set[str]] = {}
+    outside: dict[frozenset[str], set[str]] = {frozenset(): set(names)}
+    resident: set[str] = set()
+
+    def move(block: str, needers: frozenset[str]) -> None:
+        buckets = inside if block in resident else outside
+        buckets[needed_by[block]].discard(block)
+        buckets.setdefault(needers, set()).add(block)
+        needed_by[block] = needers
+
+    def worth(needers: frozenset[str]) -> float:
+        return sum(1.0 / unread[job] for job in needers if unread[job])
+
+    hits: list[bool] = []
+    for block, job in zip(trace, jobs, strict=True):
+        if reads[job] % files == 0:  # a new pass: every block is to be read again
+            unread[job] = files
+            for name in names:
+                move(name, needed_by[name] | {job})
+        # Fill before the read: the best outside blocks replace the worst inside.
+        while True:
+            best = max((s for s, group in outside.items() if group), key=worth, default=None)
+            if best is None or not best:
+                break
+            if len(resident) < capacity:
+                incoming = outside[best].pop()
+            else:
+                worst = min((s for s, group in inside.items() if group), key=worth, default=None)
+                if worst is None or worth(worst) >= worth(best):
+                    break
+                leaving = inside[worst].pop()
+                resident.discard(leaving)
+                outside.setdefault(worst, set()).add(leaving)
+                incoming = outside[best].pop()
+            resident.add(incoming)
+            inside.setdefault(best, set()).add(incoming)
+        hits.append(block in resident)
+        reads[job] += 1
+        unread[job] -= 1
+        move(block, needed_by[block] - {job})
+    return hits
 
 
 def simulate_belady(trace: Sequence[str], capacity: int) -> list[bool]:
@@ -229,17 +339,29 @@ def analytic_lru(fraction: float) -> float:
     return fraction + (1.0 - fraction) * math.log(1.0 - fraction)
 
 
+def analytic_order_blind(fraction: float) -> float:
+    """One reader's order-blind bound with free prefetch, f(1 - ln f): with a
+    share p of the epoch read, a read hits with chance min(1, f / (1 - p))."""
+    if fraction <= 0.0:
+        return 0.0
+    return min(1.0, fraction * (1.0 - math.log(fraction)))
+
+
 def run(files: int, epochs: int, fractions: Sequence[float], seed: int, readers: int = 1) -> dict[str, Any]:
     """Every policy at every cache fraction over one seeded trace; a JSON-ready result."""
     trace, jobs = shuffled_trace(files, epochs, seed, readers)
     rows: list[dict[str, Any]] = []
     for fraction in fractions:
         capacity = round(fraction * files)
-        for name in SIMULATED:
-            ratios = epoch_hit_ratios(simulate_policy(name, trace, jobs, capacity, seed), files * readers)
+        for name in (*SIMULATED, *PREFETCHING):
+            hits = simulate_policy(name, trace, jobs, capacity, seed, files)
+            ratios = epoch_hit_ratios(hits, files * readers)
             rows.append({"fraction": fraction, "policy": name, "epochs": ratios, "steady": steady(ratios)})
-        if readers == 1:  # the formula is for one reader's passes
+        if readers == 1:  # the formulas are for one reader's passes
             rows.append({"fraction": fraction, "policy": "lru (analytic)", "steady": analytic_lru(fraction)})
+            rows.append(
+                {"fraction": fraction, "policy": "bound (analytic)", "steady": analytic_order_blind(fraction)}
+            )
     return {
         "files": files,
         "epochs": epochs,
@@ -254,7 +376,7 @@ def run(files: int, epochs: int, fractions: Sequence[float], seed: int, readers:
 def render(result: dict[str, Any]) -> str:
     """The result as a plain-text table: one row per (cache fraction, policy)."""
     epochs = result["epochs"]
-    header = f"{'cache':>5}  {'policy':<17}" + "".join(f"{'ep' + str(e + 1):>7}" for e in range(epochs))
+    header = f"{'cache':>5}  {'policy':<20}" + "".join(f"{'ep' + str(e + 1):>7}" for e in range(epochs))
     lines = [header + f"{'steady':>8}", "-" * (len(header) + 8)]
     previous = None
     for row in result["rows"]:
@@ -263,7 +385,7 @@ def render(result: dict[str, Any]) -> str:
             lines.append("")
         previous = row["fraction"]
         cells = "".join(f"{ratio:>7.3f}" for ratio in row["epochs"]) if "epochs" in row else " " * 7 * epochs
-        lines.append(f"{fraction:>5}  {row['policy']:<17}{cells}{row['steady']:>8.3f}")
+        lines.append(f"{fraction:>5}  {row['policy']:<20}{cells}{row['steady']:>8.3f}")
     return "\n".join(lines)
 
 
