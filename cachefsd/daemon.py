@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from cachefsd.config import NODE_SETTINGS, Settings, node_conflicts
 from cachefsd.control.mounts import MountState, control_path, remove_state, write_state
 from cachefsd.control.server import ControlServer, MountHandlers
+from cachefsd.diagnose.service import CacheFacts, Diagnosis
 from cachefsd.engine import Node
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.fuse.session import Session, install_wake_handler
@@ -270,6 +271,15 @@ class Daemon:
                 None if hint is None else _for_job(hint, parts.fs.jobs),
                 stats.snapshot,
                 node=self,
+                diagnosis=Diagnosis(
+                    self._node.meters,
+                    parts.fs.jobs,
+                    self._node.epochs.observed,
+                    str(mountpoint),
+                    CacheFacts(
+                        lambda: parts.cache.capacity, settings.cache.policy, settings.cache.block_size
+                    ),
+                ),
             )
             # The control API starts before the state file names its socket,
             # and stops before the data path closes.

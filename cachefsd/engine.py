@@ -28,13 +28,14 @@ from cachefsd.cache.index import Index
 from cachefsd.cache.policy import PlannedUse
 from cachefsd.cache.tiered import TieredCache
 from cachefsd.config import CacheSettings, FetchSettings, Settings, StoreSettings, human_bytes
+from cachefsd.diagnose.ledger import MeterLedger
 from cachefsd.errors import CachefsdError
 from cachefsd.fetch import Fetcher
 from cachefsd.fs import FileSystem
 from cachefsd.jobs import CallerJobs
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import FRESH_WAIT_SECONDS, Namespace
-from cachefsd.prefetch.access import AccessModel
+from cachefsd.prefetch.access import AccessModel, ObservedOrder
 from cachefsd.prefetch.engine import Prefetcher
 from cachefsd.reader import BlockReader, ReadEvents
 from cachefsd.store import open_store
@@ -152,6 +153,12 @@ class NodeEpochs:
     def current(self) -> int:
         return max((model.current() for model in self._current_models()), default=0)
 
+    def observed(self, caller: str, max_files: int) -> ObservedOrder | None:
+        """``caller``'s read order on the mount where its job is largest
+        (``AccessModel.observed``); None if it reads through none."""
+        seen = [found for model in self._current_models() if (found := model.observed(caller, max_files))]
+        return max(seen, key=lambda found: found.working_set_files, default=None)
+
     def caller_epochs(self) -> dict[str, int]:
         """Each caller (``jobs.py``) -> the highest epoch of its jobs on any mount."""
         epochs: dict[str, int] = {}
@@ -163,14 +170,15 @@ class NodeEpochs:
 
 class Node:
     """What all the mounts of one daemon share: the I/O loop, the metrics,
-    one epoch clock, and the cache (tiers, index, policy), opened once by
-    ``opened``. ``close`` stops the loop."""
+    one epoch clock, the jobs' loader meters, and the cache (tiers, index,
+    policy), opened once by ``opened``. ``close`` stops the loop."""
 
     def __init__(self) -> None:
         reuse_block_buffers()
         self.metrics = Metrics(CollectorRegistry())
         self.epochs = NodeEpochs()
         self.metrics.watch_epoch(self.epochs.current, self.epochs.caller_epochs)
+        self.meters = MeterLedger(self.metrics.job_reads_so_far, self.metrics)
         self.planned = PlannedUse()
         self.io = LoopThread()
         self._opened: OpenCache | None = None

@@ -19,6 +19,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cachefsd.cache.tiered import DedupWhere
+from cachefsd.diagnose.ledger import JobReads
 from cachefsd.fetch import FetchKind
 
 # 100 µs (a local store or an in-region hit) to 30 s (the default deadline).
@@ -270,8 +271,9 @@ class Metrics:
         )
         self.job_reads = Counter(
             "cachefsd_job_reads",
-            "Read requests answered, by the job that sent them (the most active jobs; the rest as other)",
-            [JOB_LABEL],
+            "Read requests answered, by the job that sent them (the most active jobs; the rest as other) "
+            "and where their bytes came from (cold: any byte waited on the store)",
+            [JOB_LABEL, "source"],
             registry=registry,
         )
         self.job_read_bytes = Counter(
@@ -283,6 +285,24 @@ class Metrics:
         self.job_read_stall = Counter(
             "cachefsd_job_read_stall_seconds",
             "Time a job's reads spent waiting on the cold store",
+            [JOB_LABEL],
+            registry=registry,
+        )
+        self.job_batches = Counter(
+            "cachefsd_job_batches",
+            "Batches a job's loader meters (cachefsd.diagnose.watch) measured",
+            [JOB_LABEL],
+            registry=registry,
+        )
+        self.job_data_wait = Counter(
+            "cachefsd_job_data_wait_seconds",
+            "Time a job's training loop waited for its next batch (its loader meters)",
+            [JOB_LABEL],
+            registry=registry,
+        )
+        self.job_step = Counter(
+            "cachefsd_job_step_seconds",
+            "Time between a job's batches, waits included: data wait over this is its data wait share",
             [JOB_LABEL],
             registry=registry,
         )
@@ -436,21 +456,53 @@ class Metrics:
 
     def _drop_job(self, job: str) -> None:
         for counter, labels in (
-            (self.job_reads, (job,)),
+            (self.job_reads, (job, "cache")),
+            (self.job_reads, (job, "cold")),
             (self.job_read_bytes, (job, "cache")),
             (self.job_read_bytes, (job, "cold")),
             (self.job_read_stall, (job,)),
+            (self.job_batches, (job,)),
+            (self.job_data_wait, (job,)),
+            (self.job_step, (job,)),
         ):
             with contextlib.suppress(KeyError):  # a series never incremented
                 counter.remove(*labels)
+
+    def job_reads_so_far(self, job: str) -> JobReads | None:
+        """``job``'s reads as its series count them so far; None while they
+        are counted with other jobs' (``JobLabels``)."""
+        name = job or UNKNOWN_JOB_LABEL
+        named = self.job_labels.named()
+        if name not in named:
+            # A job that has not read yet gets a series of its own at its first read, if one is free.
+            return JobReads() if len(named) < MAX_JOB_SERIES else None
+        by_source = {"cache": 0.0, "cold": 0.0}
+        for family in self.job_read_bytes.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels[JOB_LABEL] == name:
+                    by_source[sample.labels["source"]] = sample.value
+        stall = 0.0
+        for family in self.job_read_stall.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels[JOB_LABEL] == name:
+                    stall = sample.value
+        return JobReads(stall, by_source["cache"], by_source["cold"])
+
+    # MeterEvents
+    def meter_reported(self, job: str, batches: int, data_wait_seconds: float, step_seconds: float) -> None:
+        label = self.job_labels.label(job)
+        self.job_batches.labels(label).inc(batches)
+        self.job_data_wait.labels(label).inc(data_wait_seconds)
+        self.job_step.labels(label).inc(step_seconds)
 
     # ReadEvents
     def read_done(self, served: dict[str, int], stall_seconds: float, job: str) -> None:
         cold_bytes = served.get("cold", 0)
         nbytes = sum(served.values())
         label = self.job_labels.label(job)
-        self.reads.labels("cold" if cold_bytes else "cache").inc()
-        self.job_reads.labels(label).inc()
+        source = "cold" if cold_bytes else "cache"
+        self.reads.labels(source).inc()
+        self.job_reads.labels(label, source).inc()
         self.read_bytes.labels("cache").inc(nbytes - cold_bytes)
         self.job_read_bytes.labels(label, "cache").inc(nbytes - cold_bytes)
         if cold_bytes:

@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from cachefsd.metrics import JOB_LABEL
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
@@ -353,6 +355,9 @@ class DaemonStats:
             cache: {used_bytes, capacity_bytes, promotions, demotions,
                     evictions: {tier: n}, corrupt_blocks: {tier: n}, errors: {tier: n}}
             epoch: {current, jobs: {job (caller:root): epoch}}
+            jobs: {job: {reads: {cache, cold}, bytes: {cache, cold}, hit_ratio,
+                   stall_seconds, batches, data_wait_fraction}} (the metrics'
+                   named jobs; batches and data wait from their loader meters)
             access: the access model's stats (prefetch.access.AccessModel.stats)
             residency: {source, tiers: [name], age_seconds, refresh_seconds,
                         max_prefixes, error, prefixes: [{prefix, bytes: {tier: n},
@@ -431,6 +436,7 @@ class DaemonStats:
                 "errors": _ints(samples.by("cachefsd_cache_errors_total", "tier")),
             },
             "epoch": {"current": int(samples.value("cachefsd_epoch")), "jobs": jobs},
+            "jobs": self._jobs(samples),
             "access": access,
             "residency": {
                 "source": self._source,
@@ -449,6 +455,37 @@ class DaemonStats:
                 ],
             },
         }
+
+    @staticmethod
+    def _jobs(samples: _Samples) -> dict[str, Any]:
+        """The reading jobs the metrics name (``JobLabels``), and their loader meters' totals."""
+
+        def by_job(name: str, **labels: str) -> dict[str, float]:
+            return samples.by(name, JOB_LABEL, **labels)
+
+        reads = {source: by_job("cachefsd_job_reads_total", source=source) for source in ("cache", "cold")}
+        read_bytes = {
+            source: by_job("cachefsd_job_read_bytes_total", source=source) for source in ("cache", "cold")
+        }
+        stall = by_job("cachefsd_job_read_stall_seconds_total")
+        meters = {
+            key: by_job(f"cachefsd_job_{key}_total")
+            for key in ("batches", "data_wait_seconds", "step_seconds")
+        }
+        names = set(stall).union(*reads.values(), *read_bytes.values(), *meters.values())
+        jobs: dict[str, Any] = {}
+        for name in sorted(names):
+            cache_bytes, cold_bytes = read_bytes["cache"].get(name, 0.0), read_bytes["cold"].get(name, 0.0)
+            step = meters["step_seconds"].get(name, 0.0)
+            jobs[name] = {
+                "reads": {source: int(reads[source].get(name, 0.0)) for source in ("cache", "cold")},
+                "bytes": {"cache": int(cache_bytes), "cold": int(cold_bytes)},
+                "hit_ratio": _ratio(cache_bytes, cache_bytes + cold_bytes),
+                "stall_seconds": stall.get(name, 0.0),
+                "batches": int(meters["batches"].get(name, 0.0)),
+                "data_wait_fraction": _ratio(meters["data_wait_seconds"].get(name, 0.0), step),
+            }
+        return jobs
 
     @staticmethod
     def _fetch(samples: _Samples, kind: str) -> dict[str, Any]:

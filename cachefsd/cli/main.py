@@ -277,6 +277,28 @@ def _cmd_top(args: argparse.Namespace, argv: list[str]) -> int:
     return top.run(_daemon_of(args.mountpoint), interval)
 
 
+def _cmd_doctor(args: argparse.Namespace, argv: list[str]) -> int:
+    from cachefsd.cli import doctor  # noqa: PLC0415 - the what-if replay loads the policies
+
+    return doctor.run(_daemon_of(args.mountpoint).diagnose(), args.json)
+
+
+def _cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
+    from cachefsd.cli import bench  # noqa: PLC0415 - multiprocessing and rich only when measuring
+
+    return bench.run(
+        args.target,
+        args.workers,
+        args.epochs,
+        args.seed,
+        args.shards,
+        args.local,
+        args.cache_dir,
+        args.cache_size,
+        args.json,
+    )
+
+
 def _add_observe_parsers(commands: Any) -> None:
     stats_cmd = commands.add_parser(
         "stats", help="tiers, hit ratios, fetch latency, prefetch, epochs and residency of a mount"
@@ -288,6 +310,28 @@ def _add_observe_parsers(commands: Any) -> None:
     top_cmd.add_argument("mountpoint", type=Path)
     top_cmd.add_argument("--interval", type=_seconds, help="seconds between refreshes (default 1)")
     top_cmd.set_defaults(handler=_cmd_top)
+    doctor_cmd = commands.add_parser(
+        "doctor",
+        help="per job: does it wait for data, is it the storage or the preprocessing, what to change",
+    )
+    doctor_cmd.add_argument("mountpoint", type=Path)
+    doctor_cmd.add_argument("--json", action="store_true", help="the report as JSON")
+    doctor_cmd.set_defaults(handler=_cmd_doctor)
+    bench_cmd = commands.add_parser(
+        "bench", help="read a mount (or a source, mounted for it) the way training does, epoch by epoch"
+    )
+    bench_cmd.add_argument("target", help="a cachefsd mount (or a directory in one), or a SOURCE to mount")
+    bench_cmd.add_argument("--workers", type=_count, default=4, help="reader processes (default 4)")
+    bench_cmd.add_argument("--epochs", type=_count, default=3, help="passes over the files (default 3)")
+    bench_cmd.add_argument("--seed", type=int, default=0, help="seed of the shuffles (default 0)")
+    bench_cmd.add_argument(
+        "--shards", action="store_true", help="read each file front to back in 1 MiB reads"
+    )
+    bench_cmd.add_argument("--local", type=Path, help="also read the same files of this local copy")
+    bench_cmd.add_argument("--cache-dir", type=Path, help="cache of a SOURCE mounted for it (default: fresh)")
+    bench_cmd.add_argument("--cache-size", help="capacity of that cache, e.g. 20G")
+    bench_cmd.add_argument("--json", action="store_true", help="the epochs as JSON")
+    bench_cmd.set_defaults(handler=_cmd_bench)
 
 
 def _cmd_demo(args: argparse.Namespace, argv: list[str]) -> int:

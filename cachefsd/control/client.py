@@ -97,6 +97,21 @@ class ControlClient:
         answer = self._call("POST", "/hint", body, self._timeout, MAX_BODY_BYTES)
         return int(answer["accepted"]), int(answer["unknown"])
 
+    def meter(self, meter_id: str, batches: int, data_wait_seconds: float, step_seconds: float) -> None:
+        """A loader meter's totals so far (``cachefsd.diagnose``), for the caller's job."""
+        body = {
+            "meter": meter_id,
+            "batches": batches,
+            "data_wait_seconds": data_wait_seconds,
+            "step_seconds": step_seconds,
+        }
+        self._call("POST", "/meter", body, self._timeout)
+
+    def diagnose(self) -> dict[str, Any]:
+        """What ``cachefsd doctor`` judges: every metered job, with its reads."""
+        diagnosis: dict[str, Any] = self._call("GET", "/diagnose", None, self._timeout)
+        return diagnosis
+
     def attach(self, settings: dict[str, Any]) -> MountState:
         """Mount ``settings`` (the fields that were set) on this daemon's
         node; its state once ready, or ``ControlError`` saying why not."""

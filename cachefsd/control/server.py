@@ -15,6 +15,9 @@ Endpoints (bodies are JSON; errors are ``{"error": message}`` with a 4xx/5xx):
 - ``POST /hint`` ``{"order": [path, ...], "part": [rank, world size]|null}``
   (mount-relative paths, in the order the loader will read them) ->
   ``{"accepted": N, "unknown": M}``.
+- ``GET /diagnose``: the loader meters' jobs (``diagnose/service.py``).
+- ``POST /meter`` ``{"meter": id, "batches": N, "data_wait_seconds": s,
+  "step_seconds": s}`` (a loader meter's totals so far) -> ``{}``.
 - ``POST /stage`` ``{"path": "/", "include": glob|null, "tier": name|null,
   "check": bool}`` -> newline-delimited JSON events (chunked transfer), the
   last one ``{"event": "summary", ...}`` or ``{"event": "error", ...}``.
@@ -53,6 +56,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     StrictBool,
     StrictInt,
     StrictStr,
@@ -65,6 +69,8 @@ from cachefsd.cache.tiered import TieredCache
 from cachefsd.config import Settings, validated_settings
 from cachefsd.control.client import MAX_BODY_BYTES, NDJSON, SMALL_BODY_BYTES, StageRequest
 from cachefsd.control.mounts import MountState
+from cachefsd.diagnose.meter import MeterTotals
+from cachefsd.diagnose.service import Diagnosis
 from cachefsd.errors import BadRequest, CachefsdError, StageCancelled
 from cachefsd.namespace.tree import Namespace
 from cachefsd.stage import Blocks, Report, normalise, stage_files
@@ -99,6 +105,15 @@ class HintBody(_Request):
         if self.part is not None and not 0 <= self.part[0] < self.part[1]:
             raise ValueError("part: expected [rank, world size] with 0 <= rank < world size")
         return self
+
+
+class MeterBody(_Request):
+    """``POST /meter``: a loader meter's totals so far (``cachefsd.diagnose``)."""
+
+    meter: StrictStr = Field(min_length=1, max_length=64)
+    batches: StrictInt = Field(ge=0)
+    data_wait_seconds: float = Field(ge=0, allow_inf_nan=False)
+    step_seconds: float = Field(ge=0, allow_inf_nan=False)
 
 
 class MountBody(_Request):
@@ -174,6 +189,14 @@ class ControlHandlers(Protocol):
         ``pid`` (0 if unknown), for its job; returns (accepted, unknown).
         Paths that do not exist are counted, not errors. ``part`` is (rank,
         world size) when the order is one rank's share."""
+        ...
+
+    def meter(self, meter_id: str, totals: MeterTotals, pid: int) -> None:
+        """A loader meter's totals, from process ``pid`` (0 if unknown), for its job."""
+        ...
+
+    def diagnose(self) -> dict[str, Any]:
+        """A JSON-serialisable snapshot for ``GET /diagnose`` (``diagnose/service.py``)."""
         ...
 
     def stage(self, request: StageRequest, report: Report) -> dict[str, Any]:
@@ -265,15 +288,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.close_connection = True
-        if self.path != "/stats":
+        handlers = self.server.owner.handlers
+        routes: dict[str, Callable[[], dict[str, Any]]] = {
+            "/stats": handlers.stats,
+            "/diagnose": handlers.diagnose,
+        }
+        if self.path not in routes:
             self._error(404, f"no such endpoint: GET {self.path}")
             return
-        self._call(lambda: self._json(200, self.server.owner.handlers.stats()))
+        route = routes[self.path]
+        self._call(lambda: self._json(200, route()))
 
     def do_POST(self) -> None:
         self.close_connection = True
         routes: dict[str, tuple[int, Callable[[Any], None]]] = {
             "/hint": (self.server.owner.max_body_bytes, self._hint),
+            "/meter": (SMALL_BODY_BYTES, self._meter),
             "/stage": (SMALL_BODY_BYTES, self._stage),
             "/mounts": (SMALL_BODY_BYTES, self._attach),
         }
@@ -300,6 +330,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         hint = _parsed(HintBody, body)
         accepted, unknown = self.server.owner.handlers.hint(hint.order, hint.part, _peer(self.request)[0])
         self._json(200, {"accepted": accepted, "unknown": unknown})
+
+    def _meter(self, body: Any) -> None:
+        meter = _parsed(MeterBody, body)
+        totals = MeterTotals(meter.batches, meter.data_wait_seconds, meter.step_seconds)
+        self.server.owner.handlers.meter(meter.meter, totals, _peer(self.request)[0])
+        self._json(200, {})
 
     def _attach(self, body: Any) -> None:
         handlers = self.server.owner.handlers
@@ -494,11 +530,13 @@ class MountHandlers:
         hint: Callable[[list[str], tuple[int, int] | None, int], tuple[int, int]] | None = None,
         extra_stats: Callable[[], dict[str, Any]] | None = None,
         node: NodeMounts | None = None,
+        diagnosis: Diagnosis | None = None,
     ) -> None:
         """``mount``: what identifies the mount in ``/stats`` (pid, mountpoint,
         source). ``hint``: the prefetcher's, when there is one; without it a
         hint is only checked against the namespace and counted. ``node``:
-        the daemon that takes more mounts, if any."""
+        the daemon that takes more mounts, if any. ``diagnosis``: the loader
+        meters' ledger, without which reports are refused."""
         self._namespace = namespace
         self._reader = reader
         self._cache = cache
@@ -506,6 +544,7 @@ class MountHandlers:
         self._hint = hint
         self._extra_stats = extra_stats
         self._node = node
+        self._diagnosis = diagnosis
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._hints = {"received": 0, "paths": 0, "accepted": 0, "unknown": 0}
@@ -544,6 +583,16 @@ class MountHandlers:
             self._hints["accepted"] += accepted
             self._hints["unknown"] += unknown
         return accepted, unknown
+
+    def meter(self, meter_id: str, totals: MeterTotals, pid: int) -> None:
+        if self._diagnosis is None:
+            raise BadRequest("this daemon keeps no loader meters")
+        self._diagnosis.meter(pid, meter_id, totals)
+
+    def diagnose(self) -> dict[str, Any]:
+        if self._diagnosis is None:
+            raise BadRequest("this daemon keeps no loader meters")
+        return self._diagnosis.snapshot()
 
     def _is_file(self, path: str) -> bool:
         try:

@@ -108,6 +108,7 @@ from __future__ import annotations
 
 import os
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -278,6 +279,23 @@ class _Plan:
     def judged_good(self) -> bool:
         """Seen long enough and followed: the epoch replayed this order."""
         return self.observed >= PLAN_PROBATION_OPENS and self.trusted()
+
+
+@dataclass(frozen=True)
+class ObservedOrder:
+    """What ``observed`` saw of a job's reads: ``order`` is a sample of one
+    epoch's files in the order they were opened, one in about
+    ``sample_every`` of the working set's."""
+
+    job: str
+    order: list[str]
+    sizes: dict[str, int]
+    sample_every: int
+    working_set_files: int
+    working_set_bytes: int
+    repeats: bool  # the last epoch replayed the one before (no shuffle)
+    source: str  # what the prefetcher follows: "hint", "replay" or "unknown"
+    epoch: int
 
 
 @dataclass
@@ -647,6 +665,33 @@ class AccessModel:
         with self._lock:
             turns, self._turns = self._turns, {}
             return turns
+
+    def observed(self, caller: str, max_files: int) -> ObservedOrder | None:
+        """The read order of ``caller``'s largest job (by working set): its
+        last whole epoch, else this one so far, thinned to at most about
+        ``max_files`` files by a hash of their names (the same files every
+        epoch, so a replay of the sample behaves as one of the whole);
+        None if the caller has no job. O(epoch)."""
+        with self._lock:
+            tree = self._callers.get(caller)
+            if tree is None or not tree.jobs:
+                return None
+            job = max(tree.jobs.values(), key=lambda candidate: len(candidate.working))
+            order = job.replay.order if job.replay is not None else job.order
+            every = max(1, -(-len(job.working) // max_files))
+            sample = [path for path in order if every == 1 or zlib.crc32(path.encode()) % every == 0]
+            plan = job.plan()
+            return ObservedOrder(
+                job=job.id,
+                order=sample,
+                sizes={path: job.working.get(path, -1) for path in sample},
+                sample_every=every,
+                working_set_files=len(job.working),
+                working_set_bytes=sum(size for size in job.working.values() if size > 0),
+                repeats=job.replay is not None and job.replay.judged_good(),
+                source="unknown" if plan is None else "hint" if plan is job.hint else "replay",
+                epoch=job.epoch,
+            )
 
     def unread(self, job_path: str, caller: str = UNKNOWN_JOB) -> set[str]:
         """Working-set files of ``caller``'s job of ``job_path`` not opened this epoch. O(working set)."""

@@ -18,6 +18,7 @@ import pytest
 from cachefsd.control.client import ControlClient, StageRequest
 from cachefsd.control.mounts import MountOf, MountState
 from cachefsd.control.server import ControlServer
+from cachefsd.diagnose.meter import MeterTotals
 from cachefsd.errors import BadRequest, ControlError, StageCancelled
 from cachefsd.hints import HintingSampler, MountPaths
 from cachefsd.stage import Report
@@ -37,6 +38,7 @@ class FakeHandlers:
         self.orders: list[list[str]] = []
         self.parts: list[tuple[int, int] | None] = []
         self.pids: list[int] = []
+        self.meters: list[tuple[str, MeterTotals]] = []
         self.stage_requests: list[StageRequest] = []
         self.closed = threading.Event()
         self.stage_release = threading.Event()  # set by a test to let a stage finish
@@ -54,6 +56,13 @@ class FakeHandlers:
         self.parts.append(part)
         known = sum(1 for path in order if not path.startswith("/missing"))
         return known, len(order) - known
+
+    def meter(self, meter_id: str, totals: MeterTotals, pid: int) -> None:
+        self.pids.append(pid)
+        self.meters.append((meter_id, totals))
+
+    def diagnose(self) -> dict[str, Any]:
+        return {"jobs": [{"job": "python[1]", "batches": len(self.meters)}]}
 
     def stage(self, request: StageRequest, report: Report) -> dict[str, Any]:
         self.stage_requests.append(request)
@@ -127,6 +136,33 @@ def test_socket_is_owner_only(server: ControlServer) -> None:
 
 def test_stats_are_what_the_handler_returns(client: ControlClient) -> None:
     assert client.stats() == {"mountpoint": "/mnt", "tiers": [{"name": "hot", "used_bytes": 3}]}
+
+
+def test_a_meter_report_reaches_the_handler_with_the_senders_pid(
+    client: ControlClient, handlers: FakeHandlers
+) -> None:
+    client.meter("m1", 12, 0.5, 3.0)
+    assert handlers.meters == [("m1", MeterTotals(12, 0.5, 3.0))]
+    assert handlers.pids == [os.getpid()]
+    assert client.diagnose() == {"jobs": [{"job": "python[1]", "batches": 1}]}
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"meter": "m", "batches": -1, "data_wait_seconds": 0, "step_seconds": 0}, "batches"),
+        ({"meter": "m", "batches": 1, "data_wait_seconds": -0.5, "step_seconds": 0}, "data_wait_seconds"),
+        ({"meter": "", "batches": 1, "data_wait_seconds": 0, "step_seconds": 0}, "meter"),
+        ({"meter": "m", "batches": 1, "data_wait_seconds": 0}, "step_seconds"),
+    ],
+)
+def test_a_bad_meter_report_is_refused_naming_the_field(
+    server: ControlServer, handlers: FakeHandlers, body: dict[str, Any], named: str
+) -> None:
+    status, answer = raw_request(server.path, post("/meter", json.dumps(body).encode()))
+    assert status == 400
+    assert named in answer["error"]
+    assert handlers.meters == []
 
 
 def test_hint_returns_counts_and_passes_the_order_unchanged(

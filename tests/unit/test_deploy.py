@@ -139,6 +139,8 @@ def test_dashboard_covers_the_signals_users_watch() -> None:
         "cachefsd_cache_evictions_total",
         "cachefsd_cache_promotions_total",
         "cachefsd_cache_demotions_total",
+        "rate(cachefsd_job_data_wait_seconds_total",
+        "rate(cachefsd_job_step_seconds_total",
     ):
         assert needed in queries, needed
     assert any(panel["type"] == "heatmap" for panel in panels())

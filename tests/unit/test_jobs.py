@@ -101,20 +101,29 @@ def test_job_labels_are_bounded_and_go_to_the_jobs_reading_now() -> None:
     for index in range(MAX_JOB_SERIES):
         metrics.read_done({"cold": 100}, 0.5, f"job{index}")
     metrics.read_done({"hot": 100}, 0.0, "late")
-    assert registry.get_sample_value("cachefsd_job_reads_total", {"reader_job": OTHER_JOBS_LABEL}) == 1
-    assert registry.get_sample_value("cachefsd_job_reads_total", {"reader_job": "late"}) is None
+    other = {"reader_job": OTHER_JOBS_LABEL, "source": "cache"}
+    assert registry.get_sample_value("cachefsd_job_reads_total", other) == 1
+    assert (
+        registry.get_sample_value("cachefsd_job_reads_total", {"reader_job": "late", "source": "cache"})
+        is None
+    )
     clock.now += JOB_IDLE_SECONDS - 1
     for index in range(1, MAX_JOB_SERIES):
         metrics.read_done({"hot": 100}, 0.0, f"job{index}")
     clock.now += 2  # job0 idle for longer than JOB_IDLE_SECONDS, the others not
     metrics.read_done({"cold": 100}, 0.25, "late")
-    assert registry.get_sample_value("cachefsd_job_reads_total", {"reader_job": "late"}) == 1
+    assert (
+        registry.get_sample_value("cachefsd_job_reads_total", {"reader_job": "late", "source": "cold"}) == 1
+    )
     assert registry.get_sample_value("cachefsd_job_read_stall_seconds_total", {"reader_job": "late"}) == 0.25
-    assert registry.get_sample_value("cachefsd_job_reads_total", {"reader_job": "job0"}) is None
+    assert (
+        registry.get_sample_value("cachefsd_job_reads_total", {"reader_job": "job0", "source": "cold"})
+        is None
+    )
     job1 = {"reader_job": "job1", "source": "cache"}
     assert registry.get_sample_value("cachefsd_job_read_bytes_total", job1) == 100
     metrics.read_done({"hot": 100}, 0.0, "another")  # every other job read just now
-    assert registry.get_sample_value("cachefsd_job_reads_total", {"reader_job": OTHER_JOBS_LABEL}) == 2
+    assert registry.get_sample_value("cachefsd_job_reads_total", other) == 2
 
 
 def test_each_named_job_has_its_hit_ratio_and_epoch() -> None:

@@ -1,0 +1,118 @@
+"""``cachefsd doctor MOUNTPOINT``: per job, whether it starves for data, why,
+and what to change.
+
+The daemon answers ``GET /diagnose`` with what the jobs' loader meters
+reported and what it saw of their reads (``diagnose/service.py``); the
+judging happens here, in the asking process: the verdict rules
+(``diagnose/verdict.py``) and the what-if replay (``diagnose/whatif.py``),
+whose CPU the daemon's readers should not pay for.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from cachefsd.config import human_bytes
+from cachefsd.diagnose.verdict import JobFacts, advice, severity, verdict
+from cachefsd.diagnose.whatif import capacities_to_try, what_if
+from cachefsd.prefetch.access import ObservedOrder
+
+
+def judge(diagnosis: dict[str, Any]) -> dict[str, Any]:
+    """The doctor's report of a ``GET /diagnose`` answer: ``{"mountpoint",
+    "jobs": [{"job", "batches", "data_wait_fraction",
+    "storage_stall_fraction", "verdict", ...}]}``."""
+    cache = diagnosis["cache"]
+    return {
+        "mountpoint": diagnosis["mountpoint"],
+        "jobs": [_judge_job(job, cache, diagnosis["mountpoint"]) for job in diagnosis["jobs"]],
+    }
+
+
+def _judge_job(job: dict[str, Any], cache: dict[str, Any], mountpoint: str) -> dict[str, Any]:
+    step = job["step_seconds"]
+    data_wait = job["data_wait_seconds"] / step if step > 0 else 0.0
+    reads = job["reads"]
+    stall = min(1.0, reads["stall_seconds"] / step) if reads is not None and step > 0 else 0.0
+    read_bytes = 0.0 if reads is None else reads["cache_bytes"] + reads["cold_bytes"]
+    hit_ratio = reads["cache_bytes"] / read_bytes if reads is not None and read_bytes > 0 else None
+    observed = None if job["observed"] is None else ObservedOrder(**job["observed"])
+    table = []
+    if observed is not None:
+        sizes = capacities_to_try(observed.working_set_bytes, cache["capacity_bytes"])
+        table = what_if(observed, cache["block_size"], cache["policy"], sizes)
+    facts = JobFacts(
+        mountpoint=mountpoint,
+        batches=job["batches"],
+        data_wait_fraction=data_wait,
+        storage_stall_fraction=stall,
+        hit_ratio=hit_ratio,
+        epoch=None if observed is None else observed.epoch,
+        order_source=None if observed is None else observed.source,
+        repeats=observed is not None and observed.repeats,
+        working_set_bytes=None if observed is None else observed.working_set_bytes,
+        capacity_bytes=cache["capacity_bytes"],
+    )
+    return {
+        "job": job["job"],
+        "batches": job["batches"],
+        "data_wait_fraction": data_wait,
+        "storage_stall_fraction": stall,
+        "verdict": verdict(data_wait, stall),
+        "severity": severity(data_wait),
+        "hit_ratio": hit_ratio,
+        "epoch": facts.epoch,
+        "order": facts.order_source,
+        "working_set_bytes": facts.working_set_bytes,
+        "capacity_bytes": facts.capacity_bytes,
+        "advice": advice(facts, table),
+        "what_if": {
+            "policy": cache["policy"],
+            "rows": [
+                {
+                    "capacity_bytes": row.capacity_bytes,
+                    "hit_ratio": row.hit_ratio,
+                    "current": row.capacity_bytes == cache["capacity_bytes"],
+                }
+                for row in table
+            ],
+        },
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report as text, one block per job."""
+    mountpoint = report["mountpoint"]
+    if not report["jobs"]:
+        return (
+            f"cachefsd doctor {mountpoint}: no job has reported to this daemon yet.\n"
+            f"Wrap the training loop's loader: for batch in cachefsd.diagnose.watch(loader, {mountpoint!r})"
+        )
+    count = len(report["jobs"])
+    lines = [f"cachefsd doctor {mountpoint}: {count} job{'s' if count > 1 else ''} with a loader meter"]
+    for job in report["jobs"]:
+        lines += ["", f"{job['job']}: {job['verdict']} ({job['severity']})"]
+        epoch = "" if job["epoch"] is None else f" (epoch {job['epoch']})"
+        lines.append(f"  batches        {job['batches']:,}{epoch}")
+        lines.append(f"  data wait      {job['data_wait_fraction']:.1%} of the loop's time")
+        hit = "" if job["hit_ratio"] is None else f"; {job['hit_ratio']:.1%} of bytes from the cache"
+        lines.append(f"  store stalls   {job['storage_stall_fraction']:.1%} of the loop's time{hit}")
+        if job["order"] is not None:
+            lines.append(f"  read order     {job['order']}")
+        lines.append("  what to do")
+        lines += [f"    - {note}" for note in job["advice"]]
+        rows = job["what_if"]["rows"]
+        if rows:
+            lines.append(f"  what-if: its last epoch through {job['what_if']['policy']}, without prefetch")
+            lines.append(f"    {'cache':>10}  hit ratio")
+            for row in rows:
+                mark = "  (now)" if row["current"] else ""
+                lines.append(f"    {human_bytes(row['capacity_bytes']):>10}  {row['hit_ratio']:>8.1%}{mark}")
+    return "\n".join(lines)
+
+
+def run(diagnosis: dict[str, Any], as_json: bool) -> int:
+    report = judge(diagnosis)
+    print(json.dumps(report, indent=2) if as_json else render(report))
+    return 0

@@ -1,0 +1,197 @@
+"""The loader meter: how long a training loop waits for its next batch.
+
+``watch(loader, mountpoint)`` wraps any iterable of batches (a PyTorch
+``DataLoader``, a WebDataset pipeline, a generator) and yields the same
+batches. Around each ``next()`` it reads a monotonic clock twice: the time
+spent inside is the loop's **data wait**, the time from one batch's arrival
+to the next is its **step**. Their ratio is what TensorFlow's input-pipeline
+analyzer classes a job by (under 5 %: not input-bound).
+
+The first batch of a pass is left out of both: its wait is the loader
+starting (worker processes forking, importing, opening the dataset), paid
+once a pass whatever the storage, and it would dominate a short run.
+
+The totals go to the daemon of ``mountpoint`` over its control socket
+(``POST /meter``), which names the job from the sender's process (``jobs.py``:
+the process group its DataLoader workers share) and sets them beside what
+it saw of the same job's reads (``cachefsd doctor``). A sender thread posts
+them every ``REPORT_SECONDS`` and once when the pass ends; the loop itself
+only adds two clock readings and a few floats per batch. Totals are
+cumulative per meter, so a lost report loses nothing.
+
+Measuring never breaks training: a path not under a cachefsd mount, or a
+daemon that cannot be reached, costs one logged warning per process, and
+the batches flow as before. Only the standard library is imported here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from cachefsd.control.client import ControlClient, client_for
+from cachefsd.control.mounts import find_mount, not_a_mount
+from cachefsd.errors import ControlError
+
+log = logging.getLogger(__name__)
+
+Batch = TypeVar("Batch")
+
+# Often enough for ``doctor`` and a dashboard to follow a run, rarely enough
+# that the daemon spends nothing on it (one small request per job a second).
+REPORT_SECONDS = 2.0
+# A report is a few numbers to a local socket: a daemon that takes longer
+# is wedged, and the sender gives up on it rather than queue behind it.
+REPORT_TIMEOUT_SECONDS = 2.0
+
+_warned = threading.Event()  # one warning per process, however many meters
+
+
+@dataclass(frozen=True, slots=True)
+class MeterTotals:
+    """What a meter has measured so far: batches after the first, and their
+    data wait and step seconds."""
+
+    batches: int = 0
+    data_wait_seconds: float = 0.0
+    step_seconds: float = 0.0
+
+    @property
+    def data_wait_fraction(self) -> float:
+        return self.data_wait_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
+
+
+class LoaderMeter:
+    """The arithmetic of one pass over a loader, on an injected clock. Used
+    by one thread (the loop's); ``totals`` may be read from another (one
+    attribute read of an immutable value)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._asked_at = 0.0
+        self._arrived_at: float | None = None
+        self.totals = MeterTotals()
+
+    def asking(self) -> None:
+        """The loop calls ``next()`` now."""
+        self._asked_at = self._clock()
+
+    def arrived(self) -> None:
+        """The batch asked for is here."""
+        now = self._clock()
+        if self._arrived_at is not None:  # the first batch is the loader starting
+            totals = self.totals
+            self.totals = MeterTotals(
+                totals.batches + 1,
+                totals.data_wait_seconds + (now - self._asked_at),
+                totals.step_seconds + (now - self._arrived_at),
+            )
+        self._arrived_at = now
+
+
+class TotalsSink(Protocol):
+    """Where a meter's totals go; raises ``ControlError`` when they cannot."""
+
+    def send(self, meter_id: str, totals: MeterTotals) -> None: ...
+
+
+class DaemonSink:
+    """The daemon of the mount at or above a path."""
+
+    def __init__(self, mountpoint: str | os.PathLike[str]) -> None:
+        self._mountpoint = mountpoint
+        self._client: ControlClient | None = None
+
+    def send(self, meter_id: str, totals: MeterTotals) -> None:
+        if self._client is None:
+            mount = find_mount(self._mountpoint)
+            if mount is None:
+                raise not_a_mount(self._mountpoint)
+            self._client = client_for(mount, REPORT_TIMEOUT_SECONDS)
+        self._client.meter(meter_id, totals.batches, totals.data_wait_seconds, totals.step_seconds)
+
+
+class Reporter:
+    """Posts a meter's totals every ``interval`` seconds from a thread of
+    its own, and a last time on ``close``. The first failure stops it (and
+    warns, once per process): a daemon that is gone is not asked again
+    every few seconds for the rest of the run."""
+
+    def __init__(self, meter: LoaderMeter, sink: TotalsSink, interval: float = REPORT_SECONDS) -> None:
+        self._meter = meter
+        self._sink = sink
+        self._interval = interval
+        self._id = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._failed = False
+        self._lock = threading.Lock()  # one send at a time: the last one sent is the latest
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Begin the periodic reports. Called once the loader has started its
+        workers, so that no thread of ours exists when they fork."""
+        self._send()
+        self._thread = threading.Thread(target=self._run, name="cachefsd-meter", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(REPORT_TIMEOUT_SECONDS + 1.0)
+        self._send()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._send()
+
+    def _send(self) -> None:
+        with self._lock:
+            if self._failed:
+                return
+            try:
+                self._sink.send(self._id, self._meter.totals)
+            except ControlError as exc:
+                self._failed = True
+                if not _warned.is_set():
+                    _warned.set()
+                    log.warning("cachefsd: the loader meter reports nothing: %s", exc)
+
+
+def watch(
+    loader: Iterable[Batch],
+    mountpoint: str | os.PathLike[str],
+    sink: TotalsSink | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Iterator[Batch]:
+    """The batches of ``loader``, unchanged, while measuring the loop's data
+    wait and step and reporting them to the daemon of ``mountpoint`` (or
+    ``sink``). One call is one pass: call it every epoch, as ``iter`` is.
+
+        for batch in cachefsd.diagnose.watch(loader, "/mnt/imagenet"):
+            train_step(batch)
+    """
+    meter = LoaderMeter(clock)
+    reporter = Reporter(meter, DaemonSink(mountpoint) if sink is None else sink)
+    batches = iter(loader)
+    started = False
+    try:
+        while True:
+            meter.asking()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            meter.arrived()
+            if not started:
+                started = True
+                reporter.start()
+            yield batch
+    finally:
+        if started:
+            reporter.close()

@@ -1,0 +1,83 @@
+"""What a mount's control socket serves of the loader meters: their reports
+in (``POST /meter``), and ``GET /diagnose`` out, which ``cachefsd doctor``
+judges.
+
+``GET /diagnose`` answers::
+
+    {"mountpoint": str,
+     "cache": {"capacity_bytes": int, "policy": str, "block_size": int},
+     "jobs": [{"job": str, "batches": int, "data_wait_seconds": float,
+               "step_seconds": float, "meters": int,
+               "last_report_seconds_ago": float,
+               "reads": {"stall_seconds", "cache_bytes", "cold_bytes"} | null,
+               "observed": ObservedOrder fields | null}, ...]}
+
+``reads`` cover the metered window (from the job's first report); null when
+the daemon counted the job's reads with other jobs'. ``observed`` is the
+job's read order (a sample of it) for the what-if replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from cachefsd.diagnose.ledger import MeterLedger
+from cachefsd.diagnose.meter import MeterTotals
+from cachefsd.diagnose.whatif import MAX_REPLAYED_FILES
+from cachefsd.jobs import CallerJobs
+from cachefsd.prefetch.access import ObservedOrder
+
+
+@dataclass(frozen=True, slots=True)
+class CacheFacts:
+    capacity_bytes: Callable[[], int]
+    policy: str
+    block_size: int
+
+
+class Diagnosis:
+    def __init__(
+        self,
+        ledger: MeterLedger,
+        jobs: CallerJobs,
+        observed: Callable[[str, int], ObservedOrder | None],
+        mountpoint: str,
+        cache: CacheFacts,
+    ) -> None:
+        self._ledger = ledger
+        self._jobs = jobs
+        self._observed = observed
+        self._mountpoint = mountpoint
+        self._cache = cache
+
+    def meter(self, pid: int, meter_id: str, totals: MeterTotals) -> None:
+        """A meter's report, for the job of the process ``pid`` that sent it."""
+        self._ledger.report(self._jobs.of(pid), meter_id, totals)
+
+    def snapshot(self) -> dict[str, Any]:
+        jobs = []
+        for metered in self._ledger.jobs():
+            observed = self._observed(metered.job, MAX_REPLAYED_FILES)
+            jobs.append(
+                {
+                    "job": metered.job,
+                    "batches": metered.totals.batches,
+                    "data_wait_seconds": metered.totals.data_wait_seconds,
+                    "step_seconds": metered.totals.step_seconds,
+                    "meters": metered.meters,
+                    "last_report_seconds_ago": metered.last_report_seconds_ago,
+                    "reads": None if metered.reads is None else asdict(metered.reads),
+                    "observed": None if observed is None else asdict(observed),
+                }
+            )
+        return {
+            "mountpoint": self._mountpoint,
+            "cache": {
+                "capacity_bytes": self._cache.capacity_bytes(),
+                "policy": self._cache.policy,
+                "block_size": self._cache.block_size,
+            },
+            "jobs": jobs,
+        }
