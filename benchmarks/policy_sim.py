@@ -166,15 +166,24 @@ class SimPrefetcher:
     predicted position on the count of opens, until the cache refuses one.
     With ``hints`` (the reader's pass order by the trace position that
     starts the pass), each job hints its pass as it begins it, and the
-    cached blocks the hint places are planned, as ``_plan_residents`` does."""
+    cached blocks the hint places are planned, as ``_plan_residents`` does;
+    a block read by one job that another's plan places is planned again
+    for it, as ``read_by_one_of_many`` does."""
 
     def __init__(
-        self, cache: ReplayCache, clock: AccessModel, hints: dict[int, tuple[str, list[str]]] | None = None
+        self,
+        cache: ReplayCache,
+        clock: AccessModel,
+        trace: Sequence[str],
+        jobs: Sequence[str],
+        hints: dict[int, tuple[str, list[str]]] | None = None,
     ) -> None:
         assert cache.planned is not None
         self._cache = cache
         self._planned = cache.planned
         self._clock = clock
+        self._trace = trace
+        self._jobs = jobs
         self._hints = hints or {}
 
     def before(self, position: int, now: float) -> None:
@@ -191,6 +200,11 @@ class SimPrefetcher:
 
     def after(self, opens: int) -> None:
         """Fill the cache ahead of the reads, ``opens`` reads in."""
+        read, job = self._trace[opens - 1], self._jobs[opens - 1]
+        distance = self._clock.planned_elsewhere(read, job)
+        if distance is not None and read in self._cache.resident:
+            self._planned.plan(read, opens + distance)
+            self._cache.policy.next_use_changed(read)
         for prediction in self._clock.predict(self._cache.capacity):
             if prediction.path in self._cache.resident:
                 self._clock.satisfied(prediction.path, prediction.job)
@@ -218,7 +232,7 @@ def simulate_policy(
         planned = PlannedUse()
         cache = ReplayCache(EpochAwarePolicy(clock, planned), capacity, planned=planned)
         hints = pass_orders(trace, jobs, files) if name == HINTED else None
-        prefetcher = SimPrefetcher(cache, clock, hints)
+        prefetcher = SimPrefetcher(cache, clock, trace, jobs, hints)
         return replay(cache, trace, clock, jobs, hooks=[prefetcher], read_seconds=READ_SECONDS)
     cache = ReplayCache(make_policy(name, clock, random.Random(seed)), capacity)
     return replay(cache, trace, clock, jobs, read_seconds=READ_SECONDS)

@@ -51,14 +51,18 @@ ROOT_INODE = 1
 
 
 class AccessEvents(Protocol):
-    """What the access model learns from, and the one thing a read asks it
-    (prefetch/engine.py implements it)."""
+    """What the access model learns from, and what a read asks and tells it
+    of the other jobs (prefetch/engine.py implements it)."""
 
     def opened(self, info: ObjectInfo, job: str) -> None: ...
     def read(self, info: ObjectInfo, offset: int, size: int, job: str) -> None: ...
     def listed(self, entries: dict[str, ObjectInfo | None], directory: str, job: str) -> None: ...
     def wanted_elsewhere(self, info: ObjectInfo, job: str) -> bool:
         """Whether another job is still to read ``info`` this epoch."""
+        ...
+
+    def read_by_one_of_many(self, info: ObjectInfo, offset: int, size: int, job: str) -> None:
+        """``job`` read these bytes, which ``wanted_elsewhere`` said another job is still to read."""
         ...
 
 
@@ -188,8 +192,9 @@ class FileSystem:
         if offset == 0:
             self._access.opened(info, job)
         self._access.read(info, offset, size, job)
+        again = self._access.wanted_elsewhere(info, job)
         try:
-            return self._reader.read(info, offset, size, job, self._access.wanted_elsewhere(info, job))
+            pieces = self._reader.read(info, offset, size, job, again)
         except ObjectChanged:
             # Overwritten or deleted since it was listed: the listing that
             # showed it is dropped, and the kernel forgets the name, so the
@@ -197,6 +202,9 @@ class FileSystem:
             self._namespace.invalidate(info)
             self.stale_entries.put((file.parent, file.name))
             raise
+        if again:
+            self._access.read_by_one_of_many(info, offset, size, job)
+        return pieces
 
     def entry_of(self, node: int) -> tuple[int, str] | None:
         """(parent inode, name) of file inode ``node``, None if unknown."""

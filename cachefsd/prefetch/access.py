@@ -617,6 +617,27 @@ class AccessModel:
                     return True
             return False
 
+    def planned_elsewhere(self, path: str, caller: str = UNKNOWN_JOB) -> float | None:
+        """The soonest a trusted plan (hint, replay) of a job of another
+        caller places ``path`` that the job has not opened this epoch, in
+        that job's files to open first (as ``planned``); None if none does.
+        A read consumes a block's plan, and the cache keeps one plan a
+        block: when two jobs plan it, the one still to read it plans it
+        again with this. O(callers)."""
+        path = _clean(path)
+        soonest: float | None = None
+        with self._lock:
+            for tree in self._callers.values():
+                if tree.caller == caller:
+                    continue
+                job = self._existing_job_locked(tree, path)
+                plan = None if job is None or path in job.seen else job.plan()
+                if job is None or plan is None or path not in plan.index:
+                    continue
+                distance = float(max(0, plan.index[path] - len(job.order)))
+                soonest = distance if soonest is None else min(soonest, distance)
+        return soonest
+
     def current_epoch(self, job_path: str | None = None, caller: str = UNKNOWN_JOB) -> int:
         """The epoch of ``caller``'s job that ``job_path`` (a root or any path
         under it) belongs to, 0 for an unknown job; ``current()`` when None."""

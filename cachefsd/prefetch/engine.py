@@ -176,6 +176,18 @@ class Prefetcher:
     def wanted_elsewhere(self, info: ObjectInfo, job: str = UNKNOWN_JOB) -> bool:
         return self._model.wanted_elsewhere(info.key, job)
 
+    def read_by_one_of_many(self, info: ObjectInfo, offset: int, size: int, job: str = UNKNOWN_JOB) -> None:
+        """``job`` read these bytes, which another job is still to read: the
+        read consumed their blocks' plan, so the other job's plan, if it
+        places them, plans them again (else the policy would see them due
+        but unplanned, and never give them up for blocks needed sooner)."""
+        distance = self._model.planned_elsewhere(info.key, job)
+        if distance is None:
+            return
+        position = self._opens_now() + distance
+        for index in block_range(offset, size, info.size, self._reader.block_size):
+            self._reader.plan(info, index, position)
+
     def _fetch_head(self, info: ObjectInfo, job: str) -> None:
         """Fetch the first run of a large file (``head.py``) with the GET of
         this read in its first block (the kernel's first reads of a file

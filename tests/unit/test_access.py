@@ -820,6 +820,20 @@ def test_a_hint_replaces_only_its_own_jobs_plan() -> None:
     assert first == {"a[1]": files[2], "b[2]": files[-1]}
 
 
+def test_a_file_is_planned_elsewhere_by_another_callers_plan_until_it_reads_it() -> None:
+    model = AccessModel()
+    files = listed_dataset(model, "d", 6)
+    model.hint(files, 1000.0, "a[1]")
+    model.hint(files[::-1], 1000.0, "b[2]")
+    assert model.planned_elsewhere(files[1], "a[1]") == 4  # b[2] opens four files before it
+    assert model.planned_elsewhere(files[1], "b[2]") == 1  # and a[1] one
+    model.opened(files[5], SMALL, 1001.0, "b[2]")
+    assert model.planned_elsewhere(files[1], "a[1]") == 3  # b[2] is one file nearer
+    assert model.planned_elsewhere(files[5], "a[1]") is None  # b[2] has read it
+    model.opened(files[0], SMALL, 1001.0, "c[3]")  # a caller with no plan plans nothing
+    assert model.planned_elsewhere(files[2], "b[2]") == 2
+
+
 def test_a_file_is_wanted_elsewhere_while_another_active_job_is_still_to_read_it() -> None:
     model = AccessModel()
     files = listed_dataset(model, "d", 4)
