@@ -16,7 +16,7 @@ from cachefsd.diagnose.meter import MeterTotals, watch
 
 
 class Discard:
-    def send(self, meter_id: str, totals: MeterTotals) -> None:
+    def send(self, meter_id: str, totals: MeterTotals, readers: int) -> None:
         """Nothing: the loop's side of the meter is what is measured."""
 
 

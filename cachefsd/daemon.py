@@ -274,7 +274,7 @@ class Daemon:
                 diagnosis=Diagnosis(
                     self._node.meters,
                     parts.fs.jobs,
-                    self._node.epochs.observed,
+                    parts.model.observed,
                     str(mountpoint),
                     CacheFacts(
                         lambda: parts.cache.capacity, settings.cache.policy, settings.cache.block_size

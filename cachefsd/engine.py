@@ -35,7 +35,7 @@ from cachefsd.fs import FileSystem
 from cachefsd.jobs import CallerJobs
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import FRESH_WAIT_SECONDS, Namespace
-from cachefsd.prefetch.access import AccessModel, ObservedOrder
+from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.engine import Prefetcher
 from cachefsd.reader import BlockReader, ReadEvents
 from cachefsd.store import open_store
@@ -152,12 +152,6 @@ class NodeEpochs:
 
     def current(self) -> int:
         return max((model.current() for model in self._current_models()), default=0)
-
-    def observed(self, caller: str, max_files: int) -> ObservedOrder | None:
-        """``caller``'s read order on the mount where its job is largest
-        (``AccessModel.observed``); None if it reads through none."""
-        seen = [found for model in self._current_models() if (found := model.observed(caller, max_files))]
-        return max(seen, key=lambda found: found.working_set_files, default=None)
 
     def caller_epochs(self) -> dict[str, int]:
         """Each caller (``jobs.py``) -> the highest epoch of its jobs on any mount."""

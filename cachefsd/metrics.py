@@ -106,8 +106,8 @@ class MountReads:
         self._bytes = {source: metrics.mount_read_bytes.labels(mount, source) for source in ("cache", "cold")}
         self._stall = metrics.mount_read_stall.labels(mount)
 
-    def read_done(self, served: dict[str, int], stall_seconds: float, job: str) -> None:
-        self._metrics.read_done(served, stall_seconds, job)
+    def read_done(self, served: dict[str, int], stall_seconds: float, job: str, seconds: float = 0.0) -> None:
+        self._metrics.read_done(served, stall_seconds, job, seconds)
         cold_bytes = served.get("cold", 0)
         self._reads["cold" if cold_bytes else "cache"].inc()
         self._bytes["cache"].inc(sum(served.values()) - cold_bytes)
@@ -193,10 +193,15 @@ class JobLabels:
         with self._lock:
             return list(self._last_read)
 
-    def label(self, job: str) -> str:
+    def label(self, job: str, reading: bool = True) -> str:
+        """``job``'s label; ``reading`` when it is for a read, which keeps
+        a job that reads from giving its label up (a loader meter's report
+        does not)."""
         name = job or UNKNOWN_JOB_LABEL
         now = self._clock()
         with self._lock:
+            if name in self._last_read and not reading:
+                return name
             if name in self._last_read or len(self._last_read) < MAX_JOB_SERIES:
                 self._last_read[name] = now
                 return name
@@ -207,6 +212,16 @@ class JobLabels:
             self._last_read[name] = now
         self._dropped(idlest)
         return name
+
+
+def _by_job(counter: Counter, **labels: str) -> dict[str, float]:
+    """A per-job counter's totals by job label, of the series carrying ``labels``."""
+    totals: dict[str, float] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and all(sample.labels[k] == v for k, v in labels.items()):
+                totals[sample.labels[JOB_LABEL]] = sample.value
+    return totals
 
 
 class _JobCollector(Collector):
@@ -229,14 +244,10 @@ class _JobCollector(Collector):
             "Fraction of a job's bytes read that did not wait on the store",
             labels=[JOB_LABEL],
         )
-        by_job: dict[str, dict[str, float]] = {}
-        for family in metrics.job_read_bytes.collect():
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    by_job.setdefault(sample.labels[JOB_LABEL], {})[sample.labels["source"]] = sample.value
-        for job, read in sorted(by_job.items()):
-            total = sum(read.values())
-            ratio.add_metric([job], read.get("cache", 0.0) / total if total else 0.0)
+        cache, cold = (_by_job(metrics.job_read_bytes, source=source) for source in ("cache", "cold"))
+        for job in sorted(set(cache) | set(cold)):
+            total = cache.get(job, 0.0) + cold.get(job, 0.0)
+            ratio.add_metric([job], cache.get(job, 0.0) / total if total else 0.0)
         epoch = GaugeMetricFamily(
             "cachefsd_job_epoch", "The epoch a job reads (its highest)", labels=[JOB_LABEL]
         )
@@ -285,6 +296,12 @@ class Metrics:
         self.job_read_stall = Counter(
             "cachefsd_job_read_stall_seconds",
             "Time a job's reads spent waiting on the cold store",
+            [JOB_LABEL],
+            registry=registry,
+        )
+        self.job_read_seconds = Counter(
+            "cachefsd_job_read_seconds",
+            "Time a job's reads took in the daemon, from the cache or the store, summed over its readers",
             [JOB_LABEL],
             registry=registry,
         )
@@ -461,6 +478,7 @@ class Metrics:
             (self.job_read_bytes, (job, "cache")),
             (self.job_read_bytes, (job, "cold")),
             (self.job_read_stall, (job,)),
+            (self.job_read_seconds, (job,)),
             (self.job_batches, (job,)),
             (self.job_data_wait, (job,)),
             (self.job_step, (job,)),
@@ -476,33 +494,29 @@ class Metrics:
         if name not in named:
             # A job that has not read yet gets a series of its own at its first read, if one is free.
             return JobReads() if len(named) < MAX_JOB_SERIES else None
-        by_source = {"cache": 0.0, "cold": 0.0}
-        for family in self.job_read_bytes.collect():
-            for sample in family.samples:
-                if sample.name.endswith("_total") and sample.labels[JOB_LABEL] == name:
-                    by_source[sample.labels["source"]] = sample.value
-        stall = 0.0
-        for family in self.job_read_stall.collect():
-            for sample in family.samples:
-                if sample.name.endswith("_total") and sample.labels[JOB_LABEL] == name:
-                    stall = sample.value
-        return JobReads(stall, by_source["cache"], by_source["cold"])
+        return JobReads(
+            _by_job(self.job_read_seconds).get(name, 0.0),
+            _by_job(self.job_read_stall).get(name, 0.0),
+            _by_job(self.job_read_bytes, source="cache").get(name, 0.0),
+            _by_job(self.job_read_bytes, source="cold").get(name, 0.0),
+        )
 
     # MeterEvents
     def meter_reported(self, job: str, batches: int, data_wait_seconds: float, step_seconds: float) -> None:
-        label = self.job_labels.label(job)
+        label = self.job_labels.label(job, reading=False)
         self.job_batches.labels(label).inc(batches)
         self.job_data_wait.labels(label).inc(data_wait_seconds)
         self.job_step.labels(label).inc(step_seconds)
 
     # ReadEvents
-    def read_done(self, served: dict[str, int], stall_seconds: float, job: str) -> None:
+    def read_done(self, served: dict[str, int], stall_seconds: float, job: str, seconds: float = 0.0) -> None:
         cold_bytes = served.get("cold", 0)
         nbytes = sum(served.values())
         label = self.job_labels.label(job)
         source = "cold" if cold_bytes else "cache"
         self.reads.labels(source).inc()
         self.job_reads.labels(label, source).inc()
+        self.job_read_seconds.labels(label).inc(seconds)
         self.read_bytes.labels("cache").inc(nbytes - cold_bytes)
         self.job_read_bytes.labels(label, "cache").inc(nbytes - cold_bytes)
         if cold_bytes:

@@ -87,10 +87,10 @@ def block_bounds(index: int, object_size: int, block_size: int) -> tuple[int, in
 
 
 class ReadEvents(Protocol):
-    def read_done(self, served: dict[str, int], stall_seconds: float, job: str) -> None:
-        """One read of ``job`` (``jobs.py``) answered: its bytes by where
-        they came from (``memory``, a tier's name, ``cold``); the ``cold``
-        ones waited ``stall_seconds``."""
+    def read_done(self, served: dict[str, int], stall_seconds: float, job: str, seconds: float = 0.0) -> None:
+        """One read of ``job`` (``jobs.py``) answered in ``seconds`` (0 when
+        not timed): its bytes by where they came from (``memory``, a tier's
+        name, ``cold``); the ``cold`` ones waited ``stall_seconds``."""
         ...
 
 
@@ -244,6 +244,7 @@ class BlockReader:
         A raw-tier block is served from its file without copying (checked
         where it lies on its first read, see ``TieredCache.raw_hit``); a
         compressed one is decoded and verified."""
+        started = time.monotonic()
         pieces: list[Piece] = []
         served: dict[str, int] = {}
         stalled = 0.0
@@ -258,7 +259,7 @@ class BlockReader:
         except BaseException:
             close_pieces(pieces)
             raise
-        self._events.read_done(served, stalled, job)
+        self._events.read_done(served, stalled, job, time.monotonic() - started)
         if again:
             for index in block_range(offset, size, info.size, self._block_size):
                 digest = self._cache.lookup(self.ref(info, index))

@@ -22,8 +22,10 @@ local copy in the same orders, for the ratio against the local disk.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,10 +44,10 @@ from rich.table import Table
 
 from cachefsd.cli.supervise import unmount
 from cachefsd.control.client import ControlClient, client_for
-from cachefsd.control.mounts import find_mount
+from cachefsd.control.mounts import find_mount, foreign_mount, not_a_mount
 from cachefsd.errors import CachefsdError
 from cachefsd.jobs import CallerJobs
-from cachefsd.metrics import OTHER_JOBS_LABEL, UNKNOWN_JOB_LABEL
+from cachefsd.metrics import UNKNOWN_JOB_LABEL
 
 READ_CHUNK_BYTES = 1 << 20
 # Files a worker reads per task: few enough for a smooth progress bar,
@@ -108,7 +110,7 @@ def percentile(values: list[float], fraction: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered) + 0.5) - 1))]
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
 
 
 def read_files(paths: list[str], chunk: int | None) -> list[tuple[int, float]]:
@@ -162,10 +164,11 @@ def run_epochs(
                 bar = progress.add_task("read", total=len(paths))
                 started = time.perf_counter()
                 for done in as_completed([pool.submit(read_files, task, chunk) for task in tasks]):
-                    for size, seconds in done.result():
+                    read = done.result()
+                    for size, seconds in read:
                         nbytes += size
                         latencies.append(seconds)
-                    progress.advance(bar, FILES_PER_TASK)
+                    progress.advance(bar, len(read))
                 elapsed = time.perf_counter() - started
             after = counters()
             # A job with no series yet has read nothing; one without any after the epoch is counted as other.
@@ -188,7 +191,7 @@ def run_epochs(
 def job_counters(client: ControlClient, job: str) -> JobCounters | None:
     """This command's job in the daemon's ``/stats``; None while the daemon names no such job."""
     found: dict[str, Any] | None = client.stats().get("jobs", {}).get(job)
-    if found is None or job == OTHER_JOBS_LABEL:
+    if found is None:
         return None
     return JobCounters(
         found["bytes"]["cache"], found["bytes"]["cold"], found["reads"]["cache"], found["reads"]["cold"]
@@ -217,23 +220,34 @@ def _table(title: str, results: list[EpochResult]) -> Table:
 def mounted(target: str, cache_dir: Path | None, cache_size: str | None) -> Iterator[Path]:
     """``target`` itself when it is under a cachefsd mount; else ``target``
     mounted as a source on a temporary mountpoint, unmounted on exit."""
-    mount = find_mount(target) if "://" not in target else None
-    if mount is not None and mount.live:
-        yield Path(os.path.abspath(target))
-        return
-    with tempfile.TemporaryDirectory(prefix="cachefsd-bench-") as work:
-        mountpoint = Path(work) / "mnt"
-        mountpoint.mkdir()
-        command = [sys.executable, "-m", "cachefsd", "mount", target, str(mountpoint), "--no-metrics"]
-        command += ["--cache-dir", str(cache_dir or Path(work) / "cache")]
-        if cache_size is not None:
-            command += ["--cache-size", cache_size]
-        if subprocess.run(command, check=False).returncode != 0:
-            raise CachefsdError(f"could not mount {target} to measure it")
+    if "://" not in target:
+        mount = find_mount(target)
+        if mount is not None:
+            client_for(mount)  # a daemon that is gone is an error, not a source to mount
+            yield Path(os.path.abspath(target))
+            return
+        foreign = foreign_mount(target)
+        if foreign is not None:
+            raise not_a_mount(target, foreign)
+    work = Path(tempfile.mkdtemp(prefix="cachefsd-bench-"))
+    mountpoint = work / "mnt"
+    mountpoint.mkdir()
+    command = [sys.executable, "-m", "cachefsd", "mount", target, str(mountpoint), "--no-metrics"]
+    command += ["--cache-dir", str(cache_dir or work / "cache")]
+    if cache_size is not None:
+        command += ["--cache-size", cache_size]
+    if subprocess.run(command, check=False).returncode != 0:
+        shutil.rmtree(work, ignore_errors=True)
+        raise CachefsdError(f"could not mount {target} to measure it")
+    try:
+        yield mountpoint
+    finally:
         try:
-            yield mountpoint
-        finally:
             unmount(mountpoint)
+        except CachefsdError as exc:  # left as it is: never delete under a live mount
+            print(f"cachefsd: warning: {exc}; {work} is left in place", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def run(

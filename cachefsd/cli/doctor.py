@@ -14,9 +14,14 @@ import json
 from typing import Any
 
 from cachefsd.config import human_bytes
+from cachefsd.diagnose.meter import REPORT_SECONDS, MeterTotals
 from cachefsd.diagnose.verdict import JobFacts, advice, severity, verdict
 from cachefsd.diagnose.whatif import capacities_to_try, what_if
 from cachefsd.prefetch.access import ObservedOrder
+
+# A meter reports every couple of seconds while its loop runs: a job silent
+# for much longer has finished or paused, and its numbers are history.
+QUIET_SECONDS = 30 * REPORT_SECONDS
 
 
 def judge(diagnosis: dict[str, Any]) -> dict[str, Any]:
@@ -31,10 +36,13 @@ def judge(diagnosis: dict[str, Any]) -> dict[str, Any]:
 
 
 def _judge_job(job: dict[str, Any], cache: dict[str, Any], mountpoint: str) -> dict[str, Any]:
-    step = job["step_seconds"]
-    data_wait = job["data_wait_seconds"] / step if step > 0 else 0.0
+    data_wait = MeterTotals(job["batches"], job["data_wait_seconds"], job["step_seconds"]).data_wait_fraction
     reads = job["reads"]
-    stall = min(1.0, reads["stall_seconds"] / step) if reads is not None and step > 0 else 0.0
+    reading = stall = None
+    if reads is not None:
+        budget = job["reader_seconds"]
+        reading = min(1.0, reads["read_seconds"] / budget) if budget > 0 else 0.0
+        stall = min(reading, reads["stall_seconds"] / budget) if budget > 0 else 0.0
     read_bytes = 0.0 if reads is None else reads["cache_bytes"] + reads["cold_bytes"]
     hit_ratio = reads["cache_bytes"] / read_bytes if reads is not None and read_bytes > 0 else None
     observed = None if job["observed"] is None else ObservedOrder(**job["observed"])
@@ -46,8 +54,8 @@ def _judge_job(job: dict[str, Any], cache: dict[str, Any], mountpoint: str) -> d
         mountpoint=mountpoint,
         batches=job["batches"],
         data_wait_fraction=data_wait,
+        read_fraction=reading,
         storage_stall_fraction=stall,
-        hit_ratio=hit_ratio,
         epoch=None if observed is None else observed.epoch,
         order_source=None if observed is None else observed.source,
         repeats=observed is not None and observed.repeats,
@@ -58,10 +66,12 @@ def _judge_job(job: dict[str, Any], cache: dict[str, Any], mountpoint: str) -> d
         "job": job["job"],
         "batches": job["batches"],
         "data_wait_fraction": data_wait,
+        "read_fraction": reading,
         "storage_stall_fraction": stall,
-        "verdict": verdict(data_wait, stall),
+        "verdict": verdict(data_wait, reading),
         "severity": severity(data_wait),
         "hit_ratio": hit_ratio,
+        "last_report_seconds_ago": job["last_report_seconds_ago"],
         "epoch": facts.epoch,
         "order": facts.order_source,
         "working_set_bytes": facts.working_set_bytes,
@@ -94,17 +104,26 @@ def render(report: dict[str, Any]) -> str:
     for job in report["jobs"]:
         lines += ["", f"{job['job']}: {job['verdict']} ({job['severity']})"]
         epoch = "" if job["epoch"] is None else f" (epoch {job['epoch']})"
-        lines.append(f"  batches        {job['batches']:,}{epoch}")
+        age = job["last_report_seconds_ago"]
+        quiet = f"; its last report came {age:.0f} s ago: finished or paused" if age > QUIET_SECONDS else ""
+        lines.append(f"  batches        {job['batches']:,}{epoch}{quiet}")
         lines.append(f"  data wait      {job['data_wait_fraction']:.1%} of the loop's time")
-        hit = "" if job["hit_ratio"] is None else f"; {job['hit_ratio']:.1%} of bytes from the cache"
-        lines.append(f"  store stalls   {job['storage_stall_fraction']:.1%} of the loop's time{hit}")
+        if job["read_fraction"] is None:
+            lines.append("  reads          unknown: the daemon counts them with other jobs'")
+        else:
+            hit = "" if job["hit_ratio"] is None else f"; {job['hit_ratio']:.1%} of bytes from the cache"
+            lines.append(f"  reads          {job['read_fraction']:.1%} of its readers' time{hit}")
+            lines.append(f"  store stalls   {job['storage_stall_fraction']:.1%} of its readers' time")
         if job["order"] is not None:
             lines.append(f"  read order     {job['order']}")
         lines.append("  what to do")
         lines += [f"    - {note}" for note in job["advice"]]
         rows = job["what_if"]["rows"]
         if rows:
-            lines.append(f"  what-if: its last epoch through {job['what_if']['policy']}, without prefetch")
+            lines.append(
+                f"  what-if: its observed epoch through {job['what_if']['policy']}, "
+                "without prefetch, the cache to itself"
+            )
             lines.append(f"    {'cache':>10}  hit ratio")
             for row in rows:
                 mark = "  (now)" if row["current"] else ""

@@ -97,10 +97,14 @@ class ControlClient:
         answer = self._call("POST", "/hint", body, self._timeout, MAX_BODY_BYTES)
         return int(answer["accepted"]), int(answer["unknown"])
 
-    def meter(self, meter_id: str, batches: int, data_wait_seconds: float, step_seconds: float) -> None:
-        """A loader meter's totals so far (``cachefsd.diagnose``), for the caller's job."""
+    def meter(
+        self, meter_id: str, readers: int, batches: int, data_wait_seconds: float, step_seconds: float
+    ) -> None:
+        """A loader meter's totals so far (``cachefsd.diagnose``), for the
+        caller's job, with the number of processes that read for it."""
         body = {
             "meter": meter_id,
+            "readers": readers,
             "batches": batches,
             "data_wait_seconds": data_wait_seconds,
             "step_seconds": step_seconds,

@@ -16,8 +16,9 @@ Endpoints (bodies are JSON; errors are ``{"error": message}`` with a 4xx/5xx):
   (mount-relative paths, in the order the loader will read them) ->
   ``{"accepted": N, "unknown": M}``.
 - ``GET /diagnose``: the loader meters' jobs (``diagnose/service.py``).
-- ``POST /meter`` ``{"meter": id, "batches": N, "data_wait_seconds": s,
-  "step_seconds": s}`` (a loader meter's totals so far) -> ``{}``.
+- ``POST /meter`` ``{"meter": id, "readers": N, "batches": N,
+  "data_wait_seconds": s, "step_seconds": s}`` (a loader meter's totals so
+  far) -> ``{}``.
 - ``POST /stage`` ``{"path": "/", "include": glob|null, "tier": name|null,
   "check": bool}`` -> newline-delimited JSON events (chunked transfer), the
   last one ``{"event": "summary", ...}`` or ``{"event": "error", ...}``.
@@ -108,12 +109,22 @@ class HintBody(_Request):
 
 
 class MeterBody(_Request):
-    """``POST /meter``: a loader meter's totals so far (``cachefsd.diagnose``)."""
+    """``POST /meter``: a loader meter's totals so far (``cachefsd.diagnose``).
+    Bounded far above any run (2^53 batches, 30 years), so that sums stay exact and finite."""
 
     meter: StrictStr = Field(min_length=1, max_length=64)
-    batches: StrictInt = Field(ge=0)
-    data_wait_seconds: float = Field(ge=0, allow_inf_nan=False)
-    step_seconds: float = Field(ge=0, allow_inf_nan=False)
+    readers: StrictInt = Field(ge=0, le=1 << 16)
+    batches: StrictInt = Field(ge=0, le=1 << 53)
+    data_wait_seconds: float = Field(ge=0, le=1e9, allow_inf_nan=False)
+    step_seconds: float = Field(ge=0, le=1e9, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _wait_within_step(self) -> MeterBody:
+        if self.data_wait_seconds > self.step_seconds:
+            raise ValueError(
+                "data_wait_seconds: the wait for a batch is part of its step, so at most step_seconds"
+            )
+        return self
 
 
 class MountBody(_Request):
@@ -191,8 +202,9 @@ class ControlHandlers(Protocol):
         world size) when the order is one rank's share."""
         ...
 
-    def meter(self, meter_id: str, totals: MeterTotals, pid: int) -> None:
-        """A loader meter's totals, from process ``pid`` (0 if unknown), for its job."""
+    def meter(self, meter_id: str, totals: MeterTotals, readers: int, pid: int) -> None:
+        """A loader meter's totals (its loop read by ``readers`` processes),
+        from process ``pid`` (0 if unknown), for its job."""
         ...
 
     def diagnose(self) -> dict[str, Any]:
@@ -334,7 +346,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _meter(self, body: Any) -> None:
         meter = _parsed(MeterBody, body)
         totals = MeterTotals(meter.batches, meter.data_wait_seconds, meter.step_seconds)
-        self.server.owner.handlers.meter(meter.meter, totals, _peer(self.request)[0])
+        self.server.owner.handlers.meter(meter.meter, totals, meter.readers, _peer(self.request)[0])
         self._json(200, {})
 
     def _attach(self, body: Any) -> None:
@@ -584,10 +596,10 @@ class MountHandlers:
             self._hints["unknown"] += unknown
         return accepted, unknown
 
-    def meter(self, meter_id: str, totals: MeterTotals, pid: int) -> None:
+    def meter(self, meter_id: str, totals: MeterTotals, readers: int, pid: int) -> None:
         if self._diagnosis is None:
             raise BadRequest("this daemon keeps no loader meters")
-        self._diagnosis.meter(pid, meter_id, totals)
+        self._diagnosis.meter(pid, meter_id, totals, readers)
 
     def diagnose(self) -> dict[str, Any]:
         if self._diagnosis is None:

@@ -14,14 +14,24 @@ once a pass whatever the storage, and it would dominate a short run.
 The totals go to the daemon of ``mountpoint`` over its control socket
 (``POST /meter``), which names the job from the sender's process (``jobs.py``:
 the process group its DataLoader workers share) and sets them beside what
-it saw of the same job's reads (``cachefsd doctor``). A sender thread posts
-them every ``REPORT_SECONDS`` and once when the pass ends; the loop itself
-only adds two clock readings and a few floats per batch. Totals are
-cumulative per meter, so a lost report loses nothing.
+it saw of the same job's reads (``cachefsd doctor``), with the number of
+processes that read for the loop (a DataLoader's ``num_workers``; 0 when
+the loop's own ``next()`` reads, as with no workers or a plain generator).
+A thread of the meter's own posts them when the first batch is in, every
+``REPORT_SECONDS``, and once when the pass ends; the loop itself only adds
+two clock readings and a few floats per batch. Totals are cumulative per
+meter, so a lost report loses nothing.
 
-Measuring never breaks training: a path not under a cachefsd mount, or a
-daemon that cannot be reached, costs one logged warning per process, and
-the batches flow as before. Only the standard library is imported here.
+Measuring never breaks training: nothing the reports do reaches the loop.
+A path not under a cachefsd mount, or a daemon that cannot be reached,
+costs one logged warning per process and a retry every ``RETRY_SECONDS``;
+the end of a pass waits at most ``CLOSE_WAIT_SECONDS`` for its last report.
+Only the standard library is imported here.
+
+A pass's thread lives from its first batch to its end: a loader that forks
+its workers at ``iter()`` (a DataLoader) forks them before it starts. A
+``watch`` nested in another's pass (a validation loop inside an epoch)
+forks while the outer one's thread runs, which holds no lock the children use.
 """
 
 from __future__ import annotations
@@ -37,7 +47,6 @@ from typing import Protocol, TypeVar
 
 from cachefsd.control.client import ControlClient, client_for
 from cachefsd.control.mounts import find_mount, not_a_mount
-from cachefsd.errors import ControlError
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +58,12 @@ REPORT_SECONDS = 2.0
 # A report is a few numbers to a local socket: a daemon that takes longer
 # is wedged, and the sender gives up on it rather than queue behind it.
 REPORT_TIMEOUT_SECONDS = 2.0
-
-_warned = threading.Event()  # one warning per process, however many meters
+# After a failed report, reports wait this long: a restarted daemon is
+# found again, a gone one costs a connect attempt per half minute.
+RETRY_SECONDS = 30.0
+# How long the end of a pass waits for its last report: a healthy daemon
+# answers in a millisecond; a wedged one must not hold the next epoch up.
+CLOSE_WAIT_SECONDS = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +111,7 @@ class LoaderMeter:
 class TotalsSink(Protocol):
     """Where a meter's totals go; raises ``ControlError`` when they cannot."""
 
-    def send(self, meter_id: str, totals: MeterTotals) -> None: ...
+    def send(self, meter_id: str, totals: MeterTotals, readers: int) -> None: ...
 
 
 class DaemonSink:
@@ -108,59 +121,88 @@ class DaemonSink:
         self._mountpoint = mountpoint
         self._client: ControlClient | None = None
 
-    def send(self, meter_id: str, totals: MeterTotals) -> None:
+    def send(self, meter_id: str, totals: MeterTotals, readers: int) -> None:
         if self._client is None:
             mount = find_mount(self._mountpoint)
             if mount is None:
                 raise not_a_mount(self._mountpoint)
             self._client = client_for(mount, REPORT_TIMEOUT_SECONDS)
-        self._client.meter(meter_id, totals.batches, totals.data_wait_seconds, totals.step_seconds)
+        self._client.meter(meter_id, readers, totals.batches, totals.data_wait_seconds, totals.step_seconds)
+
+
+class _Backoff:
+    """Process-wide: after a failed report, none is tried for
+    ``RETRY_SECONDS`` (a daemon that is gone is not asked again every few
+    seconds by every meter); the first failure warns, once per process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._until = 0.0
+        self._warned = False
+
+    def allows(self, now: float) -> bool:
+        with self._lock:
+            return now >= self._until
+
+    def failed(self, now: float, why: object) -> None:
+        with self._lock:
+            self._until = now + RETRY_SECONDS
+            warn, self._warned = not self._warned, True
+        if warn:
+            log.warning("cachefsd: the loader meter reports nothing for now: %s", why)
+
+
+_backoff = _Backoff()
 
 
 class Reporter:
-    """Posts a meter's totals every ``interval`` seconds from a thread of
-    its own, and a last time on ``close``. The first failure stops it (and
-    warns, once per process): a daemon that is gone is not asked again
-    every few seconds for the rest of the run."""
+    """Posts a meter's totals from a thread of its own: once at ``start``,
+    every ``interval`` seconds, and a last time when ``close`` is called,
+    which waits at most ``CLOSE_WAIT_SECONDS`` for it. The loop's thread
+    never sends: a daemon that is slow or gone costs the loop nothing."""
 
-    def __init__(self, meter: LoaderMeter, sink: TotalsSink, interval: float = REPORT_SECONDS) -> None:
+    def __init__(
+        self,
+        meter: LoaderMeter,
+        sink: TotalsSink,
+        readers: int,
+        interval: float = REPORT_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._meter = meter
         self._sink = sink
+        self._readers = readers
         self._interval = interval
+        self._clock = clock
         self._id = uuid.uuid4().hex
         self._stop = threading.Event()
-        self._failed = False
-        self._lock = threading.Lock()  # one send at a time: the last one sent is the latest
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Begin the periodic reports. Called once the loader has started its
-        workers, so that no thread of ours exists when they fork."""
-        self._send()
+        """Begin reporting. Called once the loader has started its workers,
+        so that no thread of ours exists when they fork."""
         self._thread = threading.Thread(target=self._run, name="cachefsd-meter", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(REPORT_TIMEOUT_SECONDS + 1.0)
-        self._send()
+            self._thread.join(CLOSE_WAIT_SECONDS)
 
     def _run(self) -> None:
+        self._send()
         while not self._stop.wait(self._interval):
             self._send()
+        self._send()  # the pass is over: its final totals
 
     def _send(self) -> None:
-        with self._lock:
-            if self._failed:
-                return
-            try:
-                self._sink.send(self._id, self._meter.totals)
-            except ControlError as exc:
-                self._failed = True
-                if not _warned.is_set():
-                    _warned.set()
-                    log.warning("cachefsd: the loader meter reports nothing: %s", exc)
+        now = self._clock()
+        if not _backoff.allows(now):
+            return
+        try:
+            self._sink.send(self._id, self._meter.totals, self._readers)
+        except Exception as exc:  # whatever it is, training goes on
+            _backoff.failed(now, exc)
 
 
 def watch(
@@ -177,7 +219,8 @@ def watch(
             train_step(batch)
     """
     meter = LoaderMeter(clock)
-    reporter = Reporter(meter, DaemonSink(mountpoint) if sink is None else sink)
+    readers = int(getattr(loader, "num_workers", 0) or 0)  # a DataLoader's workers; 0: the loop itself
+    reporter = Reporter(meter, DaemonSink(mountpoint) if sink is None else sink, readers)
     batches = iter(loader)
     started = False
     try:

@@ -7,14 +7,19 @@ judges.
     {"mountpoint": str,
      "cache": {"capacity_bytes": int, "policy": str, "block_size": int},
      "jobs": [{"job": str, "batches": int, "data_wait_seconds": float,
-               "step_seconds": float, "meters": int,
+               "step_seconds": float, "reader_seconds": float, "meters": int,
                "last_report_seconds_ago": float,
-               "reads": {"stall_seconds", "cache_bytes", "cold_bytes"} | null,
+               "reads": {"read_seconds", "stall_seconds", "cache_bytes",
+                         "cold_bytes"} | null,
                "observed": ObservedOrder fields | null}, ...]}
 
+The jobs are those whose meters report to this mount. ``reader_seconds``
+is the time the processes reading for each meter's loop had: what
+``reads.read_seconds`` and ``reads.stall_seconds`` (summed over those
+readers) are shares of.
 ``reads`` cover the metered window (from the job's first report); null when
 the daemon counted the job's reads with other jobs'. ``observed`` is the
-job's read order (a sample of it) for the what-if replay.
+job's read order on this mount (a sample of it) for the what-if replay.
 """
 
 from __future__ import annotations
@@ -52,13 +57,13 @@ class Diagnosis:
         self._mountpoint = mountpoint
         self._cache = cache
 
-    def meter(self, pid: int, meter_id: str, totals: MeterTotals) -> None:
+    def meter(self, pid: int, meter_id: str, totals: MeterTotals, readers: int) -> None:
         """A meter's report, for the job of the process ``pid`` that sent it."""
-        self._ledger.report(self._jobs.of(pid), meter_id, totals)
+        self._ledger.report(self._jobs.of(pid), self._mountpoint, meter_id, totals, readers)
 
     def snapshot(self) -> dict[str, Any]:
         jobs = []
-        for metered in self._ledger.jobs():
+        for metered in self._ledger.jobs(self._mountpoint):
             observed = self._observed(metered.job, MAX_REPLAYED_FILES)
             jobs.append(
                 {
@@ -66,6 +71,7 @@ class Diagnosis:
                     "batches": metered.totals.batches,
                     "data_wait_seconds": metered.totals.data_wait_seconds,
                     "step_seconds": metered.totals.step_seconds,
+                    "reader_seconds": metered.reader_seconds,
                     "meters": metered.meters,
                     "last_report_seconds_ago": metered.last_report_seconds_ago,
                     "reads": None if metered.reads is None else asdict(metered.reads),

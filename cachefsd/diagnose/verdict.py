@@ -5,12 +5,15 @@ what the daemon's ledger and access model report.
 The verdict uses the thresholds of TensorFlow's input-pipeline analyzer on
 the share of the loop's time spent waiting for the next batch: under 5 %
 the job is not input-bound (the accelerator is the bottleneck), 5-20 %
-moderately, 20 % or more highly. An input-bound job waits on **storage**
-when the time its reads waited on the store explains at least half of the
-loop's wait, else on **preprocessing** (the loader's workers decode and
-augment too slowly). Stall seconds add up over a job's concurrent readers
-(a DataLoader's workers each wait), so their share may pass the data
-wait's; it is capped at 1.
+moderately, 20 % or more highly. An input-bound job waits on its readers
+(a DataLoader's workers, or the loop's own ``next()`` without them): on
+**storage** when they spend at least half their time reading (the time
+the job's reads took in the daemon, summed over its readers, over the
+time they had: the ``read_fraction``), else on **preprocessing** (they
+decode and augment too slowly). The part of the reads spent waiting on
+the store (``storage_stall_fraction``) says which storage advice fits.
+When the daemon counts the job's reads with other jobs' (more jobs read
+than the metrics name), the cause is unknown: **input-bound**.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from cachefsd.diagnose.whatif import WhatIf
 NOT_INPUT_BOUND = "not-input-bound"
 STORAGE = "storage"
 PREPROCESSING = "preprocessing"
+INPUT_BOUND = "input-bound"  # cause unknown
 
 INPUT_BOUND_FROM = 0.05
 HIGHLY_INPUT_BOUND_FROM = 0.20
@@ -33,10 +37,12 @@ ENOUGH_HIT_RATIO = 0.95
 FEW_BATCHES = 20
 
 
-def verdict(data_wait_fraction: float, storage_stall_fraction: float) -> str:
+def verdict(data_wait_fraction: float, read_fraction: float | None) -> str:
     if data_wait_fraction < INPUT_BOUND_FROM:
         return NOT_INPUT_BOUND
-    if storage_stall_fraction >= STORAGE_EXPLAINS * data_wait_fraction:
+    if read_fraction is None:
+        return INPUT_BOUND
+    if read_fraction >= STORAGE_EXPLAINS:
         return STORAGE
     return PREPROCESSING
 
@@ -57,8 +63,10 @@ class JobFacts:
     mountpoint: str
     batches: int
     data_wait_fraction: float
-    storage_stall_fraction: float
-    hit_ratio: float | None  # of its bytes over the metered window
+    # Shares of its readers' time spent reading, and waiting on the store
+    # (part of the first); None when its reads are counted with other jobs'.
+    read_fraction: float | None
+    storage_stall_fraction: float | None
     epoch: int | None
     order_source: str | None  # "hint", "replay", "unknown"; None if no reads seen
     repeats: bool
@@ -71,17 +79,23 @@ def advice(facts: JobFacts, table: list[WhatIf]) -> list[str]:
     notes = []
     if facts.batches < FEW_BATCHES:
         notes.append(f"only {facts.batches} batches measured so far: let the job run longer, then ask again")
-    kind = verdict(facts.data_wait_fraction, facts.storage_stall_fraction)
+    kind = verdict(facts.data_wait_fraction, facts.read_fraction)
     if kind == NOT_INPUT_BOUND:
         notes.append(
             f"nothing to change in the input pipeline: the loop waits for data "
             f"{facts.data_wait_fraction:.1%} of its time; the model's compute is the bottleneck"
         )
         return notes
+    if kind == INPUT_BOUND:
+        notes.append(
+            "the daemon counts this job's reads with other jobs' (more jobs read than its metrics name), "
+            "so it cannot tell whether they wait on the store: ask again when fewer jobs read"
+        )
+        return notes
     if kind == PREPROCESSING:
         notes.append(
-            f"the reads waited on the store for only {facts.storage_stall_fraction:.1%} of the time: "
-            "the loader's workers are too slow. Use more DataLoader workers (num_workers), or make "
+            f"its readers spent only {facts.read_fraction:.1%} of their time reading: "
+            "they are too slow at the rest. Use more DataLoader workers (num_workers), or make "
             "decoding and augmentation cheaper (smaller stored images, decoding on the GPU)"
         )
         return notes
@@ -96,6 +110,15 @@ def size_setting(nbytes: int) -> str:
 
 
 def _storage_advice(facts: JobFacts, table: list[WhatIf]) -> list[str]:
+    # Only a job whose reads the daemon can tell apart gets here (``INPUT_BOUND`` otherwise).
+    assert facts.read_fraction is not None
+    assert facts.storage_stall_fraction is not None
+    if facts.storage_stall_fraction < STORAGE_EXPLAINS * facts.read_fraction:
+        return [
+            f"its reads took {facts.read_fraction:.1%} of its readers' time, but waited on the store "
+            f"for only {facts.storage_stall_fraction:.1%}: reading what is cached is what is slow. "
+            "Profile the daemon (py-spy dump --pid), or put the cache on a faster disk"
+        ]
     notes = []
     working_set = facts.working_set_bytes
     if working_set is not None and working_set > facts.capacity_bytes:

@@ -692,27 +692,34 @@ class AccessModel:
         last whole epoch, else this one so far, thinned to at most about
         ``max_files`` files by a hash of their names (the same files every
         epoch, so a replay of the sample behaves as one of the whole);
-        None if the caller has no job. O(epoch)."""
+        None if the caller has no job. O(epoch), of which only C-speed
+        copies (a few ms per million files) hold the lock that opens take."""
         with self._lock:
             tree = self._callers.get(caller)
             if tree is None or not tree.jobs:
                 return None
             job = max(tree.jobs.values(), key=lambda candidate: len(candidate.working))
-            order = job.replay.order if job.replay is not None else job.order
-            every = max(1, -(-len(job.working) // max_files))
-            sample = [path for path in order if every == 1 or zlib.crc32(path.encode()) % every == 0]
+            order = list(job.replay.order if job.replay is not None else job.order)
+            sizes = list(job.working.values())
             plan = job.plan()
-            return ObservedOrder(
-                job=job.id,
-                order=sample,
-                sizes={path: job.working.get(path, -1) for path in sample},
-                sample_every=every,
-                working_set_files=len(job.working),
-                working_set_bytes=sum(size for size in job.working.values() if size > 0),
-                repeats=job.replay is not None and job.replay.judged_good(),
-                source="unknown" if plan is None else "hint" if plan is job.hint else "replay",
-                epoch=job.epoch,
-            )
+            source = "unknown" if plan is None else "hint" if plan is job.hint else "replay"
+            repeats = job.replay is not None and job.replay.judged_good()
+            name, epoch = job.id, job.epoch
+        every = max(1, -(-len(sizes) // max_files))
+        sample = [path for path in order if every == 1 or zlib.crc32(path.encode()) % every == 0]
+        with self._lock:
+            sampled_sizes = {path: job.working.get(path, -1) for path in sample}
+        return ObservedOrder(
+            job=name,
+            order=sample,
+            sizes=sampled_sizes,
+            sample_every=every,
+            working_set_files=len(sizes),
+            working_set_bytes=sum(size for size in sizes if size > 0),
+            repeats=repeats,
+            source=source,
+            epoch=epoch,
+        )
 
     def unread(self, job_path: str, caller: str = UNKNOWN_JOB) -> set[str]:
         """Working-set files of ``caller``'s job of ``job_path`` not opened this epoch. O(working set)."""

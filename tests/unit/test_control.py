@@ -38,7 +38,7 @@ class FakeHandlers:
         self.orders: list[list[str]] = []
         self.parts: list[tuple[int, int] | None] = []
         self.pids: list[int] = []
-        self.meters: list[tuple[str, MeterTotals]] = []
+        self.meters: list[tuple[str, MeterTotals, int]] = []
         self.stage_requests: list[StageRequest] = []
         self.closed = threading.Event()
         self.stage_release = threading.Event()  # set by a test to let a stage finish
@@ -57,9 +57,9 @@ class FakeHandlers:
         known = sum(1 for path in order if not path.startswith("/missing"))
         return known, len(order) - known
 
-    def meter(self, meter_id: str, totals: MeterTotals, pid: int) -> None:
+    def meter(self, meter_id: str, totals: MeterTotals, readers: int, pid: int) -> None:
         self.pids.append(pid)
-        self.meters.append((meter_id, totals))
+        self.meters.append((meter_id, totals, readers))
 
     def diagnose(self) -> dict[str, Any]:
         return {"jobs": [{"job": "python[1]", "batches": len(self.meters)}]}
@@ -138,11 +138,14 @@ def test_stats_are_what_the_handler_returns(client: ControlClient) -> None:
     assert client.stats() == {"mountpoint": "/mnt", "tiers": [{"name": "hot", "used_bytes": 3}]}
 
 
+METER = {"meter": "m", "readers": 2, "batches": 1, "data_wait_seconds": 0.5, "step_seconds": 1.0}
+
+
 def test_a_meter_report_reaches_the_handler_with_the_senders_pid(
     client: ControlClient, handlers: FakeHandlers
 ) -> None:
-    client.meter("m1", 12, 0.5, 3.0)
-    assert handlers.meters == [("m1", MeterTotals(12, 0.5, 3.0))]
+    client.meter("m1", 2, 12, 0.5, 3.0)
+    assert handlers.meters == [("m1", MeterTotals(12, 0.5, 3.0), 2)]
     assert handlers.pids == [os.getpid()]
     assert client.diagnose() == {"jobs": [{"job": "python[1]", "batches": 1}]}
 
@@ -150,10 +153,14 @@ def test_a_meter_report_reaches_the_handler_with_the_senders_pid(
 @pytest.mark.parametrize(
     ("body", "named"),
     [
-        ({"meter": "m", "batches": -1, "data_wait_seconds": 0, "step_seconds": 0}, "batches"),
-        ({"meter": "m", "batches": 1, "data_wait_seconds": -0.5, "step_seconds": 0}, "data_wait_seconds"),
-        ({"meter": "", "batches": 1, "data_wait_seconds": 0, "step_seconds": 0}, "meter"),
-        ({"meter": "m", "batches": 1, "data_wait_seconds": 0}, "step_seconds"),
+        ({**METER, "batches": -1}, "batches"),
+        ({**METER, "batches": 10**4000}, "batches"),
+        ({**METER, "data_wait_seconds": -0.5}, "data_wait_seconds"),
+        ({**METER, "step_seconds": 1e308}, "step_seconds"),
+        ({**METER, "data_wait_seconds": 5.0, "step_seconds": 4.0}, "data_wait_seconds"),
+        ({**METER, "meter": ""}, "meter"),
+        ({**METER, "readers": -1}, "readers"),
+        ({key: value for key, value in METER.items() if key != "step_seconds"}, "step_seconds"),
     ],
 )
 def test_a_bad_meter_report_is_refused_naming_the_field(

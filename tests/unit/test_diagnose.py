@@ -8,6 +8,8 @@ import logging
 import random
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -17,9 +19,10 @@ import pytest
 from benchmarks.policy_sim import DEFAULT_FRACTIONS, run
 from cachefsd.cli.doctor import judge, render
 from cachefsd.diagnose import meter
-from cachefsd.diagnose.ledger import MAX_METERS_PER_JOB, JobReads, MeterLedger
+from cachefsd.diagnose.ledger import MAX_JOBS, MAX_METERS_PER_JOB, JobReads, MeterLedger
 from cachefsd.diagnose.meter import MeterTotals, watch
 from cachefsd.diagnose.verdict import (
+    INPUT_BOUND,
     NOT_INPUT_BOUND,
     PREPROCESSING,
     STORAGE,
@@ -47,14 +50,14 @@ class Clock:
 class Recorder:
     """A sink that keeps every report, or fails them all."""
 
-    def __init__(self, fail: bool = False) -> None:
-        self.reports: list[tuple[str, MeterTotals]] = []
+    def __init__(self, fail: BaseException | None = None) -> None:
+        self.reports: list[tuple[str, MeterTotals, int]] = []
         self.fail = fail
 
-    def send(self, meter_id: str, totals: MeterTotals) -> None:
-        if self.fail:
-            raise ControlError("no daemon here")
-        self.reports.append((meter_id, totals))
+    def send(self, meter_id: str, totals: MeterTotals, readers: int) -> None:
+        if self.fail is not None:
+            raise self.fail
+        self.reports.append((meter_id, totals, readers))
 
 
 def slow_loader(clock: Clock, waits: list[float]) -> Iterator[float]:
@@ -75,12 +78,13 @@ def test_the_meter_yields_every_batch_and_measures_wait_and_step_after_the_first
         seen.append(batch)
         clock.now += 1.0  # the step's compute
     assert seen == waits
-    _, final = sink.reports[-1]
+    _, final, readers = sink.reports[-1]
+    assert readers == 0  # a generator: the loop reads itself
     assert final.batches == 4
     assert final.data_wait_seconds == pytest.approx(0.7)
     assert final.step_seconds == pytest.approx(4.7)
     assert final.data_wait_fraction == pytest.approx(0.7 / 4.7)
-    assert len({meter_id for meter_id, _ in sink.reports}) == 1  # one meter, cumulative totals
+    assert len({meter_id for meter_id, _, _ in sink.reports}) == 1  # one meter, cumulative totals
     assert sink.reports[0][1] == MeterTotals()  # the window opens at the first batch
 
 
@@ -95,13 +99,41 @@ def test_a_loop_that_stops_early_still_reports_what_it_measured() -> None:
 def test_an_unreachable_daemon_costs_one_warning_and_the_batches_flow(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(meter, "_warned", meter.threading.Event())
+    monkeypatch.setattr(meter, "_backoff", meter._Backoff())
     with caplog.at_level(logging.WARNING, logger="cachefsd.diagnose.meter"):
         assert list(watch(range(5), tmp_path)) == list(range(5))  # not a mount
-        assert list(watch(range(5), tmp_path, sink=Recorder(fail=True))) == list(range(5))
+        sink = Recorder(fail=ControlError("gone"))
+        assert list(watch(range(5), tmp_path, sink=sink)) == list(range(5))
     warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "not a cachefsd mount" in warnings[0].getMessage()
+
+
+def test_a_sink_that_breaks_or_hangs_never_reaches_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(meter, "_backoff", meter._Backoff())
+    assert list(watch(range(3), "/nowhere", sink=Recorder(fail=OSError("broken pipe")))) == [0, 1, 2]
+    release = threading.Event()
+
+    class Hung:
+        def send(self, meter_id: str, totals: MeterTotals, readers: int) -> None:
+            release.wait(60)
+
+    started = time.monotonic()
+    try:
+        assert list(watch(range(3), "/nowhere", sink=Hung())) == [0, 1, 2]
+        # The end of a pass waits for its last report for a bounded time only.
+        assert time.monotonic() - started < meter.CLOSE_WAIT_SECONDS + 5
+    finally:
+        release.set()
+
+
+def test_a_dataloader_reports_its_workers_as_the_readers() -> None:
+    class Loader(list[int]):
+        num_workers = 3
+
+    sink = Recorder()
+    assert list(watch(Loader([1, 2]), "/nowhere", sink=sink)) == [1, 2]
+    assert {readers for _, _, readers in sink.reports} == {3}
 
 
 def test_an_empty_loader_reports_nothing() -> None:
@@ -135,13 +167,16 @@ def test_a_jobs_meters_add_up_and_a_repeated_report_counts_once() -> None:
     reads = {"job": JobReads(1.0, 100.0, 50.0)}
     events = Events()
     ledger = MeterLedger(reads.__getitem__, events, Clock())
-    ledger.report("job", "rank0", MeterTotals(10, 1.0, 10.0))
-    ledger.report("job", "rank1", MeterTotals(5, 2.0, 5.0))
-    ledger.report("job", "rank1", MeterTotals(5, 2.0, 5.0))  # the same totals again
-    ledger.report("job", "rank0", MeterTotals(8, 0.5, 8.0))  # less than before: ignored
+    ledger.report("job", "/m", "rank0", MeterTotals(10, 1.0, 10.0), readers=2)
+    ledger.report("job", "/m", "rank1", MeterTotals(5, 2.0, 5.0), readers=0)
+    ledger.report("job", "/m", "rank1", MeterTotals(5, 2.0, 5.0), readers=0)  # the same totals again
+    ledger.report("job", "/m", "rank0", MeterTotals(8, 0.5, 8.0), readers=2)  # less than before: ignored
     reads["job"] = JobReads(4.0, 300.0, 60.0)
-    (job,) = ledger.jobs()
+    (job,) = ledger.jobs("/m")
+    assert ledger.jobs("/elsewhere") == []  # a mount's doctor shows the jobs metered through it
     assert job.totals == MeterTotals(15, 3.0, 15.0)
+    # Two workers had the whole of rank0's steps; rank1's loop read itself, inside next().
+    assert job.reader_seconds == pytest.approx(2 * 10.0 + 2.0)
     assert job.meters == 2
     assert job.reads == JobReads(3.0, 200.0, 10.0)  # since its first report
     assert sum(delta[1] for delta in events.deltas) == 15
@@ -151,39 +186,51 @@ def test_a_jobs_meters_add_up_and_a_repeated_report_counts_once() -> None:
 def test_a_job_keeps_the_totals_of_meters_it_forgets() -> None:
     ledger = MeterLedger(lambda _: JobReads(), Events(), Clock())
     for index in range(MAX_METERS_PER_JOB + 10):
-        ledger.report("job", f"epoch{index}", MeterTotals(1, 0.1, 1.0))
-    (job,) = ledger.jobs()
+        ledger.report("job", "/m", f"epoch{index}", MeterTotals(1, 0.1, 1.0), readers=1)
+    (job,) = ledger.jobs("/m")
     assert job.meters == MAX_METERS_PER_JOB
     assert job.totals.batches == MAX_METERS_PER_JOB + 10
+    assert job.reader_seconds == pytest.approx(MAX_METERS_PER_JOB + 10)
+
+
+def test_a_forgotten_job_that_reports_again_is_not_counted_twice_in_the_metrics() -> None:
+    events = Events()
+    ledger = MeterLedger(lambda _: JobReads(), events, Clock())
+    ledger.report("old", "/m", "meter", MeterTotals(10, 1.0, 10.0), readers=1)
+    for index in range(MAX_JOBS):  # the old job's entry goes
+        ledger.report(f"job{index}", "/m", f"m{index}", MeterTotals(1, 0.1, 1.0), readers=1)
+    assert "old" not in {job.job for job in ledger.jobs("/m")}
+    ledger.report("old", "/m", "meter", MeterTotals(12, 1.2, 12.0), readers=1)
+    assert sum(batches for job, batches, _, _ in events.deltas if job == "old") == 12
 
 
 def test_reads_counted_with_other_jobs_are_unknown_until_the_job_has_its_own() -> None:
     reads: dict[str, JobReads | None] = {"job": None}
     ledger = MeterLedger(reads.__getitem__, Events(), Clock())
-    ledger.report("job", "m", MeterTotals(1, 0.1, 1.0))
-    assert ledger.jobs()[0].reads is None
+    ledger.report("job", "/m", "m", MeterTotals(1, 0.1, 1.0), readers=1)
+    assert ledger.jobs("/m")[0].reads is None
     reads["job"] = JobReads(2.0, 10.0, 10.0)
-    ledger.report("job", "m", MeterTotals(2, 0.2, 2.0))  # the window starts now
+    ledger.report("job", "/m", "m", MeterTotals(2, 0.2, 2.0), readers=1)  # the window starts now
     reads["job"] = JobReads(3.0, 30.0, 10.0)
-    assert ledger.jobs()[0].reads == JobReads(1.0, 20.0, 0.0)
+    assert ledger.jobs("/m")[0].reads == JobReads(1.0, 20.0, 0.0)
 
 
 # -- the verdict ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("data_wait", "storage_stall", "expected"),
+    ("data_wait", "reading", "expected"),
     [
         (0.049, 0.9, NOT_INPUT_BOUND),  # TensorFlow's 5 %
-        (0.05, 0.03, STORAGE),
-        (0.05, 0.02, PREPROCESSING),
-        (0.60, 0.30, STORAGE),  # the store explains half the wait
-        (0.60, 0.29, PREPROCESSING),
-        (0.60, 1.00, STORAGE),  # workers' stalls add up past the wait
+        (0.05, 0.5, STORAGE),  # the readers read half their time
+        (0.90, 0.49, PREPROCESSING),  # and otherwise they mostly decode
+        (0.06, 0.10, PREPROCESSING),  # eight workers each reading 10 %: decoding is the cause
+        (0.60, None, INPUT_BOUND),  # the job's reads are counted with others': the cause is unknown
+        (0.01, None, NOT_INPUT_BOUND),
     ],
 )
-def test_verdict_thresholds(data_wait: float, storage_stall: float, expected: str) -> None:
-    assert verdict(data_wait, storage_stall) == expected
+def test_verdict_thresholds(data_wait: float, reading: float | None, expected: str) -> None:
+    assert verdict(data_wait, reading) == expected
 
 
 def test_severity_uses_tensorflows_bands() -> None:
@@ -200,8 +247,8 @@ def facts(**changes: object) -> JobFacts:
         "mountpoint": "/mnt/data",
         "batches": 500,
         "data_wait_fraction": 0.5,
+        "read_fraction": 0.95,
         "storage_stall_fraction": 0.9,
-        "hit_ratio": 0.3,
         "epoch": 2,
         "order_source": "hint",
         "repeats": False,
@@ -228,9 +275,15 @@ def test_a_cold_first_epoch_is_told_to_stage_and_an_unknown_order_to_hint() -> N
 
 
 def test_preprocessing_and_compute_bound_jobs_get_their_own_advice() -> None:
-    assert any("num_workers" in note for note in advice(facts(storage_stall_fraction=0.0), []))
+    assert any(
+        "num_workers" in note for note in advice(facts(read_fraction=0.1, storage_stall_fraction=0.0), [])
+    )
+    cached_but_slow = advice(facts(read_fraction=0.9, storage_stall_fraction=0.1), [])
+    assert any("reading what is cached is what is slow" in note for note in cached_but_slow)
     assert any("nothing to change" in note for note in advice(facts(data_wait_fraction=0.01), []))
     assert any("let the job run longer" in note for note in advice(facts(batches=3), []))
+    unknown = advice(facts(read_fraction=None, storage_stall_fraction=None), [])
+    assert any("reads with other jobs'" in note for note in unknown)
 
 
 # -- what-if -------------------------------------------------------------------
@@ -304,9 +357,15 @@ def diagnosis(step: float, wait: float, stall: float, order: ObservedOrder | Non
                 "batches": 100,
                 "data_wait_seconds": wait,
                 "step_seconds": step,
+                "reader_seconds": 2 * step,
                 "meters": 1,
                 "last_report_seconds_ago": 1.0,
-                "reads": {"stall_seconds": stall, "cache_bytes": 300.0, "cold_bytes": 100.0},
+                "reads": {
+                    "read_seconds": stall * 1.1,
+                    "stall_seconds": stall,
+                    "cache_bytes": 300.0,
+                    "cold_bytes": 100.0,
+                },
                 "observed": None if order is None else asdict(order),
             }
         ],
@@ -314,11 +373,12 @@ def diagnosis(step: float, wait: float, stall: float, order: ObservedOrder | Non
 
 
 def test_the_doctor_judges_each_job_and_tables_what_if() -> None:
-    report = judge(diagnosis(step=100.0, wait=40.0, stall=80.0, order=observed(100, repeats=False)))
+    report = judge(diagnosis(step=100.0, wait=40.0, stall=160.0, order=observed(100, repeats=False)))
     (job,) = report["jobs"]
     assert job["verdict"] == STORAGE
+    assert job["read_fraction"] == pytest.approx(0.88)
     assert job["data_wait_fraction"] == pytest.approx(0.4)
-    assert job["storage_stall_fraction"] == pytest.approx(0.8)
+    assert job["storage_stall_fraction"] == pytest.approx(0.8)  # of its two readers' 200 s
     assert job["hit_ratio"] == pytest.approx(0.75)
     rows = job["what_if"]["rows"]
     assert [row["current"] for row in rows].count(True) == 1
