@@ -236,7 +236,8 @@ def mounted(target: str, cache_dir: Path | None, cache_size: str | None) -> Iter
     command += ["--cache-dir", str(cache_dir or work / "cache")]
     if cache_size is not None:
         command += ["--cache-size", cache_size]
-    if subprocess.run(command, check=False).returncode != 0:
+    # What the mount says goes to stderr: stdout is the measurements' (--json).
+    if subprocess.run(command, stdout=sys.stderr, check=False).returncode != 0:
         shutil.rmtree(work, ignore_errors=True)
         raise CachefsdError(f"could not mount {target} to measure it")
     try:

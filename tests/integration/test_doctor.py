@@ -5,7 +5,7 @@ run three ways, each its own job (a process group of its own), judged
 cache and an expensive ``__getitem__``, ``not-input-bound`` with a warm
 cache and an expensive step; each time the daemon's data-wait fraction is
 within 0.1 of what the loop measured itself. Then ``cachefsd bench`` reads
-the same mount and a local copy of it."""
+a mount beside a local copy of it, and a source it mounts itself."""
 
 from __future__ import annotations
 
@@ -141,3 +141,28 @@ def test_bench_reads_a_mount_in_shuffled_epochs_beside_a_local_copy(
     assert text.returncode == 0, text.stderr
     assert "through cachefsd" in text.stdout
     assert "x the local copy's MB/s" in text.stdout
+
+
+def test_bench_mounts_a_source_itself_and_unmounts_it(tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    source.mkdir()
+    for index in range(12):
+        (source / f"{index}.bin").write_bytes(os.urandom(FILE_BYTES))
+    cache = tmp_path / "cache"
+    result = run_cli(
+        "bench", str(source), "--epochs", "2", "--workers", "2", "--cache-dir", str(cache), "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    first, second = json.loads(result.stdout)["mount"]
+    assert first["files"] == second["files"] == 12
+    assert first["waited_share"] > 0  # a fresh cache: files came from the source
+    assert second["hit_ratio"] == 1.0
+    assert any(cache.iterdir())  # the cache it was given is kept, and filled
+    mounted = Path("/proc/mounts").read_text()
+    assert "cachefsd-bench-" not in mounted  # unmounted when done
+
+
+def test_bench_of_a_source_that_cannot_be_mounted_fails_with_a_message(tmp_path: Path) -> None:
+    result = run_cli("bench", str(tmp_path / "missing"), "--epochs", "1")
+    assert result.returncode != 0
+    assert "could not mount" in result.stderr
