@@ -76,6 +76,8 @@ def render(stats: dict[str, Any], throughput: RenderableType | None = None) -> R
         )
     parts.append(tiers)
     parts.append(_activity(stats))
+    if stats.get("jobs"):
+        parts.append(_jobs(stats["jobs"]))
 
     residency = stats.get("residency", {})
     tier_names = list(residency.get("tiers", []))
@@ -117,6 +119,30 @@ def _this_mount(mount: dict[str, Any]) -> RenderableType:
     )
     table.add_row("read stall", _duration(mount.get("stall_seconds", 0.0)))
     return table
+
+
+def _jobs(jobs: dict[str, Any]) -> RenderableType:
+    """The jobs the metrics name: which one waits, on reads and in its loop."""
+    table = Table(title="jobs", title_justify="left")
+    for column in ("job", "reads", "hit ratio", "read stall", "batches", "data wait"):
+        table.add_column(column, justify="left" if column == "job" else "right")
+    for name, job in jobs.items():
+        metered = job["batches"] > 0
+        table.add_row(
+            Text(name),  # a command's name, not markup
+            str(job["reads"]["cache"] + job["reads"]["cold"]),
+            _percent(job["hit_ratio"]),
+            _duration(job["stall_seconds"]),
+            str(job["batches"]) if metered else "-",
+            _percent(job["data_wait_fraction"]) if metered else "-",
+        )
+    return Group(
+        table,
+        Text(
+            "batches and data wait from a loader meter (cachefsd.diagnose.watch); why: cachefsd doctor",
+            style="dim",
+        ),
+    )
 
 
 def _activity(stats: dict[str, Any]) -> RenderableType:

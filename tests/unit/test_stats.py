@@ -20,6 +20,7 @@ from rich.console import Console
 from cachefsd.cache.index import BlockRef, Index, StoredBlock
 from cachefsd.cli.stats import render
 from cachefsd.cli.top import SPARK_CHARS, Keys, Throughput, sparkline
+from cachefsd.diagnose.ledger import JobReads
 from cachefsd.metrics import LATENCY_BUCKETS, Metrics
 from cachefsd.stats import (
     HIT_WINDOW_SECONDS,
@@ -328,6 +329,29 @@ def test_snapshot_agrees_with_the_registry(index: Index) -> None:
     index.close()
 
 
+def test_snapshot_lists_each_named_job_with_its_loader_meter() -> None:
+    metrics = Metrics(CollectorRegistry())
+    residency = Residency(lambda: [], ["hot"])
+    stats = DaemonStats(
+        metrics, FakeModel(), residency, "s3://bucket/data", "/mnt/data", dict, clock=FakeClock()
+    )
+    metrics.read_done({"cold": 300}, 0.5, "python[1]", 0.6)
+    metrics.read_done({"hot": 600, "memory": 100}, 0.0, "python[1]", 0.25)
+    metrics.meter_reported("python[1]", 10, 1.0, 4.0)
+    assert json.loads(json.dumps(stats.snapshot()))["jobs"] == {
+        "python[1]": {
+            "reads": {"cache": 1, "cold": 1},
+            "bytes": {"cache": 700, "cold": 300},
+            "hit_ratio": pytest.approx(0.7),
+            "stall_seconds": 0.5,
+            "batches": 10,
+            "data_wait_fraction": 0.25,
+        }
+    }
+    assert metrics.job_reads_so_far("python[1]") == JobReads(pytest.approx(0.85), 0.5, 700.0, 300.0)
+    assert metrics.job_reads_so_far("nobody[2]") == JobReads()  # it would get a series at its first read
+
+
 def test_a_residency_computed_for_the_snapshot_is_not_negative_seconds_old(index: Index) -> None:
     """It is computed after the snapshot's clock was read: "as of 0 s ago", not "-0"."""
     residency = Residency(lambda: index.resident_bytes_by_prefix("s3://bucket/data"), ["hot"])
@@ -410,6 +434,24 @@ SAMPLE: dict[str, Any] = {
     "dedup": {"disk_saved_bytes": 1 << 20, "wire_saved_bytes": 0},
     "cache": {},
     "epoch": {"current": 2, "jobs": {"train": 2, "val": 1}},
+    "jobs": {
+        "python[4242]": {
+            "reads": {"cache": 900, "cold": 100},
+            "bytes": {"cache": 9 << 20, "cold": 1 << 20},
+            "hit_ratio": 0.9,
+            "stall_seconds": 3.5,
+            "batches": 120,
+            "data_wait_fraction": 0.375,
+        },
+        "cat[77]": {
+            "reads": {"cache": 0, "cold": 2},
+            "bytes": {"cache": 0, "cold": 4096},
+            "hit_ratio": 0.0,
+            "stall_seconds": 0.04,
+            "batches": 0,
+            "data_wait_fraction": None,
+        },
+    },
     "access": {},
     "residency": {
         "source": "s3://datasets/imagenet",
@@ -479,6 +521,10 @@ def test_the_stats_table_shows_every_section() -> None:
     assert [cell.strip() for cell in train.split("│")[2:5]] == ["24.0 GiB", "0 B", "24.0 GiB"]
     assert any(line.startswith(f"│ {OTHER_PREFIX}") for line in lines)
     assert "as of 12 s ago" in text
+    job = next(line for line in lines if line.startswith("│ python[4242]"))
+    assert [cell.strip() for cell in job.split("│")[2:7]] == ["1000", "90.0 %", "3.50 s", "120", "37.5 %"]
+    unmetered = next(line for line in lines if line.startswith("│ cat[77]"))
+    assert [cell.strip() for cell in unmetered.split("│")[5:7]] == ["-", "-"]
 
 
 def test_the_stats_table_of_an_idle_mount() -> None:
