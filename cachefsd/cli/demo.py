@@ -42,15 +42,17 @@ def _free_port() -> int:
 
 
 def _make_dataset(root: Path) -> dict[str, str]:
-    """Files of random bytes; returns relative path -> sha256."""
+    """Files of random bytes in ImageFolder's layout (``train/<class>/``, so
+    the daemon sees one job, not one a class folder at the mount's root);
+    returns relative path -> sha256."""
     digests = {}
     rng = random.Random(0)
     for class_index in range(CLASSES):
-        class_dir = root / f"class_{class_index:02d}"
+        class_dir = root / "train" / f"class_{class_index:02d}"
         class_dir.mkdir(parents=True)
         for file_index in range(FILES_PER_CLASS):
             data = rng.randbytes(FILE_BYTES)
-            relative = f"class_{class_index:02d}/sample_{file_index:04d}.jpg"
+            relative = f"train/class_{class_index:02d}/sample_{file_index:04d}.jpg"
             (root / relative).write_bytes(data)
             digests[relative] = hashlib.sha256(data).hexdigest()
     return digests
