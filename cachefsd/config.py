@@ -168,6 +168,14 @@ class TierSettings(_Section):
     codec: Codec
 
 
+class SharedSettings(_Section):
+    """The shared tier (``cache/shared.py``): a bucket every node's daemon
+    reads below its local tiers and fills after an origin fetch."""
+
+    url: str = Field(pattern=r"^(s3|gs)://[^/]+")  # s3://bucket[/prefix], gs://bucket[/prefix]
+    endpoint_url: str | None = None  # an S3-compatible endpoint (MinIO, Ceph)
+
+
 class CacheSettings(_Section):
     """Where blocks live. Without ``hot`` or ``warm``, one raw tier of
     ``size`` bytes under ``dir``; with them, those tiers (``dir`` then only
@@ -182,6 +190,7 @@ class CacheSettings(_Section):
     block_size: ByteSize = Field(default=4 << 20, ge=64 << 10, le=64 << 20)
     hot: TierSettings | None = None
     warm: TierSettings | None = None
+    shared: SharedSettings | None = None
     policy: Literal["epoch-aware", "lru", "2-random", "minio"] = "epoch-aware"
     # Reuse cached blocks of another object with the same etag and size
     # instead of downloading (S3 etags of single-part uploads are content

@@ -26,6 +26,7 @@ from cachefsd.buffers import reuse_block_buffers
 from cachefsd.cache.directory import OpenCache, open_cache, tier_specs
 from cachefsd.cache.index import Index
 from cachefsd.cache.policy import PlannedUse
+from cachefsd.cache.shared import SharedTier, open_shared
 from cachefsd.cache.tiered import TieredCache
 from cachefsd.config import CacheSettings, FetchSettings, Settings, StoreSettings, human_bytes
 from cachefsd.diagnose.ledger import MeterLedger
@@ -95,11 +96,12 @@ def data_path(
     reads: ReadEvents | None = None,
     listing_clock: Callable[[], float] = time.time,
     fresh_wait: float = FRESH_WAIT_SECONDS,
+    shared: SharedTier | None = None,
 ) -> tuple[BlockReader, Namespace, Prefetcher, FileSystem]:
     """The data path over an opened cache, from the fetcher to the
     filesystem, wired as every mount has it; ``reads`` counts its reads
     (``metrics`` when None), ``listing_clock`` and ``fresh_wait`` are the
-    namespace's (tests pass their own)."""
+    namespace's (tests pass their own); ``shared`` the node's shared tier."""
     fetcher = Fetcher(store, settings.fetch, metrics)
     dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
     reader = BlockReader(
@@ -110,6 +112,7 @@ def data_path(
         io,
         metrics if reads is None else reads,
         dedup_by_etag,
+        shared,
     )
     namespace = Namespace(
         store,
@@ -176,6 +179,7 @@ class Node:
         self.planned = PlannedUse()
         self.io = LoopThread()
         self._opened: OpenCache | None = None
+        self._shared: SharedTier | None = None
 
     @property
     def cache(self) -> TieredCache:
@@ -222,9 +226,15 @@ class Node:
         ) as opened:
             _warn_of_small_disks(opened.cache)
             self._opened = opened
+            if cache.shared is not None:
+                store = open_shared(cache.shared.url, cache.shared.endpoint_url)
+                self._shared = SharedTier(store, self.io, cache.block_size, self.metrics, time.monotonic)
             try:
                 yield
             finally:
+                if self._shared is not None:
+                    self._shared.close()
+                    self._shared = None
                 self._opened = None
 
     @contextmanager
@@ -241,6 +251,7 @@ class Node:
             model,
             settings,
             self.metrics.for_mount(str(settings.mountpoint)),
+            shared=self._shared,
         )
         self.epochs.add(model)
         try:

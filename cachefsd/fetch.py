@@ -24,7 +24,7 @@ from cachefsd.store.base import ObjectStore
 T = TypeVar("T")
 
 # demand: a reader waits; prefetch: nobody waits yet; metadata: list/head.
-FetchKind = Literal["demand", "prefetch", "metadata"]
+FetchKind = Literal["demand", "prefetch", "metadata", "shared"]
 
 
 class FetchEvents(Protocol):

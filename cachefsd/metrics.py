@@ -96,6 +96,12 @@ class ResidencyCollector(Collector):
         yield family
 
 
+def waited_bytes(served: dict[str, int]) -> int:
+    """Of a read's bytes, those that waited on a store: the origin's
+    (``cold``) and the shared tier's, which is a bucket too."""
+    return served.get("cold", 0) + served.get("shared", 0)
+
+
 class MountReads:
     """``ReadEvents`` of one mount: the node's counters, and the mount's own
     (``cachefsd_mount_*{mount}``), so a dashboard tells which mount waits."""
@@ -108,7 +114,7 @@ class MountReads:
 
     def read_done(self, served: dict[str, int], stall_seconds: float, job: str, seconds: float = 0.0) -> None:
         self._metrics.read_done(served, stall_seconds, job, seconds)
-        cold_bytes = served.get("cold", 0)
+        cold_bytes = waited_bytes(served)
         self._reads["cold" if cold_bytes else "cache"].inc()
         self._bytes["cache"].inc(sum(served.values()) - cold_bytes)
         if cold_bytes:
@@ -386,6 +392,12 @@ class Metrics:
             "Blocks moved down to the warm tier instead of dropped",
             registry=registry,
         )
+        self.shared_writes = Counter(
+            "cachefsd_shared_writes",
+            "Blocks written to the shared tier after an origin fetch, by result (failed: error, full queue)",
+            ["result"],
+            registry=registry,
+        )
         self.corrupt_blocks = Counter(
             "cachefsd_cache_corrupt_blocks",
             "Cached blocks that failed their hash check and were dropped",
@@ -510,7 +522,7 @@ class Metrics:
 
     # ReadEvents
     def read_done(self, served: dict[str, int], stall_seconds: float, job: str, seconds: float = 0.0) -> None:
-        cold_bytes = served.get("cold", 0)
+        cold_bytes = waited_bytes(served)
         nbytes = sum(served.values())
         label = self.job_labels.label(job)
         source = "cold" if cold_bytes else "cache"
@@ -586,6 +598,10 @@ class Metrics:
 
     def block_corrupt(self, tier: str) -> None:
         self.corrupt_blocks.labels(tier).inc()
+
+    # SharedEvents
+    def shared_written(self, ok: bool) -> None:
+        self.shared_writes.labels("ok" if ok else "failed").inc()
 
     def cache_error(self, tier: str) -> None:
         self.cache_errors.labels(tier).inc()

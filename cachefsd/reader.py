@@ -31,6 +31,7 @@ from typing import Protocol
 from cachefsd.aio import LoopThread
 from cachefsd.cache.codec import HEADER_SIZE, content_hash
 from cachefsd.cache.index import BlockRef
+from cachefsd.cache.shared import SharedTier
 from cachefsd.cache.tiered import TieredCache
 from cachefsd.errors import DeadlineExceeded, ObjectChanged, StoreError
 from cachefsd.fetch import Fetcher, FetchKind
@@ -195,8 +196,10 @@ class BlockReader:
         io: LoopThread,
         events: ReadEvents,
         dedup_by_etag: bool,
+        shared: SharedTier | None = None,
     ) -> None:
         self._source = source
+        self._shared = shared
         self._block_size = block_size
         self._cache = cache
         self._fetcher = fetcher
@@ -219,6 +222,9 @@ class BlockReader:
         # GET are one stall, not several.
         self._stalling: set[BlockRef] = set()
         self._gone: OrderedDict[tuple[str, str], str] = OrderedDict()  # (key, etag) -> why
+        # Blocks a demand read just had from the shared tier, not the origin:
+        # its read says where its bytes came from, and takes the entry out.
+        self._from_shared: set[BlockRef] = set()
 
     @property
     def block_size(self) -> int:
@@ -320,7 +326,10 @@ class BlockReader:
         self._cache.touch(digest)
         placement = self._cache.placement(digest)
         self._remember(ref, fetched, placement is not None and placement.raw)
-        return bytes(fetched[lo:hi]), "cold", time.monotonic() - started if counts_stall else 0.0
+        with self._waits_lock:
+            source = "shared" if ref in self._from_shared else "cold"
+            self._from_shared.discard(ref)
+        return bytes(fetched[lo:hi]), source, time.monotonic() - started if counts_stall else 0.0
 
     def listed(self, info: ObjectInfo) -> None:
         """Version ``info`` is listed (a lookup found it): if it was found gone,
@@ -491,7 +500,13 @@ class BlockReader:
         that others lead are read through and left to them): each is
         admitted (``ahead`` of its read, or for a read), then handed to
         ``fetched`` with its hash (computed once, here). Stops early when
-        ``proceed`` says no to the next block."""
+        ``proceed`` says no to the next block. With a shared tier, the
+        blocks it holds come from there instead, and those the origin sent
+        are queued for it."""
+        if self._shared is not None:
+            blocks = self._from_shared_tier(info, blocks, kind, fetched, tier, next_use, ahead)
+            if not blocks:
+                return
         first = min(blocks.values())
         start = block_bounds(first, info.size, self._block_size)[0]
         end = block_bounds(max(blocks.values()), info.size, self._block_size)[1]
@@ -500,15 +515,53 @@ class BlockReader:
         stream = self._fetcher.stream_range(info.key, start, end, info.etag, self._block_size, kind)
         last = max(refs)
         pieces = self._io.iterate(stream, self._fetcher.deadline + BRIDGE_MARGIN_SECONDS)
-        with contextlib.closing(pieces):  # stopping early ends the GET
-            for index, content in enumerate(pieces, first):
-                ref = refs.get(index)
-                if ref is not None:
-                    digest = content_hash(content)
-                    self._cache.admit(ref, digest, content, identity, tier, ahead=ahead, next_use=next_use)
-                    fetched(ref, (digest, content))
-                if index < last and proceed is not None and not proceed(index + 1):
-                    return
+        origin: dict[int, tuple[str, bytes]] = {}
+        try:
+            with contextlib.closing(pieces):  # stopping early ends the GET
+                for index, content in enumerate(pieces, first):
+                    ref = refs.get(index)
+                    if ref is not None:
+                        digest = content_hash(content)
+                        self._cache.admit(
+                            ref, digest, content, identity, tier, ahead=ahead, next_use=next_use
+                        )
+                        fetched(ref, (digest, content))
+                        if self._shared is not None:
+                            origin[index] = (digest, bytes(content))
+                    if index < last and proceed is not None and not proceed(index + 1):
+                        return
+        finally:
+            if self._shared is not None:
+                self._shared.store_later(self._source, info.key, info.etag, info.size, origin)
+
+    def _from_shared_tier(
+        self,
+        info: ObjectInfo,
+        blocks: dict[BlockRef, int],
+        kind: FetchKind,
+        fetched: Settle,
+        tier: str | None,
+        next_use: float | None,
+        ahead: bool,
+    ) -> dict[BlockRef, int]:
+        """Admit and hand over the blocks the shared tier holds, as if
+        fetched from the origin; the blocks left for the origin."""
+        assert self._shared is not None
+        found = self._shared.fetch(self._source, info.key, info.etag, info.size, sorted(blocks.values()))
+        identity = (info.etag, info.size) if self._dedup_by_etag else None
+        left = {}
+        for ref, index in blocks.items():
+            content = found.get(index)
+            if content is None:
+                left[ref] = index
+                continue
+            digest = content_hash(content)
+            self._cache.admit(ref, digest, content, identity, tier, ahead=ahead, next_use=next_use)
+            if kind == "demand":
+                with self._waits_lock:
+                    self._from_shared.add(ref)
+            fetched(ref, (digest, content))
+        return left
 
     def release_version(self, info: ObjectInfo) -> None:
         """Free the cached blocks of a version that no longer exists."""

@@ -68,7 +68,7 @@ OTHER_PREFIX = "(other)"
 # Keys at the source's root have no first component; an empty label value
 # means "no label" to Prometheus, so they get a name of their own.
 ROOT_PREFIX = "(root)"
-FETCH_KINDS = ("demand", "prefetch", "metadata")
+FETCH_KINDS = ("demand", "prefetch", "metadata", "shared")
 # The quantiles shown for fetch latency: the median and the tail.
 QUANTILES = {"p50_seconds": 0.5, "p99_seconds": 0.99}
 

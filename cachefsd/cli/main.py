@@ -36,6 +36,7 @@ _STAGE_CACHE_FLAGS = (
     "endpoint_url",
     "region",
     "fetch_deadline",
+    "shared_endpoint_url",
 )
 
 
@@ -78,6 +79,9 @@ def _data_path_flags(args: argparse.Namespace, source: str | None, mountpoint: A
         if tier_dir is not None or tier_size is not None:
             tier_flags = {"dir": tier_dir, "size": tier_size}
             flags.setdefault("cache", {})[tier] = {k: v for k, v in tier_flags.items() if v is not None}
+    if args.shared_tier is not None:
+        shared = {"url": args.shared_tier, "endpoint_url": args.shared_endpoint_url}
+        flags.setdefault("cache", {})["shared"] = {k: v for k, v in shared.items() if v is not None}
     _put(flags, "store", "endpoint_url", args.endpoint_url)
     _put(flags, "store", "region", args.region)
     _put(flags, "fetch", "deadline", args.fetch_deadline)
@@ -214,7 +218,11 @@ def _cmd_stage(args: argparse.Namespace, argv: list[str]) -> int:
         check=args.check,
     )
     return run_command(
-        target, request, lambda source: load_settings(args.config, _stage_flags(args, source)), args.json
+        target,
+        request,
+        lambda source: load_settings(args.config, _stage_flags(args, source)),
+        args.json,
+        fleet=args.shared_tier is not None,
     )
 
 
@@ -384,6 +392,10 @@ def _add_data_path_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hot-size", help="capacity of the hot tier, e.g. 200G or 50%% of its filesystem")
     parser.add_argument("--warm", help="directory of the warm tier (larger disk; lz4 blocks)")
     parser.add_argument("--warm-size", help="capacity of the warm tier, e.g. 2T or 80%%")
+    parser.add_argument(
+        "--shared-tier", help="bucket of the tier all nodes share, e.g. s3://fleet-cache/blocks"
+    )
+    parser.add_argument("--shared-endpoint-url", help="S3-compatible endpoint of the shared tier")
     parser.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
     parser.add_argument("--region", help="S3 region")
     parser.add_argument(

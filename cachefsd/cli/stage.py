@@ -12,6 +12,8 @@ from typing import IO, Any
 
 from cachefsd.config import Settings, human_bytes
 from cachefsd.control.client import StageRequest
+from cachefsd.errors import CachefsdError
+from cachefsd.fleet import stage_fleet
 from cachefsd.stage import MAX_LISTED_FAILURES, Target, stage_offline, stage_through
 
 # Without a terminal: one line this often, or whenever another
@@ -172,18 +174,26 @@ def run_command(
     settings: Callable[[str], Settings],
     as_json: bool,
     interactive: bool | None = None,
+    fleet: bool = False,
 ) -> int:
     """``cachefsd stage``: run, show progress, print the summary and every
     failure (one line each); 1 if anything failed, did not fit in the
     cache, or nothing was selected. ``settings(source)`` builds the
-    settings for an offline stage."""
+    settings for an offline stage; ``fleet`` stages a source into the
+    shared tier alone (``fleet.py``)."""
+    if fleet and target.mount is not None:
+        raise CachefsdError(
+            f"--shared-tier stages a source for the whole fleet, not a mount: a stage through "
+            f"{target.mount.mountpoint} reads from the shared tier its daemon was mounted with"
+        )
     view = ProgressView(interactive=False if as_json else interactive)
     try:
         if target.mount is not None:
             summary = stage_through(target.mount, request, view)
         else:
             assert target.source is not None
-            summary = stage_offline(settings(target.source), request, view)
+            run = stage_fleet if fleet else stage_offline
+            summary = run(settings(target.source), request, view)
     finally:
         view.close()
     nothing_selected = not summary["files"] and not summary["failed"]

@@ -1,0 +1,132 @@
+"""The shared tier: a block is served only if its header and its content
+prove it is the block asked for, and a mapping only if it is the one of the
+version asked for; over an in-memory object store, blocks one node writes
+are what another reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+
+import obstore
+import pytest
+from obstore.store import MemoryStore
+
+from cachefsd.aio import LoopThread
+from cachefsd.cache.codec import CorruptBlock, content_hash
+from cachefsd.cache.shared import SHARED_HEADER, SharedTier, mapping_path, pack, unpack
+
+BLOCK = 64 << 10
+
+
+def test_a_block_round_trips() -> None:
+    content = os.urandom(BLOCK - 7)
+    digest = content_hash(content)
+    assert unpack(pack(content, digest, BLOCK), digest, BLOCK) == content
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda blob: blob[: len(blob) // 2],  # a truncated write
+        lambda blob: blob[:-1] + bytes([blob[-1] ^ 1]),  # bit rot in the content
+        lambda blob: b"XXXX" + blob[4:],  # not a shared block at all
+        lambda blob: blob[:4] + bytes([2]) + blob[5:],  # another format version
+        lambda blob: blob[:3],  # shorter than its header
+        lambda blob: b"",
+    ],
+)
+def test_damage_is_always_caught(damage: object) -> None:
+    content = os.urandom(BLOCK)
+    digest = content_hash(content)
+    with pytest.raises(CorruptBlock):
+        unpack(damage(pack(content, digest, BLOCK)), digest, BLOCK)  # type: ignore[operator]
+
+
+def test_a_block_of_another_block_size_or_name_is_refused() -> None:
+    content = os.urandom(1000)
+    digest = content_hash(content)
+    with pytest.raises(CorruptBlock, match="not 131072"):
+        unpack(pack(content, digest, BLOCK), digest, 2 * BLOCK)
+    other = content_hash(b"other")
+    with pytest.raises(CorruptBlock):
+        unpack(pack(content, digest, BLOCK), other, BLOCK)  # stored under the wrong name
+
+
+def test_the_header_says_what_it_holds() -> None:
+    content = b"x" * 100
+    magic, version, size, length = SHARED_HEADER.unpack_from(pack(content, content_hash(content), BLOCK))
+    assert (magic, version, size, length) == (b"CFSS", 1, BLOCK, 100)
+
+
+def test_mappings_are_named_by_version_and_block_size() -> None:
+    one = mapping_path("s3://b", "k", "e1", BLOCK)
+    assert one.startswith(f"maps/{BLOCK}/")
+    assert one != mapping_path("s3://b", "k", "e2", BLOCK)  # a new version, a new mapping
+    assert one != mapping_path("s3://b", "k", "e1", 2 * BLOCK)
+    assert one != mapping_path("s3://c", "k", "e1", BLOCK)
+    assert json.dumps(one)  # a plain key
+
+
+class Events:
+    def __init__(self) -> None:
+        self.fetched: list[int] = []
+        self.writes: list[bool] = []
+        self.corrupt: list[str] = []
+
+    def fetch_done(self, kind: object, seconds: float, nbytes: int) -> None:
+        self.fetched.append(nbytes)
+
+    def shared_written(self, ok: bool) -> None:
+        self.writes.append(ok)
+
+    def block_corrupt(self, tier: str) -> None:
+        self.corrupt.append(tier)
+
+
+@pytest.fixture(name="io")
+def fixture_io() -> Iterator[LoopThread]:
+    loop = LoopThread()
+    yield loop
+    loop.stop()
+
+
+def tier_over(store: MemoryStore, io: LoopThread, events: Events) -> SharedTier:
+    return SharedTier(store, io, BLOCK, events, time.monotonic)  # type: ignore[arg-type]
+
+
+def test_blocks_written_by_one_node_are_read_by_another(io: LoopThread) -> None:
+    store, events = MemoryStore(), Events()
+    contents = {0: os.urandom(BLOCK), 1: os.urandom(500)}
+    writer = tier_over(store, io, events)
+    writer.store_later(
+        "s3://b", "k", "e1", BLOCK + 500, {i: (content_hash(c), c) for i, c in contents.items()}
+    )
+    writer.close()  # the queue is drained
+    assert events.writes == [True, True]
+    reader = tier_over(store, io, Events())
+    assert reader.fetch("s3://b", "k", "e1", BLOCK + 500, [0, 1, 2]) == contents
+    # Another version of the key, or the same one read with another size, finds nothing.
+    assert reader.fetch("s3://b", "k", "e2", BLOCK + 500, [0, 1]) == {}
+    assert reader.fetch("s3://b", "k", "e1", BLOCK, [0, 1]) == {}
+
+
+def test_a_stale_or_damaged_mapping_and_a_corrupt_block_are_misses(io: LoopThread) -> None:
+    store, events = MemoryStore(), Events()
+    content = os.urandom(1000)
+    digest = content_hash(content)
+    writer = tier_over(store, io, Events())
+    writer.store_later("s3://b", "k", "e1", 1000, {0: (digest, content)})
+    writer.close()
+    path = mapping_path("s3://b", "k", "e1", BLOCK)
+    mapping = json.loads(bytes(obstore.get(store, path).bytes()))
+    obstore.put(store, path, json.dumps({**mapping, "etag": "e0"}).encode())  # a stale mapping
+    assert tier_over(store, io, events).fetch("s3://b", "k", "e1", 1000, [0]) == {}
+    obstore.put(store, path, b"{not json")
+    assert tier_over(store, io, events).fetch("s3://b", "k", "e1", 1000, [0]) == {}
+    obstore.put(store, path, json.dumps(mapping).encode())
+    obstore.put(store, f"blocks/{digest}", pack(content, digest, BLOCK)[:-1] + b"?")
+    assert tier_over(store, io, events).fetch("s3://b", "k", "e1", 1000, [0]) == {}
+    assert events.corrupt == ["shared"]
