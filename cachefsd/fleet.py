@@ -78,7 +78,9 @@ class FleetBlocks:
             )
         }
         if not self._shared.store_now(self._source, info.key, info.etag, info.size, blocks):
-            raise StoreError(f"could not write {info.key}'s blocks to the shared tier")
+            raise StoreError(
+                f"could not write {info.key}'s blocks to the shared tier: {self._shared.last_error}"
+            )
         return set(blocks)
 
 
@@ -107,6 +109,7 @@ def stage_fleet(settings: Settings, request: StageRequest, report: Report) -> di
             time.monotonic,
         )
         resources.callback(shared.close)
+        shared.check()
         blocks = FleetBlocks(store.cache_key, shared, fetcher, io, block_size)
         try:
             return stage_files(namespace, blocks, [SHARED], request, report)

@@ -557,7 +557,7 @@ class BlockReader:
                 continue
             digest = content_hash(content)
             self._cache.admit(ref, digest, content, identity, tier, ahead=ahead, next_use=next_use)
-            if kind == "demand":
+            if kind == "demand" and len(blocks) == 1:  # a read's own fetch, which its ``_piece`` takes back
                 with self._waits_lock:
                     self._from_shared.add(ref)
             fetched(ref, (digest, content))

@@ -4,7 +4,7 @@ local tiers and above the origin, and fills after an origin fetch.
 Layout under the shared URL's prefix (an S3-compatible bucket, or GCS; any
 store ``obstore`` opens from a URL):
 
-- ``blocks/<hash>``: one block, named by its content hash, as a frame of
+- ``blocks/<block size>/<hash>``: one block, named by its content hash, as a frame of
   ``SHARED_HEADER`` (magic ``CFSS``, format version, block size, content
   length) followed by the cache's own frame (``codec.encode``: its header
   carries the hash again). A block is the same bytes whatever object holds
@@ -21,12 +21,14 @@ length) and its content hashes to the name the mapping gave. Anything else
 reader goes to the origin. The daemon never deletes there; a lifecycle rule
 on the prefix does.
 
-Writes go on a bounded queue to one writer thread: an origin fetch never
-waits for them, and when the queue is full a write is dropped (counted).
+Writes go to a few writer threads, a version always to the same one, with
+at most ``WRITE_QUEUE_BYTES`` waiting: an origin fetch never waits for them,
+and what does not fit is dropped (counted).
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import hashlib
 import json
@@ -35,6 +37,7 @@ import os
 import queue
 import struct
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -60,12 +63,30 @@ SHARED_FORMAT_VERSION = 1
 SHARED_HEADER = struct.Struct(">4sB3xII")  # magic, version, padding, block size, content length
 # Mappings of the object versions read lately: a reader's every block asks.
 MAPPINGS_REMEMBERED = 4096
-# Writes waiting for the writer: a node that outruns the shared bucket drops
-# the rest rather than hold their blocks in memory.
-WRITE_QUEUE_BLOCKS = 256
-# A request to the shared tier that takes longer is a miss: the origin then
-# serves the read, so a slow shared bucket costs at most this.
-REQUEST_SECONDS = 10.0
+# Writer threads: a shared bucket answers a PUT in milliseconds, and one
+# writer fell behind an origin that brings 130 small files a second. A
+# version always goes to the same writer, so its mapping is never written by
+# two threads of one node at once.
+WRITERS = 8
+# Bytes of blocks waiting for the writers at most: a node that outruns the
+# shared bucket drops the rest (counted) rather than hold them in memory.
+WRITE_QUEUE_BYTES = 256 << 20
+# A read's requests to the shared tier (a mapping, then its blocks at once)
+# each end after this long as a miss: the origin then serves the read, and
+# the fetch deadline keeps nearly all of its time for that.
+REQUEST_SECONDS = 2.0
+# After a failed request, reads skip the shared tier this long: a bucket that
+# is down costs one timeout, not one a read.
+DOWN_SECONDS = 30.0
+# A version's mapping is looked up again after this long: blocks another
+# node writes meanwhile are found (and a missing mapping is not asked for
+# at every read of the file's blocks).
+MAPPING_SECONDS = 10.0
+MAPPING_LOCKS = 64
+
+
+# A queued write: source, key, etag, size, and the blocks (index -> hash, content).
+_Write = tuple[str, str, str, int, dict[int, tuple[str, bytes]]]
 
 
 class SharedEvents(Protocol):
@@ -102,6 +123,13 @@ def mapping_path(source: str, key: str, etag: str, block_size: int) -> str:
     return f"maps/{block_size}/{name}"
 
 
+class _Missing:
+    """A GET that found nothing there (as opposed to one that failed)."""
+
+
+MISSING = _Missing()
+
+
 class SharedTier:
     """The shared tier of one node: verified reads, queued writes."""
 
@@ -119,30 +147,63 @@ class SharedTier:
         self._events = events
         self._clock = clock
         self._lock = threading.Lock()
-        self._mappings: OrderedDict[str, tuple[int, dict[int, str]]] = OrderedDict()  # path -> (size, blocks)
-        self._writes: queue.Queue[tuple[str, str, str, int, dict[int, tuple[str, bytes]]] | None]
-        self._writes = queue.Queue(WRITE_QUEUE_BLOCKS)
-        self._writer = threading.Thread(target=self._write_all, name="cachefsd-shared", daemon=True)
-        self._writer.start()
+        # path -> (size, blocks, looked up at); an empty mapping is "none there".
+        self._mappings: OrderedDict[str, tuple[int, dict[int, str], float]] = OrderedDict()
+        self._down_until = 0.0  # guarded by _lock: no reads before then
+        self.last_error = ""  # the last failure's message, for a stage to report
+        self._queued_bytes = 0  # guarded by _lock
+        # One read-modify-write of a mapping at a time per path (striped): a
+        # stage's workers write runs of one large object at once.
+        self._mapping_locks = [threading.Lock() for _ in range(MAPPING_LOCKS)]
+        self._queues: list[queue.SimpleQueue[_Write | None]] = [queue.SimpleQueue() for _ in range(WRITERS)]
+        self._writers = [
+            threading.Thread(target=self._write_all, args=(writes,), name="cachefsd-shared", daemon=True)
+            for writes in self._queues
+        ]
+        for writer in self._writers:
+            writer.start()
 
     def close(self) -> None:
-        """Stop the writer once the writes queued are done (or dropped)."""
-        self._writes.put(None)
-        self._writer.join(REQUEST_SECONDS)
+        """Stop the writers once the writes queued are done, waiting at most
+        ``REQUEST_SECONDS`` in all: an unmount does not wait on a slow shared
+        bucket, and what is left then is not written."""
+        for writes in self._queues:
+            writes.put(None)
+        deadline = self._clock() + REQUEST_SECONDS
+        for writer in self._writers:
+            writer.join(max(0.0, deadline - self._clock()))
+
+    def check(self) -> None:
+        """Prove the shared bucket readable and writable (a fleet stage's
+        first step); ``CachefsdError`` saying why not."""
+        probe = b"cachefsd"
+        if not self._put("cachefsd-check", probe):
+            raise CachefsdError(f"the shared tier cannot be written: {self.last_error}")
+        if self._get("cachefsd-check") != probe:
+            raise CachefsdError(
+                f"the shared tier cannot be read: {self.last_error or 'the check object is gone'}"
+            )
 
     def fetch(self, source: str, key: str, etag: str, size: int, indices: list[int]) -> dict[int, bytes]:
         """The verified contents of those of ``indices`` the shared tier
         holds for version (``key``, ``etag``) of ``source``; a block it does
-        not have, or has wrong, is left out (the origin's then)."""
+        not have, or has wrong, is left out (the origin's then). The
+        mapping, then every block at once: at most two requests' time,
+        each within ``REQUEST_SECONDS``, and nothing at all while the tier
+        is down (``DOWN_SECONDS`` after a failure)."""
+        with self._lock:
+            if self._clock() < self._down_until:
+                return {}
         mapping = self._mapping(source, key, etag, size)
+        wanted = {index: mapping[index] for index in indices if index in mapping}
+        if not wanted:
+            return {}
+        started = self._clock()
+        blobs = self._get_all([self._block_path(digest) for digest in wanted.values()])
+        seconds = self._clock() - started
         found: dict[int, bytes] = {}
-        for index in indices:
-            digest = mapping.get(index)
-            if digest is None:
-                continue
-            started = self._clock()
-            blob = self._get(f"blocks/{digest}")
-            if blob is None:
+        for (index, digest), blob in zip(wanted.items(), blobs, strict=True):
+            if not isinstance(blob, bytes):
                 continue
             try:
                 found[index] = unpack(blob, digest, self._block_size)
@@ -150,8 +211,13 @@ class SharedTier:
                 log.warning("shared tier: %s; read from the origin instead", exc)
                 self._events.block_corrupt("shared")
                 continue
-            self._events.fetch_done("shared", self._clock() - started, len(found[index]))
+            self._events.fetch_done("shared", seconds, len(found[index]))
         return found
+
+    def mapped(self, source: str, key: str, etag: str, size: int) -> set[int]:
+        """The blocks of a version the shared tier maps (which a fetch would
+        try); what ``cachefsd stage --shared-tier`` counts as staged."""
+        return set(self._mapping(source, key, etag, size))
 
     def store_later(
         self, source: str, key: str, etag: str, size: int, blocks: dict[int, tuple[str, bytes]]
@@ -159,30 +225,65 @@ class SharedTier:
         """Queue blocks fetched from the origin (index -> hash, content) for the shared tier."""
         if not blocks:
             return
-        try:
-            self._writes.put_nowait((source, key, etag, size, blocks))
-        except queue.Full:
-            self._events.shared_written(False)
+        nbytes = sum(len(content) for _, content in blocks.values())
+        with self._lock:
+            full = self._queued_bytes + nbytes > WRITE_QUEUE_BYTES
+            if not full:
+                self._queued_bytes += nbytes
+        if full:
+            for _ in blocks:
+                self._events.shared_written(False)
+            return
+        writer = zlib.crc32(f"{source}\0{key}".encode()) % WRITERS
+        self._queues[writer].put((source, key, etag, size, blocks))
+
+    def store_now(
+        self, source: str, key: str, etag: str, size: int, blocks: dict[int, tuple[str, bytes]]
+    ) -> bool:
+        """Write blocks, then add them to their version's mapping, before
+        returning: whether all of it was written (``last_error`` says why not)."""
+        written = {}
+        for index, (digest, content) in blocks.items():
+            ok = self._put(self._block_path(digest), pack(content, digest, self._block_size))
+            self._events.shared_written(ok)
+            if not ok:
+                break  # the bucket is failing: the rest would fail the same way
+            written[index] = digest
+        if not written or not self._write_mapping(source, key, etag, size, written):
+            return False
+        return len(written) == len(blocks)
+
+    def _block_path(self, digest: str) -> str:
+        """A block's name. Under its block size: a small file is the same
+        bytes at any block size, and a node at another size must not take
+        this one's copy for damage."""
+        return f"blocks/{self._block_size}/{digest}"
 
     def _mapping(self, source: str, key: str, etag: str, size: int) -> dict[int, str]:
+        """The version's mapping: remembered for ``MAPPING_SECONDS``, so a
+        block that another node writes meanwhile is found soon after."""
         path = mapping_path(source, key, etag, self._block_size)
+        now = self._clock()
         with self._lock:
             known = self._mappings.get(path)
-            if known is not None and known[0] == size:
+            if known is not None and known[0] == size and now - known[2] < MAPPING_SECONDS:
                 self._mappings.move_to_end(path)
                 return known[1]
         blob = self._get(path)
-        mapping = {} if blob is None else self._parsed(blob, source, key, etag, size)
-        if mapping:
-            with self._lock:
-                self._mappings[path] = (size, mapping)
-                while len(self._mappings) > MAPPINGS_REMEMBERED:
-                    self._mappings.popitem(last=False)
+        if blob is None:  # failed: nothing learnt, nothing remembered
+            return {}
+        mapping = {} if blob is MISSING else self._parsed(blob, source, key, etag, size)
+        with self._lock:
+            self._mappings[path] = (size, mapping, now)
+            while len(self._mappings) > MAPPINGS_REMEMBERED:
+                self._mappings.popitem(last=False)
         return mapping
 
-    def _parsed(self, blob: bytes, source: str, key: str, etag: str, size: int) -> dict[int, str]:
+    def _parsed(self, blob: bytes | _Missing, source: str, key: str, etag: str, size: int) -> dict[int, str]:
         """A stored mapping's blocks, if it is the one of this version: a
         stale or foreign one (another etag, size or block size) is none."""
+        if not isinstance(blob, bytes):
+            return {}
         try:
             data = json.loads(blob)
             expected = (source, key, etag, size, self._block_size)
@@ -193,18 +294,31 @@ class SharedTier:
             log.warning("shared tier: the mapping of %s is not one this daemon wrote; ignored", key)
             return {}
 
-    def _get(self, path: str) -> bytes | None:
-        async def get() -> bytes:
-            result = await obstore.get_async(self._store, path)
-            return bytes(await result.bytes_async())
+    def _get(self, path: str) -> bytes | _Missing | None:
+        """The object at ``path``; ``MISSING`` if there is none; None if the request failed."""
+        return self._get_all([path])[0]
+
+    def _get_all(self, paths: list[str]) -> list[bytes | _Missing | None]:
+        """The objects at ``paths``, fetched at once, as ``_get`` answers each."""
+
+        async def get(path: str) -> bytes | _Missing | None:
+            try:
+                result = await obstore.get_async(self._store, path)
+                return bytes(await result.bytes_async())
+            except FileNotFoundError:
+                return MISSING
+            except Exception as exc:  # any failure is a miss
+                self._failed(f"GET {path}: {exc}")
+                return None
+
+        async def get_all() -> list[bytes | _Missing | None]:
+            return list(await asyncio.gather(*(get(path) for path in paths)))
 
         try:
-            return self._io.run(get(), REQUEST_SECONDS)
-        except FileNotFoundError:
-            return None
-        except (CachefsdError, Exception) as exc:  # any failure is a miss
-            log.info("shared tier: GET %s failed: %s", path, exc)
-            return None
+            return self._io.run(get_all(), REQUEST_SECONDS)
+        except Exception as exc:  # the loop's deadline, or the daemon stopping
+            self._failed(f"GET of {len(paths)} objects: {exc}")
+            return [None] * len(paths)
 
     def _put(self, path: str, data: bytes) -> bool:
         async def put() -> None:
@@ -212,59 +326,48 @@ class SharedTier:
 
         try:
             self._io.run(put(), REQUEST_SECONDS)
-        except (CachefsdError, Exception) as exc:  # a failed write only costs the fleet a later fetch
-            log.info("shared tier: PUT %s failed: %s", path, exc)
+        except Exception as exc:  # a failed write only costs the fleet a later fetch
+            self._failed(f"PUT {path}: {exc}")
             return False
         return True
 
-    def mapped(self, source: str, key: str, etag: str, size: int) -> set[int]:
-        """The blocks of a version the shared tier maps (which a fetch would
-        try); what ``cachefsd stage --shared-tier`` counts as staged."""
-        return set(self._mapping(source, key, etag, size))
+    def _failed(self, why: str) -> None:
+        """A request failed: reads leave the tier alone for ``DOWN_SECONDS``."""
+        log.info("shared tier: %s", why)
+        with self._lock:
+            self.last_error = why
+            self._down_until = self._clock() + DOWN_SECONDS
 
-    def store_now(
-        self, source: str, key: str, etag: str, size: int, blocks: dict[int, tuple[str, bytes]]
-    ) -> bool:
-        """Write blocks and their mapping before returning: whether all of it was written."""
-        return self._store_blocks(source, key, etag, size, blocks)
-
-    def _write_all(self) -> None:
-        while (item := self._writes.get()) is not None:
-            self._store_blocks(*item)
-
-    def _store_blocks(
-        self, source: str, key: str, etag: str, size: int, blocks: dict[int, tuple[str, bytes]]
-    ) -> bool:
-        written = {}
-        for index, (digest, content) in blocks.items():
-            ok = self._put(f"blocks/{digest}", pack(content, digest, self._block_size))
-            self._events.shared_written(ok)
-            if ok:
-                written[index] = digest
-        return (
-            bool(written)
-            and self._write_mapping(source, key, etag, size, written)
-            and len(written) == len(blocks)
-        )
+    def _write_all(self, writes: queue.SimpleQueue[_Write | None]) -> None:
+        while (item := writes.get()) is not None:
+            try:
+                self.store_now(*item)
+            finally:
+                with self._lock:
+                    self._queued_bytes -= sum(len(content) for _, content in item[4].values())
 
     def _write_mapping(self, source: str, key: str, etag: str, size: int, written: dict[int, str]) -> bool:
-        """Add ``written`` to the version's mapping. Two nodes that write one
-        version at once may each lose the other's entries: fewer shared hits
-        later, never a wrong one."""
+        """Add ``written`` to the version's mapping. Within a node one writer
+        at a time per mapping; two nodes that write one version at once may
+        each lose the other's entries: fewer shared hits later, never a
+        wrong one. A mapping that could not be read is not rewritten."""
         path = mapping_path(source, key, etag, self._block_size)
-        stored = self._get(path)
-        blocks = {} if stored is None else self._parsed(stored, source, key, etag, size)
-        blocks.update(written)
-        body = {
-            "source": source,
-            "key": key,
-            "etag": etag,
-            "size": size,
-            "block_size": self._block_size,
-            "blocks": {str(index): digest for index, digest in sorted(blocks.items())},
-        }
-        if not self._put(path, json.dumps(body, separators=(",", ":")).encode()):
-            return False
+        with self._mapping_locks[zlib.crc32(path.encode()) % MAPPING_LOCKS]:
+            stored = self._get(path)
+            if stored is None:
+                return False
+            blocks = self._parsed(stored, source, key, etag, size)
+            blocks.update(written)
+            body = {
+                "source": source,
+                "key": key,
+                "etag": etag,
+                "size": size,
+                "block_size": self._block_size,
+                "blocks": {str(index): digest for index, digest in sorted(blocks.items())},
+            }
+            if not self._put(path, json.dumps(body, separators=(",", ":")).encode()):
+                return False
         with self._lock:
             self._mappings.pop(path, None)  # read afresh with the new entries
         return True

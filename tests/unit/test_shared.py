@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import obstore
 import pytest
@@ -16,7 +18,8 @@ from obstore.store import MemoryStore
 
 from cachefsd.aio import LoopThread
 from cachefsd.cache.codec import CorruptBlock, content_hash
-from cachefsd.cache.shared import SHARED_HEADER, SharedTier, mapping_path, pack, unpack
+from cachefsd.cache.shared import SHARED_HEADER, SharedTier, mapping_path, open_shared, pack, unpack
+from cachefsd.errors import CachefsdError
 
 BLOCK = 64 << 10
 
@@ -127,6 +130,46 @@ def test_a_stale_or_damaged_mapping_and_a_corrupt_block_are_misses(io: LoopThrea
     obstore.put(store, path, b"{not json")
     assert tier_over(store, io, events).fetch("s3://b", "k", "e1", 1000, [0]) == {}
     obstore.put(store, path, json.dumps(mapping).encode())
-    obstore.put(store, f"blocks/{digest}", pack(content, digest, BLOCK)[:-1] + b"?")
+    obstore.put(store, f"blocks/{BLOCK}/{digest}", pack(content, digest, BLOCK)[:-1] + b"?")
     assert tier_over(store, io, events).fetch("s3://b", "k", "e1", 1000, [0]) == {}
     assert events.corrupt == ["shared"]
+
+
+def test_runs_of_one_version_written_at_once_are_all_mapped(io: LoopThread) -> None:
+    # A stage's workers write runs of one large object side by side.
+    store, events = MemoryStore(), Events()
+    tier = tier_over(store, io, events)
+    contents = {index: os.urandom(100) for index in range(16)}
+
+    def write(index: int) -> bool:
+        content = contents[index]
+        return tier.store_now("s3://b", "big", "e", 16 * BLOCK, {index: (content_hash(content), content)})
+
+    with ThreadPoolExecutor(16) as pool:
+        assert all(pool.map(write, range(16)))
+    assert tier_over(store, io, Events()).mapped("s3://b", "big", "e", 16 * BLOCK) == set(range(16))
+
+
+def test_nodes_of_two_block_sizes_keep_their_own_copies(io: LoopThread) -> None:
+    store, events = MemoryStore(), Events()
+    content = os.urandom(300)  # a small file: the same block at any block size
+    for block_size in (BLOCK, 2 * BLOCK):
+        tier = SharedTier(store, io, block_size, events, time.monotonic)  # type: ignore[arg-type]
+        assert tier.store_now("s3://b", "k", "e", 300, {0: (content_hash(content), content)})
+        assert tier.fetch("s3://b", "k", "e", 300, [0]) == {0: content}
+    assert events.corrupt == []
+
+
+def test_a_bucket_that_never_answers_costs_one_bounded_wait(io: LoopThread) -> None:
+    with socket.socket() as silent:  # accepts connections, answers nothing
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        events = Events()
+        tier = SharedTier(open_shared("s3://fleet/blocks", endpoint), io, BLOCK, events, time.monotonic)
+        assert tier.fetch("s3://b", "k", "e", 100, [0]) == {}  # the mapping's GET timed out: a miss
+        assert "GET" in tier.last_error
+        assert tier.fetch("s3://b", "k", "e", 100, [0]) == {}  # and the next read does not try
+        assert not tier.store_now("s3://b", "k", "e", 3, {0: (content_hash(b"abc"), b"abc")})
+        with pytest.raises(CachefsdError, match="cannot be written"):
+            tier.check()
