@@ -174,6 +174,9 @@ class SharedSettings(_Section):
 
     url: str = Field(pattern=r"^(s3|gs)://[^/]+")  # s3://bucket[/prefix], gs://bucket[/prefix]
     endpoint_url: str | None = None  # an S3-compatible endpoint (MinIO, Ceph)
+    # Credentials of its own, from <prefix>AWS_ACCESS_KEY_ID, <prefix>AWS_SECRET_ACCESS_KEY
+    # (and <prefix>AWS_SESSION_TOKEN) in the environment: a name here, never a secret.
+    credentials_env_prefix: str | None = Field(default=None, pattern=r"^[A-Z][A-Z0-9_]*$")
 
 
 class CacheSettings(_Section):

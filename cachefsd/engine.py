@@ -227,7 +227,8 @@ class Node:
             _warn_of_small_disks(opened.cache)
             self._opened = opened
             if cache.shared is not None:
-                store = open_shared(cache.shared.url, cache.shared.endpoint_url)
+                shared = cache.shared
+                store = open_shared(shared.url, shared.endpoint_url, shared.credentials_env_prefix)
                 self._shared = SharedTier(store, self.io, cache.block_size, self.metrics, time.monotonic)
             try:
                 yield

@@ -102,7 +102,9 @@ def stage_fleet(settings: Settings, request: StageRequest, report: Report) -> di
         namespace = Namespace(store, fetcher, io, index, settings.namespace.metadata_ttl, lambda _: None)
         block_size = settings.cache.block_size
         shared = SharedTier(
-            open_shared(shared_settings.url, shared_settings.endpoint_url),
+            open_shared(
+                shared_settings.url, shared_settings.endpoint_url, shared_settings.credentials_env_prefix
+            ),
             io,
             block_size,
             metrics,

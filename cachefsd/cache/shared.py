@@ -39,14 +39,14 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import obstore
 from obstore.store import GCSStore, S3Store
 
 if TYPE_CHECKING:
-    from obstore.store import ClientConfig, RetryConfig
+    from obstore.store import ClientConfig, RetryConfig, S3Config
 
 from cachefsd.aio import LoopThread
 from cachefsd.cache.codec import CorruptBlock, decode, encode
@@ -83,6 +83,9 @@ DOWN_SECONDS = 30.0
 # at every read of the file's blocks).
 MAPPING_SECONDS = 10.0
 MAPPING_LOCKS = 64
+# How long an unmount waits for the writes still queued: a healthy shared
+# bucket takes their PUTs in well under a second.
+CLOSE_SECONDS = 10.0
 
 
 # A queued write: source, key, etag, size, and the blocks (index -> hash, content).
@@ -165,11 +168,11 @@ class SharedTier:
 
     def close(self) -> None:
         """Stop the writers once the writes queued are done, waiting at most
-        ``REQUEST_SECONDS`` in all: an unmount does not wait on a slow shared
+        ``CLOSE_SECONDS`` in all: an unmount does not wait on a slow shared
         bucket, and what is left then is not written."""
         for writes in self._queues:
             writes.put(None)
-        deadline = self._clock() + REQUEST_SECONDS
+        deadline = self._clock() + CLOSE_SECONDS
         for writer in self._writers:
             writer.join(max(0.0, deadline - self._clock()))
 
@@ -373,9 +376,15 @@ class SharedTier:
         return True
 
 
-def open_shared(url: str, endpoint_url: str | None) -> Obstore:
+def open_shared(
+    url: str,
+    endpoint_url: str | None,
+    credentials_env_prefix: str | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> Obstore:
     """The store behind a shared tier URL (``s3://bucket/prefix``,
-    ``gs://bucket/prefix``), with the environment's credentials for it."""
+    ``gs://bucket/prefix``), with the environment's credentials for it, or
+    for S3 those of ``<credentials_env_prefix>AWS_*``: the origin's may differ."""
     client_options: ClientConfig = {"timeout": datetime.timedelta(seconds=REQUEST_SECONDS)}
     # No retries: a miss costs one origin fetch, a retry's backoff would cost every read more.
     retry: RetryConfig = {
@@ -383,19 +392,34 @@ def open_shared(url: str, endpoint_url: str | None) -> Obstore:
         "retry_timeout": datetime.timedelta(seconds=REQUEST_SECONDS),
         "backoff": {"init_backoff": datetime.timedelta(0), "max_backoff": datetime.timedelta(0), "base": 2},
     }
+    credentials: S3Config = {}
+    if credentials_env_prefix is not None:
+        names = [f"{credentials_env_prefix}AWS_{name}" for name in ("ACCESS_KEY_ID", "SECRET_ACCESS_KEY")]
+        missing = [name for name in names if not environ.get(name)]
+        if missing:
+            raise CachefsdError(
+                f"cache.shared.credentials_env_prefix: {', '.join(missing)} not set in the environment"
+            )
+        credentials = {"access_key_id": environ[names[0]], "secret_access_key": environ[names[1]]}
+        token = environ.get(f"{credentials_env_prefix}AWS_SESSION_TOKEN")
+        if token:
+            credentials["session_token"] = token
     try:
         if url.startswith("gs://"):
             return GCSStore.from_url(url, client_options=client_options, retry_config=retry)
         if endpoint_url is None:
-            return S3Store.from_url(url, client_options=client_options, retry_config=retry)
+            return S3Store.from_url(
+                url, config=credentials, client_options=client_options, retry_config=retry
+            )
         client_options["allow_http"] = endpoint_url.startswith("http://")
         return S3Store.from_url(
             url,
+            config=credentials,
             client_options=client_options,
             retry_config=retry,
             endpoint=endpoint_url,
-            region=os.environ.get("AWS_REGION", DEFAULT_REGION),
+            region=environ.get("AWS_REGION", DEFAULT_REGION),
             virtual_hosted_style_request=False,
         )
-    except Exception as exc:
-        raise CachefsdError(f"cache.shared.url: cannot open {url}: {exc}") from exc
+    except Exception as exc:  # a message naming the URL, never a credential
+        raise CachefsdError(f"cache.shared.url: cannot open {url}: {type(exc).__name__}") from None

@@ -120,9 +120,7 @@ def test_a_stale_or_damaged_mapping_and_a_corrupt_block_are_misses(io: LoopThrea
     store, events = MemoryStore(), Events()
     content = os.urandom(1000)
     digest = content_hash(content)
-    writer = tier_over(store, io, Events())
-    writer.store_later("s3://b", "k", "e1", 1000, {0: (digest, content)})
-    writer.close()
+    assert tier_over(store, io, Events()).store_now("s3://b", "k", "e1", 1000, {0: (digest, content)})
     path = mapping_path("s3://b", "k", "e1", BLOCK)
     mapping = json.loads(bytes(obstore.get(store, path).bytes()))
     obstore.put(store, path, json.dumps({**mapping, "etag": "e0"}).encode())  # a stale mapping
@@ -173,3 +171,12 @@ def test_a_bucket_that_never_answers_costs_one_bounded_wait(io: LoopThread) -> N
         assert not tier.store_now("s3://b", "k", "e", 3, {0: (content_hash(b"abc"), b"abc")})
         with pytest.raises(CachefsdError, match="cannot be written"):
             tier.check()
+
+
+def test_shared_credentials_of_its_own_come_from_the_variables_named() -> None:
+    environ = {"FLEET_AWS_ACCESS_KEY_ID": "AKIAFLEET", "FLEET_AWS_SECRET_ACCESS_KEY": "s3cr3t"}
+    store = open_shared("s3://fleet/blocks", "http://127.0.0.1:9", "FLEET_", environ)
+    assert store.config["access_key_id"] == "AKIAFLEET"
+    with pytest.raises(CachefsdError, match="FLEET_AWS_SECRET_ACCESS_KEY not set") as missing:
+        open_shared("s3://fleet/blocks", None, "FLEET_", {"FLEET_AWS_ACCESS_KEY_ID": "AKIAFLEET"})
+    assert "AKIAFLEET" not in str(missing.value)  # never a credential in an error
