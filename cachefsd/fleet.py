@@ -32,7 +32,7 @@ from cachefsd.errors import CachefsdError, StoreError
 from cachefsd.fetch import Fetcher
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
-from cachefsd.reader import BRIDGE_MARGIN_SECONDS, RUN_BYTES, block_bounds
+from cachefsd.reader import BRIDGE_MARGIN_SECONDS, block_bounds, blocks_per_run
 from cachefsd.stage import Report, stage_files
 from cachefsd.store import open_store
 from cachefsd.store.base import ObjectInfo
@@ -58,7 +58,7 @@ class FleetBlocks:
 
     @property
     def run_blocks(self) -> int:
-        return max(1, RUN_BYTES // self._block_size)
+        return blocks_per_run(self._block_size)
 
     def residency(self, info: ObjectInfo, index: int) -> str | None:
         mapped = self._shared.mapped(self._source, info.key, info.etag, info.size)

@@ -59,6 +59,16 @@ def _node(mounter: MountFactory, name: str, origin: S3TestServer, bucket: str, s
     )
 
 
+def _seed(s3_client: Any, shared: S3TestServer, files: int, **extra: bytes) -> tuple[str, dict[str, bytes]]:
+    """An origin bucket of ``files`` files (and ``extra``), and the shared bucket; the first's name."""
+    bucket = new_bucket(s3_client)
+    dataset = {f"d/{index:03d}.bin": os.urandom(FILE_BYTES) for index in range(files)}
+    put_objects(s3_client, bucket, {**dataset, **extra})
+    if shared.running:
+        _client(shared).create_bucket(Bucket="fleet")
+    return bucket, dataset
+
+
 def _read_all(mount: Mount, dataset: dict[str, bytes]) -> None:
     for key, data in dataset.items():
         assert mount.path(key).read_bytes() == data, key
@@ -76,11 +86,7 @@ def test_a_second_node_reads_what_the_first_read_without_the_origin(
     shared_server: S3TestServer,
     mounter: MountFactory,
 ) -> None:
-    bucket = new_bucket(s3_client)
-    dataset = {f"d/{index:03d}.bin": os.urandom(FILE_BYTES) for index in range(FILES)}
-    put_objects(s3_client, bucket, dataset)
-    _client(shared_server).create_bucket(Bucket="fleet")
-
+    bucket, dataset = _seed(s3_client, shared_server, FILES)
     first = _node(mounter, "node1", s3_server, bucket, shared_server)
     _read_all(first, dataset)
 
@@ -124,10 +130,8 @@ def test_a_shared_tier_that_is_down_costs_nothing_but_speed(
     shared_server: S3TestServer,
     mounter: MountFactory,
 ) -> None:
-    bucket = new_bucket(s3_client)
-    dataset = {f"d/{index:03d}.bin": os.urandom(FILE_BYTES) for index in range(4)}
-    put_objects(s3_client, bucket, dataset)
     shared_server.stop()
+    bucket, dataset = _seed(s3_client, shared_server, 4)
     node = _node(mounter, "alone", s3_server, bucket, shared_server)
     _read_all(node, dataset)
     samples = node.metrics()
@@ -146,11 +150,7 @@ def test_a_fleet_stage_fills_the_shared_tier_for_every_node(
     shared_server: S3TestServer,
     mounter: MountFactory,
 ) -> None:
-    bucket = new_bucket(s3_client)
-    dataset = {f"d/{index:03d}.bin": os.urandom(FILE_BYTES) for index in range(FILES)}
-    dataset["skip/x.bin"] = os.urandom(100)
-    put_objects(s3_client, bucket, dataset)
-    _client(shared_server).create_bucket(Bucket="fleet")
+    bucket, dataset = _seed(s3_client, shared_server, FILES, **{"skip/x.bin": os.urandom(100)})
     where = ("--endpoint-url", s3_server.endpoint_url, "--block-size", "64K")
     shared = ("--shared-tier", "s3://fleet/blocks", "--shared-endpoint-url", shared_server.endpoint_url)
     staged = run_cli("stage", f"s3://{bucket}", *where, *shared, "--include", "d/**", "--json")
@@ -168,5 +168,5 @@ def test_a_fleet_stage_fills_the_shared_tier_for_every_node(
     node = _node(mounter, "fresh", s3_server, bucket, shared_server)
     os.listdir(node.path("d"))
     gets = s3_server.get_object_count
-    _read_all(node, {key: data for key, data in dataset.items() if key.startswith("d/")})
+    _read_all(node, dataset)
     assert s3_server.get_object_count == gets
