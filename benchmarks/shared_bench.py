@@ -28,59 +28,36 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import boto3
-from prometheus_client.parser import text_string_to_metric_families
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
-from epoch_bench import ENDPOINT, environment
+from epoch_bench import ENDPOINT, environment, metric_delta, scrape
 from read_bench import Dataset, free_port, make_dataset
 
 from cachefsd.cli.supervise import unmount
+from cachefsd.testing.epochs import read_epoch
 from cachefsd.testing.s3_server import S3TestServer
 
 WRITES_SECONDS = 600.0
+ORIGIN = ("demand", "prefetch")  # the fetch kinds that go to the origin
 
 
-def metrics(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}"] = sample.value
-    return samples
-
-
-def read_once(paths: list[str], workers: int) -> tuple[float, int]:
-    """Seconds and bytes to read every file once, ``workers`` at a time."""
-
-    def read(path: str) -> int:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            size = 0
-            while data := os.read(fd, 1 << 20):
-                size += len(data)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            return size
-        finally:
-            os.close(fd)
-
+def read_once(paths: list[str], workers: int) -> float:
+    """Seconds to read every file once, ``workers`` readers each a share of them."""
     started = time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:
-        nbytes = sum(pool.map(read, paths))
-    return time.perf_counter() - started, nbytes
+        list(pool.map(read_epoch, [paths[worker::workers] for worker in range(workers)]))
+    return time.perf_counter() - started
 
 
 def node(
-    work: Path, name: str, shared: S3TestServer, bucket: str, paths: list[str], workers: int
+    work: Path, name: str, shared: S3TestServer, bucket: str, paths: list[str], workers: int, nbytes: int
 ) -> dict[str, float]:
     """Mount a fresh node, read every file once, and what it took."""
     mountpoint, port = work / f"mnt-{name}", free_port()
@@ -95,28 +72,24 @@ def node(
         check=True,
     )
     try:
-        files = [str(mountpoint / path) for path in paths]
-        seconds, nbytes = read_once(files, workers)
-        after = metrics(port)
+        seconds = read_once([str(mountpoint / path) for path in paths], workers)
+        after = scrape(port)
         origin_gets = sum(
-            after.get(f"cachefsd_fetch_seconds_count{{kind={kind}}}", 0.0) for kind in ("demand", "prefetch")
+            metric_delta({}, after, "cachefsd_fetch_seconds_count", kind=kind) for kind in ORIGIN
         )
         # Node 2 must find what node 1 fetched: every origin GET here is one
         # block (files under a block), and each is written to the shared tier.
         deadline = time.monotonic() + WRITES_SECONDS
-        while time.monotonic() < deadline:
-            samples = metrics(port)
-            written = sum(v for k, v in samples.items() if k.startswith("cachefsd_shared_writes_total"))
-            if written >= origin_gets:
-                break
+        while metric_delta({}, scrape(port), "cachefsd_shared_writes_total") < origin_gets:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {name}'s writes to the shared tier did not end")
             time.sleep(0.5)
     finally:
         unmount(mountpoint)
     return {
-        "seconds": seconds,
         "mb_per_second": nbytes / 1e6 / seconds,
         "origin_gets": origin_gets,
-        "shared_gets": after.get("cachefsd_fetch_seconds_count{kind=shared}", 0.0),
+        "shared_gets": metric_delta({}, after, "cachefsd_fetch_seconds_count", kind="shared"),
     }
 
 
@@ -143,6 +116,7 @@ def main() -> int:
             relatives = make_dataset(
                 Dataset("data", args.files, args.kib << 10), work / "local", client, "bench"
             )
+            total = args.files * (args.kib << 10)
             print(
                 f"{args.files} files of {args.kib} KiB, {args.workers} readers; origin "
                 f"+{args.latency_ms:g} ms a request at {args.rate_mbit} Mbit/s, "
@@ -158,9 +132,9 @@ def main() -> int:
                     shared_client.create_bucket(Bucket=bucket)
                     order = list(relatives)
                     random.Random(repeat).shuffle(order)
-                    first = node(work, f"{repeat}-1", shared, bucket, order, args.workers)
+                    first = node(work, f"{repeat}-1", shared, bucket, order, args.workers, total)
                     random.Random(repeat + 1000).shuffle(order)
-                    second = node(work, f"{repeat}-2", shared, bucket, order, args.workers)
+                    second = node(work, f"{repeat}-2", shared, bucket, order, args.workers, total)
                 runs.append((first, second))
                 print(
                     f"  run {repeat + 1}: node 1 {first['mb_per_second']:.1f} MB/s "

@@ -71,8 +71,8 @@ class FleetBlocks:
         start = block_bounds(indices.start, info.size, self._block_size)[0]
         end = block_bounds(indices[-1], info.size, self._block_size)[1]
         stream = self._fetcher.stream_range(info.key, start, end, info.etag, self._block_size, "prefetch")
-        blocks = {
-            index: (content_hash(content), bytes(content))
+        blocks: dict[int, tuple[str, bytes | bytearray]] = {
+            index: (content_hash(content), content)
             for index, content in enumerate(
                 self._io.iterate(stream, self._fetcher.deadline + BRIDGE_MARGIN_SECONDS), indices.start
             )

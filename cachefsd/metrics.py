@@ -112,7 +112,7 @@ class MountReads:
         self._bytes = {source: metrics.mount_read_bytes.labels(mount, source) for source in ("cache", "cold")}
         self._stall = metrics.mount_read_stall.labels(mount)
 
-    def read_done(self, served: dict[str, int], stall_seconds: float, job: str, seconds: float = 0.0) -> None:
+    def read_done(self, served: dict[str, int], stall_seconds: float, job: str, seconds: float) -> None:
         self._metrics.read_done(served, stall_seconds, job, seconds)
         cold_bytes = waited_bytes(served)
         self._reads["cold" if cold_bytes else "cache"].inc()
@@ -521,7 +521,7 @@ class Metrics:
         self.job_step.labels(label).inc(step_seconds)
 
     # ReadEvents
-    def read_done(self, served: dict[str, int], stall_seconds: float, job: str, seconds: float = 0.0) -> None:
+    def read_done(self, served: dict[str, int], stall_seconds: float, job: str, seconds: float) -> None:
         cold_bytes = waited_bytes(served)
         nbytes = sum(served.values())
         label = self.job_labels.label(job)

@@ -93,10 +93,10 @@ def blocks_per_run(block_size: int) -> int:
 
 
 class ReadEvents(Protocol):
-    def read_done(self, served: dict[str, int], stall_seconds: float, job: str, seconds: float = 0.0) -> None:
-        """One read of ``job`` (``jobs.py``) answered in ``seconds`` (0 when
-        not timed): its bytes by where they came from (``memory``, a tier's
-        name, ``cold``); the ``cold`` ones waited ``stall_seconds``."""
+    def read_done(self, served: dict[str, int], stall_seconds: float, job: str, seconds: float) -> None:
+        """One read of ``job`` (``jobs.py``) answered in ``seconds``: its
+        bytes by where they came from (``memory``, a tier's name,
+        ``shared``, ``cold``); those waited ``stall_seconds``."""
         ...
 
 
@@ -147,8 +147,9 @@ class _MemoryBuffer:
                 self._used -= len(evicted)
 
 
-# A fetched block: its hash and its content.
-Fetched = tuple[str, bytes | bytearray]
+# A fetched block: its hash, its content, and where it came from ("cold":
+# the origin; "shared": the shared tier), which its read reports.
+Fetched = tuple[str, bytes | bytearray, str]
 # Hands a fetched block to the callers waiting for it.
 Settle = Callable[[BlockRef, Fetched], None]
 
@@ -227,9 +228,6 @@ class BlockReader:
         # GET are one stall, not several.
         self._stalling: set[BlockRef] = set()
         self._gone: OrderedDict[tuple[str, str], str] = OrderedDict()  # (key, etag) -> why
-        # Blocks a demand read just had from the shared tier, not the origin:
-        # its read says where its bytes came from, and takes the entry out.
-        self._from_shared: set[BlockRef] = set()
 
     @property
     def block_size(self) -> int:
@@ -312,7 +310,7 @@ class BlockReader:
             counts_stall = ref not in self._stalling
             self._stalling.add(ref)
         try:
-            digest, fetched = self._in_flight.do(
+            digest, fetched, source = self._in_flight.do(
                 ref,
                 lambda: self._fetch_on_demand(info, index, ref),
                 self._fetcher.deadline + BRIDGE_MARGIN_SECONDS,
@@ -331,9 +329,6 @@ class BlockReader:
         self._cache.touch(digest)
         placement = self._cache.placement(digest)
         self._remember(ref, fetched, placement is not None and placement.raw)
-        with self._waits_lock:
-            source = "shared" if ref in self._from_shared else "cold"
-            self._from_shared.discard(ref)
         return bytes(fetched[lo:hi]), source, time.monotonic() - started if counts_stall else 0.0
 
     def listed(self, info: ObjectInfo) -> None:
@@ -520,7 +515,7 @@ class BlockReader:
         stream = self._fetcher.stream_range(info.key, start, end, info.etag, self._block_size, kind)
         last = max(refs)
         pieces = self._io.iterate(stream, self._fetcher.deadline + BRIDGE_MARGIN_SECONDS)
-        origin: dict[int, tuple[str, bytes]] = {}
+        origin: dict[int, tuple[str, bytes | bytearray]] = {}
         try:
             with contextlib.closing(pieces):  # stopping early ends the GET
                 for index, content in enumerate(pieces, first):
@@ -530,9 +525,9 @@ class BlockReader:
                         self._cache.admit(
                             ref, digest, content, identity, tier, ahead=ahead, next_use=next_use
                         )
-                        fetched(ref, (digest, content))
+                        fetched(ref, (digest, content, "cold"))
                         if self._shared is not None:
-                            origin[index] = (digest, bytes(content))
+                            origin[index] = (digest, content)
                     if index < last and proceed is not None and not proceed(index + 1):
                         return
         finally:
@@ -556,16 +551,12 @@ class BlockReader:
         identity = (info.etag, info.size) if self._dedup_by_etag else None
         left = {}
         for ref, index in blocks.items():
-            content = found.get(index)
-            if content is None:
+            if index not in found:
                 left[ref] = index
                 continue
-            digest = content_hash(content)
+            digest, content = found[index]  # verified against its hash by the shared tier
             self._cache.admit(ref, digest, content, identity, tier, ahead=ahead, next_use=next_use)
-            if kind == "demand" and len(blocks) == 1:  # a read's own fetch, which its ``_piece`` takes back
-                with self._waits_lock:
-                    self._from_shared.add(ref)
-            fetched(ref, (digest, content))
+            fetched(ref, (digest, content, "shared"))
         return left
 
     def release_version(self, info: ObjectInfo) -> None:

@@ -89,7 +89,9 @@ CLOSE_SECONDS = 10.0
 
 
 # A queued write: source, key, etag, size, and the blocks (index -> hash, content).
-_Write = tuple[str, str, str, int, dict[int, tuple[str, bytes]]]
+# Blocks to write: index -> (hash, content).
+_Blocks = dict[int, tuple[str, bytes | bytearray]]
+_Write = tuple[str, str, str, int, _Blocks]
 
 
 class SharedEvents(Protocol):
@@ -187,8 +189,10 @@ class SharedTier:
                 f"the shared tier cannot be read: {self.last_error or 'the check object is gone'}"
             )
 
-    def fetch(self, source: str, key: str, etag: str, size: int, indices: list[int]) -> dict[int, bytes]:
-        """The verified contents of those of ``indices`` the shared tier
+    def fetch(
+        self, source: str, key: str, etag: str, size: int, indices: list[int]
+    ) -> dict[int, tuple[str, bytes]]:
+        """The hashes and verified contents of those of ``indices`` the shared tier
         holds for version (``key``, ``etag``) of ``source``; a block it does
         not have, or has wrong, is left out (the origin's then). The
         mapping, then every block at once: at most two requests' time,
@@ -204,17 +208,18 @@ class SharedTier:
         started = self._clock()
         blobs = self._get_all([self._block_path(digest) for digest in wanted.values()])
         seconds = self._clock() - started
-        found: dict[int, bytes] = {}
+        found: dict[int, tuple[str, bytes]] = {}
         for (index, digest), blob in zip(wanted.items(), blobs, strict=True):
             if not isinstance(blob, bytes):
                 continue
             try:
-                found[index] = unpack(blob, digest, self._block_size)
+                content = unpack(blob, digest, self._block_size)
             except CorruptBlock as exc:
                 log.warning("shared tier: %s; read from the origin instead", exc)
                 self._events.block_corrupt("shared")
                 continue
-            self._events.fetch_done("shared", seconds, len(found[index]))
+            found[index] = (digest, content)
+            self._events.fetch_done("shared", seconds, len(content))
         return found
 
     def mapped(self, source: str, key: str, etag: str, size: int) -> set[int]:
@@ -222,9 +227,7 @@ class SharedTier:
         try); what ``cachefsd stage --shared-tier`` counts as staged."""
         return set(self._mapping(source, key, etag, size))
 
-    def store_later(
-        self, source: str, key: str, etag: str, size: int, blocks: dict[int, tuple[str, bytes]]
-    ) -> None:
+    def store_later(self, source: str, key: str, etag: str, size: int, blocks: _Blocks) -> None:
         """Queue blocks fetched from the origin (index -> hash, content) for the shared tier."""
         if not blocks:
             return
@@ -240,9 +243,7 @@ class SharedTier:
         writer = zlib.crc32(f"{source}\0{key}".encode()) % WRITERS
         self._queues[writer].put((source, key, etag, size, blocks))
 
-    def store_now(
-        self, source: str, key: str, etag: str, size: int, blocks: dict[int, tuple[str, bytes]]
-    ) -> bool:
+    def store_now(self, source: str, key: str, etag: str, size: int, blocks: _Blocks) -> bool:
         """Write blocks, then add them to their version's mapping, before
         returning: whether all of it was written (``last_error`` says why not)."""
         written = {}

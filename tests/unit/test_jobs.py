@@ -99,8 +99,8 @@ def test_job_labels_are_bounded_and_go_to_the_jobs_reading_now() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry, clock)
     for index in range(MAX_JOB_SERIES):
-        metrics.read_done({"cold": 100}, 0.5, f"job{index}")
-    metrics.read_done({"hot": 100}, 0.0, "late")
+        metrics.read_done({"cold": 100}, 0.5, f"job{index}", 0.0)
+    metrics.read_done({"hot": 100}, 0.0, "late", 0.0)
     other = {"reader_job": OTHER_JOBS_LABEL, "source": "cache"}
     assert registry.get_sample_value("cachefsd_job_reads_total", other) == 1
     assert (
@@ -109,9 +109,9 @@ def test_job_labels_are_bounded_and_go_to_the_jobs_reading_now() -> None:
     )
     clock.now += JOB_IDLE_SECONDS - 1
     for index in range(1, MAX_JOB_SERIES):
-        metrics.read_done({"hot": 100}, 0.0, f"job{index}")
+        metrics.read_done({"hot": 100}, 0.0, f"job{index}", 0.0)
     clock.now += 2  # job0 idle for longer than JOB_IDLE_SECONDS, the others not
-    metrics.read_done({"cold": 100}, 0.25, "late")
+    metrics.read_done({"cold": 100}, 0.25, "late", 0.0)
     assert (
         registry.get_sample_value("cachefsd_job_reads_total", {"reader_job": "late", "source": "cold"}) == 1
     )
@@ -122,7 +122,7 @@ def test_job_labels_are_bounded_and_go_to_the_jobs_reading_now() -> None:
     )
     job1 = {"reader_job": "job1", "source": "cache"}
     assert registry.get_sample_value("cachefsd_job_read_bytes_total", job1) == 100
-    metrics.read_done({"hot": 100}, 0.0, "another")  # every other job read just now
+    metrics.read_done({"hot": 100}, 0.0, "another", 0.0)  # every other job read just now
     assert registry.get_sample_value("cachefsd_job_reads_total", other) == 2
 
 
@@ -130,9 +130,9 @@ def test_each_named_job_has_its_hit_ratio_and_epoch() -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry, Clock())
     metrics.watch_epoch(lambda: 3, lambda: {"a[1]": 3, "b[2]": 1, "": 0, "never-read[3]": 9})
-    metrics.read_done({"cold": 100, "hot": 300}, 0.1, "a[1]")
-    metrics.read_done({"memory": 50}, 0.0, "b[2]")
-    metrics.read_done({"cold": 10}, 0.1, UNKNOWN_JOB)
+    metrics.read_done({"cold": 100, "hot": 300}, 0.1, "a[1]", 0.0)
+    metrics.read_done({"memory": 50}, 0.0, "b[2]", 0.0)
+    metrics.read_done({"cold": 10}, 0.1, UNKNOWN_JOB, 0.0)
 
     def gauge(name: str, job: str) -> float | None:
         return registry.get_sample_value(name, {"reader_job": job})

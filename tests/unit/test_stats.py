@@ -277,10 +277,10 @@ def test_snapshot_agrees_with_the_registry(index: Index) -> None:
     metrics.watch_epoch(model.current, dict)
     stats = DaemonStats(metrics, model, residency, "s3://bucket/data", "/mnt/data", dict, clock=clock)
     stats.sample()  # t=1000: nothing read yet
-    metrics.read_done({"cold": 300}, 0.5, "python[1]")
+    metrics.read_done({"cold": 300}, 0.5, "python[1]", 0.0)
     clock.now += 70.0
     stats.sample()  # t=1070: the cold read is now more than a minute old
-    metrics.read_done({"hot": 600, "memory": 100}, 0.0, "python[1]")
+    metrics.read_done({"hot": 600, "memory": 100}, 0.0, "python[1]", 0.0)
     for seconds in (0.001, 0.002, 0.003, 0.2):
         metrics.fetch_done("demand", seconds, 1000)
     metrics.prefetch_issued(400)
