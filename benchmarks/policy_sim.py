@@ -160,7 +160,7 @@ class TraceOracle:
 
 
 class SimPrefetcher:
-    """The mount's prefetcher (``cachefsd.prefetch.engine``) with unbounded
+    """The mount's prefetcher (``cachefsd.prefetch.prefetcher``) with unbounded
     bandwidth and reach: after every read it fetches the access model's
     predictions, jobs round-robin and nearest first, planning each at its
     predicted position on the count of opens, until the cache refuses one.

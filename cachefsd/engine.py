@@ -37,7 +37,7 @@ from cachefsd.jobs import CallerJobs
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import FRESH_WAIT_SECONDS, Namespace
 from cachefsd.prefetch.access import AccessModel
-from cachefsd.prefetch.engine import Prefetcher
+from cachefsd.prefetch.prefetcher import Prefetcher
 from cachefsd.reader import BlockReader, ReadEvents
 from cachefsd.store import open_store
 from cachefsd.store.base import ObjectStore
@@ -268,7 +268,7 @@ class Node:
 
 
 @contextmanager
-def engine(
+def open_engine(
     settings: Settings,
     lock_wait: float | None = None,
     mounting: bool = False,

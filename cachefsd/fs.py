@@ -13,9 +13,9 @@ forget the name (``stale_entries``); open files and mmaps keep their inode,
 and their version, until they close. A directory's inode stands for its
 path for the whole mount.
 
-Inodes have two numbers. The kernel names one in its requests (the node):
-counted up, never reused within a mount, so no request can reach another
-inode than the kernel meant. ``stat`` shows the other: a hash of the path
+Inodes have two numbers. The kernel names one in its requests (``inode``,
+FUSE's nodeid): counted up, never reused within a mount, so no request can
+reach another inode than the kernel meant. ``stat`` shows the other: a hash of the path
 and the version's etag (of the path, for a directory), the same after the
 kernel forgot the inode and looked it up again, and across remounts, as
 tools that key on device and inode (``du``, ``tar``, ``rsync``) expect.
@@ -52,7 +52,7 @@ ROOT_INODE = 1
 
 class AccessEvents(Protocol):
     """What the access model learns from, and what a read asks and tells it
-    of the other jobs (prefetch/engine.py implements it)."""
+    of the other jobs (prefetch/prefetcher.py implements it)."""
 
     def opened(self, info: ObjectInfo, job: str) -> None: ...
     def read(self, info: ObjectInfo, offset: int, size: int, job: str) -> None: ...
@@ -74,7 +74,7 @@ class Attributes:
     uid: int
     gid: int
     nlink: int
-    node: int  # what the kernel names the inode by in its requests (FUSE's nodeid)
+    inode: int  # what the kernel names the inode by in its requests (FUSE's nodeid)
     ino: int  # what ``stat`` shows: a hash of the version (or the directory's path)
 
 
@@ -129,11 +129,11 @@ class FileSystem:
         self.stale_entries: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
         # _lock guards the tables below.
         self._lock = threading.Lock()
-        self._next_node = itertools.count(ROOT_INODE + 1)
+        self._next_inode = itertools.count(ROOT_INODE + 1)
         self._dirs: dict[int, _Dir] = {ROOT_INODE: _Dir("/", ROOT_INODE)}
-        self._dir_nodes: dict[str, int] = {"/": ROOT_INODE}
+        self._dir_inodes: dict[str, int] = {"/": ROOT_INODE}
         self._files: dict[int, _File] = {}
-        self._file_nodes: dict[tuple[str, str], int] = {}  # (key, etag) -> inode
+        self._file_inodes: dict[tuple[str, str], int] = {}  # (key, etag) -> inode
         self._listings: dict[int, tuple[int, Sequence[DirEntry]]] = {}  # handle -> (inode, entries)
         self._next_handle = itertools.count(1)
 
@@ -153,40 +153,40 @@ class FileSystem:
                 self._reader.warm(info, 0, hold=True)
         return self._remember(parent, name, info)
 
-    def forget(self, node: int, count: int) -> None:
-        """The kernel dropped ``count`` references to ``node``."""
+    def forget(self, inode: int, count: int) -> None:
+        """The kernel dropped ``count`` references to ``inode``."""
         with self._lock:
-            file = self._files.get(node)
+            file = self._files.get(inode)
             if file is None:  # a directory: its inode is its path's for good
                 return
             file.lookups -= count
             if file.lookups > 0:
                 return
-            del self._files[node]
+            del self._files[inode]
             version = (file.info.key, file.info.etag)
-            if self._file_nodes.get(version) == node:
-                del self._file_nodes[version]
+            if self._file_inodes.get(version) == inode:
+                del self._file_inodes[version]
         if file.gone:
             self._reader.release_version(file.info)
 
-    def getattr(self, node: int) -> Attributes:
+    def getattr(self, inode: int) -> Attributes:
         with self._lock:
-            file = self._files.get(node)
-            if file is None and node not in self._dirs:
-                raise UnknownInode(str(node))
-        return self._attributes(node, None if file is None else file.info)
+            file = self._files.get(inode)
+            if file is None and inode not in self._dirs:
+                raise UnknownInode(str(inode))
+        return self._attributes(inode, None if file is None else file.info)
 
-    def read(self, node: int, size: int, offset: int, pid: int) -> list[Piece]:
-        """Bytes of the version ``node`` stands for, for process ``pid``
+    def read(self, inode: int, size: int, offset: int, pid: int) -> list[Piece]:
+        """Bytes of the version ``inode`` stands for, for process ``pid``
         (whose job is counted). The kernel opens without asking (its pages
         of an inode are always right), so a read at offset 0 is what tells
         the access model a file was opened."""
         with self._lock:
-            file = self._files.get(node)
+            file = self._files.get(inode)
         if file is None:
-            if node in self._dirs:
-                raise IsADirectory(str(node))
-            raise UnknownInode(str(node))
+            if inode in self._dirs:
+                raise IsADirectory(str(inode))
+            raise UnknownInode(str(inode))
         info = file.info
         job = self.jobs.of(pid)
         if offset == 0:
@@ -206,24 +206,24 @@ class FileSystem:
             self._access.read_by_one_of_many(info, offset, size, job)
         return pieces
 
-    def entry_of(self, node: int) -> tuple[int, str] | None:
-        """(parent inode, name) of file inode ``node``, None if unknown."""
+    def entry_of(self, inode: int) -> tuple[int, str] | None:
+        """(parent inode, name) of file inode ``inode``, None if unknown."""
         with self._lock:
-            file = self._files.get(node)
+            file = self._files.get(inode)
         return None if file is None else (file.parent, file.name)
 
-    def opendir(self, node: int, pid: int) -> int:
-        """A handle on the listing of directory ``node`` as it is now, for
+    def opendir(self, inode: int, pid: int) -> int:
+        """A handle on the listing of directory ``inode`` as it is now, for
         process ``pid``: the kernel reads it in pieces, by offset, and each
         piece must come from the same listing."""
-        directory = self._dir(node)
+        directory = self._dir(inode)
         listing = self._namespace.listdir(directory.path)
         self._access.listed(listing, directory.path.strip("/"), self.jobs.of(pid))
         entries = [DirEntry(".", None), DirEntry("..", None)]
         entries.extend(DirEntry(name, info) for name, info in listing.items())
         with self._lock:
             handle = next(self._next_handle)
-            self._listings[handle] = (node, entries)
+            self._listings[handle] = (inode, entries)
         return handle
 
     def readdir(self, handle: int) -> Sequence[DirEntry]:
@@ -243,12 +243,12 @@ class FileSystem:
             listing = self._listings.get(handle)
         if listing is None:
             raise BadFileHandle(str(handle))
-        node = listing[0]
+        inode = listing[0]
         if entry.name == ".":
-            return self._attributes(node, None)
+            return self._attributes(inode, None)
         if entry.name == "..":
-            return self._attributes(self._dirs[node].parent, None)
-        return self._remember(node, entry.name, entry.info)
+            return self._attributes(self._dirs[inode].parent, None)
+        return self._remember(inode, entry.name, entry.info)
 
     def releasedir(self, handle: int) -> None:
         with self._lock:
@@ -260,8 +260,8 @@ class FileSystem:
         once the kernel holds no reference to its inode (open files and
         mmaps read what is cached of it until they close)."""
         with self._lock:
-            node = self._file_nodes.get((info.key, info.etag))
-            file = None if node is None else self._files[node]
+            inode = self._file_inodes.get((info.key, info.etag))
+            file = None if inode is None else self._files[inode]
             if file is not None:
                 file.gone = True
         if file is None:
@@ -285,12 +285,12 @@ class FileSystem:
             "f_namemax": 255,
         }
 
-    def _dir(self, node: int) -> _Dir:
+    def _dir(self, inode: int) -> _Dir:
         with self._lock:
-            directory = self._dirs.get(node)
-            is_file = node in self._files
+            directory = self._dirs.get(inode)
+            is_file = inode in self._files
         if directory is None:
-            raise NotADirectory(str(node)) if is_file else UnknownInode(str(node))
+            raise NotADirectory(str(inode)) if is_file else UnknownInode(str(inode))
         return directory
 
     def _remember(self, parent: int, name: str, info: ObjectInfo | None) -> Attributes:
@@ -299,26 +299,26 @@ class FileSystem:
         with self._lock:
             if info is None:
                 path = _child(self._dirs[parent].path, name)
-                node = self._dir_nodes.get(path)
-                if node is None:
-                    node = self._dir_nodes[path] = next(self._next_node)
-                    self._dirs[node] = _Dir(path, parent)
+                inode = self._dir_inodes.get(path)
+                if inode is None:
+                    inode = self._dir_inodes[path] = next(self._next_inode)
+                    self._dirs[inode] = _Dir(path, parent)
             else:
                 version = (info.key, info.etag)
-                node = self._file_nodes.get(version)
-                if node is None:
-                    node = self._file_nodes[version] = next(self._next_node)
-                    self._files[node] = _File(info, parent, name)
-                file = self._files[node]
+                inode = self._file_inodes.get(version)
+                if inode is None:
+                    inode = self._file_inodes[version] = next(self._next_inode)
+                    self._files[inode] = _File(info, parent, name)
+                file = self._files[inode]
                 file.lookups += 1
                 file.gone = False  # listed again: re-uploaded with the same content
-        return self._attributes(node, info)
+        return self._attributes(inode, info)
 
-    def _attributes(self, node: int, info: ObjectInfo | None) -> Attributes:
+    def _attributes(self, inode: int, info: ObjectInfo | None) -> Attributes:
         if info is None:
             with self._lock:
-                path = self._dirs[node].path
+                path = self._dirs[inode].path
             number = inode_number(path)
-            return Attributes(DIR_MODE, 0, self._mounted_at, self._uid, self._gid, 2, node, number)
+            return Attributes(DIR_MODE, 0, self._mounted_at, self._uid, self._gid, 2, inode, number)
         number = inode_number(f"/{info.key}\0{info.etag}")
-        return Attributes(FILE_MODE, info.size, info.mtime, self._uid, self._gid, 1, node, number)
+        return Attributes(FILE_MODE, info.size, info.mtime, self._uid, self._gid, 1, inode, number)

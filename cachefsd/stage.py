@@ -17,7 +17,7 @@ the cache does not hold at the end.
 Where it runs: through the daemon of a mount (``POST /stage`` on its
 control socket, progress streamed back) when TARGET is a path under a live
 mount, since the daemon holds the cache directory's lock; in this process
-over ``engine.engine`` when TARGET is a source (``s3://...``, ``gs://...``,
+over ``engine.open_engine`` when TARGET is a source (``s3://...``, ``gs://...``,
 a local directory) and no daemon uses the cache directory.
 
 The same code stages in both places (``stage_files``) and speaks in the
@@ -66,7 +66,7 @@ from cachefsd.store.base import ObjectInfo
 
 if TYPE_CHECKING:
     from cachefsd.config import Settings
-    from cachefsd.namespace.tree import Node
+    from cachefsd.namespace.tree import Entry
 
 # Parallel block fetches of one stage. Stage runs before a job, when the
 # node's link is otherwise idle: 16 GETs of 4 MiB keep a 10 Gb/s link busy
@@ -91,7 +91,7 @@ MAX_LISTED_FAILURES = 1000
 class Tree(Protocol):
     """The namespace as staging sees it (``namespace.tree.Namespace``)."""
 
-    def lookup(self, path: str) -> Node:
+    def lookup(self, path: str) -> Entry:
         """The node at ``path``; ``ObjectNotFound`` / ``NotADirectory`` otherwise."""
         ...
 
@@ -530,7 +530,7 @@ def stage_offline(settings: Settings, request: StageRequest, report: Report) -> 
 
     if request.check:
         require_cache(settings.cache.dir)
-    with engine.engine(settings, keep_recorded_layout=True) as parts:
+    with engine.open_engine(settings, keep_recorded_layout=True) as parts:
         tiers = [tier.name for tier in parts.cache.tiers]
         return stage_files(parts.namespace, parts.reader, tiers, request, report)
 

@@ -235,7 +235,7 @@ class Session:
         self._on_ready()
 
     def _entry(self, attributes: Attributes) -> ll.EntryParam:
-        entry = ll.EntryParam(ino=attributes.node, attr_timeout=self._ttl, entry_timeout=self._ttl)
+        entry = ll.EntryParam(ino=attributes.inode, attr_timeout=self._ttl, entry_timeout=self._ttl)
         _fill(entry.attr, attributes)
         return entry
 
@@ -243,7 +243,7 @@ class Session:
     def _lookup(self, request: int, parent: int, name: bytes) -> None:
         attributes = self._fs.lookup(parent, os.fsdecode(name))
         if ll.lib.fuse_reply_entry(request, ctypes.byref(self._entry(attributes))) != 0:
-            self._fs.forget(attributes.node, 1)  # interrupted: the kernel holds no reference
+            self._fs.forget(attributes.inode, 1)  # interrupted: the kernel holds no reference
 
     def _forget(self, request: int, ino: int, count: int) -> None:
         self._forgotten(request, [(ino, count)])
@@ -315,7 +315,7 @@ class Session:
                 break
             attributes = self._fs.remember(handle, entry)
             if entry.name not in (".", ".."):
-                sent.append(attributes.node)
+                sent.append(attributes.inode)
             ll.lib.fuse_add_direntry_plus(
                 request,
                 ctypes.addressof(buffer) + used,
@@ -326,8 +326,8 @@ class Session:
             )
             used += needed
         if ll.lib.fuse_reply_buf(request, buffer, used) != 0:
-            for node in sent:  # interrupted: the kernel holds none of them
-                self._fs.forget(node, 1)
+            for inode in sent:  # interrupted: the kernel holds none of them
+                self._fs.forget(inode, 1)
 
     @_answered
     def _releasedir(self, request: int, ino: int, fi: Any) -> None:

@@ -75,7 +75,7 @@ INVALIDATED = 0.0
 
 
 @dataclass(frozen=True, slots=True)
-class Node:
+class Entry:
     """What a path is: a directory (``info`` None) or one version of an object."""
 
     info: ObjectInfo | None
@@ -85,7 +85,7 @@ class Node:
         return self.info is None
 
 
-ROOT = Node(info=None)
+ROOT = Entry(info=None)
 
 
 @dataclass(slots=True)
@@ -131,7 +131,7 @@ class Namespace:
         self._retry_at: dict[str, float] = {}  # prefix -> no refresh before (after a failure)
         self._listing: SingleFlight[str, _Cached] = SingleFlight()
 
-    def lookup(self, path: str) -> Node:
+    def lookup(self, path: str) -> Entry:
         """The node at ``path``; ``ObjectNotFound`` or ``NotADirectory`` otherwise."""
         parts = split_path(path)
         if not parts:
@@ -139,7 +139,7 @@ class Namespace:
         parent = self.directory(parts[:-1])
         if parts[-1] not in parent.entries:
             raise ObjectNotFound(path)
-        return Node(info=parent.entries[parts[-1]])
+        return Entry(info=parent.entries[parts[-1]])
 
     def listdir(self, path: str) -> dict[str, ObjectInfo | None]:
         return self.directory(split_path(path)).entries

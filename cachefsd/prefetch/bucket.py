@@ -1,7 +1,7 @@
 """The prefetch bandwidth cap (``prefetch.bandwidth``): a token bucket.
 
 Pure: driven by the time its caller passes in (the prefetcher's clock). No
-lock: the prefetcher's ``_lock`` guards it with the ledger and the reach,
+lock: the prefetcher's ``_lock`` guards it with the accounts and the reach,
 as one budget decision reads all three.
 """
 

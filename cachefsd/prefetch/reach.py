@@ -1,7 +1,7 @@
 """How far ahead the prefetcher may reach: AIMD, as TCP's congestion window.
 
 Pure: bytes in, the reach out. No lock: the prefetcher's ``_lock`` guards it
-with the ledger and the token bucket, as one budget decision reads all three.
+with the accounts and the token bucket, as one budget decision reads all three.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""In-process engines over the in-memory store: every layer real except the bucket."""
+"""In-process rigs over the in-memory store: every layer real except the bucket."""
 
 from __future__ import annotations
 
@@ -53,14 +53,14 @@ def looked_up(fs: FileSystem, path: str) -> Attributes:
     root: the file (or directory) it ends at, referenced once more."""
     attributes = fs.getattr(ROOT_INODE)
     for name in path.strip("/").split("/"):
-        attributes = fs.lookup(attributes.node, name)
+        attributes = fs.lookup(attributes.inode, name)
     return attributes
 
 
 def read_path(fs: FileSystem, path: str, size: int, offset: int = 0) -> bytes:
     """A read of ``path`` as a reader that opens, reads and closes it causes:
     a lookup, the read, and the kernel's forget once it drops the inode."""
-    ino = looked_up(fs, path).node
+    ino = looked_up(fs, path).inode
     try:
         return joined(fs.read(ino, size, offset, os.getpid()))
     finally:
@@ -78,7 +78,7 @@ class Clock:
 
 
 @dataclass
-class Engine:
+class Rig:
     store: MemoryStore
     faulty: FaultyStore
     index: Index
@@ -92,7 +92,7 @@ class Engine:
     model: AccessModel
 
 
-EngineFactory = Callable[..., Engine]
+RigFactory = Callable[..., Rig]
 
 
 @pytest.fixture(name="io")
@@ -102,7 +102,7 @@ def fixture_io() -> Iterator[LoopThread]:
     loop.stop()
 
 
-def build_engine(
+def build_rig(
     io: LoopThread,
     cache_dir: Path,
     objects: dict[str, bytes] | None = None,
@@ -116,10 +116,10 @@ def build_engine(
     fetch: FetchSettings = FAST_FETCH,
     fresh_wait: float = TEST_FRESH_WAIT_SECONDS,
     cache_tuning: CacheTuning = DAEMON_CACHE_TUNING,
-) -> Engine:
+) -> Rig:
     """The whole read path over a ``MemoryStore``, its cache in ``cache_dir``,
-    its I/O on ``io``; the caller closes ``engine.index``. For tests that
-    cannot take fixtures (hypothesis state machines); others use ``make_engine``."""
+    its I/O on ``io``; the caller closes ``rig.index``. For tests that
+    cannot take fixtures (hypothesis state machines); others use ``make_rig``."""
     store = store or MemoryStore(objects or {})
     faulty = FaultyStore(store)
     cache_dir.mkdir(exist_ok=True)
@@ -146,22 +146,20 @@ def build_engine(
     reader, namespace, _, fs = data_path(
         faulty, cache, index, io, metrics, model, settings, listing_clock=clock, fresh_wait=fresh_wait
     )
-    return Engine(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir, model)
+    return Rig(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir, model)
 
 
-@pytest.fixture(name="make_engine")
-def fixture_make_engine(tmp_path: Path, io: LoopThread) -> Iterator[EngineFactory]:
-    """``make_engine(objects, cache_dir=..., **build_engine's options)``: the
+@pytest.fixture(name="make_rig")
+def fixture_make_rig(tmp_path: Path, io: LoopThread) -> Iterator[RigFactory]:
+    """``make_rig(objects, cache_dir=..., **build_rig's options)``: the
     whole read path over a ``MemoryStore``, in ``tmp_path`` unless told;
     indexes are closed at teardown."""
     indexes: list[Index] = []
 
-    def make(
-        objects: dict[str, bytes] | None = None, cache_dir: Path | None = None, **options: Any
-    ) -> Engine:
-        engine = build_engine(io, cache_dir or tmp_path / "cache", objects, **options)
-        indexes.append(engine.index)
-        return engine
+    def make(objects: dict[str, bytes] | None = None, cache_dir: Path | None = None, **options: Any) -> Rig:
+        rig = build_rig(io, cache_dir or tmp_path / "cache", objects, **options)
+        indexes.append(rig.index)
+        return rig
 
     yield make
     for index in indexes:

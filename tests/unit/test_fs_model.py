@@ -6,9 +6,9 @@ of what each directory's listing shows.
 The model of the listings is exact, not a range of answers: a directory's
 listing is taken at its first lookup and again at the first lookup past
 the TTL (the lookup waits for that refresh, as the store answers: the
-engine's fresh wait is long), or at once after a read found the object it
+rig's fresh wait is long), or at once after a read found the object it
 shows changed (SEMANTICS.md, "When the bucket changes"). No prefetch runs
-(the engine's prefetcher is not started), so a block is cached only if a
+(the rig's prefetcher is not started), so a block is cached only if a
 read brought it.
 
 Run with ``--hypothesis-show-statistics`` to see how often a run reached
@@ -44,7 +44,7 @@ from cachefsd.aio import LoopThread
 from cachefsd.config import FetchSettings
 from cachefsd.errors import ObjectChanged, ObjectNotFound
 from cachefsd.reader import block_range
-from tests.unit.conftest import BLOCK_SIZE, build_engine, joined, looked_up
+from tests.unit.conftest import BLOCK_SIZE, build_rig, joined, looked_up
 
 # Hypothesis shrinks a failure for up to 300 s of its own, which the suite's
 # timeout of the same length would cut short, counterexample unprinted.
@@ -84,7 +84,7 @@ class Listed:
 class Handle:
     """One reference the kernel holds to an inode: an open file, an mmap."""
 
-    node: int
+    inode: int
     key: str
     content: bytes  # the version it was opened on
     version: str  # its etag
@@ -102,7 +102,7 @@ class FileSystemAgainstAModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self._directory = tempfile.TemporaryDirectory(prefix="cachefsd-fs-model-")
-        self.engine = build_engine(
+        self.rig = build_rig(
             self.io, Path(self._directory.name) / "cache", ttl=TTL_SECONDS, fetch=PATIENT_FETCH
         )
         self.bucket: dict[str, bytes] = {}
@@ -114,12 +114,12 @@ class FileSystemAgainstAModel(RuleBasedStateMachine):
         self.versions_made = 0
 
     def teardown(self) -> None:
-        self.engine.index.close()
+        self.rig.index.close()
         self._directory.cleanup()
 
     @property
     def now(self) -> float:
-        return self.engine.clock.now
+        return self.rig.clock.now
 
     # -- the model of the listings ------------------------------------------
 
@@ -160,10 +160,10 @@ class FileSystemAgainstAModel(RuleBasedStateMachine):
 
     def _write(self, key: str, content: bytes | None) -> None:
         if content is None:
-            self.engine.store.delete(key)
+            self.rig.store.delete(key)
             del self.bucket[key]
         else:
-            self.engine.store.put(key, content)
+            self.rig.store.put(key, content)
             self.bucket[key] = content
         self.changed_at[key] = self.now
         for handle in self.open.values():
@@ -206,7 +206,7 @@ class FileSystemAgainstAModel(RuleBasedStateMachine):
 
     @rule(seconds=st.sampled_from(STEPS_SECONDS))
     def advance_clock(self, seconds: float) -> None:
-        self.engine.clock.now += seconds
+        self.rig.clock.now += seconds
 
     # -- the filesystem ------------------------------------------------------
 
@@ -223,12 +223,12 @@ class FileSystemAgainstAModel(RuleBasedStateMachine):
             event("open: stale listing")
         if expected is None:
             with pytest.raises(ObjectNotFound):
-                looked_up(self.engine.fs, "/" + key)
+                looked_up(self.rig.fs, "/" + key)
             return multiple()
-        ino = looked_up(self.engine.fs, "/" + key).node
-        assert self.engine.fs._files[ino].info.etag == etag(expected)  # the version it stands for
+        ino = looked_up(self.rig.fs, "/" + key).inode
+        assert self.rig.fs._files[ino].info.etag == etag(expected)  # the version it stands for
         for other in self.open.values():  # one inode per version
-            assert (other.node == ino) == (other.key == key and other.version == etag(expected))
+            assert (other.inode == ino) == (other.key == key and other.version == etag(expected))
         reference = next(self.references)
         self.open[reference] = Handle(
             ino, key, expected, etag(expected), broken=self.bucket.get(key) != expected
@@ -253,13 +253,13 @@ class FileSystemAgainstAModel(RuleBasedStateMachine):
         )
         never_cached = blocks - self.ever_read.get(opened.version, set())
         try:
-            data = joined(self.engine.fs.read(opened.node, size, offset, os.getpid()))
+            data = joined(self.rig.fs.read(opened.inode, size, offset, os.getpid()))
         except ObjectChanged:
             assert opened.broken, "a read failed although the bucket kept its version"
             assert not blocks <= pinned, "a read of cached blocks failed"
             event("read: failed, its version changed")
             self._drop_listing_showing(opened)
-            assert not self.engine.fs.stale_entries.empty()  # the kernel is told to forget the name
+            assert not self.rig.fs.stale_entries.empty()  # the kernel is told to forget the name
             return
         # Exactly the opened version's bytes: never a mix, never another's.
         assert data == opened.content[offset : offset + size]
@@ -273,14 +273,14 @@ class FileSystemAgainstAModel(RuleBasedStateMachine):
 
     @rule(handle=consumes(handles))
     def release(self, handle: int) -> None:
-        self.engine.fs.forget(self.open.pop(handle).node, 1)
+        self.rig.fs.forget(self.open.pop(handle).inode, 1)
 
     @invariant()
     def every_refresh_ended_with_its_lookup(self) -> None:
         """The model's listings assume that a lookup waited for the refresh
         it started; none may still be under way when it returned."""
         for prefix in ("", "d/"):
-            assert not self.engine.namespace._listing.busy(prefix)
+            assert not self.rig.namespace._listing.busy(prefix)
 
 
 @pytest.fixture(name="machine_io", autouse=True, scope="module")

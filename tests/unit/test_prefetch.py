@@ -20,11 +20,11 @@ from cachefsd.cache.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
 from cachefsd.errors import CachefsdError
 from cachefsd.prefetch.access import JOB_IDLE_SECONDS, AccessModel
-from cachefsd.prefetch.engine import Prefetcher
+from cachefsd.prefetch.prefetcher import Prefetcher
 from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.store.base import ObjectInfo
 from tests.polling import wait_until
-from tests.unit.conftest import BLOCK_SIZE, Clock, Engine, EngineFactory, joined, read_path
+from tests.unit.conftest import BLOCK_SIZE, Clock, Rig, RigFactory, joined, read_path
 
 POLL_SECONDS = 10.0
 
@@ -44,13 +44,13 @@ FOUR_FREE_BLOCKS = PrefetchTuning(head_free_bytes=4 * BLOCK_SIZE)
 
 @contextmanager
 def start(
-    engine: Engine,
+    rig: Rig,
     settings: PrefetchSettings,
     tuning: PrefetchTuning = DEFAULT_TUNING,
     clock: Callable[[], float] = time.monotonic,
 ) -> Iterator[Prefetcher]:
     model = AccessModel()
-    prefetcher = Prefetcher(model, engine.namespace, engine.reader, settings, engine.metrics, tuning, clock)
+    prefetcher = Prefetcher(model, rig.namespace, rig.reader, settings, rig.metrics, tuning, clock)
     prefetcher.start()
     try:
         yield prefetcher
@@ -59,71 +59,69 @@ def start(
 
 
 @contextmanager
-def store_held(engine: Engine) -> Iterator[threading.Event]:
+def store_held(rig: Rig) -> Iterator[threading.Event]:
     """Every call to the store waits until the test sets the event it is
     given (set at the latest on leaving): a GET stays in flight exactly as
     long as the test needs, however loaded the machine."""
     gate = threading.Event()
-    engine.faulty.faults.gate = gate
+    rig.faulty.faults.gate = gate
     try:
         yield gate
     finally:
         gate.set()
 
 
-def walk_and_open(engine: Engine, prefetcher: Prefetcher, path: str) -> None:
+def walk_and_open(rig: Rig, prefetcher: Prefetcher, path: str) -> None:
     for directory in ("train", "train/c0", "train/c1"):
-        prefetcher.listed(engine.namespace.listdir("/" + directory), directory)
-    info = engine.namespace.lookup("/" + path).info
+        prefetcher.listed(rig.namespace.listdir("/" + directory), directory)
+    info = rig.namespace.lookup("/" + path).info
     assert info is not None
     prefetcher.opened(info)
     prefetcher.read(info, 0, info.size)
 
 
 def test_unread_files_of_a_listed_dataset_are_fetched_ahead(
-    make_engine: EngineFactory, dataset: dict[str, bytes]
+    make_rig: RigFactory, dataset: dict[str, bytes]
 ) -> None:
-    engine = make_engine(dataset)
-    with start(engine, PrefetchSettings()) as prefetcher:
-        walk_and_open(engine, prefetcher, "train/c0/s00")
+    rig = make_rig(dataset)
+    with start(rig, PrefetchSettings()) as prefetcher:
+        walk_and_open(rig, prefetcher, "train/c0/s00")
         # Every file but the one being read (its read is the events' fiction here).
-        wait_for(lambda: engine.store.get_count >= len(dataset) - 1, "every unread file to be fetched ahead")
-    gets = engine.store.get_count
+        wait_for(lambda: rig.store.get_count >= len(dataset) - 1, "every unread file to be fetched ahead")
+    gets = rig.store.get_count
     for key, data in dataset.items():
-        assert read_path(engine.fs, "/" + key, len(data)) == data
-    assert engine.store.get_count == gets + 1  # every read was a hit but that of s00
-    assert engine.metrics.prefetch_issued_bytes._value.get() > 0
+        assert read_path(rig.fs, "/" + key, len(data)) == data
+    assert rig.store.get_count == gets + 1  # every read was a hit but that of s00
+    assert rig.metrics.prefetch_issued_bytes._value.get() > 0
 
 
 def test_a_hint_is_followed_in_order_within_the_lookahead(
-    make_engine: EngineFactory, dataset: dict[str, bytes]
+    make_rig: RigFactory, dataset: dict[str, bytes]
 ) -> None:
-    engine = make_engine(dataset)
+    rig = make_rig(dataset)
     order = sorted(dataset, reverse=True)
     budget = 3 * (BLOCK_SIZE // 2)
-    with start(engine, PrefetchSettings(lookahead=budget, concurrency=1)) as prefetcher:
+    with start(rig, PrefetchSettings(lookahead=budget, concurrency=1)) as prefetcher:
         accepted, unknown = prefetcher.hint([*order, "train/no-such-file"])
         assert (accepted, unknown) == (len(order), 1)
-        infos = [engine.namespace.lookup("/" + key).info for key in order]
-        wait_for(
-            lambda: all(engine.reader.residency(info, 0) for info in infos[:3]), "the first hinted files"
-        )
+        infos = [rig.namespace.lookup("/" + key).info for key in order]
+        wait_for(lambda: all(rig.reader.residency(info, 0) for info in infos[:3]), "the first hinted files")
         # The lookahead holds three files: nothing more is fetched until one is read.
-        assert engine.store.get_count == 3
-        info = engine.namespace.lookup("/" + order[0]).info
+        assert rig.store.get_count == 3
+        info = rig.namespace.lookup("/" + order[0]).info
         assert info is not None
         prefetcher.opened(info)
         prefetcher.read(info, 0, info.size)
-        wait_for(lambda: engine.store.get_count >= 4, "the next hinted file")
-        assert engine.metrics.prefetch_used_bytes._value.get() == BLOCK_SIZE // 2
+        wait_for(lambda: rig.store.get_count >= 4, "the next hinted file")
+        assert rig.metrics.prefetch_used_bytes._value.get() == BLOCK_SIZE // 2
 
 
 def test_the_shares_of_distributed_ranks_are_merged_into_one_order(
-    make_engine: EngineFactory, dataset: dict[str, bytes]
+    make_rig: RigFactory, dataset: dict[str, bytes]
 ) -> None:
-    engine = make_engine(dataset)
+    rig = make_rig(dataset)
     model = AccessModel()
-    prefetcher = Prefetcher(model, engine.namespace, engine.reader, PrefetchSettings(), engine.metrics)
+    prefetcher = Prefetcher(model, rig.namespace, rig.reader, PrefetchSettings(), rig.metrics)
     keys = sorted(dataset)
     prefetcher.hint(keys[0:4], part=(0, 2))
     prefetcher.hint(keys[4:8], part=(1, 2))
@@ -132,22 +130,22 @@ def test_the_shares_of_distributed_ranks_are_merged_into_one_order(
 
 
 def test_the_shares_of_a_job_that_stopped_reading_are_not_kept(
-    make_engine: EngineFactory, dataset: dict[str, bytes]
+    make_rig: RigFactory, dataset: dict[str, bytes]
 ) -> None:
     """A sweep's trials each hint their ranks' shares: a trial that stopped
     reading (the model forgot it) must not keep its order, nor merge it
     into a later hint of a job of the same name."""
-    engine = make_engine(dataset)
+    rig = make_rig(dataset)
     model, clock = AccessModel(), Clock()
     prefetcher = Prefetcher(
-        model, engine.namespace, engine.reader, PrefetchSettings(), engine.metrics, DEFAULT_TUNING, clock
+        model, rig.namespace, rig.reader, PrefetchSettings(), rig.metrics, DEFAULT_TUNING, clock
     )
     keys = sorted(dataset)
     prefetcher.hint(keys[0:4], part=(0, 2), job="trial[1]")
     prefetcher.hint(keys[4:8], part=(1, 2), job="trial[1]")
     assert model.stats()["per_job"]["trial[1]:train"]["hint_files"] == 8  # type: ignore[index]
     clock.now += JOB_IDLE_SECONDS + 1
-    info = engine.namespace.lookup("/" + keys[0]).info
+    info = rig.namespace.lookup("/" + keys[0]).info
     assert info is not None
     prefetcher.opened(info, "trial[2]")  # a new caller: trial[1], idle, is forgotten
     prefetcher.hint(keys[4:8], part=(1, 2), job="trial[1]")
@@ -155,79 +153,79 @@ def test_the_shares_of_a_job_that_stopped_reading_are_not_kept(
 
 
 def test_a_read_that_joins_a_prefetch_in_flight_counts_it_used_not_wasted(
-    make_engine: EngineFactory, dataset: dict[str, bytes]
+    make_rig: RigFactory, dataset: dict[str, bytes]
 ) -> None:
     planned = PlannedUse()
-    engine = make_engine(dataset, planned=planned)
+    rig = make_rig(dataset, planned=planned)
     key = sorted(dataset)[0]
-    info = engine.namespace.lookup("/" + key).info
+    info = rig.namespace.lookup("/" + key).info
     assert info is not None
     settings = PrefetchSettings(concurrency=1)
-    prefetcher = Prefetcher(AccessModel(), engine.namespace, engine.reader, settings, engine.metrics)
-    calls = engine.faulty.calls
+    prefetcher = Prefetcher(AccessModel(), rig.namespace, rig.reader, settings, rig.metrics)
+    calls = rig.faulty.calls
     prefetcher.start()
     try:
-        with store_held(engine) as gate:
+        with store_held(rig) as gate:
             prefetcher.hint([key])
-            wait_for(lambda: engine.faulty.calls > calls, "the prefetch GET to start")
+            wait_for(lambda: rig.faulty.calls > calls, "the prefetch GET to start")
             prefetcher.opened(info)
             prefetcher.read(info, 0, info.size)  # before the block lands, as the FUSE read does
-            assert engine.store.get_count == 0  # the prefetch's GET is still in flight: this read joins it
+            assert rig.store.get_count == 0  # the prefetch's GET is still in flight: this read joins it
             gate.set()
-        assert joined(engine.reader.read(info, 0, info.size)) == dataset[key]
-        wait_for(lambda: engine.metrics.prefetch_used_bytes._value.get() == info.size, "the join to count")
+        assert joined(rig.reader.read(info, 0, info.size)) == dataset[key]
+        wait_for(lambda: rig.metrics.prefetch_used_bytes._value.get() == info.size, "the join to count")
     finally:
         prefetcher.stop()
-    assert engine.store.get_count == 1
-    assert engine.metrics.prefetch_wasted_bytes._value.get() == 0
-    digest = engine.reader.digest(info, 0)
+    assert rig.store.get_count == 1
+    assert rig.metrics.prefetch_wasted_bytes._value.get() == 0
+    digest = rig.reader.digest(info, 0)
     assert digest is not None
     assert planned.next_use(digest) is None  # read: nothing left planned
 
 
 def test_no_more_is_fetched_ahead_than_the_cache_would_keep(
-    make_engine: EngineFactory, dataset: dict[str, bytes]
+    make_rig: RigFactory, dataset: dict[str, bytes]
 ) -> None:
     """Two blocks of room, a policy that gives up nothing, eight slots: two GETs, none wasted."""
     frame = disk_bytes(encode(bytes(BLOCK_SIZE // 2), Codec.RAW).size)
-    engine = make_engine(dataset, capacity=2 * frame, policy=MinioPolicy())
-    with start(engine, PrefetchSettings(concurrency=8)) as prefetcher:
+    rig = make_rig(dataset, capacity=2 * frame, policy=MinioPolicy())
+    with start(rig, PrefetchSettings(concurrency=8)) as prefetcher:
         prefetcher.hint(sorted(dataset))
-        wait_for(lambda: engine.cache.used_bytes == 2 * frame, "the cache to fill")
-    assert engine.store.get_count == 2
-    assert engine.metrics.prefetch_wasted_bytes._value.get() == 0
+        wait_for(lambda: rig.cache.used_bytes == 2 * frame, "the cache to fill")
+    assert rig.store.get_count == 2
+    assert rig.metrics.prefetch_wasted_bytes._value.get() == 0
 
 
 def test_a_prefetched_block_the_cache_refuses_counts_issued_and_wasted(
-    make_engine: EngineFactory, dataset: dict[str, bytes]
+    make_rig: RigFactory, dataset: dict[str, bytes]
 ) -> None:
     """Room for one block, taken by another while the prefetch's GET is in
     flight, and a policy that gives up nothing: the fetched block is refused.
     Its bytes crossed the network, so they count as issued and as wasted,
     and the dashboard's accuracy (used / issued) stays a fraction."""
     frame = disk_bytes(encode(bytes(BLOCK_SIZE // 2), Codec.RAW).size)
-    engine = make_engine(dataset, capacity=frame, policy=MinioPolicy())
+    rig = make_rig(dataset, capacity=frame, policy=MinioPolicy())
     first, second = sorted(dataset)[:2]
-    info = engine.namespace.lookup("/" + second).info
+    info = rig.namespace.lookup("/" + second).info
     assert info is not None
-    calls = engine.faulty.calls
-    with start(engine, PrefetchSettings(concurrency=1)) as prefetcher:
-        with store_held(engine):
+    calls = rig.faulty.calls
+    with start(rig, PrefetchSettings(concurrency=1)) as prefetcher:
+        with store_held(rig):
             prefetcher.hint([first])
-            wait_for(lambda: engine.faulty.calls > calls, "the prefetch GET to start")
+            wait_for(lambda: rig.faulty.calls > calls, "the prefetch GET to start")
             data = dataset[second]
-            engine.cache.admit(engine.reader.ref(info, 0), content_hash(data), data)
-        wait_for(lambda: engine.metrics.prefetch_issued_bytes._value.get() > 0, "the prefetch to land")
-    assert engine.reader.residency(info, 0) is not None  # the resident stayed
-    first_info = engine.namespace.lookup("/" + first).info
+            rig.cache.admit(rig.reader.ref(info, 0), content_hash(data), data)
+        wait_for(lambda: rig.metrics.prefetch_issued_bytes._value.get() > 0, "the prefetch to land")
+    assert rig.reader.residency(info, 0) is not None  # the resident stayed
+    first_info = rig.namespace.lookup("/" + first).info
     assert first_info is not None
-    assert engine.reader.residency(first_info, 0) is None  # refused on arrival
-    assert engine.metrics.prefetch_issued_bytes._value.get() == BLOCK_SIZE // 2
-    assert engine.metrics.prefetch_wasted_bytes._value.get() == BLOCK_SIZE // 2
+    assert rig.reader.residency(first_info, 0) is None  # refused on arrival
+    assert rig.metrics.prefetch_issued_bytes._value.get() == BLOCK_SIZE // 2
+    assert rig.metrics.prefetch_wasted_bytes._value.get() == BLOCK_SIZE // 2
 
 
 def test_with_a_hint_a_full_cache_gives_up_what_is_read_last_for_what_is_read_first(
-    make_engine: EngineFactory, dataset: dict[str, bytes]
+    make_rig: RigFactory, dataset: dict[str, bytes]
 ) -> None:
     """Belady: the cache holds the last four files of the hinted order, all
     still to be read; the first four evict them, latest first. One fetch at
@@ -235,46 +233,44 @@ def test_with_a_hint_a_full_cache_gives_up_what_is_read_last_for_what_is_read_fi
     model, planned = AccessModel(), PlannedUse()
     frame = disk_bytes(encode(bytes(BLOCK_SIZE // 2), Codec.RAW).size)
     policy = EpochAwarePolicy(model, planned)
-    engine = make_engine(dataset, capacity=4 * frame, policy=policy, planned=planned)
+    rig = make_rig(dataset, capacity=4 * frame, policy=policy, planned=planned)
     order = sorted(dataset)[:8]
-    infos = [engine.namespace.lookup("/" + key).info for key in order]
+    infos = [rig.namespace.lookup("/" + key).info for key in order]
     assert all(info is not None for info in infos)
     for info in infos[4:]:
-        assert engine.reader.fetch_run_ahead(info, range(1)) == {0}  # cached, not read yet: due this epoch
-    prefetcher = Prefetcher(
-        model, engine.namespace, engine.reader, PrefetchSettings(concurrency=1), engine.metrics
-    )
+        assert rig.reader.fetch_run_ahead(info, range(1)) == {0}  # cached, not read yet: due this epoch
+    prefetcher = Prefetcher(model, rig.namespace, rig.reader, PrefetchSettings(concurrency=1), rig.metrics)
     prefetcher.start()
     try:
         prefetcher.hint(order)
         for turn, info in enumerate(infos[:4]):
-            wait_for(lambda info=info: engine.reader.residency(info, 0) is not None, f"hinted file {turn}")
-            kept = [engine.reader.residency(each, 0) is not None for each in infos[4:]]
+            wait_for(lambda info=info: rig.reader.residency(info, 0) is not None, f"hinted file {turn}")
+            kept = [rig.reader.residency(each, 0) is not None for each in infos[4:]]
             assert kept == sorted(kept, reverse=True)  # only ever the latest went
             assert kept.count(False) > turn
     finally:
         prefetcher.stop()
-    assert [engine.reader.residency(info, 0) is not None for info in infos] == [True] * 4 + [False] * 4
-    assert engine.metrics.prefetch_wasted_bytes._value.get() == 0
+    assert [rig.reader.residency(info, 0) is not None for info in infos] == [True] * 4 + [False] * 4
+    assert rig.metrics.prefetch_wasted_bytes._value.get() == 0
 
 
 def test_a_new_epoch_voids_the_plans_of_blocks_never_read(
-    make_engine: EngineFactory, dataset: dict[str, bytes]
+    make_rig: RigFactory, dataset: dict[str, bytes]
 ) -> None:
     planned = PlannedUse()
-    engine = make_engine(dataset, planned=planned)
+    rig = make_rig(dataset, planned=planned)
     model = AccessModel()
-    prefetcher = Prefetcher(model, engine.namespace, engine.reader, PrefetchSettings(), engine.metrics)
+    prefetcher = Prefetcher(model, rig.namespace, rig.reader, PrefetchSettings(), rig.metrics)
     keys = sorted(dataset)
-    ahead = engine.namespace.lookup("/" + keys[0]).info
-    other = engine.namespace.lookup("/" + keys[5]).info
+    ahead = rig.namespace.lookup("/" + keys[0]).info
+    other = rig.namespace.lookup("/" + keys[5]).info
     assert ahead is not None
     assert other is not None
     prefetcher.start()
     try:
         prefetcher.hint([keys[0]])
-        wait_for(lambda: engine.reader.residency(ahead, 0) is not None, "the hinted file")
-        digest = engine.reader.digest(ahead, 0)
+        wait_for(lambda: rig.reader.residency(ahead, 0) is not None, "the hinted file")
+        digest = rig.reader.digest(ahead, 0)
         assert digest is not None
         wait_for(lambda: planned.next_use(digest) is not None, "its plan")
         for _ in range(2):  # a re-read ends the first epoch
@@ -287,21 +283,21 @@ def test_a_new_epoch_voids_the_plans_of_blocks_never_read(
 
 
 def test_one_jobs_new_epoch_keeps_the_plans_of_another(
-    make_engine: EngineFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+    make_rig: RigFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two jobs on one mount, c0 hinted and c1 not (each folder listed on
     its own): c1 starting its next epoch says nothing about c0's, whose
     cached blocks stay planned."""
     planned = PlannedUse()
-    engine = make_engine(dataset, planned=planned)
+    rig = make_rig(dataset, planned=planned)
     model = AccessModel()
-    prefetcher = Prefetcher(model, engine.namespace, engine.reader, PrefetchSettings(), engine.metrics)
+    prefetcher = Prefetcher(model, rig.namespace, rig.reader, PrefetchSettings(), rig.metrics)
     hinted = [key for key in sorted(dataset) if key.startswith("train/c0/")]
-    first = engine.namespace.lookup("/" + hinted[0]).info
+    first = rig.namespace.lookup("/" + hinted[0]).info
     unhinted = [key for key in sorted(dataset) if key.startswith("train/c1/")]
-    others = [engine.namespace.lookup("/" + key).info for key in unhinted]
+    others = [rig.namespace.lookup("/" + key).info for key in unhinted]
     assert first is not None
-    unplan, void_plans = engine.reader.unplan, prefetcher._void_plans
+    unplan, void_plans = rig.reader.unplan, prefetcher._void_plans
     unplanned: list[str] = []
     voided: list[dict[str, int]] = []
 
@@ -313,15 +309,15 @@ def test_one_jobs_new_epoch_keeps_the_plans_of_another(
         void_plans(turns)
         voided.append(turns)
 
-    monkeypatch.setattr(engine.reader, "unplan", recorded_unplan)
+    monkeypatch.setattr(rig.reader, "unplan", recorded_unplan)
     monkeypatch.setattr(prefetcher, "_void_plans", recorded_void_plans)
     for directory in ("train/c0", "train/c1"):
-        prefetcher.listed(engine.namespace.listdir("/" + directory), directory)
+        prefetcher.listed(rig.namespace.listdir("/" + directory), directory)
     prefetcher.start()
     try:
         prefetcher.hint(hinted)
-        wait_for(lambda: engine.reader.residency(first, 0) is not None, "the first hinted file")
-        digest = engine.reader.digest(first, 0)
+        wait_for(lambda: rig.reader.residency(first, 0) is not None, "the first hinted file")
+        digest = rig.reader.digest(first, 0)
         assert digest is not None
         wait_for(lambda: planned.next_use(digest) is not None, "its plan")
         for info in [*others, others[0]]:  # c1 read through, then again: its next epoch
@@ -338,28 +334,28 @@ def test_one_jobs_new_epoch_keeps_the_plans_of_another(
 
 
 def test_with_a_hint_cached_files_are_warmed_nearest_first_within_the_budget(
-    make_engine: EngineFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+    make_rig: RigFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Hinted files already cached are read into the page cache as their
     turn nears: three files' worth ahead of the reader, one more per file opened."""
     file_bytes = BLOCK_SIZE // 2
     tuning = PrefetchTuning(warm_ahead_bytes=3 * file_bytes)
-    engine = make_engine(dataset)
+    rig = make_rig(dataset)
     order = sorted(dataset, reverse=True)
-    infos = [engine.namespace.lookup("/" + key).info for key in order]
+    infos = [rig.namespace.lookup("/" + key).info for key in order]
     for info in infos:
         assert info is not None
-        engine.reader.fetch_run_ahead(info, range(1))
-    warmed = engine.metrics.prefetch_warmed_bytes._value.get
-    warm = engine.reader.warm
+        rig.reader.fetch_run_ahead(info, range(1))
+    warmed = rig.metrics.prefetch_warmed_bytes._value.get
+    warm = rig.reader.warm
     warmed_keys: list[str] = []
 
     def recorded_warm(info: ObjectInfo, index: int) -> bool:
         warmed_keys.append(info.key)
         return warm(info, index)
 
-    monkeypatch.setattr(engine.reader, "warm", recorded_warm)
-    with start(engine, PrefetchSettings(), tuning) as prefetcher:
+    monkeypatch.setattr(rig.reader, "warm", recorded_warm)
+    with start(rig, PrefetchSettings(), tuning) as prefetcher:
         prefetcher.hint(order)
         wait_for(lambda: warmed() == 3 * file_bytes, "the first three hinted files to be warmed")
         assert warmed_keys == order[:3]
@@ -368,70 +364,70 @@ def test_with_a_hint_cached_files_are_warmed_nearest_first_within_the_budget(
         prefetcher.read(infos[0], 0, file_bytes)
         wait_for(lambda: warmed() == 4 * file_bytes, "one more file to be warmed")
         assert warmed_keys == order[:4]
-    assert engine.store.get_count == len(dataset)  # warming fetches nothing
+    assert rig.store.get_count == len(dataset)  # warming fetches nothing
 
 
-def test_without_a_plan_nothing_is_warmed(make_engine: EngineFactory, dataset: dict[str, bytes]) -> None:
+def test_without_a_plan_nothing_is_warmed(make_rig: RigFactory, dataset: dict[str, bytes]) -> None:
     """The unread set has no order: a cached file's turn is anyone's guess."""
-    engine = make_engine(dataset)
+    rig = make_rig(dataset)
     for key in dataset:
-        info = engine.namespace.lookup("/" + key).info
+        info = rig.namespace.lookup("/" + key).info
         assert info is not None
-        engine.reader.fetch_run_ahead(info, range(1))
+        rig.reader.fetch_run_ahead(info, range(1))
     model = AccessModel()
-    prefetcher = Prefetcher(model, engine.namespace, engine.reader, PrefetchSettings(), engine.metrics)
+    prefetcher = Prefetcher(model, rig.namespace, rig.reader, PrefetchSettings(), rig.metrics)
     prefetcher.start()
     try:
-        walk_and_open(engine, prefetcher, "train/c0/s00")
+        walk_and_open(rig, prefetcher, "train/c0/s00")
         # Once the prefetcher has found every unread file cached, the model predicts none.
         wait_for(lambda: model.predict(100) == [], "the prefetcher to go over the unread files")
     finally:
         prefetcher.stop()
-    assert engine.metrics.prefetch_warmed_bytes._value.get() == 0
+    assert rig.metrics.prefetch_warmed_bytes._value.get() == 0
 
 
-def test_consecutive_blocks_of_a_file_are_fetched_with_one_get(make_engine: EngineFactory) -> None:
+def test_consecutive_blocks_of_a_file_are_fetched_with_one_get(make_rig: RigFactory) -> None:
     """A request per block cost a round trip each (and on moto a read of the
     whole object each): a stream through a large file was a third as fast
     as rclone's or s3fs's on the same server."""
     data = os.urandom(6 * BLOCK_SIZE + 100)
-    engine = make_engine({"big.bin": data})
-    info = engine.namespace.lookup("/big.bin").info
+    rig = make_rig({"big.bin": data})
+    info = rig.namespace.lookup("/big.bin").info
     assert info is not None
-    with start(engine, PrefetchSettings()) as prefetcher:
+    with start(rig, PrefetchSettings()) as prefetcher:
         prefetcher.hint(["big.bin"])
-        wait_for(lambda: all(engine.reader.residency(info, i) for i in range(7)), "the whole file cached")
+        wait_for(lambda: all(rig.reader.residency(info, i) for i in range(7)), "the whole file cached")
         # Counted once the run is over, after its blocks are cached.
-        issued = engine.metrics.prefetch_issued_bytes._value.get
+        issued = rig.metrics.prefetch_issued_bytes._value.get
         wait_for(lambda: issued() == len(data), "the run to be accounted for")
-    assert engine.store.get_count == 1
-    assert joined(engine.reader.read(info, 0, len(data))) == data
+    assert rig.store.get_count == 1
+    assert joined(rig.reader.read(info, 0, len(data))) == data
 
 
 def test_a_stream_through_a_large_file_is_fetched_in_runs_ahead_of_the_reader(
-    make_engine: EngineFactory,
+    make_rig: RigFactory,
 ) -> None:
     """Read front to back, an 80-block file costs a few GETs, not one per
     block: a GET per block had the reader wait on most of them. (Its first
     read begins the file's first run, which is the whole file, smaller than
     a run, and every later read joins it: one GET.)"""
     data = os.urandom(80 * BLOCK_SIZE)
-    engine = make_engine({"shard.tar": data})
-    info = engine.namespace.lookup("/shard.tar").info
+    rig = make_rig({"shard.tar": data})
+    info = rig.namespace.lookup("/shard.tar").info
     assert info is not None
-    with start(engine, PrefetchSettings()) as prefetcher:
+    with start(rig, PrefetchSettings()) as prefetcher:
         prefetcher.opened(info)
         pieces = []
         for offset in range(0, len(data), BLOCK_SIZE):
             prefetcher.read(info, offset, BLOCK_SIZE)
-            pieces.append(joined(engine.reader.read(info, offset, BLOCK_SIZE)))
+            pieces.append(joined(rig.reader.read(info, offset, BLOCK_SIZE)))
     assert b"".join(pieces) == data
-    assert engine.store.get_count <= 4
+    assert rig.store.get_count <= 4
 
 
-def fetches_failing_twice(engine: Engine, monkeypatch: pytest.MonkeyPatch, error: Exception) -> list[str]:
+def fetches_failing_twice(rig: Rig, monkeypatch: pytest.MonkeyPatch, error: Exception) -> list[str]:
     """The reader's first two run fetches raise ``error``; the keys they were for, as they come."""
-    fetch_run_ahead = engine.reader.fetch_run_ahead
+    fetch_run_ahead = rig.reader.fetch_run_ahead
     raised: list[str] = []
 
     def breaks_twice(info: ObjectInfo, indices: range, **kwargs: Any) -> set[int]:
@@ -440,99 +436,99 @@ def fetches_failing_twice(engine: Engine, monkeypatch: pytest.MonkeyPatch, error
             raise error
         return fetch_run_ahead(info, indices, **kwargs)
 
-    monkeypatch.setattr(engine.reader, "fetch_run_ahead", breaks_twice)
+    monkeypatch.setattr(rig.reader, "fetch_run_ahead", breaks_twice)
     return raised
 
 
 def test_a_prefetch_that_raises_gives_its_slot_back(
-    make_engine: EngineFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+    make_rig: RigFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bug in a fetch (not a failed GET, which is a CachefsdError) must
     not keep its slot: two of them took a concurrency of 2 for good."""
-    engine = make_engine(dataset)
-    raised = fetches_failing_twice(engine, monkeypatch, RuntimeError("a bug"))
-    with start(engine, PrefetchSettings(concurrency=2)) as prefetcher:
-        walk_and_open(engine, prefetcher, "train/c0/s00")
+    rig = make_rig(dataset)
+    raised = fetches_failing_twice(rig, monkeypatch, RuntimeError("a bug"))
+    with start(rig, PrefetchSettings(concurrency=2)) as prefetcher:
+        walk_and_open(rig, prefetcher, "train/c0/s00")
         # All but the file being read and the two whose fetch broke (not retried for a while).
-        wait_for(lambda: engine.store.get_count >= len(dataset) - 3, "the other unread files to be fetched")
+        wait_for(lambda: rig.store.get_count >= len(dataset) - 3, "the other unread files to be fetched")
     assert len(raised) == 2
 
 
 def test_a_block_whose_prefetch_failed_is_tried_again_once_its_time_is_up_on_the_clock(
-    make_engine: EngineFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+    make_rig: RigFactory, dataset: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A failing bucket must not turn the prefetcher into a busy loop, nor
     keep a block from being prefetched for good: ``failed_retry_seconds``
     on the prefetcher's own clock, which here only the test moves."""
-    engine = make_engine(dataset)
-    raised = fetches_failing_twice(engine, monkeypatch, CachefsdError("a failed GET"))
+    rig = make_rig(dataset)
+    raised = fetches_failing_twice(rig, monkeypatch, CachefsdError("a failed GET"))
     clock = Clock()
-    with start(engine, PrefetchSettings(concurrency=2), clock=clock) as prefetcher:
-        walk_and_open(engine, prefetcher, "train/c0/s00")
-        wait_for(lambda: engine.store.get_count >= len(dataset) - 3, "the other unread files to be fetched")
+    with start(rig, PrefetchSettings(concurrency=2), clock=clock) as prefetcher:
+        walk_and_open(rig, prefetcher, "train/c0/s00")
+        wait_for(lambda: rig.store.get_count >= len(dataset) - 3, "the other unread files to be fetched")
         assert len(raised) == 2
-        failed = [engine.namespace.lookup("/" + key).info for key in raised]
-        assert all(info is not None and engine.reader.residency(info, 0) is None for info in failed)
+        failed = [rig.namespace.lookup("/" + key).info for key in raised]
+        assert all(info is not None and rig.reader.residency(info, 0) is None for info in failed)
         clock.now += DEFAULT_TUNING.failed_retry_seconds
-        wait_for(lambda: engine.store.get_count >= len(dataset) - 1, "the failed files to be fetched")
+        wait_for(lambda: rig.store.get_count >= len(dataset) - 1, "the failed files to be fetched")
     assert len(raised) == 2
 
 
 def test_the_bandwidth_cap_refills_on_the_prefetchers_clock(
-    make_engine: EngineFactory, dataset: dict[str, bytes]
+    make_rig: RigFactory, dataset: dict[str, bytes]
 ) -> None:
     """1 KiB a second and files of 32 KiB: the first file leaves the bucket
     31 KiB in debt, so the next may go 32 seconds later by the prefetcher's
     clock, which here only the test moves (the bucket's own tests check
     that it is not sooner)."""
-    engine = make_engine(dataset)
+    rig = make_rig(dataset)
     file_bytes = BLOCK_SIZE // 2
     rate = 1 << 10
-    issued = engine.metrics.prefetch_issued_bytes._value.get
+    issued = rig.metrics.prefetch_issued_bytes._value.get
     clock = Clock()
-    with start(engine, PrefetchSettings(bandwidth=rate), clock=clock) as prefetcher:
-        walk_and_open(engine, prefetcher, "train/c0/s00")
+    with start(rig, PrefetchSettings(bandwidth=rate), clock=clock) as prefetcher:
+        walk_and_open(rig, prefetcher, "train/c0/s00")
         wait_for(lambda: issued() >= file_bytes, "the first file to be fetched")
         clock.now += file_bytes / rate  # what the real clock would take 32 s for
         wait_for(lambda: issued() >= 2 * file_bytes, "the next file to be fetched")
     assert issued() == 2 * file_bytes
-    assert engine.store.get_count == 2
+    assert rig.store.get_count == 2
 
 
-def shard_engine(make_engine: EngineFactory) -> tuple[Engine, ObjectInfo, bytes]:
-    """An engine over one object of 80 blocks, ``shard.tar``."""
+def shard_rig(make_rig: RigFactory) -> tuple[Rig, ObjectInfo, bytes]:
+    """An rig over one object of 80 blocks, ``shard.tar``."""
     data = os.urandom(80 * BLOCK_SIZE)
-    engine = make_engine({"shard.tar": data})
-    info = engine.namespace.lookup("/shard.tar").info
+    rig = make_rig({"shard.tar": data})
+    info = rig.namespace.lookup("/shard.tar").info
     assert info is not None
-    return engine, info, data
+    return rig, info, data
 
 
 def test_a_first_read_at_a_large_files_start_brings_its_first_run_with_the_same_get(
-    make_engine: EngineFactory,
+    make_rig: RigFactory,
 ) -> None:
     """A demand GET for the first block and a run once a second read showed
     the stream cost a request's round trip more (a cold 100 MB tar shard
     on moto at 20 ms: two GETs, the second 0.15 s after the first)."""
-    engine, info, data = shard_engine(make_engine)
-    with start(engine, PrefetchSettings()) as prefetcher:
+    rig, info, data = shard_rig(make_rig)
+    with start(rig, PrefetchSettings()) as prefetcher:
         prefetcher.opened(info)
         prefetcher.read(info, 0, 512)
-        assert joined(engine.reader.read(info, 0, 512)) == data[:512]
-        wait_for(lambda: all(engine.reader.residency(info, i) for i in range(80)), "the whole file cached")
-    assert engine.store.get_count == 1
-    assert joined(engine.reader.read(info, 0, len(data))) == data
+        assert joined(rig.reader.read(info, 0, 512)) == data[:512]
+        wait_for(lambda: all(rig.reader.residency(info, i) for i in range(80)), "the whole file cached")
+    assert rig.store.get_count == 1
+    assert joined(rig.reader.read(info, 0, len(data))) == data
 
 
 def peeked_run(
-    engine: Engine, info: ObjectInfo, then_read_at: int | None, tuning: PrefetchTuning = FOUR_FREE_BLOCKS
+    rig: Rig, info: ObjectInfo, then_read_at: int | None, tuning: PrefetchTuning = FOUR_FREE_BLOCKS
 ) -> float:
     """Bytes issued by a file's first run (4 free blocks unless ``tuning``
     says otherwise), after a 512-byte read at its start and maybe one more
     read, which comes before the run's GET has brought any block."""
-    issued = engine.metrics.prefetch_issued_bytes._value.get
-    with start(engine, PrefetchSettings(), tuning) as prefetcher:
-        with store_held(engine):
+    issued = rig.metrics.prefetch_issued_bytes._value.get
+    with start(rig, PrefetchSettings(), tuning) as prefetcher:
+        with store_held(rig):
             prefetcher.opened(info)
             prefetcher.read(info, 0, 512)
             if then_read_at is not None:
@@ -543,57 +539,57 @@ def peeked_run(
 
 
 def test_a_jump_away_from_a_files_start_stops_its_first_run_after_its_free_blocks(
-    make_engine: EngineFactory,
+    make_rig: RigFactory,
 ) -> None:
     """A reader that only peeked at a header costs the free blocks, not a run."""
-    engine, info, _ = shard_engine(make_engine)
-    assert peeked_run(engine, info, then_read_at=60 * BLOCK_SIZE) == 4 * BLOCK_SIZE
+    rig, info, _ = shard_rig(make_rig)
+    assert peeked_run(rig, info, then_read_at=60 * BLOCK_SIZE) == 4 * BLOCK_SIZE
 
 
-def test_a_first_run_with_no_second_read_stops_after_its_free_blocks(make_engine: EngineFactory) -> None:
-    engine, info, _ = shard_engine(make_engine)
+def test_a_first_run_with_no_second_read_stops_after_its_free_blocks(make_rig: RigFactory) -> None:
+    rig, info, _ = shard_rig(make_rig)
     tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.0)  # no read comes: why wait
-    assert peeked_run(engine, info, then_read_at=None, tuning=tuning) == 4 * BLOCK_SIZE
+    assert peeked_run(rig, info, then_read_at=None, tuning=tuning) == 4 * BLOCK_SIZE
 
 
-def test_a_second_read_past_the_first_block_lets_the_first_run_go_on(make_engine: EngineFactory) -> None:
-    engine, info, _ = shard_engine(make_engine)
-    assert peeked_run(engine, info, then_read_at=BLOCK_SIZE) == 80 * BLOCK_SIZE
-    assert engine.store.get_count == 1
+def test_a_second_read_past_the_first_block_lets_the_first_run_go_on(make_rig: RigFactory) -> None:
+    rig, info, _ = shard_rig(make_rig)
+    assert peeked_run(rig, info, then_read_at=BLOCK_SIZE) == 80 * BLOCK_SIZE
+    assert rig.store.get_count == 1
 
 
-def test_a_header_read_again_does_not_let_the_first_run_go_on(make_engine: EngineFactory) -> None:
+def test_a_header_read_again_does_not_let_the_first_run_go_on(make_rig: RigFactory) -> None:
     """A second read in the first block (the header again, or the kernel's
     read-ahead of the first read) is no sign of a stream."""
-    engine, info, _ = shard_engine(make_engine)
+    rig, info, _ = shard_rig(make_rig)
     # The read again came before the GET began: a verdict from it would be in by now.
     tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.0)
-    assert peeked_run(engine, info, then_read_at=512, tuning=tuning) == 4 * BLOCK_SIZE
+    assert peeked_run(rig, info, then_read_at=512, tuning=tuning) == 4 * BLOCK_SIZE
 
 
-def test_a_read_waiting_on_a_block_of_a_stopped_run_fetches_it_itself(make_engine: EngineFactory) -> None:
-    engine, info, data = shard_engine(make_engine)
-    with start(engine, PrefetchSettings(), FOUR_FREE_BLOCKS) as prefetcher:
-        with store_held(engine):  # the far read comes before the run's GET has brought a block
+def test_a_read_waiting_on_a_block_of_a_stopped_run_fetches_it_itself(make_rig: RigFactory) -> None:
+    rig, info, data = shard_rig(make_rig)
+    with start(rig, PrefetchSettings(), FOUR_FREE_BLOCKS) as prefetcher:
+        with store_held(rig):  # the far read comes before the run's GET has brought a block
             prefetcher.opened(info)
             prefetcher.read(info, 0, 512)
             # Block 10 is the run's until a far read stops it; this reader then leads its own GET.
-            reader = ThreadPoolExecutor(1).submit(engine.reader.read, info, 10 * BLOCK_SIZE, 100)
+            reader = ThreadPoolExecutor(1).submit(rig.reader.read, info, 10 * BLOCK_SIZE, 100)
             prefetcher.read(info, 60 * BLOCK_SIZE, 512)
         assert joined(reader.result(POLL_SECONDS)) == data[10 * BLOCK_SIZE : 10 * BLOCK_SIZE + 100]
     # The run stopped after its free blocks; block 10 came with the reader's own GET.
-    assert [start for start, _ in engine.faulty.streams] == [0, 10 * BLOCK_SIZE]
+    assert [start for start, _ in rig.faulty.streams] == [0, 10 * BLOCK_SIZE]
 
 
 def test_first_reads_of_many_large_files_at_once_start_no_more_runs_than_the_concurrency(
-    make_engine: EngineFactory,
+    make_rig: RigFactory,
 ) -> None:
     """Each read claimed budget before any counted its GET: eight first
     reads at once started eight runs at a concurrency of 2."""
     tuning = replace(FOUR_FREE_BLOCKS, head_verdict_seconds=0.0)  # no second read comes
     files = {f"shard-{i}.tar": os.urandom(80 * BLOCK_SIZE) for i in range(8)}
-    engine = make_engine(files)
-    infos = [engine.namespace.lookup("/" + key).info for key in files]
+    rig = make_rig(files)
+    infos = [rig.namespace.lookup("/" + key).info for key in files]
     together = threading.Barrier(len(infos))
 
     def first_read(info: ObjectInfo) -> None:
@@ -601,34 +597,34 @@ def test_first_reads_of_many_large_files_at_once_start_no_more_runs_than_the_con
         prefetcher.read(info, 0, 512)
 
     def read(info: ObjectInfo) -> bytes:
-        return joined(engine.reader.read(info, 0, 512))
+        return joined(rig.reader.read(info, 0, 512))
 
     with (
-        start(engine, PrefetchSettings(concurrency=2), tuning) as prefetcher,
+        start(rig, PrefetchSettings(concurrency=2), tuning) as prefetcher,
         ThreadPoolExecutor(len(infos)) as pool,
     ):
         # Every run begun stays in flight until all eight reads have come.
-        with store_held(engine):
+        with store_held(rig):
             list(pool.map(first_read, infos))
         firsts = list(pool.map(read, infos))
     assert firsts == [data[:512] for data in files.values()]
-    runs = [(start, end) for start, end in engine.faulty.streams if end - start > BLOCK_SIZE]
+    runs = [(start, end) for start, end in rig.faulty.streams if end - start > BLOCK_SIZE]
     assert len(runs) == 2
 
 
 def test_a_first_run_that_cannot_start_does_not_fail_the_read(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+    make_rig: RigFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Read-ahead is the prefetcher's business: an error starting it (here
     the claim; a cache disk error, a pool shut down) failed the read too."""
-    engine, info, data = shard_engine(make_engine)
+    rig, info, data = shard_rig(make_rig)
 
     def breaks(*args: Any, **kwargs: Any) -> None:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(engine.reader, "claim_run_ahead", breaks)
-    with start(engine, PrefetchSettings()) as prefetcher:
+    monkeypatch.setattr(rig.reader, "claim_run_ahead", breaks)
+    with start(rig, PrefetchSettings()) as prefetcher:
         prefetcher.opened(info)
         prefetcher.read(info, 0, 512)
-        assert joined(engine.reader.read(info, 0, 512)) == data[:512]
-    assert engine.store.get_count == 1  # the read's own GET
+        assert joined(rig.reader.read(info, 0, 512)) == data[:512]
+    assert rig.store.get_count == 1  # the read's own GET

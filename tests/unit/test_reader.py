@@ -19,7 +19,7 @@ from cachefsd.errors import DeadlineExceeded
 from cachefsd.reader import FileSpan, block_bounds, block_range
 from cachefsd.store.base import ObjectInfo
 from tests.polling import wait_until
-from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory, joined
+from tests.unit.conftest import BLOCK_SIZE, Rig, RigFactory, joined
 
 
 @given(
@@ -42,50 +42,50 @@ def test_block_range_covers_exactly_the_requested_bytes(
     assert wanted <= covered
 
 
-def test_reads_return_exact_bytes_at_any_offset(make_engine: EngineFactory) -> None:
+def test_reads_return_exact_bytes_at_any_offset(make_rig: RigFactory) -> None:
     data = os.urandom(5 * BLOCK_SIZE + 123)
-    engine = make_engine({"big": data})
-    info = engine.namespace.lookup("/big").info
+    rig = make_rig({"big": data})
+    info = rig.namespace.lookup("/big").info
     assert info is not None
     rng = random.Random(1)
     for _ in range(300):
         offset = rng.randrange(0, len(data) + 10)
         size = rng.randrange(0, 3 * BLOCK_SIZE)
-        assert joined(engine.reader.read(info, offset, size)) == data[offset : offset + size]
+        assert joined(rig.reader.read(info, offset, size)) == data[offset : offset + size]
 
 
-def test_second_read_is_served_from_disk_with_no_get(make_engine: EngineFactory) -> None:
+def test_second_read_is_served_from_disk_with_no_get(make_rig: RigFactory) -> None:
     data = os.urandom(3 * BLOCK_SIZE)
-    engine = make_engine({"f": data})
-    info = engine.namespace.lookup("/f").info
+    rig = make_rig({"f": data})
+    info = rig.namespace.lookup("/f").info
     assert info is not None
-    assert joined(engine.reader.read(info, 0, len(data))) == data
-    gets = engine.store.get_count
+    assert joined(rig.reader.read(info, 0, len(data))) == data
+    gets = rig.store.get_count
     assert gets == 3
-    fresh = make_engine(store=engine.store, cache_dir=engine.cache_dir)
+    fresh = make_rig(store=rig.store, cache_dir=rig.cache_dir)
     assert joined(fresh.reader.read(info, 0, len(data))) == data
-    assert engine.store.get_count == gets
+    assert rig.store.get_count == gets
 
 
 def test_concurrent_readers_of_one_block_share_one_get(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+    make_rig: RigFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data = os.urandom(BLOCK_SIZE)
-    engine = make_engine({"f": data})
-    info = engine.namespace.lookup("/f").info
+    rig = make_rig({"f": data})
+    info = rig.namespace.lookup("/f").info
     assert info is not None
-    gate = engine.faulty.faults.gate = threading.Event()  # the first GET stays in flight until all have come
+    gate = rig.faulty.faults.gate = threading.Event()  # the first GET stays in flight until all have come
     arrived = threading.Semaphore(0)
-    share = engine.reader._in_flight.do
+    share = rig.reader._in_flight.do
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         arrived.release()
         return share(*args, **kwargs)
 
-    monkeypatch.setattr(engine.reader._in_flight, "do", counted)
+    monkeypatch.setattr(rig.reader._in_flight, "do", counted)
     results: list[bytes] = []
     threads = [
-        threading.Thread(target=lambda: results.append(joined(engine.reader.read(info, 0, BLOCK_SIZE))))
+        threading.Thread(target=lambda: results.append(joined(rig.reader.read(info, 0, BLOCK_SIZE))))
         for _ in range(8)
     ]
     for thread in threads:
@@ -98,31 +98,31 @@ def test_concurrent_readers_of_one_block_share_one_get(
     for thread in threads:
         thread.join(10)
     assert results == [data] * 8
-    assert engine.store.get_count == 1
+    assert rig.store.get_count == 1
 
 
-def test_metrics_split_cold_and_cached_bytes(make_engine: EngineFactory) -> None:
+def test_metrics_split_cold_and_cached_bytes(make_rig: RigFactory) -> None:
     data = os.urandom(2 * BLOCK_SIZE)
-    engine = make_engine({"f": data})
-    info = engine.namespace.lookup("/f").info
+    rig = make_rig({"f": data})
+    info = rig.namespace.lookup("/f").info
     assert info is not None
-    joined(engine.reader.read(info, 0, len(data)))
-    joined(engine.reader.read(info, 0, len(data)))
-    read_bytes = engine.metrics.read_bytes
+    joined(rig.reader.read(info, 0, len(data)))
+    joined(rig.reader.read(info, 0, len(data)))
+    read_bytes = rig.metrics.read_bytes
     assert read_bytes.labels("cold")._value.get() == len(data)
     assert read_bytes.labels("cache")._value.get() == len(data)
-    assert engine.metrics.registry.get_sample_value("cachefsd_hit_ratio") == 0.5
+    assert rig.metrics.registry.get_sample_value("cachefsd_hit_ratio") == 0.5
 
 
 def test_a_raw_block_is_served_from_the_file_written_and_checked_once_it_changes(
-    make_engine: EngineFactory,
+    make_rig: RigFactory,
 ) -> None:
     data = os.urandom(2 * BLOCK_SIZE)
-    engine = make_engine({"f": data})
-    info = engine.namespace.lookup("/f").info
+    rig = make_rig({"f": data})
+    info = rig.namespace.lookup("/f").info
     assert info is not None
-    checked = engine.metrics.tier_read_bytes.labels("hot")
-    first = engine.reader.read(info, 0, len(data))
+    checked = rig.metrics.tier_read_bytes.labels("hot")
+    first = rig.reader.read(info, 0, len(data))
     assert all(isinstance(piece, bytes) for piece in first)  # fetched: the bytes the GET brought
     assert joined(first) == data
     # Every later read, however many opens it comes through, is served from
@@ -130,62 +130,62 @@ def test_a_raw_block_is_served_from_the_file_written_and_checked_once_it_changes
     # read back to be hashed (a dataset's first epoch from the cache disk
     # read and hashed every block once more).
     for offset in (100, 0, 4096, 100):
-        pieces = engine.reader.read(info, offset, BLOCK_SIZE)
+        pieces = rig.reader.read(info, offset, BLOCK_SIZE)
         assert all(isinstance(piece, FileSpan) for piece in pieces)
         assert joined(pieces) == data[offset : offset + BLOCK_SIZE]
     assert checked._value.get() == 0
     # A block file written to since is checked again: rot is caught, not served.
-    digest = engine.reader.digest(info, 0)
+    digest = rig.reader.digest(info, 0)
     assert digest is not None
-    block_file = engine.cache.tiers[0].path_of(digest)
+    block_file = rig.cache.tiers[0].path_of(digest)
     rotten = bytearray(block_file.read_bytes())
     rotten[-1] ^= 0xFF
     block_file.write_bytes(bytes(rotten))  # in place: the same inode, a new ctime
-    assert joined(engine.reader.read(info, 0, 10)) == data[:10]
-    assert engine.store.get_count == 3  # the rotten block was fetched again
-    assert engine.metrics.corrupt_blocks.labels("hot")._value.get() == 1
+    assert joined(rig.reader.read(info, 0, 10)) == data[:10]
+    assert rig.store.get_count == 3  # the rotten block was fetched again
+    assert rig.metrics.corrupt_blocks.labels("hot")._value.get() == 1
 
 
-def test_only_the_most_recently_served_checks_are_remembered(make_engine: EngineFactory) -> None:
+def test_only_the_most_recently_served_checks_are_remembered(make_rig: RigFactory) -> None:
     data = os.urandom(2 * BLOCK_SIZE)
-    engine = make_engine({"f": data}, cache_tuning=CacheTuning(checked_files_remembered=1))
-    info = engine.namespace.lookup("/f").info
+    rig = make_rig({"f": data}, cache_tuning=CacheTuning(checked_files_remembered=1))
+    info = rig.namespace.lookup("/f").info
     assert info is not None
-    joined(engine.reader.read(info, 0, len(data)))  # fetched
-    checked = engine.metrics.tier_read_bytes.labels("hot")
+    joined(rig.reader.read(info, 0, len(data)))  # fetched
+    checked = rig.metrics.tier_read_bytes.labels("hot")
     for offset in (0, 0, BLOCK_SIZE, 0):  # block 0 checked, remembered, forgotten for block 1, checked
-        assert joined(engine.reader.read(info, offset, 10)) == data[offset : offset + 10]
+        assert joined(rig.reader.read(info, offset, 10)) == data[offset : offset + 10]
     assert checked._value.get() == 3 * BLOCK_SIZE
 
 
-def test_a_read_that_joins_a_run_gets_its_block_before_the_run_ends(make_engine: EngineFactory) -> None:
+def test_a_read_that_joins_a_run_gets_its_block_before_the_run_ends(make_rig: RigFactory) -> None:
     """A run is read block by block as it arrives: its first block is
     served while the rest is held back on the way."""
     data = os.urandom(4 * BLOCK_SIZE)
-    engine = make_engine({"f": data})
-    info = engine.namespace.lookup("/f").info
+    rig = make_rig({"f": data})
+    info = rig.namespace.lookup("/f").info
     assert info is not None
-    rest = engine.faulty.faults.piece_gate = threading.Event()  # a link that sends the first piece only
+    rest = rig.faulty.faults.piece_gate = threading.Event()  # a link that sends the first piece only
     fetched: list[set[int]] = []
-    run = threading.Thread(target=lambda: fetched.append(engine.reader.fetch_run_ahead(info, range(4))))
+    run = threading.Thread(target=lambda: fetched.append(rig.reader.fetch_run_ahead(info, range(4))))
     run.start()
     try:
-        wait_until(lambda: engine.faulty.streams, "the run's GET to start", 10.0)
-        assert joined(engine.reader.read(info, 0, 10)) == data[:10]
-        assert engine.reader.fetching(info, 3)  # its last block still to come
+        wait_until(lambda: rig.faulty.streams, "the run's GET to start", 10.0)
+        assert joined(rig.reader.read(info, 0, 10)) == data[:10]
+        assert rig.reader.fetching(info, 3)  # its last block still to come
     finally:
         rest.set()
     run.join(10)
     assert fetched == [{0, 1, 2, 3}]
-    assert [start for start, _ in engine.faulty.streams] == [0]  # one GET
-    assert joined(engine.reader.read(info, 0, len(data))) == data
+    assert [start for start, _ in rig.faulty.streams] == [0]  # one GET
+    assert joined(rig.reader.read(info, 0, len(data))) == data
 
 
-def test_served_bytes_are_counted_by_where_they_came_from(make_engine: EngineFactory) -> None:
+def test_served_bytes_are_counted_by_where_they_came_from(make_rig: RigFactory) -> None:
     data = os.urandom(2 * BLOCK_SIZE)
-    engine = make_engine({"f": data})
+    rig = make_rig({"f": data})
     # Before any read, every series is there at 0: a dashboard shows 0, not "No data".
-    sample = engine.metrics.registry.get_sample_value
+    sample = rig.metrics.registry.get_sample_value
     for name in (
         "cachefsd_served_bytes_total",
         "cachefsd_cache_evictions_total",
@@ -193,68 +193,68 @@ def test_served_bytes_are_counted_by_where_they_came_from(make_engine: EngineFac
     ):
         assert sample(name, {"tier": "hot"}) == 0, name
     assert sample("cachefsd_served_bytes_total", {"tier": "cold"}) == 0
-    info = engine.namespace.lookup("/f").info
+    info = rig.namespace.lookup("/f").info
     assert info is not None
-    joined(engine.reader.read(info, 0, len(data)))  # cold
-    joined(engine.reader.read(info, 0, len(data)))  # hot, zero-copy
-    served = engine.metrics.served_bytes
+    joined(rig.reader.read(info, 0, len(data)))  # cold
+    joined(rig.reader.read(info, 0, len(data)))  # hot, zero-copy
+    served = rig.metrics.served_bytes
     assert served.labels("cold")._value.get() == len(data)
     assert served.labels("hot")._value.get() == len(data)
-    assert engine.metrics.registry.get_sample_value("cachefsd_tier_hit_ratio", {"tier": "hot"}) == 0.5
+    assert rig.metrics.registry.get_sample_value("cachefsd_tier_hit_ratio", {"tier": "hot"}) == 0.5
 
 
-def test_a_prefetch_that_joins_a_demand_get_did_not_fetch(make_engine: EngineFactory) -> None:
+def test_a_prefetch_that_joins_a_demand_get_did_not_fetch(make_rig: RigFactory) -> None:
     """The prefetcher counts what ``fetch_run_ahead`` fetched as issued: a GET
     a read had started is the read's, or accuracy reads above the truth."""
     data = os.urandom(BLOCK_SIZE)
-    engine = make_engine({"f": data})
-    info = engine.namespace.lookup("/f").info
+    rig = make_rig({"f": data})
+    info = rig.namespace.lookup("/f").info
     assert info is not None
-    gate = engine.faulty.faults.gate = threading.Event()  # the read's GET stays in flight
-    calls = engine.faulty.calls
+    gate = rig.faulty.faults.gate = threading.Event()  # the read's GET stays in flight
+    calls = rig.faulty.calls
     results: list[bytes] = []
-    reader = threading.Thread(target=lambda: results.append(joined(engine.reader.read(info, 0, 10))))
+    reader = threading.Thread(target=lambda: results.append(joined(rig.reader.read(info, 0, 10))))
     reader.start()
     try:
-        wait_until(lambda: engine.faulty.calls > calls, "the read's GET to start", 10.0)
-        assert engine.store.get_count == 0  # the read's GET is in flight (counted when it lands)
-        assert engine.reader.fetch_run_ahead(info, range(1)) == set()
+        wait_until(lambda: rig.faulty.calls > calls, "the read's GET to start", 10.0)
+        assert rig.store.get_count == 0  # the read's GET is in flight (counted when it lands)
+        assert rig.reader.fetch_run_ahead(info, range(1)) == set()
     finally:
         gate.set()
     reader.join(10)
     assert results == [data[:10]]
-    assert engine.store.get_count == 1
-    assert engine.reader.fetch_run_ahead(info, range(1)) == set()  # cached now
+    assert rig.store.get_count == 1
+    assert rig.reader.fetch_run_ahead(info, range(1)) == set()  # cached now
 
 
 def test_a_read_that_joined_a_prefetch_which_gave_up_is_not_retried_at_once(
-    make_engine: EngineFactory,
+    make_rig: RigFactory,
 ) -> None:
     """The kernel retries a failed read at once: after waiting out the
     prefetch's deadline, it must not wait out a second one."""
-    engine = make_engine({"f": os.urandom(BLOCK_SIZE)})
-    info = engine.namespace.lookup("/f").info
+    rig = make_rig({"f": os.urandom(BLOCK_SIZE)})
+    info = rig.namespace.lookup("/f").info
     assert info is not None
-    engine.faulty.faults.hang = True
-    calls = engine.faulty.calls
+    rig.faulty.faults.hang = True
+    calls = rig.faulty.calls
 
     def prefetch_that_gives_up() -> None:
         with contextlib.suppress(DeadlineExceeded):
-            engine.reader.fetch_run_ahead(info, range(1))
+            rig.reader.fetch_run_ahead(info, range(1))
 
     prefetch = threading.Thread(target=prefetch_that_gives_up)
     prefetch.start()
-    wait_until(lambda: engine.faulty.calls > calls, "the prefetch GET to start", 10.0)
+    wait_until(lambda: rig.faulty.calls > calls, "the prefetch GET to start", 10.0)
     with pytest.raises(DeadlineExceeded):
-        engine.reader.read(info, 0, 10)  # joins the prefetch, which gives up
+        rig.reader.read(info, 0, 10)  # joins the prefetch, which gives up
     prefetch.join(10)
-    calls = engine.faulty.calls
+    calls = rig.faulty.calls
     with pytest.raises(DeadlineExceeded, match="not retried yet"):
-        engine.reader.read(info, 0, 10)
-    assert engine.faulty.calls == calls  # answered without a new GET
+        rig.reader.read(info, 0, 10)
+    assert rig.faulty.calls == calls  # answered without a new GET
 
 
-def read_quarters_at_once(engine: Engine, info: ObjectInfo) -> bytes:
+def read_quarters_at_once(rig: Rig, info: ObjectInfo) -> bytes:
     """Block 0 of ``info`` read as four quarters by four threads at once,
     as the kernel's read-ahead asks for one block; the bytes, in order."""
     quarter = BLOCK_SIZE // 4
@@ -263,7 +263,7 @@ def read_quarters_at_once(engine: Engine, info: ObjectInfo) -> bytes:
 
     def read(offset: int) -> None:
         barrier.wait()
-        results[offset] = joined(engine.reader.read(info, offset, quarter))
+        results[offset] = joined(rig.reader.read(info, offset, quarter))
 
     threads = [threading.Thread(target=read, args=(offset,)) for offset in range(0, BLOCK_SIZE, quarter)]
     for thread in threads:
@@ -275,37 +275,37 @@ def read_quarters_at_once(engine: Engine, info: ObjectInfo) -> bytes:
     return b"".join(results[offset] for offset in sorted(results))
 
 
-def test_reads_of_one_block_waiting_on_one_get_are_one_stall(make_engine: EngineFactory) -> None:
+def test_reads_of_one_block_waiting_on_one_get_are_one_stall(make_rig: RigFactory) -> None:
     """The kernel's read-ahead sends several READs of one block at once:
     counted per request, one reader's 0.3 s wait read as 1.2 s of stall."""
     data = os.urandom(BLOCK_SIZE)
-    engine = make_engine({"f": data})
-    info = engine.namespace.lookup("/f").info
+    rig = make_rig({"f": data})
+    info = rig.namespace.lookup("/f").info
     assert info is not None
-    engine.faulty.faults.latency_seconds = 0.3
+    rig.faulty.faults.latency_seconds = 0.3
     started = time.monotonic()
-    assert read_quarters_at_once(engine, info) == data
+    assert read_quarters_at_once(rig, info) == data
     elapsed = time.monotonic() - started
-    assert engine.store.get_count == 1
+    assert rig.store.get_count == 1
     # At most the time the four waited together (counted per READ: four times that).
-    assert 0.3 <= engine.metrics.read_stall._value.get() <= elapsed
+    assert 0.3 <= rig.metrics.read_stall._value.get() <= elapsed
 
 
 def test_concurrent_reads_of_a_compressed_block_decode_it_once(
-    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+    make_rig: RigFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each of the kernel's concurrent READs of a block read and decoded
     all of it before any could keep it in RAM: four for one. Here the
     first read of the block waits until all four READs are past the point
     where they look for it (as they overlap under load)."""
     data = os.urandom(BLOCK_SIZE)
-    engine = make_engine({"f": data}, codec=Codec.LZ4)
-    info = engine.namespace.lookup("/f").info
+    rig = make_rig({"f": data}, codec=Codec.LZ4)
+    info = rig.namespace.lookup("/f").info
     assert info is not None
     digest = content_hash(data)
-    engine.cache.admit(engine.reader.ref(info, 0), digest, data)
+    rig.cache.admit(rig.reader.ref(info, 0), digest, data)
     decodes: list[str] = []
-    read_block, placement = engine.cache.read, engine.cache.placement
+    read_block, placement = rig.cache.read, rig.cache.placement
     looked, all_looked = [0], threading.Event()
 
     def counted_placement(digest: str) -> Any:
@@ -319,8 +319,8 @@ def test_concurrent_reads_of_a_compressed_block_decode_it_once(
         all_looked.wait(10)
         return read_block(digest)
 
-    monkeypatch.setattr(engine.cache, "placement", counted_placement)
-    monkeypatch.setattr(engine.cache, "read", slow_read)
-    assert read_quarters_at_once(engine, info) == data
+    monkeypatch.setattr(rig.cache, "placement", counted_placement)
+    monkeypatch.setattr(rig.cache, "read", slow_read)
+    assert read_quarters_at_once(rig, info) == data
     assert decodes == [digest]
-    assert engine.store.get_count == 0
+    assert rig.store.get_count == 0

@@ -1,4 +1,4 @@
-"""Staging over the in-memory engine: selection, include globs, resumability,
+"""Staging over the in-memory rig: selection, include globs, resumability,
 check by tier, failures named by path, and the daemon's handlers."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from cachefsd.errors import BadRequest, StageCancelled
 from cachefsd.globs import PathGlob
 from cachefsd.stage import compile_include, stage_files
 from tests.polling import wait_until
-from tests.unit.conftest import BLOCK_SIZE, Engine, EngineFactory
+from tests.unit.conftest import BLOCK_SIZE, Rig, RigFactory
 
 OBJECTS = {
     "train/a.tar": os.urandom(3 * BLOCK_SIZE + 5),
@@ -38,9 +38,9 @@ OBJECTS = {
 TOTAL = sum(len(data) for data in OBJECTS.values())
 
 
-def run(engine: Engine, **request: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def run(rig: Rig, **request: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     events: list[dict[str, Any]] = []
-    summary = stage_files(engine.namespace, engine.reader, ["hot"], StageRequest(**request), events.append)
+    summary = stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(**request), events.append)
     return summary, events
 
 
@@ -145,16 +145,16 @@ def test_globs_select_what_the_regular_expressions_did(pattern: str, data: st.Da
     try:
         reference = re.compile(_regex_of(pattern))
     except re.error:
-        return  # a class the regex engine rejected: --include never accepted it either
+        return  # a class the regex rig rejected: --include never accepted it either
     path = data.draw(
         st.one_of(st.text(alphabet="ab-!^/", max_size=10), st.from_regex(reference, fullmatch=True))
     )
     assert PathGlob(pattern).matches(path) is (reference.fullmatch(path) is not None)
 
 
-def test_stage_fetches_everything_once_and_a_rerun_fetches_nothing(make_engine: EngineFactory) -> None:
-    engine = make_engine(OBJECTS)
-    summary, events = run(engine)
+def test_stage_fetches_everything_once_and_a_rerun_fetches_nothing(make_rig: RigFactory) -> None:
+    rig = make_rig(OBJECTS)
+    summary, events = run(rig)
     assert summary["files"] == len(OBJECTS)
     assert summary["bytes"] == TOTAL
     assert summary["fetched_bytes"] == TOTAL
@@ -164,102 +164,102 @@ def test_stage_fetches_everything_once_and_a_rerun_fetches_nothing(make_engine: 
     assert events[-1]["files_done"] == len(OBJECTS)
     assert events[-1]["bytes_done"] == TOTAL
 
-    summary, _ = run(engine)
+    summary, _ = run(rig)
     assert summary["fetched_bytes"] == 0
     assert summary["cached_bytes"] == TOTAL
 
-    check, _ = run(engine, check=True)
+    check, _ = run(rig, check=True)
     assert check["resident"] == {"hot": TOTAL}
     assert check["missing_bytes"] == 0
     assert "resident: 100.0%" in summary_lines(check)[0]
 
 
-def test_a_file_of_several_blocks_is_staged_with_one_get(make_engine: EngineFactory) -> None:
+def test_a_file_of_several_blocks_is_staged_with_one_get(make_rig: RigFactory) -> None:
     """A GET per block was a round trip per block, and on moto a read of
     the whole object per block: a shard is one run of consecutive blocks."""
-    engine = make_engine(OBJECTS)
-    summary, _ = run(engine)
+    rig = make_rig(OBJECTS)
+    summary, _ = run(rig)
     assert summary["fetched_bytes"] == TOTAL
-    assert engine.store.get_count == len([data for data in OBJECTS.values() if data])
+    assert rig.store.get_count == len([data for data in OBJECTS.values() if data])
 
 
 def test_a_block_a_read_is_fetching_does_not_stop_the_stage_as_a_full_cache(
-    make_engine: EngineFactory,
+    make_rig: RigFactory,
 ) -> None:
     """A block another GET leads (a read, a file's first run) is left to
     it; not cached yet when the stage's run ends, it was taken for a
     refusal, and the stage stopped with the rest "not staged"."""
     objects = {f"shard-{index}": os.urandom(2 * BLOCK_SIZE) for index in range(6)}
-    engine = make_engine(objects)
-    first = engine.namespace.lookup("/shard-0").info
+    rig = make_rig(objects)
+    first = rig.namespace.lookup("/shard-0").info
     assert first is not None
-    gate = engine.faulty.faults.gate = threading.Event()
-    reader = threading.Thread(target=engine.reader.read, args=(first, 0, 1))
+    gate = rig.faulty.faults.gate = threading.Event()
+    reader = threading.Thread(target=rig.reader.read, args=(first, 0, 1))
     reader.start()
     try:
-        wait_until(lambda: engine.reader.fetching(first, 0), "the read's GET to start", 10.0)
-        engine.faulty.faults.gate = (
+        wait_until(lambda: rig.reader.fetching(first, 0), "the read's GET to start", 10.0)
+        rig.faulty.faults.gate = (
             None  # the stage's GETs pass; the read's stays held (a call reads the gate once)
         )
         ignore = lambda _: None  # noqa: E731
-        summary = stage_files(engine.namespace, engine.reader, ["hot"], StageRequest(), ignore, workers=1)
+        summary = stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(), ignore, workers=1)
     finally:
         gate.set()
         reader.join(10)
     assert summary["fetched_bytes"] == 11 * BLOCK_SIZE  # all but the block the read fetches
     for key in objects:
-        info = engine.namespace.lookup(f"/{key}").info
+        info = rig.namespace.lookup(f"/{key}").info
         assert info is not None
-        assert all(engine.reader.residency(info, index) for index in (0, 1))
+        assert all(rig.reader.residency(info, index) for index in (0, 1))
 
 
 @pytest.mark.parametrize("policy", [MinioPolicy, LruPolicy])
 def test_a_selection_larger_than_the_cache_is_reported_not_hidden(
-    make_engine: EngineFactory, policy: type[MinioPolicy | LruPolicy]
+    make_rig: RigFactory, policy: type[MinioPolicy | LruPolicy]
 ) -> None:
     """Ten blocks into room for four: a refusing policy stops the stage at
     the first refusal, an evicting one churns; both end with six blocks
     reported as not staged."""
     objects = {f"shard-{index}": os.urandom(BLOCK_SIZE) for index in range(10)}
     frame = disk_bytes(encode(bytes(BLOCK_SIZE), Codec.RAW).size)
-    engine = make_engine(objects, capacity=4 * frame, policy=policy())
+    rig = make_rig(objects, capacity=4 * frame, policy=policy())
     events: list[dict[str, Any]] = []
-    summary = stage_files(engine.namespace, engine.reader, ["hot"], StageRequest(), events.append, workers=1)
+    summary = stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(), events.append, workers=1)
     assert summary["unkept_bytes"] == 6 * BLOCK_SIZE
     assert summary["failed"] == 0
     assert events[-1]["bytes_done"] == 10 * BLOCK_SIZE  # the progress bar ends at 100 %
     if policy is MinioPolicy:
-        assert engine.store.get_count < 10  # stopped fetching once the cache refused
+        assert rig.store.get_count < 10  # stopped fetching once the cache refused
     assert "not staged: 384.0 KiB (60.0%)" in summary_lines(summary)[1]
 
 
-def test_check_before_staging_finds_nothing(make_engine: EngineFactory) -> None:
-    engine = make_engine(OBJECTS)
-    check, _ = run(engine, check=True)
+def test_check_before_staging_finds_nothing(make_rig: RigFactory) -> None:
+    rig = make_rig(OBJECTS)
+    check, _ = run(rig, check=True)
     assert check["resident"] == {}
     assert check["missing_bytes"] == TOTAL
     assert check["fetched_bytes"] == 0
     # A check fetches nothing.
-    assert run(engine, check=True)[0]["missing_bytes"] == TOTAL
+    assert run(rig, check=True)[0]["missing_bytes"] == TOTAL
 
 
-def test_include_and_path_select_a_subset(make_engine: EngineFactory) -> None:
-    engine = make_engine(OBJECTS)
-    summary, _ = run(engine, include="*.tar")
+def test_include_and_path_select_a_subset(make_rig: RigFactory) -> None:
+    rig = make_rig(OBJECTS)
+    summary, _ = run(rig, include="*.tar")
     assert summary["files"] == 3
     assert summary["bytes"] == sum(len(d) for k, d in OBJECTS.items() if k.endswith(".tar"))
-    summary, _ = run(engine, path="/train", include="train/*")
+    summary, _ = run(rig, path="/train", include="train/*")
     assert summary["files"] == 2
-    summary, _ = run(engine, path="/train/sub/c.jpg")
+    summary, _ = run(rig, path="/train/sub/c.jpg")
     assert summary["files"] == 1
     assert summary["cached_bytes"] == 0
 
 
-def test_a_failed_file_is_named_and_the_rest_is_staged(make_engine: EngineFactory) -> None:
-    engine = make_engine(OBJECTS)
-    engine.namespace.listdir("/train")  # listed, then deleted: the stage's view is stale
-    engine.store.delete("train/a.tar")
-    summary, events = run(engine)
+def test_a_failed_file_is_named_and_the_rest_is_staged(make_rig: RigFactory) -> None:
+    rig = make_rig(OBJECTS)
+    rig.namespace.listdir("/train")  # listed, then deleted: the stage's view is stale
+    rig.store.delete("train/a.tar")
+    summary, events = run(rig)
     failures = [event for event in events if event["event"] == "failure"]
     assert len(failures) == 1
     assert failures[0]["path"] == "/train/a.tar"
@@ -269,26 +269,26 @@ def test_a_failed_file_is_named_and_the_rest_is_staged(make_engine: EngineFactor
     assert summary["fetched_bytes"] == TOTAL - len(OBJECTS["train/a.tar"])
 
 
-def test_bad_requests_are_refused_before_any_work(make_engine: EngineFactory) -> None:
-    engine = make_engine(OBJECTS)
+def test_bad_requests_are_refused_before_any_work(make_rig: RigFactory) -> None:
+    rig = make_rig(OBJECTS)
     with pytest.raises(BadRequest, match="tier 'warm' is not configured"):
-        run(engine, tier="warm")
+        run(rig, tier="warm")
     with pytest.raises(BadRequest, match="no such file"):
-        run(engine, path="/nope")
-    assert engine.cache.used_bytes == 0
+        run(rig, path="/nope")
+    assert rig.cache.used_bytes == 0
 
 
-def test_a_stopping_daemon_cancels_the_stage(make_engine: EngineFactory) -> None:
-    engine = make_engine(OBJECTS)
+def test_a_stopping_daemon_cancels_the_stage(make_rig: RigFactory) -> None:
+    rig = make_rig(OBJECTS)
     cancelled = threading.Event()
     cancelled.set()
     with pytest.raises(StageCancelled):
-        stage_files(engine.namespace, engine.reader, ["hot"], StageRequest(), lambda _event: None, cancelled)
+        stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(), lambda _event: None, cancelled)
 
 
-def test_mount_handlers_count_hints_and_report_tiers(make_engine: EngineFactory) -> None:
-    engine = make_engine(OBJECTS)
-    handlers = MountHandlers(engine.namespace, engine.reader, engine.cache, {"mountpoint": "/mnt"})
+def test_mount_handlers_count_hints_and_report_tiers(make_rig: RigFactory) -> None:
+    rig = make_rig(OBJECTS)
+    handlers = MountHandlers(rig.namespace, rig.reader, rig.cache, {"mountpoint": "/mnt"})
     assert handlers.hint(["/train/a.tar", "val/d.tar", "/nope", "/train"]) == (2, 2)
     handlers.stage(StageRequest(include="*.jpg"), lambda _event: None)
     stats = handlers.stats()
@@ -298,8 +298,8 @@ def test_mount_handlers_count_hints_and_report_tiers(make_engine: EngineFactory)
     assert stats["tiers"][0]["blocks"] == 1
 
 
-def test_mount_handlers_pass_hints_to_the_prefetcher(make_engine: EngineFactory) -> None:
-    engine = make_engine(OBJECTS)
+def test_mount_handlers_pass_hints_to_the_prefetcher(make_rig: RigFactory) -> None:
+    rig = make_rig(OBJECTS)
     given: list[list[str]] = []
 
     def prefetcher_hint(order: list[str], part: tuple[int, int] | None, pid: int) -> tuple[int, int]:
@@ -307,7 +307,7 @@ def test_mount_handlers_pass_hints_to_the_prefetcher(make_engine: EngineFactory)
         return len(order), 0
 
     handlers = MountHandlers(
-        engine.namespace, engine.reader, engine.cache, {}, prefetcher_hint, lambda: {"prefetch": {"x": 1}}
+        rig.namespace, rig.reader, rig.cache, {}, prefetcher_hint, lambda: {"prefetch": {"x": 1}}
     )
     assert handlers.hint(["/b", "/a"]) == (2, 0)
     assert given == [["/b", "/a"]]
@@ -317,14 +317,14 @@ def test_mount_handlers_pass_hints_to_the_prefetcher(make_engine: EngineFactory)
 @pytest.mark.parametrize("interactive", [True, False])
 @pytest.mark.parametrize(("check", "phase"), [(True, "checking"), (False, "staging")])
 def test_progress_view_shows_progress_and_keeps_failures(
-    make_engine: EngineFactory, interactive: bool, check: bool, phase: str
+    make_rig: RigFactory, interactive: bool, check: bool, phase: str
 ) -> None:
-    engine = make_engine(OBJECTS)
-    engine.namespace.listdir("/val")
-    engine.store.delete("val/d.tar")
+    rig = make_rig(OBJECTS)
+    rig.namespace.listdir("/val")
+    rig.store.delete("val/d.tar")
     stream = io.StringIO()
     view = ProgressView(stream, interactive=interactive)
-    stage_files(engine.namespace, engine.reader, ["hot"], StageRequest(check=check), view)
+    stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(check=check), view)
     view.close()
     output = stream.getvalue()
     assert phase in output

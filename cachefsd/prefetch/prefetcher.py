@@ -9,8 +9,8 @@ hint's remaining order, a replayed order, or the unread files of the
 epoch), and fetches the blocks that are not cached yet, nearest predicted
 use first.
 
-Budget, whatever the number of open files, counted by the ledger
-(``ledger.py``: blocks ahead, blocks and GETs in flight, failed blocks):
+Budget, whatever the number of open files, counted by the accounts
+(``accounts.py``: blocks ahead, blocks and GETs in flight, failed blocks):
 - at most ``concurrency`` prefetch GETs at once, and they queue behind every
   demand read in the fetcher (``fetch.PrioritySlots``);
 - at most the reach (``reach.py``: AIMD between
@@ -43,7 +43,7 @@ Time and tuning are passed in: ``clock`` (default ``time.monotonic``) is
 the only time read here, and ``PrefetchTuning`` holds the numbers.
 
 Concurrency. Immutable after construction: the collaborators, the
-settings, the tuning, the clock and the pool. ``_lock`` guards the ledger,
+settings, the tuning, the clock and the pool. ``_lock`` guards the accounts,
 the reach and the token bucket, which have no lock of their own (taking a
 block reads and changes all three at once), and ``_opens``, ``_replan``,
 ``_resident_plans`` and the hint shares. The head runs have their own lock
@@ -70,9 +70,9 @@ from cachefsd.errors import CachefsdError
 from cachefsd.jobs import UNKNOWN_JOB
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.access import AccessModel, Prediction
+from cachefsd.prefetch.accounts import Accounts, Ahead
 from cachefsd.prefetch.bucket import TokenBucket
 from cachefsd.prefetch.head import HeadRun, HeadRuns, free_blocks
-from cachefsd.prefetch.ledger import Ahead, Ledger
 from cachefsd.prefetch.reach import Reach
 from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.prefetch.warm import ToWarm, WarmQueue
@@ -114,7 +114,7 @@ class Prefetcher:
         self._tuning = tuning
         self._clock = clock
         self._lock = threading.Lock()
-        self._ledger = Ledger()
+        self._accounts = Accounts()
         self._reach = Reach(
             min(settings.lookahead, tuning.initial_reach_bytes), tuning.min_reach_bytes, settings.lookahead
         )
@@ -166,7 +166,7 @@ class Prefetcher:
         used = 0
         with self._lock:
             for index in block_range(offset, size, info.size, block_size):
-                used += self._ledger.read(self._reader.ref(info, index))
+                used += self._accounts.read(self._reader.ref(info, index))
             if used:
                 self._reach.used(used)
         if used:
@@ -206,7 +206,7 @@ class Prefetcher:
                 run = self._take_run_locked(info, prediction)
                 if not run:
                     return None
-                self._ledger.get_started()  # with the blocks, so that reads at once cannot overrun it
+                self._accounts.get_started()  # with the blocks, so that reads at once cannot overrun it
                 return run, self._opens + prediction.distance
 
         begun = self._heads.begin(self._reader.ref(info, 0), take)
@@ -318,8 +318,8 @@ class Prefetcher:
     def _has_budget(self) -> bool:
         with self._lock:
             return (
-                self._ledger.gets < self._settings.concurrency
-                and self._ledger.ahead_bytes < self._reach.bytes
+                self._accounts.gets < self._settings.concurrency
+                and self._accounts.ahead_bytes < self._reach.bytes
             )
 
     def _void_plans(self, turns: dict[str, int]) -> None:
@@ -332,7 +332,7 @@ class Prefetcher:
         replans every job's cached blocks (``_plan_residents``), so other
         jobs' plans stand."""
         with self._lock:
-            voided = self._ledger.digests_of(turns)
+            voided = self._accounts.digests_of(turns)
         for digest in voided:
             self._reader.unplan(digest)
         self._warming.void(self._stale)
@@ -368,10 +368,10 @@ class Prefetcher:
     def _retire_waste(self) -> None:
         """Blocks fetched ahead that left the cache before anyone read them."""
         with self._lock:
-            ahead = self._ledger.ahead()
+            ahead = self._accounts.ahead()
         gone = [ref for ref, block in ahead if self._reader.digest(block.info, block.index) is None]
         with self._lock:
-            wasted = self._ledger.retire(gone)
+            wasted = self._accounts.retire(gone)
             if wasted:
                 self._reach.wasted(wasted)
         if wasted:
@@ -379,7 +379,7 @@ class Prefetcher:
 
     def _issue(self) -> None:
         with self._lock:
-            free = self._settings.concurrency - self._ledger.gets
+            free = self._settings.concurrency - self._accounts.gets
             opens = self._opens
         wanted = min(self._tuning.predictions_per_round, self._tuning.predictions_per_slot * free)
         for prediction in self._model.predict(wanted):
@@ -457,10 +457,10 @@ class Prefetcher:
     ) -> tuple[BlockRef, int] | bool:
         ref = self._reader.ref(info, index)
         nbytes = min(self._reader.block_size, info.size - index * self._reader.block_size)
-        if self._ledger.holds(ref):
+        if self._accounts.holds(ref):
             return True
         now = self._clock()
-        if self._ledger.failed_lately(ref, now):
+        if self._accounts.failed_lately(ref, now):
             return True
         position = self._opens + prediction.distance
         if not self._budget_allows_locked(nbytes, position, now):
@@ -468,13 +468,13 @@ class Prefetcher:
         if self._reader.digest(info, index) is not None:
             self._bucket.refund(nbytes)
             return True
-        self._ledger.start(ref, nbytes)
+        self._accounts.start(ref, nbytes)
         return ref, nbytes
 
     def _submit(self, info: ObjectInfo, run: Run, prediction: Prediction) -> None:
         with self._lock:
             position = self._opens + prediction.distance
-            self._ledger.get_started()
+            self._accounts.get_started()
         self._pool.submit(self._fetch, info, run, position, prediction.job)
 
     def _budget_allows_locked(self, nbytes: int, position: float, now: float) -> bool:
@@ -482,10 +482,10 @@ class Prefetcher:
         every block already in flight, counting residents planned for after
         ``position`` (a cache that refuses a block on arrival wastes its GET),
         and bandwidth tokens (spent here when everything else allows)."""
-        needed = self._ledger.in_flight_bytes + nbytes
+        needed = self._accounts.in_flight_bytes + nbytes
         return (
-            self._ledger.gets < self._settings.concurrency
-            and self._ledger.ahead_bytes + nbytes <= self._reach.bytes
+            self._accounts.gets < self._settings.concurrency
+            and self._accounts.ahead_bytes + nbytes <= self._reach.bytes
             and needed <= self._reader.cache_room(position, wanted=needed)
             and self._bucket.spend(nbytes, now)
         )
@@ -519,7 +519,7 @@ class Prefetcher:
             log.log(level, message, info.key, first, last, exc, exc_info=not failed)
             retry_at = self._clock() + self._tuning.failed_retry_seconds
             with self._lock:
-                self._ledger.failed((ref for _, ref, _ in run), retry_at)
+                self._accounts.failed((ref for _, ref, _ in run), retry_at)
         finally:
             self._run_over(info, run, fetched, job, head)
 
@@ -532,7 +532,7 @@ class Prefetcher:
         if head is not None:
             self._heads.over(run[0][1], head)
         with self._lock:
-            self._ledger.get_over()
+            self._accounts.get_over()
         self._wake.set()
 
     def _account(
@@ -542,7 +542,7 @@ class Prefetcher:
         not (cached meanwhile, fetched by a read's GET, or failed)."""
         digest = self._reader.digest(info, index) if fetched else None
         with self._lock:
-            joined = self._ledger.landed(ref)
+            joined = self._accounts.landed(ref)
             if digest is None:
                 self._bucket.refund(nbytes)
                 if fetched:
@@ -552,7 +552,7 @@ class Prefetcher:
             elif joined:
                 self._reach.used(nbytes)
             else:
-                self._ledger.put_ahead(ref, Ahead(info, index, digest, nbytes, job))
+                self._accounts.put_ahead(ref, Ahead(info, index, digest, nbytes, job))
         if fetched:  # issued counts every fetched block, so used + wasted <= issued
             self._events.prefetch_issued(nbytes)
             if digest is None:

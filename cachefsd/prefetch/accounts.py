@@ -29,7 +29,7 @@ class Ahead:
     job: str  # root of the job whose prediction fetched it
 
 
-class Ledger:
+class Accounts:
     def __init__(self) -> None:
         self._ahead: dict[BlockRef, Ahead] = {}
         self.ahead_bytes = 0
