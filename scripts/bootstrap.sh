@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a fresh Debian/Ubuntu machine needs to run cachefsd from this
 # checkout: fuse3 (fusermount3 and libfuse3) and a virtual environment in
-# .venv with the package installed. Sourced by demo.sh and test.sh.
+# .venv with the package installed; for the tests, also a C compiler and
+# libfuse3's headers. Sourced by demo.sh and test.sh.
 # Usage: bootstrap.sh [extra]   (extra: "test" adds the test dependencies)
 set -euo pipefail
 
@@ -12,10 +13,19 @@ as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
 }
 
+packages=()
 if ! command -v fusermount3 >/dev/null 2>&1 || ! ldconfig -p | grep -q 'libfuse3\.so'; then
-    echo "bootstrap: installing fuse3 from Debian" >&2
+    packages+=(fuse3)
+fi
+# The tests compile a C program against libfuse3's headers
+# (tests/contract/test_fuse_layout.py).
+if [ "$extra" = test ] && ! { command -v cc && pkg-config --exists fuse3; } >/dev/null 2>&1; then
+    packages+=(gcc libc6-dev pkg-config libfuse3-dev)
+fi
+if [ "${#packages[@]}" -gt 0 ]; then
+    echo "bootstrap: installing ${packages[*]} from Debian" >&2
     as_root apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq fuse3 >/dev/null
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${packages[@]}" >/dev/null
 fi
 
 if [ ! -x "$repo/.venv/bin/python" ]; then

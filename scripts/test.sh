@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (fuse3, .venv with test dependencies) and run the whole test suite:
+# Set up (fuse3, a C compiler and libfuse3-dev, .venv with test dependencies)
+# and run the whole test suite:
 # lint, unit, contract (moto S3 over HTTP, GCS emulator) and integration
 # tests on real FUSE mounts, after ruff and mypy. Extra arguments go to pytest.
 set -euo pipefail

@@ -182,6 +182,8 @@ class Ctx(ctypes.Structure):
 
 
 class ForgetData(ctypes.Structure):
+    """``struct fuse_forget_data``: one inode of a FORGET_MULTI."""
+
     _fields_ = (("ino", ctypes.c_uint64), ("nlookup", ctypes.c_uint64))
 
 
@@ -190,28 +192,31 @@ class Buf(ctypes.Structure):
 
     _fields_ = (
         ("size", ctypes.c_size_t),
-        ("flags", ctypes.c_int),
+        # enum fuse_buf_flags: GCC gives an enum with no negative value the type unsigned int.
+        ("flags", ctypes.c_uint),
         ("mem", ctypes.c_void_p),
         ("fd", ctypes.c_int),
         ("pos", ctypes.c_int64),
     )
 
 
+class BufVec(ctypes.Structure):
+    """``struct fuse_bufvec`` as C declares it: one buffer, which callers
+    over-allocate (``bufvec_type``)."""
+
+    _fields_ = (
+        ("count", ctypes.c_size_t),
+        ("idx", ctypes.c_size_t),
+        ("off", ctypes.c_size_t),
+        ("buf", Buf * 1),
+    )
+
+
 @functools.cache
 def bufvec_type(count: int) -> type[ctypes.Structure]:
-    """``struct fuse_bufvec`` with room for ``count`` buffers (C declares
-    one and over-allocates)."""
+    """``struct fuse_bufvec`` with room for ``count`` buffers."""
     return type(
-        f"BufVec{count}",
-        (ctypes.Structure,),
-        {
-            "_fields_": (
-                ("count", ctypes.c_size_t),
-                ("idx", ctypes.c_size_t),
-                ("off", ctypes.c_size_t),
-                ("buf", Buf * count),
-            )
-        },
+        f"BufVec{count}", (ctypes.Structure,), {"_fields_": (*BufVec._fields_[:-1], ("buf", Buf * count))}
     )
 
 
@@ -250,6 +255,8 @@ OPERATIONS = (
 
 
 class Operations(ctypes.Structure):
+    """``struct fuse_lowlevel_ops``: a function pointer per operation."""
+
     _fields_ = tuple((name, ctypes.c_void_p) for name in OPERATIONS)
 
 
