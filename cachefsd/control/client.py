@@ -2,9 +2,11 @@
 use to reach the daemon of a mount over its Unix socket (see server.py for
 the endpoints).
 
-Only the standard library is used, so ``cachefsd.hints`` stays importable in
-any training environment. One request per connection: connections are cheap
-on a Unix socket, and it keeps every wait a single bounded socket timeout.
+Only the standard library is used, so ``cachefsd.hints`` and the loader
+meter stay importable in any training environment: ``stats`` alone imports
+pydantic, for its typed answer (``answers.py``), when it is called. One
+request per connection: connections are cheap on a Unix socket, and it
+keeps every wait a single bounded socket timeout.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ import socket
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachefsd.control.mounts import MountOf, MountState
 from cachefsd.errors import ControlError
+
+if TYPE_CHECKING:
+    from cachefsd.control.answers import StatsAnswer
 
 # Client: a connect to a live daemon is immediate; one that does not accept
 # within this long is wedged.
@@ -86,9 +91,22 @@ class ControlClient:
         self.socket_path = str(socket_path)
         self._timeout = timeout
 
-    def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = self._call("GET", "/stats", None, self._timeout)
-        return stats
+    def stats(self) -> StatsAnswer:
+        """The daemon's ``GET /stats``; ``ControlError`` naming the field if
+        it is not a ``StatsAnswer`` (a daemon of another version)."""
+        from pydantic import ValidationError  # noqa: PLC0415
+
+        from cachefsd.control.answers import StatsAnswer  # noqa: PLC0415
+
+        answer = self._call("GET", "/stats", None, self._timeout)
+        try:
+            return StatsAnswer.model_validate(answer)
+        except ValidationError as exc:
+            wrong = "; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors())
+            raise ControlError(
+                f"the daemon at {self.socket_path} answered /stats in a form this command does not know "
+                f"(another version of cachefsd?): {wrong}"
+            ) from exc
 
     def hint(self, order: list[str], part: tuple[int, int] | None = None) -> tuple[int, int]:
         body: dict[str, Any] = {"order": order}
