@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from cachefsd.config import human_bytes
+from cachefsd.control.answers import CacheSetup, DiagnosisAnswer, MeteredJob
 from cachefsd.diagnose.meter import REPORT_SECONDS, MeterTotals
 from cachefsd.diagnose.verdict import JobFacts, advice, severity, verdict
 from cachefsd.diagnose.whatif import capacities_to_try, what_if
@@ -24,35 +25,34 @@ from cachefsd.prefetch.access import ObservedOrder
 QUIET_SECONDS = 30 * REPORT_SECONDS
 
 
-def judge(diagnosis: dict[str, Any]) -> dict[str, Any]:
+def judge(diagnosis: DiagnosisAnswer) -> dict[str, Any]:
     """The doctor's report of a ``GET /diagnose`` answer: ``{"mountpoint",
     "jobs": [{"job", "batches", "data_wait_fraction",
     "storage_stall_fraction", "verdict", ...}]}``."""
-    cache = diagnosis["cache"]
     return {
-        "mountpoint": diagnosis["mountpoint"],
-        "jobs": [_judge_job(job, cache, diagnosis["mountpoint"]) for job in diagnosis["jobs"]],
+        "mountpoint": diagnosis.mountpoint,
+        "jobs": [_judge_job(job, diagnosis.cache, diagnosis.mountpoint) for job in diagnosis.jobs],
     }
 
 
-def _judge_job(job: dict[str, Any], cache: dict[str, Any], mountpoint: str) -> dict[str, Any]:
-    data_wait = MeterTotals(job["batches"], job["data_wait_seconds"], job["step_seconds"]).data_wait_fraction
-    reads = job["reads"]
+def _judge_job(job: MeteredJob, cache: CacheSetup, mountpoint: str) -> dict[str, Any]:
+    data_wait = MeterTotals(job.batches, job.data_wait_seconds, job.step_seconds).data_wait_fraction
+    reads = job.reads
     reading = stall = None
     if reads is not None:
-        budget = job["reader_seconds"]
-        reading = min(1.0, reads["read_seconds"] / budget) if budget > 0 else 0.0
-        stall = min(reading, reads["stall_seconds"] / budget) if budget > 0 else 0.0
-    read_bytes = 0.0 if reads is None else reads["cache_bytes"] + reads["cold_bytes"]
-    hit_ratio = reads["cache_bytes"] / read_bytes if reads is not None and read_bytes > 0 else None
-    observed = None if job["observed"] is None else ObservedOrder(**job["observed"])
+        budget = job.reader_seconds
+        reading = min(1.0, reads.read_seconds / budget) if budget > 0 else 0.0
+        stall = min(reading, reads.stall_seconds / budget) if budget > 0 else 0.0
+    read_bytes = 0.0 if reads is None else reads.cache_bytes + reads.cold_bytes
+    hit_ratio = reads.cache_bytes / read_bytes if reads is not None and read_bytes > 0 else None
+    observed = None if job.observed is None else ObservedOrder(**job.observed.model_dump())
     table = []
     if observed is not None:
-        sizes = capacities_to_try(observed.working_set_bytes, cache["capacity_bytes"])
-        table = what_if(observed, cache["block_size"], cache["policy"], sizes)
+        sizes = capacities_to_try(observed.working_set_bytes, cache.capacity_bytes)
+        table = what_if(observed, cache.block_size, cache.policy, sizes)
     facts = JobFacts(
         mountpoint=mountpoint,
-        batches=job["batches"],
+        batches=job.batches,
         data_wait_fraction=data_wait,
         read_fraction=reading,
         storage_stall_fraction=stall,
@@ -60,30 +60,30 @@ def _judge_job(job: dict[str, Any], cache: dict[str, Any], mountpoint: str) -> d
         order_source=None if observed is None else observed.source,
         repeats=observed is not None and observed.repeats,
         working_set_bytes=None if observed is None else observed.working_set_bytes,
-        capacity_bytes=cache["capacity_bytes"],
+        capacity_bytes=cache.capacity_bytes,
     )
     return {
-        "job": job["job"],
-        "batches": job["batches"],
+        "job": job.job,
+        "batches": job.batches,
         "data_wait_fraction": data_wait,
         "read_fraction": reading,
         "storage_stall_fraction": stall,
         "verdict": verdict(data_wait, reading),
         "severity": severity(data_wait),
         "hit_ratio": hit_ratio,
-        "last_report_seconds_ago": job["last_report_seconds_ago"],
+        "last_report_seconds_ago": job.last_report_seconds_ago,
         "epoch": facts.epoch,
         "order": facts.order_source,
         "working_set_bytes": facts.working_set_bytes,
         "capacity_bytes": facts.capacity_bytes,
         "advice": advice(facts, table),
         "what_if": {
-            "policy": cache["policy"],
+            "policy": cache.policy,
             "rows": [
                 {
                     "capacity_bytes": row.capacity_bytes,
                     "hit_ratio": row.hit_ratio,
-                    "current": row.capacity_bytes == cache["capacity_bytes"],
+                    "current": row.capacity_bytes == cache.capacity_bytes,
                 }
                 for row in table
             ],
@@ -131,7 +131,7 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(diagnosis: dict[str, Any], as_json: bool) -> int:
+def run(diagnosis: DiagnosisAnswer, as_json: bool) -> int:
     report = judge(diagnosis)
     print(json.dumps(report, indent=2) if as_json else render(report))
     return 0

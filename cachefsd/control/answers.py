@@ -1,8 +1,10 @@
-"""What the control API answers, typed: ``GET /stats`` (``StatsAnswer``).
+"""What the control API answers, typed: ``GET /stats`` (``StatsAnswer``) and
+``GET /diagnose`` (``DiagnosisAnswer``).
 
-The daemon fills these models (``control/server.py``'s ``MountHandlers``
-and ``stats.DaemonStats``) and the commands parse them (``ControlClient.stats``
-for ``cachefsd stats``, ``top`` and ``bench``), so both sides read one
+The daemon fills these models (``control/server.py``'s ``MountHandlers``,
+``stats.DaemonStats``, ``diagnose/service.py``) and the commands parse them
+(``ControlClient.stats`` for ``cachefsd stats``, ``top`` and ``bench``;
+``ControlClient.diagnose`` for ``cachefsd doctor``), so both sides read one
 schema by attribute. Every model forbids unknown fields and requires every
 field it declares: a daemon and a command that disagree fail loudly at the
 command, naming the field, instead of showing a default.
@@ -241,3 +243,62 @@ class MountFacts(_Answer):
 class StatsAnswer(NodeActivity, MountFacts):
     """``GET /stats``: the mount's facts, then its daemon's activity (keys in
     that order: pydantic lays out the fields of the last base first)."""
+
+
+# -- GET /diagnose ------------------------------------------------------------------
+
+
+class CacheSetup(_Answer):
+    """What the doctor's what-if replays a job's reads through."""
+
+    capacity_bytes: int
+    policy: str
+    block_size: int
+
+
+class MeteredReads(_Answer):
+    """A job's reads over its metered window (``diagnose.ledger.JobReads``):
+    their time summed over its readers, the part waiting on a store, and
+    their bytes by source."""
+
+    read_seconds: float
+    stall_seconds: float
+    cache_bytes: float
+    cold_bytes: float
+
+
+class ObservedReads(_Answer):
+    """A sample of a job's read order on the mount (the access model's
+    ``ObservedOrder``), for the what-if replay."""
+
+    job: str
+    order: list[str]
+    sizes: dict[str, int]
+    sample_every: int
+    working_set_files: int
+    working_set_bytes: int
+    repeats: bool  # the last epoch replayed the one before (no shuffle)
+    source: Literal["hint", "replay", "unknown"]  # what the prefetcher follows
+    epoch: int
+
+
+class MeteredJob(_Answer):
+    """A job whose loader meters report to this mount, and its reads."""
+
+    job: str
+    batches: int
+    data_wait_seconds: float
+    step_seconds: float
+    reader_seconds: float  # the time of the processes reading for its loops: what reads are shares of
+    meters: int
+    last_report_seconds_ago: float
+    reads: MeteredReads | None  # None while its reads are counted with other jobs'
+    observed: ObservedReads | None
+
+
+class DiagnosisAnswer(_Answer):
+    """``GET /diagnose``: the metered jobs of a mount, which ``cachefsd doctor`` judges."""
+
+    mountpoint: str
+    cache: CacheSetup
+    jobs: list[MeteredJob]

@@ -3,8 +3,9 @@ use to reach the daemon of a mount over its Unix socket (see server.py for
 the endpoints).
 
 Only the standard library is used, so ``cachefsd.hints`` and the loader
-meter stay importable in any training environment: ``stats`` alone imports
-pydantic, for its typed answer (``answers.py``), when it is called. One
+meter stay importable in any training environment: ``stats`` and
+``diagnose`` import pydantic, for their typed answers (``answers.py``),
+when they are called. One
 request per connection: connections are cheap on a Unix socket, and it
 keeps every wait a single bounded socket timeout.
 """
@@ -17,13 +18,17 @@ import socket
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cachefsd.control.mounts import MountOf, MountState
 from cachefsd.errors import ControlError
 
 if TYPE_CHECKING:
-    from cachefsd.control.answers import StatsAnswer
+    from pydantic import BaseModel
+
+    from cachefsd.control.answers import DiagnosisAnswer, StatsAnswer
+
+Answer = TypeVar("Answer", bound="BaseModel")
 
 # Client: a connect to a live daemon is immediate; one that does not accept
 # within this long is wedged.
@@ -92,21 +97,9 @@ class ControlClient:
         self._timeout = timeout
 
     def stats(self) -> StatsAnswer:
-        """The daemon's ``GET /stats``; ``ControlError`` naming the field if
-        it is not a ``StatsAnswer`` (a daemon of another version)."""
-        from pydantic import ValidationError  # noqa: PLC0415
+        from cachefsd.control.answers import StatsAnswer  # noqa: PLC0415 - see the module's docstring
 
-        from cachefsd.control.answers import StatsAnswer  # noqa: PLC0415
-
-        answer = self._call("GET", "/stats", None, self._timeout)
-        try:
-            return StatsAnswer.model_validate(answer)
-        except ValidationError as exc:
-            wrong = "; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors())
-            raise ControlError(
-                f"the daemon at {self.socket_path} answered /stats in a form this command does not know "
-                f"(another version of cachefsd?): {wrong}"
-            ) from exc
+        return self._answer("/stats", StatsAnswer)
 
     def hint(self, order: list[str], part: tuple[int, int] | None = None) -> tuple[int, int]:
         body: dict[str, Any] = {"order": order}
@@ -129,10 +122,11 @@ class ControlClient:
         }
         self._call("POST", "/meter", body, self._timeout)
 
-    def diagnose(self) -> dict[str, Any]:
+    def diagnose(self) -> DiagnosisAnswer:
         """What ``cachefsd doctor`` judges: every metered job, with its reads."""
-        diagnosis: dict[str, Any] = self._call("GET", "/diagnose", None, self._timeout)
-        return diagnosis
+        from cachefsd.control.answers import DiagnosisAnswer  # noqa: PLC0415 - see the module's docstring
+
+        return self._answer("/diagnose", DiagnosisAnswer)
 
     def attach(self, settings: dict[str, Any]) -> MountState:
         """Mount ``settings`` (the fields that were set) on this daemon's
@@ -165,6 +159,21 @@ class ControlClient:
             raise ControlError(f"lost the daemon at {self.socket_path} while staging: {exc}") from exc
         finally:
             connection.close()
+
+    def _answer(self, path: str, model: type[Answer]) -> Answer:
+        """``GET path``'s answer as a ``model``; ``ControlError`` naming the
+        fields that do not fit (a daemon of another version)."""
+        from pydantic import ValidationError  # noqa: PLC0415 - see the module's docstring
+
+        answer = self._call("GET", path, None, self._timeout)
+        try:
+            return model.model_validate(answer)
+        except ValidationError as exc:
+            wrong = "; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors())
+            raise ControlError(
+                f"the daemon at {self.socket_path} answered {path} in a form this command does not know "
+                f"(another version of cachefsd?): {wrong}"
+            ) from exc
 
     def _call(self, method: str, path: str, body: Any, timeout: float, limit: int = SMALL_BODY_BYTES) -> Any:
         connection = self._open(method, path, body, timeout, limit)

@@ -15,7 +15,8 @@ Endpoints (bodies are JSON; errors are ``{"error": message}`` with a 4xx/5xx):
 - ``POST /hint`` ``{"order": [path, ...], "part": [rank, world size]|null}``
   (mount-relative paths, in the order the loader will read them) ->
   ``{"accepted": N, "unknown": M}``.
-- ``GET /diagnose``: the loader meters' jobs (``diagnose/service.py``).
+- ``GET /diagnose``: a ``DiagnosisAnswer``, the loader meters' jobs
+  (``diagnose/service.py``).
 - ``POST /meter`` ``{"meter": id, "readers": N, "batches": N,
   "data_wait_seconds": s, "step_seconds": s}`` (a loader meter's totals so
   far) -> ``{}``.
@@ -68,7 +69,7 @@ from pydantic import (
 
 from cachefsd.cache.tiered import TieredCache
 from cachefsd.config import Settings, validated_settings
-from cachefsd.control.answers import HintCounts, NodeActivity, StatsAnswer, TierUsage
+from cachefsd.control.answers import DiagnosisAnswer, HintCounts, NodeActivity, StatsAnswer, TierUsage
 from cachefsd.control.client import MAX_BODY_BYTES, NDJSON, SMALL_BODY_BYTES, StageRequest
 from cachefsd.control.mounts import MountState
 from cachefsd.diagnose.meter import MeterTotals
@@ -208,8 +209,8 @@ class ControlHandlers(Protocol):
         from process ``pid`` (0 if unknown), for its job."""
         ...
 
-    def diagnose(self) -> dict[str, Any]:
-        """A JSON-serialisable snapshot for ``GET /diagnose`` (``diagnose/service.py``)."""
+    def diagnose(self) -> DiagnosisAnswer:
+        """What ``GET /diagnose`` answers (``diagnose/service.py``)."""
         ...
 
     def stage(self, request: StageRequest, report: Report) -> dict[str, Any]:
@@ -302,15 +303,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self.close_connection = True
         handlers = self.server.owner.handlers
-        routes: dict[str, Callable[[], Any]] = {
-            "/stats": lambda: handlers.stats().model_dump(mode="json"),
+        routes: dict[str, Callable[[], BaseModel]] = {
+            "/stats": handlers.stats,
             "/diagnose": handlers.diagnose,
         }
         if self.path not in routes:
             self._error(404, f"no such endpoint: GET {self.path}")
             return
         route = routes[self.path]
-        self._call(lambda: self._json(200, route()))
+        self._call(lambda: self._json(200, route().model_dump(mode="json")))
 
     def do_POST(self) -> None:
         self.close_connection = True
@@ -604,7 +605,7 @@ class MountHandlers:
             raise BadRequest("this daemon keeps no loader meters")
         self._diagnosis.meter(pid, meter_id, totals, readers)
 
-    def diagnose(self) -> dict[str, Any]:
+    def diagnose(self) -> DiagnosisAnswer:
         if self._diagnosis is None:
             raise BadRequest("this daemon keeps no loader meters")
         return self._diagnosis.snapshot()

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from cachefsd.control.answers import StatsAnswer
+from cachefsd.control.answers import DiagnosisAnswer, StatsAnswer
 from cachefsd.control.client import ControlClient, StageRequest
 from cachefsd.control.mounts import MountOf, MountState
 from cachefsd.control.server import ControlServer
@@ -24,6 +24,23 @@ from cachefsd.errors import BadRequest, ControlError, StageCancelled
 from cachefsd.hints import HintingSampler, MountPaths
 from cachefsd.stage import Report
 from tests.answers import STATS
+
+METERED: dict[str, Any] = {
+    "job": "python[1]",
+    "batches": 0,
+    "data_wait_seconds": 0.5,
+    "step_seconds": 3.0,
+    "reader_seconds": 6.0,
+    "meters": 1,
+    "last_report_seconds_ago": 1.0,
+    "reads": None,
+    "observed": None,
+}
+DIAGNOSIS: dict[str, Any] = {
+    "mountpoint": "/mnt",
+    "cache": {"capacity_bytes": 1 << 30, "policy": "epoch-aware", "block_size": 4 << 20},
+    "jobs": [METERED],
+}
 
 # Every wait in these tests; the server answers in milliseconds.
 WAIT_SECONDS = 10.0
@@ -65,8 +82,10 @@ class FakeHandlers:
         self.pids.append(pid)
         self.meters.append((meter_id, totals, readers))
 
-    def diagnose(self) -> dict[str, Any]:
-        return {"jobs": [{"job": "python[1]", "batches": len(self.meters)}]}
+    def diagnose(self) -> DiagnosisAnswer:
+        return DiagnosisAnswer.model_validate(
+            {**DIAGNOSIS, "jobs": [{**METERED, "batches": len(self.meters)}]}
+        )
 
     def stage(self, request: StageRequest, report: Report) -> dict[str, Any]:
         self.stage_requests.append(request)
@@ -167,7 +186,7 @@ def test_a_meter_report_reaches_the_handler_with_the_senders_pid(
     client.meter("m1", 2, 12, 0.5, 3.0)
     assert handlers.meters == [("m1", MeterTotals(12, 0.5, 3.0), 2)]
     assert handlers.pids == [os.getpid()]
-    assert client.diagnose() == {"jobs": [{"job": "python[1]", "batches": 1}]}
+    assert client.diagnose().jobs[0].batches == 1
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,9 @@ doctor's report of a ``GET /diagnose`` answer."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import random
 import subprocess
 import sys
@@ -18,9 +20,11 @@ import pytest
 
 from benchmarks.policy_sim import DEFAULT_FRACTIONS, run
 from cachefsd.cli.doctor import judge, render
+from cachefsd.control.answers import CacheSetup, DiagnosisAnswer
 from cachefsd.diagnose import meter
 from cachefsd.diagnose.ledger import MAX_JOBS, MAX_METERS_PER_JOB, JobReads, MeterLedger
 from cachefsd.diagnose.meter import MeterTotals, watch
+from cachefsd.diagnose.service import CacheFacts, Diagnosis
 from cachefsd.diagnose.verdict import (
     INPUT_BOUND,
     NOT_INPUT_BOUND,
@@ -34,6 +38,7 @@ from cachefsd.diagnose.verdict import (
 )
 from cachefsd.diagnose.whatif import WhatIf, capacities_to_try, what_if
 from cachefsd.errors import ControlError
+from cachefsd.jobs import CallerJobs
 from cachefsd.prefetch.access import ObservedOrder
 
 KiB = 1 << 10
@@ -347,8 +352,8 @@ def test_files_larger_than_a_block_are_replayed_block_by_block() -> None:
 # -- the doctor's report -------------------------------------------------------
 
 
-def diagnosis(step: float, wait: float, stall: float, order: ObservedOrder | None) -> dict[str, object]:
-    return {
+def diagnosis(step: float, wait: float, stall: float, order: ObservedOrder | None) -> DiagnosisAnswer:
+    answer = {
         "mountpoint": "/mnt/data",
         "cache": {"capacity_bytes": 50 * 100 * KiB, "policy": "epoch-aware", "block_size": 4 << 20},
         "jobs": [
@@ -370,6 +375,28 @@ def diagnosis(step: float, wait: float, stall: float, order: ObservedOrder | Non
             }
         ],
     }
+    return DiagnosisAnswer.model_validate(answer)
+
+
+def test_the_daemons_diagnosis_round_trips_to_the_doctor() -> None:
+    """What ``GET /diagnose`` sends is what ``cachefsd doctor`` parses back and judges."""
+    ledger = MeterLedger(lambda _: JobReads(3.0, 2.0, 300.0, 100.0), Events(), Clock())
+    order = observed(50, repeats=True)
+    service = Diagnosis(
+        ledger,
+        CallerJobs(),
+        lambda job, _files: order,
+        "/mnt/data",
+        CacheFacts(lambda: 1 << 20, "lru", 4 << 20),
+    )
+    service.meter(os.getpid(), "m", MeterTotals(10, 1.0, 10.0), readers=1)
+    answer = service.snapshot()
+    sent = json.loads(json.dumps(answer.model_dump(mode="json")))
+    assert DiagnosisAnswer.model_validate(sent) == answer
+    assert answer.jobs[0].observed is not None
+    assert ObservedOrder(**answer.jobs[0].observed.model_dump()) == order
+    (job,) = judge(answer)["jobs"]
+    assert job["epoch"] == order.epoch
 
 
 def test_the_doctor_judges_each_job_and_tables_what_if() -> None:
@@ -388,7 +415,8 @@ def test_the_doctor_judges_each_job_and_tables_what_if() -> None:
 
 
 def test_the_doctor_without_meters_says_how_to_add_one() -> None:
-    text = render(judge({"mountpoint": "/m", "cache": {}, "jobs": []}))
+    cache = CacheSetup(capacity_bytes=1 << 30, policy="epoch-aware", block_size=4 << 20)
+    text = render(judge(DiagnosisAnswer(mountpoint="/m", cache=cache, jobs=[])))
     assert "cachefsd.diagnose.watch(loader, '/m')" in text
 
 
