@@ -395,20 +395,40 @@ def test_the_daemons_diagnosis_round_trips_to_the_doctor() -> None:
     assert DiagnosisAnswer.model_validate(sent) == answer
     assert answer.jobs[0].observed is not None
     assert ObservedOrder(**answer.jobs[0].observed.model_dump()) == order
-    (job,) = judge(answer)["jobs"]
-    assert job["epoch"] == order.epoch
+    (job,) = judge(answer).jobs
+    assert job.epoch == order.epoch
 
 
 def test_the_doctor_judges_each_job_and_tables_what_if() -> None:
     report = judge(diagnosis(step=100.0, wait=40.0, stall=160.0, order=observed(100, repeats=False)))
-    (job,) = report["jobs"]
-    assert job["verdict"] == STORAGE
-    assert job["read_fraction"] == pytest.approx(0.88)
-    assert job["data_wait_fraction"] == pytest.approx(0.4)
-    assert job["storage_stall_fraction"] == pytest.approx(0.8)  # of its two readers' 200 s
-    assert job["hit_ratio"] == pytest.approx(0.75)
-    rows = job["what_if"]["rows"]
-    assert [row["current"] for row in rows].count(True) == 1
+    (job,) = report.jobs
+    assert job.verdict == STORAGE
+    assert job.read_fraction == pytest.approx(0.88)
+    assert job.data_wait_fraction == pytest.approx(0.4)
+    assert job.storage_stall_fraction == pytest.approx(0.8)  # of its two readers' 200 s
+    assert job.hit_ratio == pytest.approx(0.75)
+    rows = job.what_if.rows
+    assert [row.current for row in rows].count(True) == 1
+    # ``doctor --json``'s keys, in the order doc/diagnose.md lists them.
+    dumped = json.loads(json.dumps(asdict(report)))
+    assert list(dumped["jobs"][0]) == [
+        "job",
+        "batches",
+        "data_wait_fraction",
+        "read_fraction",
+        "storage_stall_fraction",
+        "verdict",
+        "severity",
+        "hit_ratio",
+        "last_report_seconds_ago",
+        "epoch",
+        "order",
+        "working_set_bytes",
+        "capacity_bytes",
+        "advice",
+        "what_if",
+    ]
+    assert list(dumped["jobs"][0]["what_if"]["rows"][0]) == ["capacity_bytes", "hit_ratio", "current"]
     text = render(report)
     assert "python[42]: storage (highly input-bound)" in text
     assert "(now)" in text
@@ -421,6 +441,6 @@ def test_the_doctor_without_meters_says_how_to_add_one() -> None:
 
 
 def test_a_job_with_no_steps_yet_is_not_input_bound_and_told_to_wait() -> None:
-    (job,) = judge(diagnosis(step=0.0, wait=0.0, stall=0.0, order=None))["jobs"]
-    assert job["verdict"] == NOT_INPUT_BOUND
-    assert job["what_if"]["rows"] == []
+    (job,) = judge(diagnosis(step=0.0, wait=0.0, stall=0.0, order=None)).jobs
+    assert job.verdict == NOT_INPUT_BOUND
+    assert job.what_if.rows == []
