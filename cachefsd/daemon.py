@@ -26,11 +26,11 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 
 from cachefsd.config import NODE_SETTINGS, Settings, node_conflicts
+from cachefsd.control.answers import NodeFacts, NodeMount
 from cachefsd.control.mounts import MountState, control_path, remove_state, write_state
 from cachefsd.control.server import ControlServer, MountHandlers
 from cachefsd.diagnose.service import CacheFacts, Diagnosis
@@ -267,9 +267,9 @@ class Daemon:
                 parts.namespace,
                 parts.reader,
                 parts.cache,
-                {"pid": os.getpid(), "mountpoint": str(mountpoint), "source": parts.store.uri},
-                None if hint is None else _for_job(hint, parts.fs.jobs),
+                state,
                 stats.snapshot,
+                None if hint is None else _for_job(hint, parts.fs.jobs),
                 node=self,
                 diagnosis=Diagnosis(
                     self._node.meters,
@@ -341,19 +341,19 @@ class Daemon:
                 self._changed.wait()
             self._closing = True
 
-    def node_stats(self) -> dict[str, Any]:
+    def node_stats(self) -> NodeFacts:
         """What ``stats`` shows of the node beside one mount's own."""
         with self._lock:
             mounts = [
-                {"mountpoint": str(path), "source": mount.state.source}
+                NodeMount(mountpoint=str(path), source=mount.state.source)
                 for path, mount in self._mounts.items()
             ]
-        return {
-            "pid": os.getpid(),
-            "cache_dir": str(self.settings.cache.dir),
-            "metrics_addr": self._metrics_addr,
-            "mounts": sorted(mounts, key=lambda mount: mount["mountpoint"]),
-        }
+        return NodeFacts(
+            pid=os.getpid(),
+            cache_dir=str(self.settings.cache.dir),
+            metrics_addr=self._metrics_addr,
+            mounts=sorted(mounts, key=lambda mount: mount.mountpoint),
+        )
 
 
 def run(mounts: list[Settings], ready: Callable[[], None]) -> None:

@@ -1,4 +1,5 @@
-"""Every metric cachefsd exports, declared once against an injected registry.
+"""Every metric cachefsd exports, declared once against an injected registry,
+and read back through its object (``value_of``, ``values_by``), never by name.
 
 Names carry their unit; label values are bounded (source, kind), never a
 path. ``Metrics`` implements the event Protocols of the data path
@@ -12,6 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -122,14 +124,45 @@ class MountReads:
             self._stall.inc(stall_seconds)
 
 
-def _by_label(metric: Counter | Gauge, label: str) -> dict[str, float]:
-    """The current value of each child of a labelled counter or gauge."""
-    return {
-        sample.labels[label]: sample.value
-        for family in metric.collect()
-        for sample in family.samples
-        if label in sample.labels and not sample.name.endswith("_created")
-    }
+# The sample of a family that holds its value: a counter's running total,
+# a gauge's reading. A histogram's series are named by who reads them.
+_VALUE_SUFFIX = {"counter": "_total", "gauge": ""}
+
+
+def _samples(
+    metric: Collector, series: str | None, labels: dict[str, str]
+) -> Iterator[tuple[dict[str, str], float]]:
+    """(labels, value) of ``metric``'s samples of ``series`` carrying ``labels``."""
+    for family in metric.collect():
+        name = family.name + (_VALUE_SUFFIX[family.type] if series is None else series)
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                yield sample.labels, sample.value
+
+
+def value_of(metric: Collector, series: str | None = None, **labels: str) -> float:
+    """The sum of ``metric``'s values carrying ``labels``: a counter's
+    total, a gauge's reading, or a histogram's ``series`` (``_count``)."""
+    return sum(value for _, value in _samples(metric, series, labels))
+
+
+def values_by(metric: Collector, label: str, series: str | None = None, **labels: str) -> dict[str, float]:
+    """``value_of`` for each value of ``label``, of the children that have it."""
+    found: dict[str, float] = {}
+    for have, value in _samples(metric, series, labels):
+        if label in have:
+            found[have[label]] = found.get(have[label], 0.0) + value
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Derived:
+    """The values that are functions of other metrics (``Metrics.derived``)."""
+
+    hit_ratio: float  # of bytes read since mount; 0.0 before any read
+    tier_hit_ratios: dict[str, float]  # share of bytes read served by each place
+    cache_used_bytes: float
+    cache_capacity_bytes: float
 
 
 class _DerivedCollector(Collector):
@@ -140,44 +173,35 @@ class _DerivedCollector(Collector):
         self._metrics = metrics
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
-        return self._families({}, {}, {}, {})
+        return self._families(Derived(0.0, {}, 0.0, 0.0))
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        metrics = self._metrics
-        return self._families(
-            _by_label(metrics.read_bytes, "source"),
-            _by_label(metrics.served_bytes, "tier"),
-            _by_label(metrics.tier_used, "tier"),
-            _by_label(metrics.tier_capacity, "tier"),
-        )
+        return self._families(self._metrics.derived())
 
     @staticmethod
-    def _families(
-        read: dict[str, float], served: dict[str, float], used: dict[str, float], capacity: dict[str, float]
-    ) -> Iterator[GaugeMetricFamily]:
-        total = sum(read.values())
+    def _families(derived: Derived) -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily(
             "cachefsd_hit_ratio",
             "Fraction of bytes read since mount that did not wait on the cold store",
-            value=read.get("cache", 0.0) / total if total else 0.0,
+            value=derived.hit_ratio,
         )
         by_tier = GaugeMetricFamily(
             "cachefsd_tier_hit_ratio",
             "Fraction of bytes read since mount served by each place (memory, hot, warm, cold)",
             labels=["tier"],
         )
-        for tier, nbytes in sorted(served.items()):
-            by_tier.add_metric([tier], nbytes / total if total else 0.0)
+        for tier, ratio in derived.tier_hit_ratios.items():
+            by_tier.add_metric([tier], ratio)
         yield by_tier
         yield GaugeMetricFamily(
             "cachefsd_cache_used_bytes",
             "Bytes on disk used by cached blocks, all tiers",
-            value=sum(used.values()),
+            value=derived.cache_used_bytes,
         )
         yield GaugeMetricFamily(
             "cachefsd_cache_capacity_bytes",
             "Byte capacity of the block cache, all tiers",
-            value=sum(capacity.values()),
+            value=derived.cache_capacity_bytes,
         )
 
 
@@ -220,16 +244,6 @@ class JobLabels:
         return name
 
 
-def _by_job(counter: Counter, **labels: str) -> dict[str, float]:
-    """A per-job counter's totals by job label, of the series carrying ``labels``."""
-    totals: dict[str, float] = {}
-    for family in counter.collect():
-        for sample in family.samples:
-            if sample.name.endswith("_total") and all(sample.labels[k] == v for k, v in labels.items()):
-                totals[sample.labels[JOB_LABEL]] = sample.value
-    return totals
-
-
 class _JobCollector(Collector):
     """Per-job gauges computed when scraped, for the jobs with a label of
     their own: the hit ratio of their bytes, and their epoch."""
@@ -250,7 +264,9 @@ class _JobCollector(Collector):
             "Fraction of a job's bytes read that did not wait on the store",
             labels=[JOB_LABEL],
         )
-        cache, cold = (_by_job(metrics.job_read_bytes, source=source) for source in ("cache", "cold"))
+        cache, cold = (
+            values_by(metrics.job_read_bytes, JOB_LABEL, source=source) for source in ("cache", "cold")
+        )
         for job in sorted(set(cache) | set(cold)):
             total = cache.get(job, 0.0) + cold.get(job, 0.0)
             ratio.add_metric([job], cache.get(job, 0.0) / total if total else 0.0)
@@ -461,6 +477,20 @@ class Metrics:
         registry.register(_DerivedCollector(self))
         registry.register(_JobCollector(self))
 
+    def derived(self) -> Derived:
+        """The derived gauges' values now (what a scrape of them would show)."""
+        read = values_by(self.read_bytes, "source")
+        total = sum(read.values())
+        return Derived(
+            read.get("cache", 0.0) / total if total else 0.0,
+            {
+                tier: nbytes / total if total else 0.0
+                for tier, nbytes in sorted(values_by(self.served_bytes, "tier").items())
+            },
+            value_of(self.tier_used),
+            value_of(self.tier_capacity),
+        )
+
     def watch_residency(self, mount: str, source: str, rows: ResidencyRows) -> None:
         """Export ``rows()`` as ``cachefsd_resident_bytes`` for ``source``
         while ``mount`` is mounted (a source a mount: the label stays bounded)."""
@@ -507,10 +537,10 @@ class Metrics:
             # A job that has not read yet gets a series of its own at its first read, if one is free.
             return JobReads() if len(named) < MAX_JOB_SERIES else None
         return JobReads(
-            _by_job(self.job_read_seconds).get(name, 0.0),
-            _by_job(self.job_read_stall).get(name, 0.0),
-            _by_job(self.job_read_bytes, source="cache").get(name, 0.0),
-            _by_job(self.job_read_bytes, source="cold").get(name, 0.0),
+            values_by(self.job_read_seconds, JOB_LABEL).get(name, 0.0),
+            values_by(self.job_read_stall, JOB_LABEL).get(name, 0.0),
+            values_by(self.job_read_bytes, JOB_LABEL, source="cache").get(name, 0.0),
+            values_by(self.job_read_bytes, JOB_LABEL, source="cold").get(name, 0.0),
         )
 
     # MeterEvents

@@ -1,9 +1,11 @@
-"""What ``GET /stats`` answers (``cli/stats.py`` draws it for ``cachefsd stats`` / ``top``).
+"""What ``GET /stats`` answers (``control/answers.py`` types it; ``cli/stats.py``
+draws it for ``cachefsd stats`` / ``top``).
 
 The daemon side (``DaemonStats``) computes its answer from the very
-samples the Prometheus endpoint exports (one ``registry.collect()``), so a
-dashboard and ``cachefsd stats`` never disagree about a counter. What a
-counter cannot say by itself is added here:
+metrics the Prometheus endpoint exports, read through their objects in
+``metrics.py`` (no metric is named twice), so a dashboard and ``cachefsd
+stats`` never disagree about a counter. What a counter cannot say by
+itself is added here:
 
 - the hit ratio over the last minute: a small ring of (time, cache bytes,
   cold bytes) samples taken every ``SAMPLE_INTERVAL_SECONDS`` (``HitRing``);
@@ -13,8 +15,6 @@ counter cannot say by itself is added here:
   tier holds, from one index query cached for ``RESIDENCY_REFRESH_SECONDS``
   and shared with the ``cachefsd_resident_bytes`` metric (``Residency``);
 - the access model's epochs, per job.
-
-The JSON schema is documented on ``DaemonStats.snapshot``.
 
 Concurrency: ``HitRing`` and ``Residency`` each guard their state with
 their own lock; ``DaemonStats.snapshot`` is called on control-server
@@ -31,13 +31,33 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from cachefsd.metrics import JOB_LABEL
+from cachefsd.control.answers import (
+    AccessTotals,
+    CacheTotals,
+    DedupTotals,
+    Epochs,
+    FetchByKind,
+    FetchTotals,
+    HitRatios,
+    JobActivity,
+    MountReads,
+    NodeActivity,
+    NodeFacts,
+    NodeReads,
+    PrefetchTotals,
+    PrefixResidency,
+    ReadBytes,
+    ResidencyAnswer,
+    SourceBytes,
+    SourceCounts,
+    ThisMount,
+)
+from cachefsd.metrics import JOB_LABEL, value_of, values_by
 
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
-
+    from cachefsd.fetch import FetchKind
     from cachefsd.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -68,9 +88,7 @@ OTHER_PREFIX = "(other)"
 # Keys at the source's root have no first component; an empty label value
 # means "no label" to Prometheus, so they get a name of their own.
 ROOT_PREFIX = "(root)"
-FETCH_KINDS = ("demand", "prefetch", "metadata", "shared")
-# The quantiles shown for fetch latency: the median and the tail.
-QUANTILES = {"p50_seconds": 0.5, "p99_seconds": 0.99}
+SOURCES = ("cache", "cold")
 
 
 # -- quantiles from histogram buckets -----------------------------------------
@@ -244,32 +262,6 @@ class AccessStats(Protocol):
     def stats(self) -> dict[str, object]: ...
 
 
-class _Samples:
-    """One ``collect()`` of a registry, looked up by sample name and labels."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
-        for family in registry.collect():
-            for sample in family.samples:
-                self._by_name.setdefault(sample.name, []).append((sample.labels, sample.value))
-
-    def value(self, name: str, **labels: str) -> float:
-        """The sum of the samples of ``name`` carrying ``labels``."""
-        return sum(
-            value
-            for have, value in self._by_name.get(name, ())
-            if all(have.get(key) == wanted for key, wanted in labels.items())
-        )
-
-    def by(self, name: str, label: str, **labels: str) -> dict[str, float]:
-        """Samples of ``name`` carrying ``labels``, by the value of ``label``."""
-        found: dict[str, float] = {}
-        for have, value in self._by_name.get(name, ()):
-            if label in have and all(have.get(key) == wanted for key, wanted in labels.items()):
-                found[have[label]] = found.get(have[label], 0.0) + value
-        return found
-
-
 def _ratio(part: float, whole: float) -> float | None:
     return part / whole if whole > 0 else None
 
@@ -279,8 +271,8 @@ def _ints(values: dict[str, float]) -> dict[str, int]:
 
 
 class DaemonStats:
-    """The daemon's ``GET /stats`` (through ``MountHandlers``' ``extra_stats``)
-    and the sampler thread behind the last-minute ratio."""
+    """The daemon's activity in ``GET /stats`` (``MountHandlers`` adds the
+    mount's own facts) and the sampler thread behind the last-minute ratio."""
 
     def __init__(
         self,
@@ -289,7 +281,7 @@ class DaemonStats:
         residency: Residency,
         source: str,
         mount: str,
-        node: Callable[[], dict[str, Any]],
+        node: Callable[[], NodeFacts],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """The stats of the mount at ``mount`` (of ``source``), beside
@@ -325,178 +317,146 @@ class DaemonStats:
     def sample(self) -> None:
         """Add a ring sample. Reads only the read-bytes counter, never the
         residency collector."""
-        by_source: dict[str, float] = {}
-        for family in self._metrics.read_bytes.collect():
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    by_source[sample.labels["source"]] = sample.value
+        by_source = values_by(self._metrics.read_bytes, "source")
         self._ring.add(self._clock(), by_source.get("cache", 0.0), by_source.get("cold", 0.0))
 
-    def snapshot(self) -> dict[str, Any]:
-        """The stats of this mount's daemon, beside ``MountHandlers``' own
-        keys (pid, mountpoint, source, block_size, tiers, hints). ``mount``
-        is what this mount's readers got; the rest is the node's, all its
-        mounts together (one cache). Bytes are integers, ratios are 0..1 or
-        null when nothing was measured yet::
-
-            mount: {mountpoint, reads: {count: {cache, cold}, bytes: {cache,
-                    cold, total}}, hit_ratio, stall_seconds}
-            node: {pid, cache_dir, metrics_addr, mounts: [{mountpoint, source}]}
-            uptime_seconds: float
-            reads: {count: {cache, cold}, bytes: {cache, cold, total},
-                    served_bytes: {memory?, <tier>..., cold?}}
-            hit_ratio: {since_mount, last_minute, last_minute_seconds,
-                        by_tier: {memory?, <tier>..., cold?}}
-            stall_seconds: float
-            fetch: {demand|prefetch|metadata: {count, bytes, retries, errors,
-                    p50_seconds, p99_seconds}}
-            prefetch: {issued_bytes, used_bytes, wasted_bytes, accuracy, waste}
-            dedup: {disk_saved_bytes, wire_saved_bytes}
-            cache: {used_bytes, capacity_bytes, promotions, demotions,
-                    evictions: {tier: n}, corrupt_blocks: {tier: n}, errors: {tier: n}}
-            epoch: {current, jobs: {job (caller:root): epoch}}
-            jobs: {job: {reads: {cache, cold}, bytes: {cache, cold}, hit_ratio,
-                   stall_seconds, batches, data_wait_fraction}} (the metrics'
-                   named jobs; batches and data wait from their loader meters)
-            access: the access model's stats (prefetch.access.AccessModel.stats)
-            residency: {source, tiers: [name], age_seconds, refresh_seconds,
-                        max_prefixes, error, prefixes: [{prefix, bytes: {tier: n},
-                        total_bytes}]}
-        """
-        samples = _Samples(self._metrics.registry)  # the residency collector refreshes if due
+    def snapshot(self) -> NodeActivity:
+        """The activity of this mount's daemon: ``mount`` is what this
+        mount's readers got; the rest is the node's, all its mounts
+        together (one cache). Read from the metrics the Prometheus endpoint
+        exports, so a dashboard and ``cachefsd stats`` agree."""
+        metrics = self._metrics
         now = self._clock()
-        read_bytes = samples.by("cachefsd_read_bytes_total", "source")
+        read_bytes = values_by(metrics.read_bytes, "source")
         cache_bytes, cold_bytes = read_bytes.get("cache", 0.0), read_bytes.get("cold", 0.0)
         last_minute, window = self._ring.ratio(now, cache_bytes, cold_bytes)
-        issued = samples.value("cachefsd_prefetch_issued_bytes_total")
-        used = samples.value("cachefsd_prefetch_used_bytes_total")
-        wasted = samples.value("cachefsd_prefetch_wasted_bytes_total")
-        access = self._model.stats()
-        per_job = access.get("per_job", {})
-        jobs = (
-            {root: job.get("epoch") for root, job in per_job.items() if isinstance(job, dict)}
-            if isinstance(per_job, dict)
-            else {}
-        )
+        issued = value_of(metrics.prefetch_issued_bytes)
+        used = value_of(metrics.prefetch_used_bytes)
+        wasted = value_of(metrics.prefetch_wasted_bytes)
+        access = AccessTotals.model_validate(self._model.stats())
+        derived = metrics.derived()
         residency = self.residency.current(max_age=STATS_RESIDENCY_MAX_AGE)
         age = self.residency.age(residency)
-        mount_bytes = samples.by("cachefsd_mount_read_bytes_total", "source", mount=self._mount)
+        mount_reads = values_by(metrics.mount_reads, "source", mount=self._mount)
+        mount_bytes = values_by(metrics.mount_read_bytes, "source", mount=self._mount)
         mount_cache, mount_cold = mount_bytes.get("cache", 0.0), mount_bytes.get("cold", 0.0)
-        return {
-            "mount": {
-                "mountpoint": self._mount,
-                "reads": {
-                    "count": _ints(samples.by("cachefsd_mount_reads_total", "source", mount=self._mount)),
-                    "bytes": {
-                        "cache": int(mount_cache),
-                        "cold": int(mount_cold),
-                        "total": int(mount_cache + mount_cold),
-                    },
-                },
-                "hit_ratio": _ratio(mount_cache, mount_cache + mount_cold),
-                "stall_seconds": samples.value("cachefsd_mount_read_stall_seconds_total", mount=self._mount),
-            },
-            "node": self._node(),
-            "uptime_seconds": round(now - self._started, 3),
-            "reads": {
-                "count": _ints(samples.by("cachefsd_reads_total", "source")),
-                "bytes": {
-                    "cache": int(cache_bytes),
-                    "cold": int(cold_bytes),
-                    "total": int(cache_bytes + cold_bytes),
-                },
-                "served_bytes": _ints(samples.by("cachefsd_served_bytes_total", "tier")),
-            },
-            "hit_ratio": {
-                "since_mount": _ratio(cache_bytes, cache_bytes + cold_bytes),
-                "last_minute": last_minute,
-                "last_minute_seconds": round(window, 3),
-                "by_tier": dict(sorted(samples.by("cachefsd_tier_hit_ratio", "tier").items())),
-            },
-            "stall_seconds": samples.value("cachefsd_read_stall_seconds_total"),
-            "fetch": {kind: self._fetch(samples, kind) for kind in FETCH_KINDS},
-            "prefetch": {
-                "issued_bytes": int(issued),
-                "used_bytes": int(used),
-                "wasted_bytes": int(wasted),
-                "accuracy": _ratio(used, issued),
-                "waste": _ratio(wasted, issued),
-            },
-            "dedup": {
-                "disk_saved_bytes": int(samples.value("cachefsd_dedup_saved_bytes_total", where="disk")),
-                "wire_saved_bytes": int(samples.value("cachefsd_dedup_saved_bytes_total", where="wire")),
-            },
-            "cache": {
-                "used_bytes": int(samples.value("cachefsd_cache_used_bytes")),
-                "capacity_bytes": int(samples.value("cachefsd_cache_capacity_bytes")),
-                "promotions": int(samples.value("cachefsd_cache_promotions_total")),
-                "demotions": int(samples.value("cachefsd_cache_demotions_total")),
-                "evictions": _ints(samples.by("cachefsd_cache_evictions_total", "tier")),
-                "corrupt_blocks": _ints(samples.by("cachefsd_cache_corrupt_blocks_total", "tier")),
-                "errors": _ints(samples.by("cachefsd_cache_errors_total", "tier")),
-            },
-            "epoch": {"current": int(samples.value("cachefsd_epoch")), "jobs": jobs},
-            "jobs": self._jobs(samples),
-            "access": access,
-            "residency": {
-                "source": self._source,
-                "tiers": self.residency.tiers,
-                "age_seconds": None if age is None else round(age, 3),
-                "refresh_seconds": self.residency.refresh,
-                "max_prefixes": self.residency.limit,
-                "error": residency.error,
-                "prefixes": [
-                    {
-                        "prefix": prefix,
-                        "bytes": dict(sorted(tiers.items())),
-                        "total_bytes": sum(tiers.values()),
-                    }
+        reads = values_by(metrics.reads, "source")
+        return NodeActivity(
+            mount=ThisMount(
+                mountpoint=self._mount,
+                reads=MountReads(
+                    count=SourceCounts(
+                        cache=int(mount_reads.get("cache", 0.0)), cold=int(mount_reads.get("cold", 0.0))
+                    ),
+                    bytes=ReadBytes(
+                        cache=int(mount_cache), cold=int(mount_cold), total=int(mount_cache + mount_cold)
+                    ),
+                ),
+                hit_ratio=_ratio(mount_cache, mount_cache + mount_cold),
+                stall_seconds=value_of(metrics.mount_read_stall, mount=self._mount),
+            ),
+            node=self._node(),
+            uptime_seconds=round(now - self._started, 3),
+            reads=NodeReads(
+                count=SourceCounts(cache=int(reads.get("cache", 0.0)), cold=int(reads.get("cold", 0.0))),
+                bytes=ReadBytes(
+                    cache=int(cache_bytes), cold=int(cold_bytes), total=int(cache_bytes + cold_bytes)
+                ),
+                served_bytes=_ints(values_by(metrics.served_bytes, "tier")),
+            ),
+            hit_ratio=HitRatios(
+                since_mount=_ratio(cache_bytes, cache_bytes + cold_bytes),
+                last_minute=last_minute,
+                last_minute_seconds=round(window, 3),
+                by_tier=derived.tier_hit_ratios,
+            ),
+            stall_seconds=value_of(metrics.read_stall),
+            fetch=FetchByKind(
+                demand=self._fetch("demand"),
+                prefetch=self._fetch("prefetch"),
+                metadata=self._fetch("metadata"),
+                shared=self._fetch("shared"),
+            ),
+            prefetch=PrefetchTotals(
+                issued_bytes=int(issued),
+                used_bytes=int(used),
+                wasted_bytes=int(wasted),
+                accuracy=_ratio(used, issued),
+                waste=_ratio(wasted, issued),
+            ),
+            dedup=DedupTotals(
+                disk_saved_bytes=int(value_of(metrics.dedup_saved_bytes, where="disk")),
+                wire_saved_bytes=int(value_of(metrics.dedup_saved_bytes, where="wire")),
+            ),
+            cache=CacheTotals(
+                used_bytes=int(derived.cache_used_bytes),
+                capacity_bytes=int(derived.cache_capacity_bytes),
+                promotions=int(value_of(metrics.promotions)),
+                demotions=int(value_of(metrics.demotions)),
+                evictions=_ints(values_by(metrics.evictions, "tier")),
+                corrupt_blocks=_ints(values_by(metrics.corrupt_blocks, "tier")),
+                errors=_ints(values_by(metrics.cache_errors, "tier")),
+            ),
+            epoch=Epochs(
+                current=int(value_of(metrics.epoch_number)),
+                jobs={root: job.epoch for root, job in access.per_job.items()},
+            ),
+            jobs=self._jobs(),
+            access=access,
+            residency=ResidencyAnswer(
+                source=self._source,
+                tiers=self.residency.tiers,
+                age_seconds=None if age is None else round(age, 3),
+                refresh_seconds=self.residency.refresh,
+                max_prefixes=self.residency.limit,
+                error=residency.error,
+                prefixes=[
+                    PrefixResidency(
+                        prefix=prefix, bytes=dict(sorted(tiers.items())), total_bytes=sum(tiers.values())
+                    )
                     for prefix, tiers in residency.prefixes
                 ],
-            },
-        }
+            ),
+        )
 
-    @staticmethod
-    def _jobs(samples: _Samples) -> dict[str, Any]:
+    def _jobs(self) -> dict[str, JobActivity]:
         """The reading jobs the metrics name (``JobLabels``), and their loader meters' totals."""
-
-        def by_job(name: str, **labels: str) -> dict[str, float]:
-            return samples.by(name, JOB_LABEL, **labels)
-
-        reads = {source: by_job("cachefsd_job_reads_total", source=source) for source in ("cache", "cold")}
+        metrics = self._metrics
+        reads = {source: values_by(metrics.job_reads, JOB_LABEL, source=source) for source in SOURCES}
         read_bytes = {
-            source: by_job("cachefsd_job_read_bytes_total", source=source) for source in ("cache", "cold")
+            source: values_by(metrics.job_read_bytes, JOB_LABEL, source=source) for source in SOURCES
         }
-        stall = by_job("cachefsd_job_read_stall_seconds_total")
-        meters = {
-            key: by_job(f"cachefsd_job_{key}_total")
-            for key in ("batches", "data_wait_seconds", "step_seconds")
-        }
-        names = set(stall).union(*reads.values(), *read_bytes.values(), *meters.values())
-        jobs: dict[str, Any] = {}
+        stall = values_by(metrics.job_read_stall, JOB_LABEL)
+        batches = values_by(metrics.job_batches, JOB_LABEL)
+        data_wait = values_by(metrics.job_data_wait, JOB_LABEL)
+        step = values_by(metrics.job_step, JOB_LABEL)
+        names = set(stall).union(*reads.values(), *read_bytes.values(), batches, data_wait, step)
+        jobs: dict[str, JobActivity] = {}
         for name in sorted(names):
             cache_bytes, cold_bytes = read_bytes["cache"].get(name, 0.0), read_bytes["cold"].get(name, 0.0)
-            step = meters["step_seconds"].get(name, 0.0)
-            jobs[name] = {
-                "reads": {source: int(reads[source].get(name, 0.0)) for source in ("cache", "cold")},
-                "bytes": {"cache": int(cache_bytes), "cold": int(cold_bytes)},
-                "hit_ratio": _ratio(cache_bytes, cache_bytes + cold_bytes),
-                "stall_seconds": stall.get(name, 0.0),
-                "batches": int(meters["batches"].get(name, 0.0)),
-                "data_wait_fraction": _ratio(meters["data_wait_seconds"].get(name, 0.0), step),
-            }
+            jobs[name] = JobActivity(
+                reads=SourceCounts(
+                    cache=int(reads["cache"].get(name, 0.0)), cold=int(reads["cold"].get(name, 0.0))
+                ),
+                bytes=SourceBytes(cache=int(cache_bytes), cold=int(cold_bytes)),
+                hit_ratio=_ratio(cache_bytes, cache_bytes + cold_bytes),
+                stall_seconds=stall.get(name, 0.0),
+                batches=int(batches.get(name, 0.0)),
+                data_wait_fraction=_ratio(data_wait.get(name, 0.0), step.get(name, 0.0)),
+            )
         return jobs
 
-    @staticmethod
-    def _fetch(samples: _Samples, kind: str) -> dict[str, Any]:
+    def _fetch(self, kind: FetchKind) -> FetchTotals:
+        metrics = self._metrics
         buckets = [
             (float(bound), count)
-            for bound, count in samples.by("cachefsd_fetch_seconds_bucket", "le", kind=kind).items()
+            for bound, count in values_by(metrics.fetch_latency, "le", "_bucket", kind=kind).items()
         ]
-        return {
-            "count": int(samples.value("cachefsd_fetch_seconds_count", kind=kind)),
-            "bytes": int(samples.value("cachefsd_fetch_bytes_total", kind=kind)),
-            "retries": int(samples.value("cachefsd_fetch_retries_total", kind=kind)),
-            "errors": int(samples.value("cachefsd_fetch_errors_total", kind=kind)),
-            **{name: histogram_quantile(q, buckets) for name, q in QUANTILES.items()},
-        }
+        return FetchTotals(
+            count=int(value_of(metrics.fetch_latency, "_count", kind=kind)),
+            bytes=int(value_of(metrics.fetch_bytes, kind=kind)),
+            retries=int(value_of(metrics.fetch_retries, kind=kind)),
+            errors=int(value_of(metrics.fetch_errors, kind=kind)),
+            p50_seconds=histogram_quantile(0.5, buckets),
+            p99_seconds=histogram_quantile(0.99, buckets),
+        )

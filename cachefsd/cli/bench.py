@@ -190,12 +190,10 @@ def run_epochs(
 
 def job_counters(client: ControlClient, job: str) -> JobCounters | None:
     """This command's job in the daemon's ``/stats``; None while the daemon names no such job."""
-    found: dict[str, Any] | None = client.stats().get("jobs", {}).get(job)
+    found = client.stats().jobs.get(job)
     if found is None:
         return None
-    return JobCounters(
-        found["bytes"]["cache"], found["bytes"]["cold"], found["reads"]["cache"], found["reads"]["cold"]
-    )
+    return JobCounters(found.bytes.cache, found.bytes.cold, found.reads.cache, found.reads.cold)
 
 
 def _table(title: str, results: list[EpochResult]) -> Table:

@@ -270,7 +270,7 @@ def _daemon_of(mountpoint: Path) -> Any:
 def _cmd_stats(args: argparse.Namespace, argv: list[str]) -> int:
     snapshot = _daemon_of(args.mountpoint).stats()
     if args.json:
-        print(json.dumps(snapshot, indent=2))
+        print(json.dumps(snapshot.model_dump(mode="json"), indent=2))
         return 0
     from cachefsd.cli import stats  # noqa: PLC0415 - rich only when drawing
 

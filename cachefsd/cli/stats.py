@@ -1,15 +1,14 @@
-"""``cachefsd stats``'s presentation: the daemon's stats (stats.py) drawn
-as rich tables."""
+"""``cachefsd stats``'s presentation: the daemon's ``StatsAnswer``
+(``control/answers.py``) drawn as rich tables."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from cachefsd.config import human_bytes
+from cachefsd.control.answers import JobActivity, StatsAnswer, ThisMount
 
 
 def _percent(ratio: float | None) -> str:
@@ -32,109 +31,102 @@ def _uptime(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
-def render(stats: dict[str, Any], throughput: RenderableType | None = None) -> RenderableType:
-    """The stats JSON as tables: tiers, activity (hit ratios, latency,
-    stalls, prefetch, dedup, epochs), and residency by prefix.
-    ``throughput`` (``top``'s sparkline line) goes under the header."""
+def render(stats: StatsAnswer, throughput: RenderableType | None = None) -> RenderableType:
+    """The stats as tables: tiers, activity (hit ratios, latency, stalls,
+    prefetch, dedup, epochs), and residency by prefix. ``throughput``
+    (``top``'s sparkline line) goes under the header."""
 
-    epoch = stats.get("epoch", {})
     header = Text()
-    header.append(str(stats.get("mountpoint", "?")), style="bold")
-    header.append(f"  <-  {stats.get('source', '?')}")
-    header.append(
-        f"   pid {stats.get('pid', '?')}   up {_uptime(stats.get('uptime_seconds', 0.0))}"
-        f"   epoch {epoch.get('current', 0)}"
-    )
+    header.append(stats.mountpoint, style="bold")
+    header.append(f"  <-  {stats.source}")
+    header.append(f"   pid {stats.pid}   up {_uptime(stats.uptime_seconds)}   epoch {stats.epoch.current}")
     parts: list[RenderableType] = [header]
-    node = stats.get("node", {})
-    others = [mount for mount in node.get("mounts", []) if mount["mountpoint"] != stats.get("mountpoint")]
+    node = stats.node
+    others = [mount for mount in node.mounts if mount.mountpoint != stats.mountpoint]
     if others:
         # One cache for every mount of the daemon: the tables below are the node's.
         parts.append(
             Text(
-                f"one daemon, one cache ({node.get('cache_dir', '?')}) for this mount and "
-                + ", ".join(f"{mount['mountpoint']} <- {mount['source']}" for mount in others)
+                f"one daemon, one cache ({node.cache_dir}) for this mount and "
+                + ", ".join(f"{mount.mountpoint} <- {mount.source}" for mount in others)
                 + ": the tables below are all of them together",
                 style="dim",
             )
         )
-        parts.append(_this_mount(stats.get("mount", {})))
+        parts.append(_this_mount(stats.mount))
     if throughput is not None:
         parts.append(throughput)
 
     tiers = Table(title="tiers", title_justify="left", expand=False)
     for column in ("tier", "used", "capacity", "used %", "blocks"):
         tiers.add_column(column, justify="left" if column == "tier" else "right")
-    for tier in stats.get("tiers", []):
-        capacity = tier["capacity_bytes"]
+    for tier in stats.tiers:
+        capacity = tier.capacity_bytes
         tiers.add_row(
-            tier["name"],
-            human_bytes(tier["used_bytes"]),
+            tier.name,
+            human_bytes(tier.used_bytes),
             human_bytes(capacity),
-            _percent(tier["used_bytes"] / capacity if capacity else None),
-            str(tier["blocks"]),
+            _percent(tier.used_bytes / capacity if capacity else None),
+            str(tier.blocks),
         )
     parts.append(tiers)
     parts.append(_activity(stats))
-    if stats.get("jobs"):
-        parts.append(_jobs(stats["jobs"]))
+    if stats.jobs:
+        parts.append(_jobs(stats.jobs))
 
-    residency = stats.get("residency", {})
-    tier_names = list(residency.get("tiers", []))
+    residency = stats.residency
     resident = Table(title="resident", title_justify="left")
     resident.add_column("prefix")
-    for name in tier_names:
+    for name in residency.tiers:
         resident.add_column(name, justify="right")
     resident.add_column("total", justify="right")
-    for entry in residency.get("prefixes", []):
-        by_tier = entry["bytes"]
+    for entry in residency.prefixes:
         resident.add_row(
-            Text(entry["prefix"]),  # a key, not markup: "[v2]imagenet" is a name
-            *(human_bytes(by_tier.get(name, 0)) for name in tier_names),
-            human_bytes(entry["total_bytes"]),
+            Text(entry.prefix),  # a key, not markup: "[v2]imagenet" is a name
+            *(human_bytes(entry.bytes.get(name, 0)) for name in residency.tiers),
+            human_bytes(entry.total_bytes),
         )
-    if not residency.get("prefixes"):
-        resident.add_row("(nothing cached)", *("" for _ in tier_names), "")
+    if not residency.prefixes:
+        resident.add_row("(nothing cached)", *("" for _ in residency.tiers), "")
     parts.append(resident)
-    age = residency.get("age_seconds")
+    age = residency.age_seconds
     if age is not None:
         note = "bytes of each top-level prefix cached on this node"
         if age >= 1:  # a slow count over a huge cache
             note += f", as of {age:.0f} s ago"
-        if residency.get("error"):
-            note += f"; the last refresh failed: {residency['error']}"
+        if residency.error:
+            note += f"; the last refresh failed: {residency.error}"
         parts.append(Text(note, style="dim"))
     return Group(*parts)
 
 
-def _this_mount(mount: dict[str, Any]) -> RenderableType:
+def _this_mount(mount: ThisMount) -> RenderableType:
     table = Table(title="this mount", title_justify="left", show_header=False)
     table.add_column("what")
     table.add_column("value")
-    read_bytes = mount.get("reads", {}).get("bytes", {})
-    table.add_row("hit ratio since mount", _percent(mount.get("hit_ratio")))
+    read_bytes = mount.reads.bytes
+    table.add_row("hit ratio since mount", _percent(mount.hit_ratio))
     table.add_row(
-        "read from cache / cold",
-        f"{human_bytes(read_bytes.get('cache', 0))} / {human_bytes(read_bytes.get('cold', 0))}",
+        "read from cache / cold", f"{human_bytes(read_bytes.cache)} / {human_bytes(read_bytes.cold)}"
     )
-    table.add_row("read stall", _duration(mount.get("stall_seconds", 0.0)))
+    table.add_row("read stall", _duration(mount.stall_seconds))
     return table
 
 
-def _jobs(jobs: dict[str, Any]) -> RenderableType:
+def _jobs(jobs: dict[str, JobActivity]) -> RenderableType:
     """The jobs the metrics name: which one waits, on reads and in its loop."""
     table = Table(title="jobs", title_justify="left")
     for column in ("job", "reads", "hit ratio", "read stall", "batches", "data wait"):
         table.add_column(column, justify="left" if column == "job" else "right")
     for name, job in jobs.items():
-        metered = job["batches"] > 0
+        metered = job.batches > 0
         table.add_row(
             Text(name),  # a command's name, not markup
-            str(job["reads"]["cache"] + job["reads"]["cold"]),
-            _percent(job["hit_ratio"]),
-            _duration(job["stall_seconds"]),
-            str(job["batches"]) if metered else "-",
-            _percent(job["data_wait_fraction"]) if metered else "-",
+            str(job.reads.cache + job.reads.cold),
+            _percent(job.hit_ratio),
+            _duration(job.stall_seconds),
+            str(job.batches) if metered else "-",
+            _percent(job.data_wait_fraction) if metered else "-",
         )
     return Group(
         table,
@@ -145,7 +137,7 @@ def _jobs(jobs: dict[str, Any]) -> RenderableType:
     )
 
 
-def _activity(stats: dict[str, Any]) -> RenderableType:
+def _activity(stats: StatsAnswer) -> RenderableType:
 
     # Said on every screen: after a fully cached epoch the hit ratio can
     # read 0 %, because the kernel served the reads without asking.
@@ -158,49 +150,44 @@ def _activity(stats: dict[str, Any]) -> RenderableType:
     )
     table.add_column("what")
     table.add_column("value")
-    hit = stats.get("hit_ratio", {})
-    reads = stats.get("reads", {})
-    read_bytes = reads.get("bytes", {})
-    fetch = stats.get("fetch", {}).get("demand", {})
-    prefetch = stats.get("prefetch", {})
-    dedup = stats.get("dedup", {})
-    epoch = stats.get("epoch", {})
-    window = hit.get("last_minute_seconds", 0.0)
-    table.add_row("hit ratio since mount", _percent(hit.get("since_mount")))
-    table.add_row(f"hit ratio last {window:.0f} s", _percent(hit.get("last_minute")))
+    hit = stats.hit_ratio
+    read_bytes = stats.reads.bytes
+    fetch = stats.fetch.demand
+    prefetch = stats.prefetch
+    dedup = stats.dedup
+    epoch = stats.epoch
+    table.add_row("hit ratio since mount", _percent(hit.since_mount))
+    table.add_row(f"hit ratio last {hit.last_minute_seconds:.0f} s", _percent(hit.last_minute))
     table.add_row(
-        "read from cache / cold",
-        f"{human_bytes(read_bytes.get('cache', 0))} / {human_bytes(read_bytes.get('cold', 0))}",
+        "read from cache / cold", f"{human_bytes(read_bytes.cache)} / {human_bytes(read_bytes.cold)}"
     )
-    served = reads.get("served_bytes", {})
     table.add_row(
         "served by",
-        ", ".join(f"{name} {human_bytes(count)}" for name, count in served.items() if count) or "-",
+        ", ".join(f"{name} {human_bytes(count)}" for name, count in stats.reads.served_bytes.items() if count)
+        or "-",
     )
     table.add_row(
         "fetch latency p50 / p99",
-        f"{_duration(fetch.get('p50_seconds'))} / {_duration(fetch.get('p99_seconds'))}"
-        f" ({fetch.get('count', 0)} demand GETs, {fetch.get('errors', 0)} failed)",
+        f"{_duration(fetch.p50_seconds)} / {_duration(fetch.p99_seconds)}"
+        f" ({fetch.count} demand GETs, {fetch.errors} failed)",
     )
-    table.add_row("read stall", _duration(stats.get("stall_seconds", 0.0)))
+    table.add_row("read stall", _duration(stats.stall_seconds))
     table.add_row(
         "prefetch",
-        f"issued {human_bytes(prefetch.get('issued_bytes', 0))}, "
-        f"used {human_bytes(prefetch.get('used_bytes', 0))} ({_percent(prefetch.get('accuracy'))}), "
-        f"wasted {human_bytes(prefetch.get('wasted_bytes', 0))}",
+        f"issued {human_bytes(prefetch.issued_bytes)}, "
+        f"used {human_bytes(prefetch.used_bytes)} ({_percent(prefetch.accuracy)}), "
+        f"wasted {human_bytes(prefetch.wasted_bytes)}",
     )
     table.add_row(
         "dedup saved",
-        f"disk {human_bytes(dedup.get('disk_saved_bytes', 0))}, "
-        f"wire {human_bytes(dedup.get('wire_saved_bytes', 0))}",
+        f"disk {human_bytes(dedup.disk_saved_bytes)}, wire {human_bytes(dedup.wire_saved_bytes)}",
     )
-    jobs = epoch.get("jobs", {})
-    per_job = ", ".join(f"{root or '/'}: {number}" for root, number in jobs.items())
-    table.add_row("epoch", Text(f"{epoch.get('current', 0)}" + (f" ({per_job})" if per_job else "")))
+    per_job = ", ".join(f"{root or '/'}: {number}" for root, number in epoch.jobs.items())
+    table.add_row("epoch", Text(f"{epoch.current}" + (f" ({per_job})" if per_job else "")))
     return table
 
 
-def print_stats(stats: dict[str, Any]) -> None:
+def print_stats(stats: StatsAnswer) -> None:
     """``cachefsd stats`` without ``--json``."""
 
     Console().print(render(stats))

@@ -147,7 +147,7 @@ def run(client: ControlClient, interval: float = REFRESH_SECONDS, console: Any =
         with Keys(sys.stdin) as keys, _screen(console) as show:
             while True:
                 stats = client.stats()
-                throughput.add(time.monotonic(), stats.get("reads", {}).get("bytes", {}).get("total", 0))
+                throughput.add(time.monotonic(), stats.reads.bytes.total)
                 show(render(stats, throughput.line()))
                 if keys.quit_within(interval):
                     return 0

@@ -2,9 +2,12 @@
 use to reach the daemon of a mount over its Unix socket (see server.py for
 the endpoints).
 
-Only the standard library is used, so ``cachefsd.hints`` stays importable in
-any training environment. One request per connection: connections are cheap
-on a Unix socket, and it keeps every wait a single bounded socket timeout.
+Only the standard library is used, so ``cachefsd.hints`` and the loader
+meter stay importable in any training environment: ``stats`` and
+``diagnose`` import pydantic, for their typed answers (``answers.py``),
+when they are called. One
+request per connection: connections are cheap on a Unix socket, and it
+keeps every wait a single bounded socket timeout.
 """
 
 from __future__ import annotations
@@ -15,10 +18,17 @@ import socket
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cachefsd.control.mounts import MountOf, MountState
 from cachefsd.errors import ControlError
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from cachefsd.control.answers import DiagnosisAnswer, StatsAnswer
+
+Answer = TypeVar("Answer", bound="BaseModel")
 
 # Client: a connect to a live daemon is immediate; one that does not accept
 # within this long is wedged.
@@ -86,9 +96,10 @@ class ControlClient:
         self.socket_path = str(socket_path)
         self._timeout = timeout
 
-    def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = self._call("GET", "/stats", None, self._timeout)
-        return stats
+    def stats(self) -> StatsAnswer:
+        from cachefsd.control.answers import StatsAnswer  # noqa: PLC0415 - see the module's docstring
+
+        return self._answer("/stats", StatsAnswer)
 
     def hint(self, order: list[str], part: tuple[int, int] | None = None) -> tuple[int, int]:
         body: dict[str, Any] = {"order": order}
@@ -111,10 +122,11 @@ class ControlClient:
         }
         self._call("POST", "/meter", body, self._timeout)
 
-    def diagnose(self) -> dict[str, Any]:
+    def diagnose(self) -> DiagnosisAnswer:
         """What ``cachefsd doctor`` judges: every metered job, with its reads."""
-        diagnosis: dict[str, Any] = self._call("GET", "/diagnose", None, self._timeout)
-        return diagnosis
+        from cachefsd.control.answers import DiagnosisAnswer  # noqa: PLC0415 - see the module's docstring
+
+        return self._answer("/diagnose", DiagnosisAnswer)
 
     def attach(self, settings: dict[str, Any]) -> MountState:
         """Mount ``settings`` (the fields that were set) on this daemon's
@@ -147,6 +159,21 @@ class ControlClient:
             raise ControlError(f"lost the daemon at {self.socket_path} while staging: {exc}") from exc
         finally:
             connection.close()
+
+    def _answer(self, path: str, model: type[Answer]) -> Answer:
+        """``GET path``'s answer as a ``model``; ``ControlError`` naming the
+        fields that do not fit (a daemon of another version)."""
+        from pydantic import ValidationError  # noqa: PLC0415 - see the module's docstring
+
+        answer = self._call("GET", path, None, self._timeout)
+        try:
+            return model.model_validate(answer)
+        except ValidationError as exc:
+            wrong = "; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors())
+            raise ControlError(
+                f"the daemon at {self.socket_path} answered {path} in a form this command does not know "
+                f"(another version of cachefsd?): {wrong}"
+            ) from exc
 
     def _call(self, method: str, path: str, body: Any, timeout: float, limit: int = SMALL_BODY_BYTES) -> Any:
         connection = self._open(method, path, body, timeout, limit)

@@ -11,11 +11,12 @@ call it.
 
 Endpoints (bodies are JSON; errors are ``{"error": message}`` with a 4xx/5xx):
 
-- ``GET /stats``: whatever ``ControlHandlers.stats()`` returns.
+- ``GET /stats``: a ``StatsAnswer`` (``answers.py``).
 - ``POST /hint`` ``{"order": [path, ...], "part": [rank, world size]|null}``
   (mount-relative paths, in the order the loader will read them) ->
   ``{"accepted": N, "unknown": M}``.
-- ``GET /diagnose``: the loader meters' jobs (``diagnose/service.py``).
+- ``GET /diagnose``: a ``DiagnosisAnswer``, the loader meters' jobs
+  (``diagnose/service.py``).
 - ``POST /meter`` ``{"meter": id, "readers": N, "batches": N,
   "data_wait_seconds": s, "step_seconds": s}`` (a loader meter's totals so
   far) -> ``{}``.
@@ -68,6 +69,7 @@ from pydantic import (
 
 from cachefsd.cache.tiered import TieredCache
 from cachefsd.config import Settings, validated_settings
+from cachefsd.control.answers import DiagnosisAnswer, HintCounts, NodeActivity, StatsAnswer, TierUsage
 from cachefsd.control.client import MAX_BODY_BYTES, NDJSON, SMALL_BODY_BYTES, StageRequest
 from cachefsd.control.mounts import MountState
 from cachefsd.diagnose.meter import MeterTotals
@@ -191,8 +193,8 @@ class _ClientGone(ConnectionError):
 class ControlHandlers(Protocol):
     """What the server serves. Called on server threads, concurrently."""
 
-    def stats(self) -> dict[str, Any]:
-        """A JSON-serialisable snapshot for ``GET /stats``."""
+    def stats(self) -> StatsAnswer:
+        """What ``GET /stats`` answers."""
         ...
 
     def hint(self, order: list[str], part: tuple[int, int] | None, pid: int) -> tuple[int, int]:
@@ -207,8 +209,8 @@ class ControlHandlers(Protocol):
         from process ``pid`` (0 if unknown), for its job."""
         ...
 
-    def diagnose(self) -> dict[str, Any]:
-        """A JSON-serialisable snapshot for ``GET /diagnose`` (``diagnose/service.py``)."""
+    def diagnose(self) -> DiagnosisAnswer:
+        """What ``GET /diagnose`` answers (``diagnose/service.py``)."""
         ...
 
     def stage(self, request: StageRequest, report: Report) -> dict[str, Any]:
@@ -301,7 +303,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self.close_connection = True
         handlers = self.server.owner.handlers
-        routes: dict[str, Callable[[], dict[str, Any]]] = {
+        routes: dict[str, Callable[[], BaseModel]] = {
             "/stats": handlers.stats,
             "/diagnose": handlers.diagnose,
         }
@@ -309,7 +311,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._error(404, f"no such endpoint: GET {self.path}")
             return
         route = routes[self.path]
-        self._call(lambda: self._json(200, route()))
+        self._call(lambda: self._json(200, route().model_dump(mode="json")))
 
     def do_POST(self) -> None:
         self.close_connection = True
@@ -538,50 +540,52 @@ class MountHandlers:
         namespace: Namespace,
         reader: Blocks,
         cache: TieredCache,
-        mount: dict[str, Any],
+        mount: MountState,
+        activity: Callable[[], NodeActivity],
         hint: Callable[[list[str], tuple[int, int] | None, int], tuple[int, int]] | None = None,
-        extra_stats: Callable[[], dict[str, Any]] | None = None,
         node: NodeMounts | None = None,
         diagnosis: Diagnosis | None = None,
     ) -> None:
         """``mount``: what identifies the mount in ``/stats`` (pid, mountpoint,
-        source). ``hint``: the prefetcher's, when there is one; without it a
-        hint is only checked against the namespace and counted. ``node``:
-        the daemon that takes more mounts, if any. ``diagnosis``: the loader
-        meters' ledger, without which reports are refused."""
+        source); ``activity``: what its daemon measured
+        (``stats.DaemonStats.snapshot``). ``hint``: the prefetcher's, when
+        there is one; without it a hint is only checked against the
+        namespace and counted. ``node``: the daemon that takes more mounts,
+        if any. ``diagnosis``: the loader meters' ledger, without which
+        reports are refused."""
         self._namespace = namespace
         self._reader = reader
         self._cache = cache
         self._mount = mount
+        self._activity = activity
         self._hint = hint
-        self._extra_stats = extra_stats
         self._node = node
         self._diagnosis = diagnosis
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._hints = {"received": 0, "paths": 0, "accepted": 0, "unknown": 0}
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StatsAnswer:
         with self._lock:
-            hints = dict(self._hints)
-        stats: dict[str, Any] = {
-            **self._mount,
-            "block_size": self._reader.block_size,
-            "tiers": [
-                {
-                    "name": tier.name,
-                    "dir": str(tier.root),
-                    "capacity_bytes": tier.capacity,
-                    "used_bytes": tier.used_bytes,
-                    "blocks": tier.block_count,
-                }
+            hints = HintCounts(**self._hints)
+        return StatsAnswer(
+            pid=self._mount.pid,
+            mountpoint=self._mount.mountpoint,
+            source=self._mount.source,
+            block_size=self._reader.block_size,
+            tiers=[
+                TierUsage(
+                    name=tier.name,
+                    dir=str(tier.root),
+                    capacity_bytes=tier.capacity,
+                    used_bytes=tier.used_bytes,
+                    blocks=tier.block_count,
+                )
                 for tier in self._cache.tiers
             ],
-            "hints": hints,
-        }
-        if self._extra_stats is not None:
-            stats.update(self._extra_stats())
-        return stats
+            hints=hints,
+            **dict(self._activity()),
+        )
 
     def hint(self, order: list[str], part: tuple[int, int] | None = None, pid: int = 0) -> tuple[int, int]:
         if self._hint is not None:
@@ -601,7 +605,7 @@ class MountHandlers:
             raise BadRequest("this daemon keeps no loader meters")
         self._diagnosis.meter(pid, meter_id, totals, readers)
 
-    def diagnose(self) -> dict[str, Any]:
+    def diagnose(self) -> DiagnosisAnswer:
         if self._diagnosis is None:
             raise BadRequest("this daemon keeps no loader meters")
         return self._diagnosis.snapshot()

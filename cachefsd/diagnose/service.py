@@ -2,22 +2,11 @@
 in (``POST /meter``), and ``GET /diagnose`` out, which ``cachefsd doctor``
 judges.
 
-``GET /diagnose`` answers::
-
-    {"mountpoint": str,
-     "cache": {"capacity_bytes": int, "policy": str, "block_size": int},
-     "jobs": [{"job": str, "batches": int, "data_wait_seconds": float,
-               "step_seconds": float, "reader_seconds": float, "meters": int,
-               "last_report_seconds_ago": float,
-               "reads": {"read_seconds", "stall_seconds", "cache_bytes",
-                         "cold_bytes"} | null,
-               "observed": ObservedOrder fields | null}, ...]}
-
-The jobs are those whose meters report to this mount. ``reader_seconds``
-is the time the processes reading for each meter's loop had: what
-``reads.read_seconds`` and ``reads.stall_seconds`` (summed over those
-readers) are shares of.
-``reads`` cover the metered window (from the job's first report); null when
+``GET /diagnose`` answers a ``DiagnosisAnswer`` (``control/answers.py``):
+the jobs whose meters report to this mount. ``reader_seconds`` is the time
+the processes reading for each meter's loop had: what ``reads.read_seconds``
+and ``reads.stall_seconds`` (summed over those readers) are shares of.
+``reads`` cover the metered window (from the job's first report); None when
 the daemon counted the job's reads with other jobs'. ``observed`` is the
 job's read order on this mount (a sample of it) for the what-if replay.
 """
@@ -26,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
 
+from cachefsd.control.answers import CacheSetup, DiagnosisAnswer, MeteredJob, MeteredReads, ObservedReads
 from cachefsd.diagnose.ledger import MeterLedger
 from cachefsd.diagnose.meter import MeterTotals
 from cachefsd.diagnose.whatif import MAX_REPLAYED_FILES
@@ -61,29 +50,31 @@ class Diagnosis:
         """A meter's report, for the job of the process ``pid`` that sent it."""
         self._ledger.report(self._jobs.of(pid), self._mountpoint, meter_id, totals, readers)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> DiagnosisAnswer:
         jobs = []
         for metered in self._ledger.jobs(self._mountpoint):
             observed = self._observed(metered.job, MAX_REPLAYED_FILES)
             jobs.append(
-                {
-                    "job": metered.job,
-                    "batches": metered.totals.batches,
-                    "data_wait_seconds": metered.totals.data_wait_seconds,
-                    "step_seconds": metered.totals.step_seconds,
-                    "reader_seconds": metered.reader_seconds,
-                    "meters": metered.meters,
-                    "last_report_seconds_ago": metered.last_report_seconds_ago,
-                    "reads": None if metered.reads is None else asdict(metered.reads),
-                    "observed": None if observed is None else asdict(observed),
-                }
+                MeteredJob(
+                    job=metered.job,
+                    batches=metered.totals.batches,
+                    data_wait_seconds=metered.totals.data_wait_seconds,
+                    step_seconds=metered.totals.step_seconds,
+                    reader_seconds=metered.reader_seconds,
+                    meters=metered.meters,
+                    last_report_seconds_ago=metered.last_report_seconds_ago,
+                    reads=None
+                    if metered.reads is None
+                    else MeteredReads.model_validate(asdict(metered.reads)),
+                    observed=None if observed is None else ObservedReads.model_validate(asdict(observed)),
+                )
             )
-        return {
-            "mountpoint": self._mountpoint,
-            "cache": {
-                "capacity_bytes": self._cache.capacity_bytes(),
-                "policy": self._cache.policy,
-                "block_size": self._cache.block_size,
-            },
-            "jobs": jobs,
-        }
+        return DiagnosisAnswer(
+            mountpoint=self._mountpoint,
+            cache=CacheSetup(
+                capacity_bytes=self._cache.capacity_bytes(),
+                policy=self._cache.policy,
+                block_size=self._cache.block_size,
+            ),
+            jobs=jobs,
+        )

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from cachefsd.control.answers import HintCounts
 from cachefsd.control.client import ControlClient
 from cachefsd.control.mounts import read_state
 from cachefsd.testing.s3_server import S3TestServer
@@ -61,13 +62,12 @@ def _seed_and_mount(
     return bucket, _mount(mounter, s3_server, bucket, *flags)
 
 
-def _hint_stats(mount: Mount) -> dict[str, Any]:
+def _hint_stats(mount: Mount) -> HintCounts:
     """The daemon's hint counters, asked over its control socket."""
     state = read_state(mount.mountpoint)
     assert state is not None
     assert state.control_socket is not None
-    hints: dict[str, Any] = ControlClient(state.control_socket).stats()["hints"]
-    return hints
+    return ControlClient(state.control_socket).stats().hints
 
 
 def _stage(*args: str) -> tuple[int, dict[str, Any], str]:
@@ -269,7 +269,7 @@ def test_hint_command_counts_and_wrong_hints_keep_bytes_right(
     assert f"{len(objects)} accepted, 2 unknown" in result.stdout
 
     _read_all(mount, dict(sorted(objects.items())))
-    assert _hint_stats(mount)["received"] >= 1
+    assert _hint_stats(mount).received >= 1
 
     outside = tmp_path / "outside.txt"
     outside.write_text("/etc/passwd\n")
@@ -322,5 +322,5 @@ def test_hinting_sampler_with_a_dataloader(
         assert [(r.sent, r.accepted, r.unknown) for r in sampler.results] == [(len(dataset), len(dataset), 0)]
 
     hints = _hint_stats(mount)
-    assert hints["received"] == 2
-    assert hints["accepted"] == 2 * len(dataset)
+    assert hints.received == 2
+    assert hints.accepted == 2 * len(dataset)

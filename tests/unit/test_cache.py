@@ -33,6 +33,7 @@ from cachefsd.cache.tiered import CacheTuning, TieredCache
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.metrics import Metrics
 from cachefsd.prefetch.access import AccessModel
+from tests.metrics import sample
 from tests.polling import wait_until
 from tests.unit.conftest import Clock
 
@@ -105,7 +106,7 @@ def test_identical_content_is_stored_once(tmp_path: Path) -> None:
             admit(cache, each, data)
         assert on_disk(tmp_path) == disk_bytes(40 + 10_000)
         assert all(read(cache, each) == data for each in refs)
-        assert metrics.dedup_saved_bytes.labels("disk")._value.get() == 10_000
+        assert sample(metrics.registry, "cachefsd_dedup_saved_bytes_total", where="disk") == 10_000
 
 
 def test_adopting_a_block_of_ones_own_counts_no_saving(tmp_path: Path) -> None:
@@ -116,11 +117,11 @@ def test_adopting_a_block_of_ones_own_counts_no_saving(tmp_path: Path) -> None:
         identity = ("etag", 10_000)
         cache.admit(ref("k"), content_hash(data), data, identity, ahead=True)
         assert cache.adopt(ref("k"), identity) == (content_hash(data), data)
-        assert metrics.dedup_saved_bytes.labels("wire")._value.get() == 0
-        assert metrics.dedup_saved_bytes.labels("disk")._value.get() == 0
+        assert sample(metrics.registry, "cachefsd_dedup_saved_bytes_total", where="wire") == 0
+        assert sample(metrics.registry, "cachefsd_dedup_saved_bytes_total", where="disk") == 0
         # A twin under another key is a saving.
         assert cache.adopt(BlockRef("src", "twin", "etag", 0), identity) == (content_hash(data), data)
-        assert metrics.dedup_saved_bytes.labels("wire")._value.get() == 10_000
+        assert sample(metrics.registry, "cachefsd_dedup_saved_bytes_total", where="wire") == 10_000
 
 
 def test_corrupt_block_is_dropped_not_served(tmp_path: Path) -> None:
@@ -134,7 +135,7 @@ def test_corrupt_block_is_dropped_not_served(tmp_path: Path) -> None:
         assert read(cache, ref("k")) is None
         assert not path.exists()
         assert cache.lookup(ref("k")) is None
-        assert metrics.corrupt_blocks.labels("hot")._value.get() == 1
+        assert sample(metrics.registry, "cachefsd_cache_corrupt_blocks_total", tier="hot") == 1
         assert cache.used_bytes == 0
 
 
@@ -228,12 +229,13 @@ def test_a_full_hot_tier_demotes_to_warm_and_a_warm_hit_promotes(tmp_path: Path)
         blocks = [COMPRESSIBLE + bytes([i]) for i in range(4)]
         for i, data in enumerate(blocks):
             admit(cache, ref(f"k{i}"), data)
-        assert metrics.demotions._value.get() == 2
+        assert sample(metrics.registry, "cachefsd_cache_demotions_total") == 2
         assert cache.tiers[0].block_count == 2
         assert cache.tiers[1].block_count == 2
         assert on_disk(tmp_path, "warm") < on_disk(tmp_path, "hot")  # lz4 in the warm tier
         assert read(cache, ref("k0")) == blocks[0]  # a warm hit...
-        assert metrics.promotions._value.get() == 1  # ...moves up, pushing another block down
+        # ...moves up, pushing another block down
+        assert sample(metrics.registry, "cachefsd_cache_promotions_total") == 1
         assert cache.tiers[0].holds(content_hash(blocks[0]))
         assert all(read(cache, ref(f"k{i}")) == data for i, data in enumerate(blocks))
         assert on_disk(tmp_path, "hot") <= 2 * block
@@ -392,8 +394,8 @@ def test_a_block_being_demoted_or_promoted_is_never_a_miss(tmp_path: Path) -> No
             thread.join(10)
         assert misses == []
         # The windows were there to fall into: blocks moved both ways while it read.
-        assert metrics.demotions._value.get() >= len(blocks) - 2
-        assert metrics.promotions._value.get() > 0
+        assert sample(metrics.registry, "cachefsd_cache_demotions_total") >= len(blocks) - 2
+        assert sample(metrics.registry, "cachefsd_cache_promotions_total") > 0
 
 
 def test_a_damaged_index_is_set_aside_not_a_failed_mount(
@@ -586,7 +588,7 @@ def test_an_unwritable_tier_falls_through_to_the_next(tmp_path: Path) -> None:
         admit(cache, ref("k"), data)
         assert read(cache, ref("k")) == data
         assert cache.tiers[1].holds(digest)
-        assert metrics.cache_errors.labels("hot")._value.get() >= 1
+        assert sample(metrics.registry, "cachefsd_cache_errors_total", tier="hot") >= 1
 
 
 def test_checking_a_large_block_keeps_no_buffer_of_its_size(tmp_path: Path) -> None:
@@ -620,7 +622,7 @@ def test_a_tier_whose_disk_fails_is_left_alone_for_a_while(
             admit(cache, ref("a"), os.urandom(5000))
             admit(cache, ref("b"), os.urandom(5000))
         assert ["cannot cache block" in record.message for record in caplog.records] == [True]
-        assert metrics.cache_errors.labels("hot")._value.get() == 1
+        assert sample(metrics.registry, "cachefsd_cache_errors_total", tier="hot") == 1
         assert cache.room() == 0
         (tmp_path / "hot" / "tmp").mkdir()
         clock.now += CacheTuning().disk_error_backoff_seconds - 1
@@ -645,7 +647,7 @@ def test_a_block_whose_name_is_blocked_leaves_the_tier_taking_others(
             admit(cache, ref("blocked", 1), blocked)  # not tried again: one write, one warning
         assert [record.message for record in caplog.records if "Is a directory" in record.message] != []
         assert len(caplog.records) == 1
-        assert metrics.cache_errors.labels("hot")._value.get() == 1
+        assert sample(metrics.registry, "cachefsd_cache_errors_total", tier="hot") == 1
         assert read(cache, ref("blocked")) is None
         assert cache.room() > 0
         admit(cache, ref("other"), other)
@@ -688,7 +690,7 @@ def test_a_failing_tier_is_neither_promoted_nor_demoted_into(
         for _ in range(5):
             for key, data in blocks.items():
                 assert read(cache, ref(key)) in (data, None)  # a block not demoted is dropped
-        assert metrics.cache_errors.labels(broken)._value.get() == 1
+        assert sample(metrics.registry, "cachefsd_cache_errors_total", tier=broken) == 1
         assert len([record for record in caplog.records if record.message.startswith(f"{broken} tier:")]) == 1
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from cachefsd.control.answers import DiagnosisAnswer, StatsAnswer
 from cachefsd.control.client import ControlClient, StageRequest
 from cachefsd.control.mounts import MountOf, MountState
 from cachefsd.control.server import ControlServer
@@ -22,6 +23,24 @@ from cachefsd.diagnose.meter import MeterTotals
 from cachefsd.errors import BadRequest, ControlError, StageCancelled
 from cachefsd.hints import HintingSampler, MountPaths
 from cachefsd.stage import Report
+from tests.answers import STATS
+
+METERED: dict[str, Any] = {
+    "job": "python[1]",
+    "batches": 0,
+    "data_wait_seconds": 0.5,
+    "step_seconds": 3.0,
+    "reader_seconds": 6.0,
+    "meters": 1,
+    "last_report_seconds_ago": 1.0,
+    "reads": None,
+    "observed": None,
+}
+DIAGNOSIS: dict[str, Any] = {
+    "mountpoint": "/mnt",
+    "cache": {"capacity_bytes": 1 << 30, "policy": "epoch-aware", "block_size": 4 << 20},
+    "jobs": [METERED],
+}
 
 # Every wait in these tests; the server answers in milliseconds.
 WAIT_SECONDS = 10.0
@@ -44,11 +63,13 @@ class FakeHandlers:
         self.stage_release = threading.Event()  # set by a test to let a stage finish
         self.stage_error: BaseException | None = None  # what a report raised
         self.stage_mode = "normal"
+        self.answer: Any = StatsAnswer.model_validate(STATS)  # what ``stats`` returns
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StatsAnswer:
         if self.stage_mode == "stats-crash":
             raise RuntimeError("stats broke")
-        return {"mountpoint": "/mnt", "tiers": [{"name": "hot", "used_bytes": 3}]}
+        answer: StatsAnswer = self.answer
+        return answer
 
     def hint(self, order: list[str], part: tuple[int, int] | None, pid: int) -> tuple[int, int]:
         self.pids.append(pid)
@@ -61,8 +82,10 @@ class FakeHandlers:
         self.pids.append(pid)
         self.meters.append((meter_id, totals, readers))
 
-    def diagnose(self) -> dict[str, Any]:
-        return {"jobs": [{"job": "python[1]", "batches": len(self.meters)}]}
+    def diagnose(self) -> DiagnosisAnswer:
+        return DiagnosisAnswer.model_validate(
+            {**DIAGNOSIS, "jobs": [{**METERED, "batches": len(self.meters)}]}
+        )
 
     def stage(self, request: StageRequest, report: Report) -> dict[str, Any]:
         self.stage_requests.append(request)
@@ -135,7 +158,23 @@ def test_socket_is_owner_only(server: ControlServer) -> None:
 
 
 def test_stats_are_what_the_handler_returns(client: ControlClient) -> None:
-    assert client.stats() == {"mountpoint": "/mnt", "tiers": [{"name": "hot", "used_bytes": 3}]}
+    assert client.stats() == StatsAnswer.model_validate(STATS)
+
+
+class OtherVersion:
+    """A daemon's answer in a form this client does not know."""
+
+    def __init__(self, stats: dict[str, Any]) -> None:
+        self._stats = stats
+
+    def model_dump(self, mode: str) -> dict[str, Any]:
+        return self._stats
+
+
+def test_stats_in_another_form_fail_naming_the_field(client: ControlClient, handlers: FakeHandlers) -> None:
+    handlers.answer = OtherVersion({**STATS, "hit_ratio": {"since_mount": 0.5}})
+    with pytest.raises(ControlError, match=r"does not know .*hit_ratio\.last_minute: Field required"):
+        client.stats()
 
 
 METER = {"meter": "m", "readers": 2, "batches": 1, "data_wait_seconds": 0.5, "step_seconds": 1.0}
@@ -147,7 +186,7 @@ def test_a_meter_report_reaches_the_handler_with_the_senders_pid(
     client.meter("m1", 2, 12, 0.5, 3.0)
     assert handlers.meters == [("m1", MeterTotals(12, 0.5, 3.0), 2)]
     assert handlers.pids == [os.getpid()]
-    assert client.diagnose() == {"jobs": [{"job": "python[1]", "batches": 1}]}
+    assert client.diagnose().jobs[0].batches == 1
 
 
 @pytest.mark.parametrize(
@@ -299,7 +338,7 @@ def test_a_failing_handler_is_a_500_not_a_dead_server(
     ):
         client.stats()
     handlers.stage_mode = "normal"
-    assert client.stats()["mountpoint"] == "/mnt"
+    assert client.stats().mountpoint == STATS["mountpoint"]
 
 
 def test_a_silent_client_is_dropped(server: ControlServer, client: ControlClient) -> None:
@@ -307,7 +346,7 @@ def test_a_silent_client_is_dropped(server: ControlServer, client: ControlClient
     server's timeout, and does not block other clients meanwhile."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle:
         idle.connect(str(server.path))
-        assert client.stats()["mountpoint"] == "/mnt"
+        assert client.stats().mountpoint == STATS["mountpoint"]
 
 
 def test_stop_cancels_work_and_removes_the_socket(server: ControlServer, handlers: FakeHandlers) -> None:
@@ -326,7 +365,7 @@ def test_a_stale_socket_is_replaced(tmp_path: Path, handlers: FakeHandlers) -> N
     server = ControlServer(path, handlers, accept_poll=QUICK_ACCEPT_POLL)
     server.start()
     try:
-        assert ControlClient(path, timeout=WAIT_SECONDS).stats()["mountpoint"] == "/mnt"
+        assert ControlClient(path, timeout=WAIT_SECONDS).stats().mountpoint == STATS["mountpoint"]
     finally:
         server.stop()
 

@@ -4,7 +4,9 @@ doctor's report of a ``GET /diagnose`` answer."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import random
 import subprocess
 import sys
@@ -18,9 +20,11 @@ import pytest
 
 from benchmarks.policy_sim import DEFAULT_FRACTIONS, run
 from cachefsd.cli.doctor import judge, render
+from cachefsd.control.answers import CacheSetup, DiagnosisAnswer
 from cachefsd.diagnose import meter
 from cachefsd.diagnose.ledger import MAX_JOBS, MAX_METERS_PER_JOB, JobReads, MeterLedger
 from cachefsd.diagnose.meter import MeterTotals, watch
+from cachefsd.diagnose.service import CacheFacts, Diagnosis
 from cachefsd.diagnose.verdict import (
     INPUT_BOUND,
     NOT_INPUT_BOUND,
@@ -34,6 +38,7 @@ from cachefsd.diagnose.verdict import (
 )
 from cachefsd.diagnose.whatif import WhatIf, capacities_to_try, what_if
 from cachefsd.errors import ControlError
+from cachefsd.jobs import CallerJobs
 from cachefsd.prefetch.access import ObservedOrder
 
 KiB = 1 << 10
@@ -347,8 +352,8 @@ def test_files_larger_than_a_block_are_replayed_block_by_block() -> None:
 # -- the doctor's report -------------------------------------------------------
 
 
-def diagnosis(step: float, wait: float, stall: float, order: ObservedOrder | None) -> dict[str, object]:
-    return {
+def diagnosis(step: float, wait: float, stall: float, order: ObservedOrder | None) -> DiagnosisAnswer:
+    answer = {
         "mountpoint": "/mnt/data",
         "cache": {"capacity_bytes": 50 * 100 * KiB, "policy": "epoch-aware", "block_size": 4 << 20},
         "jobs": [
@@ -370,29 +375,72 @@ def diagnosis(step: float, wait: float, stall: float, order: ObservedOrder | Non
             }
         ],
     }
+    return DiagnosisAnswer.model_validate(answer)
+
+
+def test_the_daemons_diagnosis_round_trips_to_the_doctor() -> None:
+    """What ``GET /diagnose`` sends is what ``cachefsd doctor`` parses back and judges."""
+    ledger = MeterLedger(lambda _: JobReads(3.0, 2.0, 300.0, 100.0), Events(), Clock())
+    order = observed(50, repeats=True)
+    service = Diagnosis(
+        ledger,
+        CallerJobs(),
+        lambda job, _files: order,
+        "/mnt/data",
+        CacheFacts(lambda: 1 << 20, "lru", 4 << 20),
+    )
+    service.meter(os.getpid(), "m", MeterTotals(10, 1.0, 10.0), readers=1)
+    answer = service.snapshot()
+    sent = json.loads(json.dumps(answer.model_dump(mode="json")))
+    assert DiagnosisAnswer.model_validate(sent) == answer
+    assert answer.jobs[0].observed is not None
+    assert ObservedOrder(**answer.jobs[0].observed.model_dump()) == order
+    (job,) = judge(answer).jobs
+    assert job.epoch == order.epoch
 
 
 def test_the_doctor_judges_each_job_and_tables_what_if() -> None:
     report = judge(diagnosis(step=100.0, wait=40.0, stall=160.0, order=observed(100, repeats=False)))
-    (job,) = report["jobs"]
-    assert job["verdict"] == STORAGE
-    assert job["read_fraction"] == pytest.approx(0.88)
-    assert job["data_wait_fraction"] == pytest.approx(0.4)
-    assert job["storage_stall_fraction"] == pytest.approx(0.8)  # of its two readers' 200 s
-    assert job["hit_ratio"] == pytest.approx(0.75)
-    rows = job["what_if"]["rows"]
-    assert [row["current"] for row in rows].count(True) == 1
+    (job,) = report.jobs
+    assert job.verdict == STORAGE
+    assert job.read_fraction == pytest.approx(0.88)
+    assert job.data_wait_fraction == pytest.approx(0.4)
+    assert job.storage_stall_fraction == pytest.approx(0.8)  # of its two readers' 200 s
+    assert job.hit_ratio == pytest.approx(0.75)
+    rows = job.what_if.rows
+    assert [row.current for row in rows].count(True) == 1
+    # ``doctor --json``'s keys, in the order doc/diagnose.md lists them.
+    dumped = json.loads(json.dumps(asdict(report)))
+    assert list(dumped["jobs"][0]) == [
+        "job",
+        "batches",
+        "data_wait_fraction",
+        "read_fraction",
+        "storage_stall_fraction",
+        "verdict",
+        "severity",
+        "hit_ratio",
+        "last_report_seconds_ago",
+        "epoch",
+        "order",
+        "working_set_bytes",
+        "capacity_bytes",
+        "advice",
+        "what_if",
+    ]
+    assert list(dumped["jobs"][0]["what_if"]["rows"][0]) == ["capacity_bytes", "hit_ratio", "current"]
     text = render(report)
     assert "python[42]: storage (highly input-bound)" in text
     assert "(now)" in text
 
 
 def test_the_doctor_without_meters_says_how_to_add_one() -> None:
-    text = render(judge({"mountpoint": "/m", "cache": {}, "jobs": []}))
+    cache = CacheSetup(capacity_bytes=1 << 30, policy="epoch-aware", block_size=4 << 20)
+    text = render(judge(DiagnosisAnswer(mountpoint="/m", cache=cache, jobs=[])))
     assert "cachefsd.diagnose.watch(loader, '/m')" in text
 
 
 def test_a_job_with_no_steps_yet_is_not_input_bound_and_told_to_wait() -> None:
-    (job,) = judge(diagnosis(step=0.0, wait=0.0, stall=0.0, order=None))["jobs"]
-    assert job["verdict"] == NOT_INPUT_BOUND
-    assert job["what_if"]["rows"] == []
+    (job,) = judge(diagnosis(step=0.0, wait=0.0, stall=0.0, order=None)).jobs
+    assert job.verdict == NOT_INPUT_BOUND
+    assert job.what_if.rows == []

@@ -3,6 +3,7 @@ predicts, within its budget, and counts what was used."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -23,6 +24,7 @@ from cachefsd.prefetch.access import JOB_IDLE_SECONDS, AccessModel
 from cachefsd.prefetch.prefetcher import Prefetcher
 from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.store.base import ObjectInfo
+from tests.metrics import sample
 from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, Clock, Rig, RigFactory, joined, read_path
 
@@ -92,7 +94,7 @@ def test_unread_files_of_a_listed_dataset_are_fetched_ahead(
     for key, data in dataset.items():
         assert read_path(rig.fs, "/" + key, len(data)) == data
     assert rig.store.get_count == gets + 1  # every read was a hit but that of s00
-    assert rig.metrics.prefetch_issued_bytes._value.get() > 0
+    assert sample(rig.metrics.registry, "cachefsd_prefetch_issued_bytes_total") > 0
 
 
 def test_a_hint_is_followed_in_order_within_the_lookahead(
@@ -113,7 +115,7 @@ def test_a_hint_is_followed_in_order_within_the_lookahead(
         prefetcher.opened(info)
         prefetcher.read(info, 0, info.size)
         wait_for(lambda: rig.store.get_count >= 4, "the next hinted file")
-        assert rig.metrics.prefetch_used_bytes._value.get() == BLOCK_SIZE // 2
+        assert sample(rig.metrics.registry, "cachefsd_prefetch_used_bytes_total") == BLOCK_SIZE // 2
 
 
 def test_the_shares_of_distributed_ranks_are_merged_into_one_order(
@@ -173,11 +175,14 @@ def test_a_read_that_joins_a_prefetch_in_flight_counts_it_used_not_wasted(
             assert rig.store.get_count == 0  # the prefetch's GET is still in flight: this read joins it
             gate.set()
         assert joined(rig.reader.read(info, 0, info.size)) == dataset[key]
-        wait_for(lambda: rig.metrics.prefetch_used_bytes._value.get() == info.size, "the join to count")
+        wait_for(
+            lambda: sample(rig.metrics.registry, "cachefsd_prefetch_used_bytes_total") == info.size,
+            "the join to count",
+        )
     finally:
         prefetcher.stop()
     assert rig.store.get_count == 1
-    assert rig.metrics.prefetch_wasted_bytes._value.get() == 0
+    assert sample(rig.metrics.registry, "cachefsd_prefetch_wasted_bytes_total") == 0
     digest = rig.reader.digest(info, 0)
     assert digest is not None
     assert planned.next_use(digest) is None  # read: nothing left planned
@@ -193,7 +198,7 @@ def test_no_more_is_fetched_ahead_than_the_cache_would_keep(
         prefetcher.hint(sorted(dataset))
         wait_for(lambda: rig.cache.used_bytes == 2 * frame, "the cache to fill")
     assert rig.store.get_count == 2
-    assert rig.metrics.prefetch_wasted_bytes._value.get() == 0
+    assert sample(rig.metrics.registry, "cachefsd_prefetch_wasted_bytes_total") == 0
 
 
 def test_a_prefetched_block_the_cache_refuses_counts_issued_and_wasted(
@@ -215,13 +220,16 @@ def test_a_prefetched_block_the_cache_refuses_counts_issued_and_wasted(
             wait_for(lambda: rig.faulty.calls > calls, "the prefetch GET to start")
             data = dataset[second]
             rig.cache.admit(rig.reader.ref(info, 0), content_hash(data), data)
-        wait_for(lambda: rig.metrics.prefetch_issued_bytes._value.get() > 0, "the prefetch to land")
+        wait_for(
+            lambda: sample(rig.metrics.registry, "cachefsd_prefetch_issued_bytes_total") > 0,
+            "the prefetch to land",
+        )
     assert rig.reader.residency(info, 0) is not None  # the resident stayed
     first_info = rig.namespace.lookup("/" + first).info
     assert first_info is not None
     assert rig.reader.residency(first_info, 0) is None  # refused on arrival
-    assert rig.metrics.prefetch_issued_bytes._value.get() == BLOCK_SIZE // 2
-    assert rig.metrics.prefetch_wasted_bytes._value.get() == BLOCK_SIZE // 2
+    assert sample(rig.metrics.registry, "cachefsd_prefetch_issued_bytes_total") == BLOCK_SIZE // 2
+    assert sample(rig.metrics.registry, "cachefsd_prefetch_wasted_bytes_total") == BLOCK_SIZE // 2
 
 
 def test_with_a_hint_a_full_cache_gives_up_what_is_read_last_for_what_is_read_first(
@@ -251,7 +259,7 @@ def test_with_a_hint_a_full_cache_gives_up_what_is_read_last_for_what_is_read_fi
     finally:
         prefetcher.stop()
     assert [rig.reader.residency(info, 0) is not None for info in infos] == [True] * 4 + [False] * 4
-    assert rig.metrics.prefetch_wasted_bytes._value.get() == 0
+    assert sample(rig.metrics.registry, "cachefsd_prefetch_wasted_bytes_total") == 0
 
 
 def test_a_new_epoch_voids_the_plans_of_blocks_never_read(
@@ -346,7 +354,7 @@ def test_with_a_hint_cached_files_are_warmed_nearest_first_within_the_budget(
     for info in infos:
         assert info is not None
         rig.reader.fetch_run_ahead(info, range(1))
-    warmed = rig.metrics.prefetch_warmed_bytes._value.get
+    warmed = functools.partial(sample, rig.metrics.registry, "cachefsd_prefetch_warmed_bytes_total")
     warm = rig.reader.warm
     warmed_keys: list[str] = []
 
@@ -383,7 +391,7 @@ def test_without_a_plan_nothing_is_warmed(make_rig: RigFactory, dataset: dict[st
         wait_for(lambda: model.predict(100) == [], "the prefetcher to go over the unread files")
     finally:
         prefetcher.stop()
-    assert rig.metrics.prefetch_warmed_bytes._value.get() == 0
+    assert sample(rig.metrics.registry, "cachefsd_prefetch_warmed_bytes_total") == 0
 
 
 def test_consecutive_blocks_of_a_file_are_fetched_with_one_get(make_rig: RigFactory) -> None:
@@ -398,7 +406,7 @@ def test_consecutive_blocks_of_a_file_are_fetched_with_one_get(make_rig: RigFact
         prefetcher.hint(["big.bin"])
         wait_for(lambda: all(rig.reader.residency(info, i) for i in range(7)), "the whole file cached")
         # Counted once the run is over, after its blocks are cached.
-        issued = rig.metrics.prefetch_issued_bytes._value.get
+        issued = functools.partial(sample, rig.metrics.registry, "cachefsd_prefetch_issued_bytes_total")
         wait_for(lambda: issued() == len(data), "the run to be accounted for")
     assert rig.store.get_count == 1
     assert joined(rig.reader.read(info, 0, len(data))) == data
@@ -484,7 +492,7 @@ def test_the_bandwidth_cap_refills_on_the_prefetchers_clock(
     rig = make_rig(dataset)
     file_bytes = BLOCK_SIZE // 2
     rate = 1 << 10
-    issued = rig.metrics.prefetch_issued_bytes._value.get
+    issued = functools.partial(sample, rig.metrics.registry, "cachefsd_prefetch_issued_bytes_total")
     clock = Clock()
     with start(rig, PrefetchSettings(bandwidth=rate), clock=clock) as prefetcher:
         walk_and_open(rig, prefetcher, "train/c0/s00")
@@ -526,7 +534,7 @@ def peeked_run(
     """Bytes issued by a file's first run (4 free blocks unless ``tuning``
     says otherwise), after a 512-byte read at its start and maybe one more
     read, which comes before the run's GET has brought any block."""
-    issued = rig.metrics.prefetch_issued_bytes._value.get
+    issued = functools.partial(sample, rig.metrics.registry, "cachefsd_prefetch_issued_bytes_total")
     with start(rig, PrefetchSettings(), tuning) as prefetcher:
         with store_held(rig):
             prefetcher.opened(info)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import threading
@@ -18,6 +19,7 @@ from cachefsd.cache.tiered import CacheTuning
 from cachefsd.errors import DeadlineExceeded
 from cachefsd.reader import FileSpan, block_bounds, block_range
 from cachefsd.store.base import ObjectInfo
+from tests.metrics import sample
 from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, Rig, RigFactory, joined
 
@@ -108,9 +110,9 @@ def test_metrics_split_cold_and_cached_bytes(make_rig: RigFactory) -> None:
     assert info is not None
     joined(rig.reader.read(info, 0, len(data)))
     joined(rig.reader.read(info, 0, len(data)))
-    read_bytes = rig.metrics.read_bytes
-    assert read_bytes.labels("cold")._value.get() == len(data)
-    assert read_bytes.labels("cache")._value.get() == len(data)
+    registry = rig.metrics.registry
+    assert sample(registry, "cachefsd_read_bytes_total", source="cold") == len(data)
+    assert sample(registry, "cachefsd_read_bytes_total", source="cache") == len(data)
     assert rig.metrics.registry.get_sample_value("cachefsd_hit_ratio") == 0.5
 
 
@@ -121,7 +123,7 @@ def test_a_raw_block_is_served_from_the_file_written_and_checked_once_it_changes
     rig = make_rig({"f": data})
     info = rig.namespace.lookup("/f").info
     assert info is not None
-    checked = rig.metrics.tier_read_bytes.labels("hot")
+    checked = functools.partial(sample, rig.metrics.registry, "cachefsd_tier_read_bytes_total", tier="hot")
     first = rig.reader.read(info, 0, len(data))
     assert all(isinstance(piece, bytes) for piece in first)  # fetched: the bytes the GET brought
     assert joined(first) == data
@@ -133,7 +135,7 @@ def test_a_raw_block_is_served_from_the_file_written_and_checked_once_it_changes
         pieces = rig.reader.read(info, offset, BLOCK_SIZE)
         assert all(isinstance(piece, FileSpan) for piece in pieces)
         assert joined(pieces) == data[offset : offset + BLOCK_SIZE]
-    assert checked._value.get() == 0
+    assert checked() == 0
     # A block file written to since is checked again: rot is caught, not served.
     digest = rig.reader.digest(info, 0)
     assert digest is not None
@@ -143,7 +145,7 @@ def test_a_raw_block_is_served_from_the_file_written_and_checked_once_it_changes
     block_file.write_bytes(bytes(rotten))  # in place: the same inode, a new ctime
     assert joined(rig.reader.read(info, 0, 10)) == data[:10]
     assert rig.store.get_count == 3  # the rotten block was fetched again
-    assert rig.metrics.corrupt_blocks.labels("hot")._value.get() == 1
+    assert sample(rig.metrics.registry, "cachefsd_cache_corrupt_blocks_total", tier="hot") == 1
 
 
 def test_only_the_most_recently_served_checks_are_remembered(make_rig: RigFactory) -> None:
@@ -152,10 +154,10 @@ def test_only_the_most_recently_served_checks_are_remembered(make_rig: RigFactor
     info = rig.namespace.lookup("/f").info
     assert info is not None
     joined(rig.reader.read(info, 0, len(data)))  # fetched
-    checked = rig.metrics.tier_read_bytes.labels("hot")
+    checked = functools.partial(sample, rig.metrics.registry, "cachefsd_tier_read_bytes_total", tier="hot")
     for offset in (0, 0, BLOCK_SIZE, 0):  # block 0 checked, remembered, forgotten for block 1, checked
         assert joined(rig.reader.read(info, offset, 10)) == data[offset : offset + 10]
-    assert checked._value.get() == 3 * BLOCK_SIZE
+    assert checked() == 3 * BLOCK_SIZE
 
 
 def test_a_read_that_joins_a_run_gets_its_block_before_the_run_ends(make_rig: RigFactory) -> None:
@@ -185,21 +187,20 @@ def test_served_bytes_are_counted_by_where_they_came_from(make_rig: RigFactory) 
     data = os.urandom(2 * BLOCK_SIZE)
     rig = make_rig({"f": data})
     # Before any read, every series is there at 0: a dashboard shows 0, not "No data".
-    sample = rig.metrics.registry.get_sample_value
+    registry = rig.metrics.registry
     for name in (
         "cachefsd_served_bytes_total",
         "cachefsd_cache_evictions_total",
         "cachefsd_cache_errors_total",
     ):
-        assert sample(name, {"tier": "hot"}) == 0, name
-    assert sample("cachefsd_served_bytes_total", {"tier": "cold"}) == 0
+        assert registry.get_sample_value(name, {"tier": "hot"}) == 0, name
+    assert registry.get_sample_value("cachefsd_served_bytes_total", {"tier": "cold"}) == 0
     info = rig.namespace.lookup("/f").info
     assert info is not None
     joined(rig.reader.read(info, 0, len(data)))  # cold
     joined(rig.reader.read(info, 0, len(data)))  # hot, zero-copy
-    served = rig.metrics.served_bytes
-    assert served.labels("cold")._value.get() == len(data)
-    assert served.labels("hot")._value.get() == len(data)
+    assert sample(registry, "cachefsd_served_bytes_total", tier="cold") == len(data)
+    assert sample(registry, "cachefsd_served_bytes_total", tier="hot") == len(data)
     assert rig.metrics.registry.get_sample_value("cachefsd_tier_hit_ratio", {"tier": "hot"}) == 0.5
 
 
@@ -288,7 +289,7 @@ def test_reads_of_one_block_waiting_on_one_get_are_one_stall(make_rig: RigFactor
     elapsed = time.monotonic() - started
     assert rig.store.get_count == 1
     # At most the time the four waited together (counted per READ: four times that).
-    assert 0.3 <= rig.metrics.read_stall._value.get() <= elapsed
+    assert 0.3 <= sample(rig.metrics.registry, "cachefsd_read_stall_seconds_total") <= elapsed
 
 
 def test_concurrent_reads_of_a_compressed_block_decode_it_once(

@@ -3,12 +3,15 @@ check by tier, failures named by path, and the daemon's handlers."""
 
 from __future__ import annotations
 
+import functools
 import io
+import json
 import os
 import re
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +23,15 @@ from cachefsd.cache.codec import Codec, encode
 from cachefsd.cache.policy import LruPolicy, MinioPolicy
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.cli.stage import ProgressView, printable, summary_lines
+from cachefsd.control.answers import HintCounts, NodeActivity, PrefixResidency, StatsAnswer
 from cachefsd.control.client import StageRequest
+from cachefsd.control.mounts import MountState
 from cachefsd.control.server import MountHandlers
 from cachefsd.errors import BadRequest, StageCancelled
 from cachefsd.globs import PathGlob
 from cachefsd.stage import compile_include, stage_files
+from cachefsd.stats import DaemonStats, Residency
+from tests.answers import STATS, node_facts
 from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, Rig, RigFactory
 
@@ -286,16 +293,41 @@ def test_a_stopping_daemon_cancels_the_stage(make_rig: RigFactory) -> None:
         stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(), lambda _event: None, cancelled)
 
 
+def mount_handlers(
+    rig: Rig,
+    activity: Callable[[], NodeActivity] | None = None,
+    hint: Callable[[list[str], tuple[int, int] | None, int], tuple[int, int]] | None = None,
+) -> MountHandlers:
+    """The control handlers of ``rig`` mounted at /mnt; its activity by
+    default what ``DaemonStats`` makes of the rig's own metrics and model."""
+    state = MountState(os.getpid(), "/mnt", rig.store.uri, str(rig.cache_dir), None, "/mnt.sock")
+    if activity is None:
+        residency = Residency(
+            functools.partial(rig.index.resident_bytes_by_prefix, rig.store.cache_key), ["hot"]
+        )
+        activity = DaemonStats(
+            rig.metrics, rig.model, residency, state.source, state.mountpoint, node_facts
+        ).snapshot
+    return MountHandlers(rig.namespace, rig.reader, rig.cache, state, activity, hint)
+
+
 def test_mount_handlers_count_hints_and_report_tiers(make_rig: RigFactory) -> None:
     rig = make_rig(OBJECTS)
-    handlers = MountHandlers(rig.namespace, rig.reader, rig.cache, {"mountpoint": "/mnt"})
+    handlers = mount_handlers(rig)
     assert handlers.hint(["/train/a.tar", "val/d.tar", "/nope", "/train"]) == (2, 2)
     handlers.stage(StageRequest(include="*.jpg"), lambda _event: None)
     stats = handlers.stats()
-    assert stats["mountpoint"] == "/mnt"
-    assert stats["hints"] == {"received": 1, "paths": 4, "accepted": 2, "unknown": 2}
-    assert stats["tiers"][0]["name"] == "hot"
-    assert stats["tiers"][0]["blocks"] == 1
+    assert stats.mountpoint == "/mnt"
+    assert stats.hints == HintCounts(received=1, paths=4, accepted=2, unknown=2)
+    assert stats.tiers[0].name == "hot"
+    assert stats.tiers[0].blocks == 1
+    assert stats.cache.used_bytes == stats.tiers[0].used_bytes > 0
+    staged = len(OBJECTS["train/sub/c.jpg"])
+    assert stats.residency.prefixes == [
+        PrefixResidency(prefix="train", bytes={"hot": staged}, total_bytes=staged)
+    ]
+    # What the server sends is what the client parses back.
+    assert StatsAnswer.model_validate(json.loads(json.dumps(stats.model_dump(mode="json")))) == stats
 
 
 def test_mount_handlers_pass_hints_to_the_prefetcher(make_rig: RigFactory) -> None:
@@ -306,12 +338,11 @@ def test_mount_handlers_pass_hints_to_the_prefetcher(make_rig: RigFactory) -> No
         given.append(order)
         return len(order), 0
 
-    handlers = MountHandlers(
-        rig.namespace, rig.reader, rig.cache, {}, prefetcher_hint, lambda: {"prefetch": {"x": 1}}
-    )
+    activity = NodeActivity.model_validate({key: STATS[key] for key in NodeActivity.model_fields})
+    handlers = mount_handlers(rig, lambda: activity, prefetcher_hint)
     assert handlers.hint(["/b", "/a"]) == (2, 0)
     assert given == [["/b", "/a"]]
-    assert handlers.stats()["prefetch"] == {"x": 1}
+    assert handlers.stats().prefetch == activity.prefetch
 
 
 @pytest.mark.parametrize("interactive", [True, False])

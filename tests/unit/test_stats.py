@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import sqlite3
 import termios
 from pathlib import Path
@@ -15,13 +16,16 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
+from pydantic import ValidationError
 from rich.console import Console
 
 from cachefsd.cache.index import BlockRef, Index, StoredBlock
 from cachefsd.cli.stats import render
 from cachefsd.cli.top import SPARK_CHARS, Keys, Throughput, sparkline
+from cachefsd.control.answers import AccessTotals, StatsAnswer
 from cachefsd.diagnose.ledger import JobReads
 from cachefsd.metrics import LATENCY_BUCKETS, Metrics
+from cachefsd.prefetch.access import AccessModel
 from cachefsd.stats import (
     HIT_WINDOW_SECONDS,
     OTHER_PREFIX,
@@ -33,6 +37,7 @@ from cachefsd.stats import (
     bound_prefixes,
     histogram_quantile,
 )
+from tests.answers import ACCESS, STATS, node_facts
 
 INF = float("inf")
 
@@ -265,7 +270,18 @@ class FakeModel:
         return self.epoch
 
     def stats(self) -> dict[str, object]:
-        return {"epoch": self.epoch, "per_job": {"train": {"epoch": self.epoch}, "val": {"epoch": 0}}}
+        job = ACCESS["per_job"]["python[4242]:train"]
+        return {
+            **ACCESS,
+            "epoch": self.epoch,
+            "per_job": {"train": {**job, "epoch": self.epoch}, "val": {**job, "epoch": 0}},
+        }
+
+
+def served(stats: DaemonStats) -> dict[str, Any]:
+    """``stats``' snapshot as the daemon serves it."""
+    answer: dict[str, Any] = json.loads(json.dumps(stats.snapshot().model_dump(mode="json")))
+    return answer
 
 
 def test_snapshot_agrees_with_the_registry(index: Index) -> None:
@@ -275,7 +291,7 @@ def test_snapshot_agrees_with_the_registry(index: Index) -> None:
     metrics.watch_residency("/mnt/data", "s3://bucket/data", residency.rows)
     model = FakeModel()
     metrics.watch_epoch(model.current, dict)
-    stats = DaemonStats(metrics, model, residency, "s3://bucket/data", "/mnt/data", dict, clock=clock)
+    stats = DaemonStats(metrics, model, residency, "s3://bucket/data", "/mnt/data", node_facts, clock=clock)
     stats.sample()  # t=1000: nothing read yet
     metrics.read_done({"cold": 300}, 0.5, "python[1]", 0.0)
     clock.now += 70.0
@@ -291,7 +307,7 @@ def test_snapshot_agrees_with_the_registry(index: Index) -> None:
     model.epoch = 3
     clock.now += 5.0
 
-    snapshot = json.loads(json.dumps(stats.snapshot()))  # JSON-serialisable as served
+    snapshot = served(stats)
     registry = metrics.registry
     assert snapshot["reads"]["bytes"] == {"cache": 700, "cold": 300, "total": 1000}
     assert snapshot["reads"]["served_bytes"] == {"cold": 300, "hot": 600, "memory": 100}
@@ -333,12 +349,12 @@ def test_snapshot_lists_each_named_job_with_its_loader_meter() -> None:
     metrics = Metrics(CollectorRegistry())
     residency = Residency(lambda: [], ["hot"])
     stats = DaemonStats(
-        metrics, FakeModel(), residency, "s3://bucket/data", "/mnt/data", dict, clock=FakeClock()
+        metrics, FakeModel(), residency, "s3://bucket/data", "/mnt/data", node_facts, clock=FakeClock()
     )
     metrics.read_done({"cold": 300}, 0.5, "python[1]", 0.6)
     metrics.read_done({"hot": 600, "memory": 100}, 0.0, "python[1]", 0.25)
     metrics.meter_reported("python[1]", 10, 1.0, 4.0)
-    assert json.loads(json.dumps(stats.snapshot()))["jobs"] == {
+    assert served(stats)["jobs"] == {
         "python[1]": {
             "reads": {"cache": 1, "cold": 1},
             "bytes": {"cache": 700, "cold": 300},
@@ -356,9 +372,9 @@ def test_a_residency_computed_for_the_snapshot_is_not_negative_seconds_old(index
     """It is computed after the snapshot's clock was read: "as of 0 s ago", not "-0"."""
     residency = Residency(lambda: index.resident_bytes_by_prefix("s3://bucket/data"), ["hot"])
     stats = DaemonStats(
-        Metrics(CollectorRegistry()), FakeModel(), residency, "s3://bucket/data", "/mnt/data", dict
+        Metrics(CollectorRegistry()), FakeModel(), residency, "s3://bucket/data", "/mnt/data", node_facts
     )
-    assert f"{stats.snapshot()['residency']['age_seconds']:.0f}" == "0"
+    assert f"{stats.snapshot().residency.age_seconds:.0f}" == "0"
     index.close()
 
 
@@ -368,11 +384,11 @@ def test_stats_count_residency_afresh_after_a_scrape() -> None:
     rows: list[tuple[str, str, int]] = []
     residency = Residency(lambda: list(rows), ["hot"])
     stats = DaemonStats(
-        Metrics(CollectorRegistry()), FakeModel(), residency, "s3://bucket/data", "/mnt/data", dict
+        Metrics(CollectorRegistry()), FakeModel(), residency, "s3://bucket/data", "/mnt/data", node_facts
     )
     assert residency.current().prefixes == []  # the scrape
     rows.append(("train", "hot", 4096))
-    assert stats.snapshot()["residency"]["prefixes"] == [
+    assert served(stats)["residency"]["prefixes"] == [
         {"prefix": "train", "bytes": {"hot": 4096}, "total_bytes": 4096}
     ]
 
@@ -380,97 +396,9 @@ def test_stats_count_residency_afresh_after_a_scrape() -> None:
 # -- showing it ---------------------------------------------------------------------
 
 
-SAMPLE: dict[str, Any] = {
-    "pid": 4242,
-    "mountpoint": "/mnt/imagenet",
-    "source": "s3://datasets/imagenet",
-    "block_size": 4 << 20,
-    "tiers": [
-        {"name": "hot", "dir": "/nvme", "capacity_bytes": 100 << 30, "used_bytes": 25 << 30, "blocks": 6400},
-        {"name": "warm", "dir": "/disk", "capacity_bytes": 1 << 40, "used_bytes": 0, "blocks": 0},
-    ],
-    "hints": {"received": 0, "paths": 0, "accepted": 0, "unknown": 0},
-    "uptime_seconds": 3725.0,
-    "reads": {
-        "count": {"cache": 900, "cold": 100},
-        "bytes": {"cache": 9 << 30, "cold": 1 << 30, "total": 10 << 30},
-        "served_bytes": {"cold": 1 << 30, "hot": 9 << 30, "memory": 0},
-    },
-    "hit_ratio": {"since_mount": 0.9, "last_minute": 0.995, "last_minute_seconds": 58.0, "by_tier": {}},
-    "stall_seconds": 12.5,
-    "fetch": {
-        "demand": {
-            "count": 256,
-            "bytes": 1 << 30,
-            "retries": 1,
-            "errors": 0,
-            "p50_seconds": 0.0125,
-            "p99_seconds": 0.42,
-        },
-        "prefetch": {
-            "count": 0,
-            "bytes": 0,
-            "retries": 0,
-            "errors": 0,
-            "p50_seconds": None,
-            "p99_seconds": None,
-        },
-        "metadata": {
-            "count": 3,
-            "bytes": 0,
-            "retries": 0,
-            "errors": 0,
-            "p50_seconds": 0.01,
-            "p99_seconds": 0.02,
-        },
-    },
-    "prefetch": {
-        "issued_bytes": 2 << 30,
-        "used_bytes": 3 << 29,
-        "wasted_bytes": 1 << 29,
-        "accuracy": 0.75,
-        "waste": 0.25,
-    },
-    "dedup": {"disk_saved_bytes": 1 << 20, "wire_saved_bytes": 0},
-    "cache": {},
-    "epoch": {"current": 2, "jobs": {"train": 2, "val": 1}},
-    "jobs": {
-        "python[4242]": {
-            "reads": {"cache": 900, "cold": 100},
-            "bytes": {"cache": 9 << 20, "cold": 1 << 20},
-            "hit_ratio": 0.9,
-            "stall_seconds": 3.5,
-            "batches": 120,
-            "data_wait_fraction": 0.375,
-        },
-        "cat[77]": {
-            "reads": {"cache": 0, "cold": 2},
-            "bytes": {"cache": 0, "cold": 4096},
-            "hit_ratio": 0.0,
-            "stall_seconds": 0.04,
-            "batches": 0,
-            "data_wait_fraction": None,
-        },
-    },
-    "access": {},
-    "residency": {
-        "source": "s3://datasets/imagenet",
-        "tiers": ["hot", "warm"],
-        "age_seconds": 12.0,
-        "refresh_seconds": 30.0,
-        "max_prefixes": 50,
-        "error": None,
-        "prefixes": [
-            {"prefix": "train", "bytes": {"hot": 24 << 30, "warm": 0}, "total_bytes": 24 << 30},
-            {"prefix": OTHER_PREFIX, "bytes": {"hot": 1 << 30}, "total_bytes": 1 << 30},
-        ],
-    },
-}
-
-
 def _text(stats: dict[str, Any], throughput: Any = None) -> str:
     console = Console(record=True, width=120, file=open(os.devnull, "w"))  # noqa: SIM115
-    console.print(render(stats, throughput))
+    console.print(render(StatsAnswer.model_validate(stats), throughput))
     console.file.close()
     return console.export_text()
 
@@ -478,13 +406,13 @@ def _text(stats: dict[str, Any], throughput: Any = None) -> str:
 def test_names_are_shown_as_they_are_never_as_markup() -> None:
     """Keys are data: "[v2]imagenet" is a name, and "x[/]" once crashed
     ``cachefsd stats`` with a MarkupError."""
-    residency = SAMPLE["residency"]
+    residency = STATS["residency"]
     prefixes = [
         {"prefix": name, "bytes": {"hot": 1 << 20}, "total_bytes": 1 << 20}
         for name in ("[v2]imagenet", "[red]train", "x[/]")
     ]
     stats = {
-        **SAMPLE,
+        **STATS,
         "residency": {**residency, "prefixes": prefixes},
         "epoch": {"current": 1, "jobs": {"[bold]job": 1}},
     }
@@ -494,7 +422,7 @@ def test_names_are_shown_as_they_are_never_as_markup() -> None:
 
 
 def test_the_stats_table_shows_every_section() -> None:
-    text = _text(SAMPLE)
+    text = _text(STATS)
     lines = text.splitlines()
     assert "/mnt/imagenet" in lines[0]
     assert "s3://datasets/imagenet" in lines[0]
@@ -528,7 +456,7 @@ def test_the_stats_table_shows_every_section() -> None:
 
 
 def test_the_stats_table_of_an_idle_mount() -> None:
-    idle = json.loads(json.dumps(SAMPLE))
+    idle = json.loads(json.dumps(STATS))
     idle["hit_ratio"] = {"since_mount": None, "last_minute": None, "last_minute_seconds": 0.0, "by_tier": {}}
     idle["fetch"]["demand"].update(p50_seconds=None, p99_seconds=None, count=0)
     idle["residency"].update(prefixes=[], age_seconds=None)
@@ -579,3 +507,42 @@ def test_keys_quit_on_q_and_restore_the_terminal() -> None:
     finally:
         os.close(leader)
         os.close(follower)
+
+
+# -- the answer's type -------------------------------------------------------------
+
+
+def test_the_answer_round_trips_in_its_keys_order() -> None:
+    answer = StatsAnswer.model_validate_json(json.dumps(STATS))
+    dumped = answer.model_dump(mode="json")
+    assert dumped == STATS
+    assert list(dumped) == list(STATS)  # the mount's facts first, as ``stats --json`` always showed
+    assert answer.jobs["python[4242]"].data_wait_fraction == 0.375
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda stats: stats.update(surprise=1), "surprise"),
+        (lambda stats: stats["fetch"]["demand"].update(p90_seconds=0.1), "fetch.demand.p90_seconds"),
+        (lambda stats: stats["hit_ratio"].pop("last_minute"), "hit_ratio.last_minute"),
+        (lambda stats: stats["fetch"].pop("shared"), "fetch.shared"),
+        (lambda stats: stats["access"]["per_job"]["python[4242]:train"].update(order="guess"), "order"),
+    ],
+)
+def test_an_unknown_or_missing_field_fails_loudly(change: Any, named: str) -> None:
+    stats = json.loads(json.dumps(STATS))
+    change(stats)
+    with pytest.raises(ValidationError, match=re.escape(named)):
+        StatsAnswer.model_validate(stats)
+
+
+def test_the_access_models_own_stats_are_an_answer() -> None:
+    """The access model's stats are a dict of its own: the answer checks every key of it."""
+    model = AccessModel()
+    model.listed("train", {"train/a.jpg": 100, "train/b.jpg": 100}, 0.0, caller="python[7]")
+    model.opened("train/a.jpg", 100, 1.0, caller="python[7]")
+    model.read("train/a.jpg", 0, 100, 1.0, caller="python[7]")
+    access = AccessTotals.model_validate(model.stats())
+    assert access.read_this_epoch_files == 1
+    assert [(job.working_set_files, job.unread_files) for job in access.per_job.values()] == [(2, 1)]
