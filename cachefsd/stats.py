@@ -12,7 +12,7 @@ counter cannot say by itself is added here:
 - residency: how many bytes of each top-level prefix of the source each
   tier holds, from one index query cached for ``RESIDENCY_REFRESH_SECONDS``
   and shared with the ``cachefsd_resident_bytes`` metric (``Residency``);
-- the access model's epochs, per job.
+- the access model's epochs, per workload.
 
 The JSON schema is documented on ``DaemonStats.snapshot``.
 
@@ -238,7 +238,7 @@ class Residency:
 
 
 class AccessStats(Protocol):
-    """The access model as stats sees it (``prefetch.access.AccessModel``)."""
+    """The access model as stats sees it (``workload.model.AccessModel``)."""
 
     def current(self) -> int: ...
     def stats(self) -> dict[str, object]: ...
@@ -354,11 +354,11 @@ class DaemonStats:
             dedup: {disk_saved_bytes, wire_saved_bytes}
             cache: {used_bytes, capacity_bytes, promotions, demotions,
                     evictions: {tier: n}, corrupt_blocks: {tier: n}, errors: {tier: n}}
-            epoch: {current, jobs: {job (caller:root): epoch}}
+            epoch: {current, jobs: {workload (job:root): epoch}}
             jobs: {job: {reads: {cache, cold}, bytes: {cache, cold}, hit_ratio,
                    stall_seconds, batches, data_wait_fraction}} (the metrics'
                    named jobs; batches and data wait from their loader meters)
-            access: the access model's stats (prefetch.access.AccessModel.stats)
+            access: the access model's stats (workload.model.AccessModel.stats)
             residency: {source, tiers: [name], age_seconds, refresh_seconds,
                         max_prefixes, error, prefixes: [{prefix, bytes: {tier: n},
                         total_bytes}]}
