@@ -30,9 +30,9 @@ is needed (0: needed now, as for a stream's next window). The prefetcher
 turns them into positions on its own count of opens, which do not move as
 the reader advances (what an eviction policy caching them needs).
 
-Cost: every event is O(depth of the path) (O(1) in practice), but an epoch
-boundary, which copies the working set (``epochs.py``); ``predict`` is
-O(limit + workloads + streams).
+Cost: every event is O(depth of the path), O(1) in practice, except an
+open or hint that ends an epoch, which copies the working set
+(``epochs.py``); ``predict`` is O(limit + workloads + streams).
 
 Concurrency: ``_lock`` guards every field and everything the model owns
 (``Workloads`` and, through it, each workload's ``Epochs``, ``Streams``
