@@ -10,9 +10,9 @@ Boundaries. An epoch ends when a file already opened this epoch is opened
 again AND at least ``MIN_EPOCH_FRACTION`` of the reference size has been
 opened this epoch; the reference is the working set, or the previous
 epoch's file count when that is smaller (a distributed sampler gives each
-node a share of the dataset). A
-re-open of one of the last few files opened is a peek (a loader that opens
-a file twice to read its header), never a boundary. A new hint also starts
+node a share of the dataset). A re-open of one of the last few files
+opened is a peek (a loader that opens a file twice to read its header),
+never a boundary. A new hint also starts
 an epoch, unless the current one has barely begun (then the hint joins it).
 Epochs are numbered from 0.
 
