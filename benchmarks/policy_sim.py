@@ -6,7 +6,7 @@ which ``cachefsd doctor``'s what-if table replays a job's order through)
 admits on every miss; when full it asks the policy for a victim, and a
 refusal (None) means the block is not admitted. Every policy is the real class from
 ``cachefsd.cache.policy``, with the daemon's own access model
-(``cachefsd.prefetch.access.AccessModel``) as its epoch clock, told of
+(``cachefsd.workload.model.AccessModel``) as its epoch clock, told of
 each read as the mount tells it (an open, then a read of the block). Rows:
 
 - lru, 2-random, minio, epoch-aware: the shipped policies;
@@ -69,7 +69,7 @@ from cachefsd.cache.policy import (
     make_policy,
 )
 from cachefsd.cache.replay import ReplayCache, replay
-from cachefsd.prefetch.access import AccessModel
+from cachefsd.workload.model import AccessModel
 
 RESULTS = Path(__file__).parent / "results"
 # Large enough that a per-epoch hit ratio has a standard error of about 1 %,
@@ -207,7 +207,7 @@ class SimPrefetcher:
             self._cache.policy.next_use_changed(read)
         for prediction in self._clock.predict(self._cache.capacity):
             if prediction.path in self._cache.resident:
-                self._clock.satisfied(prediction.path, prediction.job)
+                self._clock.satisfied(prediction.path, prediction.workload)
                 continue
             self._planned.plan(prediction.path, opens + prediction.distance)
             if not self._cache.admit(prediction.path, ahead=True):

@@ -36,11 +36,11 @@ from cachefsd.fs import FileSystem
 from cachefsd.jobs import CallerJobs
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import FRESH_WAIT_SECONDS, Namespace
-from cachefsd.prefetch.access import AccessModel
 from cachefsd.prefetch.prefetcher import Prefetcher
 from cachefsd.reader import BlockReader, ReadEvents
 from cachefsd.store import open_store
 from cachefsd.store.base import ObjectStore
+from cachefsd.workload.model import AccessModel
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def data_path(
 class NodeEpochs:
     """``EpochClock`` over the access models of a daemon's mounts: the
     cache's policy ranks every block by one clock. Each model already
-    serves several jobs the same way (its highest epoch), so the node's
+    serves several workloads the same way (its highest epoch), so the node's
     clock is the highest epoch of any mount. Thread-safe."""
 
     def __init__(self) -> None:
@@ -156,12 +156,12 @@ class NodeEpochs:
     def current(self) -> int:
         return max((model.current() for model in self._current_models()), default=0)
 
-    def caller_epochs(self) -> dict[str, int]:
-        """Each caller (``jobs.py``) -> the highest epoch of its jobs on any mount."""
+    def job_epochs(self) -> dict[str, int]:
+        """Each job (``jobs.py``) -> the highest epoch of its workloads on any mount."""
         epochs: dict[str, int] = {}
         for model in self._current_models():
-            for caller, epoch in model.caller_epochs().items():
-                epochs[caller] = max(epoch, epochs.get(caller, epoch))
+            for job, epoch in model.job_epochs().items():
+                epochs[job] = max(epoch, epochs.get(job, epoch))
         return epochs
 
 
@@ -174,7 +174,7 @@ class Node:
         reuse_block_buffers()
         self.metrics = Metrics(CollectorRegistry())
         self.epochs = NodeEpochs()
-        self.metrics.watch_epoch(self.epochs.current, self.epochs.caller_epochs)
+        self.metrics.watch_epoch(self.epochs.current, self.epochs.job_epochs)
         self.meters = MeterLedger(self.metrics.job_reads_so_far, self.metrics)
         self.planned = PlannedUse()
         self.io = LoopThread()

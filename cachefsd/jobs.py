@@ -1,7 +1,8 @@
 """Which job a read comes from: the caller of a FUSE request, named.
 
-A job is the processes that read for one training run. It is named by the
-caller's process group, which ``fork`` keeps: a DataLoader's workers share
+A job is the processes that read for one training run (the workload model,
+``cachefsd/workload/``, keeps one workload for each dataset a job reads). It
+is named by the caller's process group, which ``fork`` keeps: a DataLoader's workers share
 their main process's. Two command lines of an interactive shell are two
 groups (job control), and so are two containers. The session would merge
 every job started from one terminal, and the cgroup every job of one

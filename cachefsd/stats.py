@@ -14,7 +14,7 @@ itself is added here:
 - residency: how many bytes of each top-level prefix of the source each
   tier holds, from one index query cached for ``RESIDENCY_REFRESH_SECONDS``
   and shared with the ``cachefsd_resident_bytes`` metric (``Residency``);
-- the access model's epochs, per job.
+- the access model's epochs, per workload.
 
 Concurrency: ``HitRing`` and ``Residency`` each guard their state with
 their own lock; ``DaemonStats.snapshot`` is called on control-server
@@ -256,7 +256,7 @@ class Residency:
 
 
 class AccessStats(Protocol):
-    """The access model as stats sees it (``prefetch.access.AccessModel``)."""
+    """The access model as stats sees it (``workload.model.AccessModel``)."""
 
     def current(self) -> int: ...
     def stats(self) -> dict[str, object]: ...

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from cachefsd.cache.policy import EvictionPolicy, PlannedUse
 from cachefsd.jobs import UNKNOWN_JOB
-from cachefsd.prefetch.access import AccessModel
+from cachefsd.workload.model import AccessModel
 
 
 class ReplayCache:

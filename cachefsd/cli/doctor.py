@@ -18,7 +18,7 @@ from cachefsd.control.answers import CacheSetup, DiagnosisAnswer, MeteredJob
 from cachefsd.diagnose.meter import REPORT_SECONDS, MeterTotals
 from cachefsd.diagnose.verdict import JobFacts, advice, severity, verdict
 from cachefsd.diagnose.whatif import capacities_to_try, what_if
-from cachefsd.prefetch.access import ObservedOrder
+from cachefsd.workload.model import ObservedOrder
 
 # A meter reports every couple of seconds while its loop runs: a job silent
 # for much longer has finished or paused, and its numbers are history.

@@ -269,9 +269,10 @@ class MeteredReads(_Answer):
 
 class ObservedReads(_Answer):
     """A sample of a job's read order on the mount (the access model's
-    ``ObservedOrder``), for the what-if replay."""
+    ``ObservedOrder``), for the what-if replay; ``workload`` names the job
+    and the dataset it read (``workload.identity``)."""
 
-    job: str
+    workload: str
     order: list[str]
     sizes: dict[str, int]
     sample_every: int

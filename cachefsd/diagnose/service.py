@@ -21,7 +21,7 @@ from cachefsd.diagnose.ledger import MeterLedger
 from cachefsd.diagnose.meter import MeterTotals
 from cachefsd.diagnose.whatif import MAX_REPLAYED_FILES
 from cachefsd.jobs import CallerJobs
-from cachefsd.prefetch.access import ObservedOrder
+from cachefsd.workload.model import ObservedOrder
 
 
 @dataclass(frozen=True, slots=True)

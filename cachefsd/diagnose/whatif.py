@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from cachefsd.cache.policy import make_policy
 from cachefsd.cache.replay import ReplayCache, replay
-from cachefsd.prefetch.access import AccessModel, ObservedOrder
+from cachefsd.workload.model import AccessModel, ObservedOrder
 
 # Cache sizes tried, as fractions of the job's working set, besides the
 # cache's own capacity: from a quarter of the data to all of it with room.

@@ -26,7 +26,7 @@ class Ahead:
     index: int
     digest: str
     nbytes: int
-    job: str  # root of the job whose prediction fetched it
+    workload: str  # the workload whose prediction fetched it (``Prediction.workload``)
 
 
 class Accounts:
@@ -100,9 +100,9 @@ class Accounts:
     def ahead(self) -> list[tuple[BlockRef, Ahead]]:
         return list(self._ahead.items())
 
-    def digests_of(self, jobs: Container[str]) -> list[str]:
-        """The hashes of the blocks fetched ahead for ``jobs``."""
-        return [block.digest for block in self._ahead.values() if block.job in jobs]
+    def digests_of(self, workloads: Container[str]) -> list[str]:
+        """The hashes of the blocks fetched ahead for ``workloads``."""
+        return [block.digest for block in self._ahead.values() if block.workload in workloads]
 
     def retire(self, refs: Iterable[BlockRef]) -> int:
         """Blocks ``refs`` left the cache unread: the bytes wasted (of those

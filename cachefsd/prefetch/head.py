@@ -4,7 +4,7 @@ shows whether the reader streams or only peeked at a header.
 The run's GET reads its free blocks (``PrefetchTuning.head_free_bytes``),
 then goes on only once the verdict is in: the next read of the file past its
 first block, by any reader. Inside the free blocks or just past them
-(``access.STREAM_FORWARD_SLACK``), a stream; further on, a jump. A read in
+(``workload.streams.STREAM_FORWARD_SLACK``), a stream; further on, a jump. A read in
 the first block says nothing: a header read again, or the kernel's
 read-ahead of the first read, took a run of 128 MiB for a stream. Without a
 verdict within ``head_verdict_seconds``, the run stops after its free blocks.
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from cachefsd.cache.index import BlockRef
-from cachefsd.prefetch.access import STREAM_FORWARD_SLACK
+from cachefsd.workload.streams import STREAM_FORWARD_SLACK
 
 T = TypeVar("T")
 

@@ -3,7 +3,7 @@ within one global budget. It composes one module per mechanism, and holds
 the state they share.
 
 Every open, read and directory listing of the mount is an event for the
-access model (``access.py``). A single thread wakes on those events, asks
+access model (``cachefsd/workload/``). A single thread wakes on those events, asks
 the model what will be read next (a sequential stream's next window, a
 hint's remaining order, a replayed order, or the unread files of the
 epoch), and fetches the blocks that are not cached yet, nearest predicted
@@ -30,7 +30,7 @@ whose GET brings that read's block first, at a demand read's priority
 Blocks fetched ahead carry their predicted use, which the cache records
 (``cache.policy.PlannedUse``) before admitting them; with a plan (a hint,
 or a replay the model trusts), the cached blocks of the files it places are
-planned too, when a hint arrives and whenever a job starts an epoch. The
+planned too, when a hint arrives and whenever a workload starts an epoch. The
 epoch-aware policy then ranks by Belady: a block needed sooner evicts one
 planned for later, and blocks already read this epoch go first. A block
 fetched ahead that leaves the cache unread counts as waste; one that is
@@ -69,7 +69,6 @@ from cachefsd.config import PrefetchSettings
 from cachefsd.errors import CachefsdError
 from cachefsd.jobs import UNKNOWN_JOB
 from cachefsd.namespace.tree import Namespace
-from cachefsd.prefetch.access import AccessModel, Prediction
 from cachefsd.prefetch.accounts import Accounts, Ahead
 from cachefsd.prefetch.bucket import TokenBucket
 from cachefsd.prefetch.head import HeadRun, HeadRuns, free_blocks
@@ -78,6 +77,7 @@ from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.prefetch.warm import ToWarm, WarmQueue
 from cachefsd.reader import RUN_BYTES, BlockReader, ClaimedRun, block_range
 from cachefsd.store.base import ObjectInfo
+from cachefsd.workload.model import AccessModel, Prediction
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class Prefetcher:
         )
         self._warming = WarmQueue(tuning.warm_ahead_bytes)
         # Cached blocks a plan places, planned in the cache; replanned when a
-        # hint arrives (``_replan``) or a job starts an epoch. A read ends a
+        # hint arrives (``_replan``) or a workload starts an epoch. A read ends a
         # block's plan in the cache.
         self._resident_plans: set[str] = set()
         self._replan = False
@@ -199,7 +199,9 @@ class Prefetcher:
             return
         if self._reader.digest(info, 0) is not None or self._reader.fetching(info, 0):
             return
-        prediction = Prediction(info.key, 0, RUN_BYTES, 0.0, job=self._model.job_of(info.key, job) or "")
+        prediction = Prediction(
+            info.key, 0, RUN_BYTES, 0.0, workload=self._model.workload_of(info.key, job) or ""
+        )
 
         def take() -> tuple[Run, float] | None:
             with self._lock:
@@ -224,12 +226,12 @@ class Prefetcher:
                 info, indices, next_use=position, proceed=head.goes_on, kind="demand"
             )
             head.claimed.set()
-            self._pool.submit(self._fetch, info, run, position, prediction.job, head, claim)
+            self._pool.submit(self._fetch, info, run, position, prediction.workload, head, claim)
         except BaseException as exc:
             head.claimed.set()
             if claim is not None:
                 claim.abandon()
-            self._run_over(info, run, set(), prediction.job, head)
+            self._run_over(info, run, set(), prediction.workload, head)
             if not isinstance(exc, Exception):
                 raise
             # Read-ahead that cannot start must not fail the read that
@@ -272,7 +274,7 @@ class Prefetcher:
         if part is None:
             return order
         rank, world = part
-        reading = self._model.callers()
+        reading = self._model.jobs()
         with self._lock:
             # The shares of jobs the model forgot (they stopped reading) go.
             self._hint_parts = {each: kept for each, kept in self._hint_parts.items() if each in reading}
@@ -323,24 +325,24 @@ class Prefetcher:
             )
 
     def _void_plans(self, turns: dict[str, int]) -> None:
-        """A job's new epoch voids the plans of its last: a block planned and
+        """A workload's new epoch voids the plans of its last: a block planned and
         never read would otherwise stay protected by its old, early position.
         It ranks again as not yet read, and goes stale if it stays unread.
-        Here the blocks those jobs fetched ahead are unplanned, and what was
+        Here the blocks those workloads fetched ahead are unplanned, and what was
         warmed for their last pass stops counting against the budget (files
         still queued to warm are dropped as they come up); the caller then
-        replans every job's cached blocks (``_plan_residents``), so other
-        jobs' plans stand."""
+        replans every workload's cached blocks (``_plan_residents``), so
+        other workloads' plans stand."""
         with self._lock:
             voided = self._accounts.digests_of(turns)
         for digest in voided:
             self._reader.unplan(digest)
         self._warming.void(self._stale)
 
-    def _stale(self, job: str, epoch: int) -> bool:
-        """A prediction of ``job`` made in ``epoch``, which it has since left
-        (or the job is gone: it stopped reading)."""
-        current = self._model.epoch_of(job)
+    def _stale(self, workload: str, epoch: int) -> bool:
+        """A prediction of ``workload`` made in ``epoch``, which it has since
+        left (or the workload is gone: it stopped reading)."""
+        current = self._model.epoch_of(workload)
         return current is None or epoch < current
 
     def _plan_residents(self) -> None:
@@ -399,11 +401,11 @@ class Prefetcher:
             blocks = block_range(prediction.offset, end - prediction.offset, info.size, block_size)
             if all(self._reader.digest(info, index) is not None for index in blocks):
                 if prediction.offset == 0 and prediction.length >= info.size:
-                    news = self._model.satisfied(prediction.path, prediction.job)
+                    news = self._model.satisfied(prediction.path, prediction.workload)
                     if news and prediction.planned:
                         position = opens + prediction.distance
                         self._warming.plan(
-                            ToWarm(position, prediction.path, prediction.job, prediction.epoch)
+                            ToWarm(position, prediction.path, prediction.workload, prediction.epoch)
                         )
                 continue
             run: Run = []
@@ -475,7 +477,7 @@ class Prefetcher:
         with self._lock:
             position = self._opens + prediction.distance
             self._accounts.get_started()
-        self._pool.submit(self._fetch, info, run, position, prediction.job)
+        self._pool.submit(self._fetch, info, run, position, prediction.workload)
 
     def _budget_allows_locked(self, nbytes: int, position: float, now: float) -> bool:
         """A free slot, room in the reach, room in the cache for it and for
@@ -495,7 +497,7 @@ class Prefetcher:
         info: ObjectInfo,
         run: Run,
         position: float,
-        job: str,
+        workload: str,
         head: HeadRun | None = None,
         claim: ClaimedRun | None = None,
     ) -> None:
@@ -521,14 +523,14 @@ class Prefetcher:
             with self._lock:
                 self._accounts.failed((ref for _, ref, _ in run), retry_at)
         finally:
-            self._run_over(info, run, fetched, job, head)
+            self._run_over(info, run, fetched, workload, head)
 
     def _run_over(
-        self, info: ObjectInfo, run: Run, fetched: set[int], job: str, head: HeadRun | None
+        self, info: ObjectInfo, run: Run, fetched: set[int], workload: str, head: HeadRun | None
     ) -> None:
         """Account for each block of a run as it turned out, and give its slot back."""
         for index, ref, nbytes in run:
-            self._account(info, index, ref, nbytes, index in fetched, job)
+            self._account(info, index, ref, nbytes, index in fetched, workload)
         if head is not None:
             self._heads.over(run[0][1], head)
         with self._lock:
@@ -536,7 +538,7 @@ class Prefetcher:
         self._wake.set()
 
     def _account(
-        self, info: ObjectInfo, index: int, ref: BlockRef, nbytes: int, fetched: bool, job: str
+        self, info: ObjectInfo, index: int, ref: BlockRef, nbytes: int, fetched: bool, workload: str
     ) -> None:
         """Block ``index``'s prefetch is over: it was ``fetched`` by it, or
         not (cached meanwhile, fetched by a read's GET, or failed)."""
@@ -552,7 +554,7 @@ class Prefetcher:
             elif joined:
                 self._reach.used(nbytes)
             else:
-                self._accounts.put_ahead(ref, Ahead(info, index, digest, nbytes, job))
+                self._accounts.put_ahead(ref, Ahead(info, index, digest, nbytes, workload))
         if fetched:  # issued counts every fetched block, so used + wasted <= issued
             self._events.prefetch_issued(nbytes)
             if digest is None:

@@ -6,8 +6,8 @@ cached is warmed as its turn nears (``BlockReader.warm``:
 ``posix_fadvise(WILLNEED)``, which does not wait), at most
 ``PrefetchTuning.warm_ahead_bytes`` of files warmed and not opened yet, so
 that a hit does not wait on the cache disk either. A file whose turn has
-come is not warmed (that would only race its read), nor one whose job has
-left the epoch it was planned in.
+come is not warmed (that would only race its read), nor one whose workload
+has left the epoch it was planned in.
 
 Positions count opens: a file at position p is due once the mount has seen
 p opens. Pure: the opens so far are passed in. No lock: only the prefetch
@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# Whether a prediction of a job (its root) made in an epoch is stale: the job has left that epoch.
+# Whether a prediction of a workload made in an epoch is stale: the workload has left that epoch.
 Stale = Callable[[str, int], bool]
 
 
@@ -31,7 +31,7 @@ class ToWarm:
 
     position: float
     path: str
-    job: str
+    workload: str
     epoch: int
 
 
@@ -39,7 +39,7 @@ class ToWarm:
 class _Warmed:
     position: float
     nbytes: int
-    job: str
+    workload: str
     epoch: int
 
 
@@ -69,18 +69,18 @@ class WarmQueue:
         files whose turn has come or whose pass is over are dropped."""
         while self._to_warm and self._warmed_bytes < self._budget_bytes:
             file = heapq.heappop(self._to_warm)
-            if file.position < opens or stale(file.job, file.epoch):
+            if file.position < opens or stale(file.workload, file.epoch):
                 continue
             return file
         return None
 
     def warmed(self, file: ToWarm, nbytes: int) -> None:
         """``file`` (``nbytes``) was warmed."""
-        self._warmed.append(_Warmed(file.position, nbytes, file.job, file.epoch))
+        self._warmed.append(_Warmed(file.position, nbytes, file.workload, file.epoch))
         self._warmed_bytes += nbytes
 
     def void(self, stale: Stale) -> None:
         """Files warmed for a pass that is over stop counting against the
         budget; those still to warm are dropped as they come up (``next``)."""
-        self._warmed = deque(entry for entry in self._warmed if not stale(entry.job, entry.epoch))
+        self._warmed = deque(entry for entry in self._warmed if not stale(entry.workload, entry.epoch))
         self._warmed_bytes = sum(entry.nbytes for entry in self._warmed)

@@ -22,10 +22,10 @@ from cachefsd.engine import data_path
 from cachefsd.fs import ROOT_INODE, Attributes, FileSystem
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
-from cachefsd.prefetch.access import AccessModel
 from cachefsd.reader import BlockReader, FileSpan, Piece, close_pieces
 from cachefsd.store.faulty import FaultyStore
 from cachefsd.store.memory import MemoryStore
+from cachefsd.workload.model import AccessModel
 
 BLOCK_SIZE = 64 << 10
 FAST_FETCH = FetchSettings(deadline=2.0, attempt_timeout=0.5, backoff_initial=0.01, backoff_max=0.05)

@@ -32,7 +32,7 @@ from cachefsd.cache.tier import HELD_DESCRIPTORS, Tier, disk_bytes
 from cachefsd.cache.tiered import CacheTuning, TieredCache
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.metrics import Metrics
-from cachefsd.prefetch.access import AccessModel
+from cachefsd.workload.model import AccessModel
 from tests.metrics import sample
 from tests.polling import wait_until
 from tests.unit.conftest import Clock

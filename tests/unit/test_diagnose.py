@@ -39,7 +39,7 @@ from cachefsd.diagnose.verdict import (
 from cachefsd.diagnose.whatif import WhatIf, capacities_to_try, what_if
 from cachefsd.errors import ControlError
 from cachefsd.jobs import CallerJobs
-from cachefsd.prefetch.access import ObservedOrder
+from cachefsd.workload.model import ObservedOrder
 
 KiB = 1 << 10
 
@@ -298,7 +298,7 @@ def observed(files: int, repeats: bool, every: int = 1) -> ObservedOrder:
     order = [f"f{index:05d}" for index in range(files)]
     random.Random(1).shuffle(order)
     return ObservedOrder(
-        job="j",
+        workload="j",
         order=order,
         sizes=dict.fromkeys(order, 100 * KiB),
         sample_every=every,

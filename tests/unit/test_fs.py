@@ -18,7 +18,9 @@ from cachefsd.errors import (
     UnknownInode,
 )
 from cachefsd.fs import ROOT_INODE, FileSystem
+from cachefsd.jobs import UNKNOWN_JOB
 from cachefsd.store.base import ObjectInfo
+from cachefsd.workload.model import AccessModel
 from tests.unit.conftest import BLOCK_SIZE, RigFactory, joined, looked_up, read_path
 
 
@@ -255,6 +257,12 @@ def test_looking_up_a_cached_sample_starts_loading_its_block(
     assert warmed == [("sample", 0, True, True)]
 
 
+def opened_this_epoch(model: AccessModel, job: str) -> list[str]:
+    """The files ``job`` opened this epoch, in order (its first epoch: nothing replays yet)."""
+    observed = model.observed(job, max_files=1_000)
+    return [] if observed is None else observed.order
+
+
 def test_a_read_at_the_start_of_a_file_is_its_open(make_rig: RigFactory) -> None:
     """The kernel opens without asking: the access model learns of an open
     from the read of a file's first bytes, once per read from 0."""
@@ -262,10 +270,10 @@ def test_a_read_at_the_start_of_a_file_is_its_open(make_rig: RigFactory) -> None
     ino = looked_up(rig.fs, "/f").inode
     job = rig.fs.jobs.of(os.getpid())  # the read's caller's
     joined(rig.fs.read(ino, BLOCK_SIZE, BLOCK_SIZE, os.getpid()))
-    assert rig.model.read_this_epoch("f", job) == set()
+    assert opened_this_epoch(rig.model, job) == []
     joined(rig.fs.read(ino, BLOCK_SIZE, 0, os.getpid()))
-    assert rig.model.read_this_epoch("f", job) == {"f"}
-    assert rig.model.read_this_epoch("f") == set()  # another job's epoch
+    assert opened_this_epoch(rig.model, job) == ["f"]
+    assert opened_this_epoch(rig.model, UNKNOWN_JOB) == []  # another job's epoch
 
 
 def test_df_shows_the_cache_capacity_and_its_room(make_rig: RigFactory) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from cachefsd.config import FetchSettings, Settings, StoreSettings
 from cachefsd.engine import Node, NodeEpochs, StoreFactory
-from cachefsd.prefetch.access import AccessModel
 from cachefsd.store.memory import MemoryStore
+from cachefsd.workload.model import AccessModel
 from tests.unit.conftest import read_path
 
 BLOCK = 64 << 10
@@ -74,23 +74,23 @@ def test_two_mounts_share_one_capacity_and_count_their_own_reads(tmp_path: Path)
 
 def test_the_node_clock_is_the_latest_epoch_of_any_mount() -> None:
     clock = NodeEpochs()
-    assert (clock.current(), clock.caller_epochs()) == (0, {})
+    assert (clock.current(), clock.job_epochs()) == (0, {})
     first, second = AccessModel(), AccessModel()
     clock.add(first)
     clock.add(second)
     files = {f"d/{n}": 10 for n in range(4)}
     for model in (first, second):
-        model.listed("d", files, 0.0, caller="sid:1")
-    # Mount one: caller sid:1 reads its dataset twice; mount two: once, by two callers.
+        model.listed("d", files, 0.0, job="sid:1")
+    # Mount one: job sid:1 reads its dataset twice; mount two: once, by two jobs.
     for epoch in range(2):
         for path in files:
-            first.opened(path, 10, 1.0 + epoch, caller="sid:1")
-    for caller in ("sid:1", "sid:2"):
+            first.opened(path, 10, 1.0 + epoch, job="sid:1")
+    for job in ("sid:1", "sid:2"):
         for path in files:
-            second.opened(path, 10, 5.0, caller=caller)
+            second.opened(path, 10, 5.0, job=job)
     assert clock.current() == max(first.current(), second.current()) == first.current()
     assert first.current() > second.current()
-    assert clock.caller_epochs()["sid:1"] == first.caller_epochs()["sid:1"]
-    assert clock.caller_epochs()["sid:2"] == second.caller_epochs()["sid:2"]
+    assert clock.job_epochs()["sid:1"] == first.job_epochs()["sid:1"]
+    assert clock.job_epochs()["sid:2"] == second.job_epochs()["sid:2"]
     clock.remove(first)
     assert clock.current() == second.current()

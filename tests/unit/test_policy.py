@@ -18,7 +18,7 @@ from cachefsd.cache.policy import (
     TwoRandomPolicy,
     make_policy,
 )
-from cachefsd.prefetch.access import AccessModel
+from cachefsd.workload.model import AccessModel
 
 
 class FakeClock:

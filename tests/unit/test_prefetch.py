@@ -20,10 +20,11 @@ from cachefsd.cache.policy import EpochAwarePolicy, MinioPolicy, PlannedUse
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
 from cachefsd.errors import CachefsdError
-from cachefsd.prefetch.access import JOB_IDLE_SECONDS, AccessModel
 from cachefsd.prefetch.prefetcher import Prefetcher
 from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.store.base import ObjectInfo
+from cachefsd.workload.identity import JOB_IDLE_SECONDS
+from cachefsd.workload.model import AccessModel
 from tests.metrics import sample
 from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, Clock, Rig, RigFactory, joined, read_path
@@ -334,7 +335,7 @@ def test_one_jobs_new_epoch_keeps_the_plans_of_another(
             prefetcher.read(info, 0, info.size)
         wait_for(lambda: bool(voided), "the prefetcher to see c1's new epoch")
         assert list(voided[0]) == ["train/c1"]
-        assert model.current_epoch("train/c0") == 0
+        assert model.epoch_of("train/c0") == 0
         assert planned.next_use(digest) is not None
         assert digest not in unplanned  # kept, not voided and planned again
     finally:

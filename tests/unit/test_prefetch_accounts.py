@@ -17,8 +17,8 @@ def ref(index: int) -> BlockRef:
     return BlockRef("mem://bucket", INFO.key, INFO.etag, index)
 
 
-def ahead(index: int, nbytes: int = 100, job: str = "train") -> Ahead:
-    return Ahead(INFO, index, f"digest-{index}", nbytes, job)
+def ahead(index: int, nbytes: int = 100, workload: str = "train") -> Ahead:
+    return Ahead(INFO, index, f"digest-{index}", nbytes, workload)
 
 
 def test_a_block_in_flight_is_held_and_counted_until_it_lands() -> None:
@@ -75,10 +75,10 @@ def test_a_failed_block_is_held_back_until_its_retry_time_then_forgotten() -> No
     assert not accounts.failed_lately(ref(2), now=100.0)
 
 
-def test_the_digests_of_a_jobs_blocks_ahead() -> None:
+def test_the_digests_of_a_workloads_blocks_ahead() -> None:
     accounts = Accounts()
-    accounts.put_ahead(ref(0), ahead(0, job="train"))
-    accounts.put_ahead(ref(1), ahead(1, job="val"))
+    accounts.put_ahead(ref(0), ahead(0, workload="train"))
+    accounts.put_ahead(ref(1), ahead(1, workload="val"))
     assert accounts.digests_of({"train"}) == ["digest-0"]
     assert accounts.digests_of(set()) == []
 

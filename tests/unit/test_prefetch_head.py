@@ -6,8 +6,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from cachefsd.cache.index import BlockRef
-from cachefsd.prefetch.access import STREAM_FORWARD_SLACK
 from cachefsd.prefetch.head import HeadRun, HeadRuns, free_blocks, verdict
+from cachefsd.workload.streams import STREAM_FORWARD_SLACK
 
 BLOCK = 64 << 10
 FILE = BlockRef("mem://bucket", "shard.tar", "e1", 0)

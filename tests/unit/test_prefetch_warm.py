@@ -8,13 +8,13 @@ from cachefsd.prefetch.warm import ToWarm, WarmQueue
 FILE_BYTES = 10
 
 
-def never_stale(job: str, epoch: int) -> bool:
+def never_stale(workload: str, epoch: int) -> bool:
     return False
 
 
-def planned(queue: WarmQueue, *positions: float, job: str = "train", epoch: int = 0) -> None:
+def planned(queue: WarmQueue, *positions: float, workload: str = "train", epoch: int = 0) -> None:
     for position in positions:
-        queue.plan(ToWarm(position, f"{job}/f{position:g}", job, epoch))
+        queue.plan(ToWarm(position, f"{workload}/f{position:g}", workload, epoch))
 
 
 def warm_all(queue: WarmQueue, opens: int) -> list[str]:
@@ -51,9 +51,9 @@ def test_a_file_whose_turn_has_come_is_not_warmed() -> None:
 
 def test_a_file_planned_for_a_pass_that_is_over_is_dropped() -> None:
     queue = WarmQueue(budget_bytes=3 * FILE_BYTES)
-    planned(queue, 1, job="train", epoch=0)
-    planned(queue, 2, job="val", epoch=3)
-    file = queue.next(0, lambda job, epoch: job == "train")
+    planned(queue, 1, workload="train", epoch=0)
+    planned(queue, 2, workload="val", epoch=3)
+    file = queue.next(0, lambda workload, epoch: workload == "train")
     assert file is not None
     assert file.path == "val/f2"
     assert queue.next(0, never_stale) is None  # train's was dropped, not kept for later
@@ -61,11 +61,11 @@ def test_a_file_planned_for_a_pass_that_is_over_is_dropped() -> None:
 
 def test_what_was_warmed_for_a_pass_that_is_over_stops_counting() -> None:
     queue = WarmQueue(budget_bytes=2 * FILE_BYTES)
-    planned(queue, 1, 2, job="train")
+    planned(queue, 1, 2, workload="train")
     warm_all(queue, opens=0)
-    planned(queue, 3, job="val")
+    planned(queue, 3, workload="val")
     assert warm_all(queue, opens=0) == []
-    queue.void(lambda job, epoch: job == "train")
+    queue.void(lambda workload, epoch: workload == "train")
     assert queue.warmed_bytes == 0
     assert warm_all(queue, opens=0) == ["val/f3"]
 

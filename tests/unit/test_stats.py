@@ -25,7 +25,6 @@ from cachefsd.cli.top import SPARK_CHARS, Keys, Throughput, sparkline
 from cachefsd.control.answers import AccessTotals, StatsAnswer
 from cachefsd.diagnose.ledger import JobReads
 from cachefsd.metrics import LATENCY_BUCKETS, Metrics
-from cachefsd.prefetch.access import AccessModel
 from cachefsd.stats import (
     HIT_WINDOW_SECONDS,
     OTHER_PREFIX,
@@ -37,6 +36,7 @@ from cachefsd.stats import (
     bound_prefixes,
     histogram_quantile,
 )
+from cachefsd.workload.model import AccessModel
 from tests.answers import ACCESS, STATS, node_facts
 
 INF = float("inf")
@@ -540,9 +540,9 @@ def test_an_unknown_or_missing_field_fails_loudly(change: Any, named: str) -> No
 def test_the_access_models_own_stats_are_an_answer() -> None:
     """The access model's stats are a dict of its own: the answer checks every key of it."""
     model = AccessModel()
-    model.listed("train", {"train/a.jpg": 100, "train/b.jpg": 100}, 0.0, caller="python[7]")
-    model.opened("train/a.jpg", 100, 1.0, caller="python[7]")
-    model.read("train/a.jpg", 0, 100, 1.0, caller="python[7]")
+    model.listed("train", {"train/a.jpg": 100, "train/b.jpg": 100}, 0.0, job="python[7]")
+    model.opened("train/a.jpg", 100, 1.0, job="python[7]")
+    model.read("train/a.jpg", 0, 100, 1.0, job="python[7]")
     access = AccessTotals.model_validate(model.stats())
     assert access.read_this_epoch_files == 1
     assert [(job.working_set_files, job.unread_files) for job in access.per_job.values()] == [(2, 1)]
