@@ -266,6 +266,7 @@ class Daemon:
             handlers = MountHandlers(
                 parts.namespace,
                 parts.reader,
+                parts.view,
                 parts.cache,
                 {"pid": os.getpid(), "mountpoint": str(mountpoint), "source": parts.store.uri},
                 None if hint is None else _for_job(hint, parts.fs.jobs),

@@ -33,7 +33,7 @@ from cachefsd.cache.index import (
     is_damage,
 )
 from cachefsd.cache.lock import CacheDirLock, create_cache_directory
-from cachefsd.cache.policy import LRU, EpochClock, PlannedUse, make_policy
+from cachefsd.cache.policy import LRU, DueElsewhere, EpochClock, PlannedUse, make_policy
 from cachefsd.cache.tier import Tier
 from cachefsd.cache.tiered import CacheEvents, Damage, TieredCache, VerifyReport
 from cachefsd.config import CacheSettings, human_bytes, resolve_tier_size
@@ -234,13 +234,15 @@ def open_cache(
     migrate_block_size: bool = False,
     keep_recorded_layout: bool = False,
     inspect_only: bool = False,
+    elsewhere: DueElsewhere | None = None,
 ) -> Iterator[OpenCache]:
     """Lock, open and reconcile a cache. ``specs`` None means the layout
     recorded by the last daemon (for maintenance commands), and so does
     ``keep_recorded_layout`` when there is one (an offline stage: a layout
     of its own, or the defaults, would trim or drop the daemon's tiers);
-    ``planned`` is the prefetcher's plan, which the epoch-aware policy
-    reads; ``block_size`` the size the blocks are read at (None for
+    ``planned`` is the prefetcher's plan and ``elsewhere`` the marks of
+    reads other jobs are still to make, which the epoch-aware policy reads;
+    ``block_size`` the size the blocks are read at (None for
     maintenance, which reads blocks by their hashes only), and
     ``migrate_block_size`` whether a cache filled at another is dropped (a
     mount) or refused; ``inspect_only`` that nothing in the cache is
@@ -272,7 +274,7 @@ def open_cache(
                 Path(spec.dir),
                 spec.capacity,
                 _CODECS[spec.codec],
-                make_policy(policy, epochs, rng, planned),
+                make_policy(policy, epochs, rng, planned, elsewhere),
             )
             for spec in layout
         ]

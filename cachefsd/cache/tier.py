@@ -193,11 +193,11 @@ class Tier:
             if digest in self._sizes:
                 self._policy.next_use_changed(digest)
 
-    def accessed(self, digest: str, again: bool = False) -> None:
-        """``again`` as in ``EvictionPolicy.accessed``."""
+    def accessed(self, digest: str) -> None:
+        """Block ``digest`` was read: let the policy rank it so."""
         with self._lock:
             if digest in self._sizes:
-                self._policy.accessed(digest, again)
+                self._policy.accessed(digest)
 
     # -- files ------------------------------------------------------------
 

@@ -344,21 +344,20 @@ class TieredCache:
         tier = self._tier_holding(digest)
         return None if tier is None else Placement(tier.name, tier.codec is Codec.RAW)
 
-    def touch(self, digest: str, again: bool = False) -> None:
+    def touch(self, digest: str) -> None:
         """A read served from RAM, not through ``read``: the policies still
-        have to see it; ``again`` as in ``EvictionPolicy.accessed`` (a read
-        already counted is then ranked anew)."""
+        have to see it."""
         tier = self._tier_holding(digest)
         if tier is not None:
-            self._read_from(tier, digest, again)
+            self._read_from(tier, digest)
 
-    def _read_from(self, tier: Tier, digest: str, again: bool = False) -> None:
+    def _read_from(self, tier: Tier, digest: str) -> None:
         """Count a read of block ``digest`` in ``tier``: it ends the block's
         plan (it was planned to be read next; now it has been), and its
         policy ranks it as read."""
         if self._planned is not None:
             self._planned.consumed(digest)
-        tier.accessed(digest, again)
+        tier.accessed(digest)
 
     def warm(self, digest: str, hold: bool = False) -> None:
         """Have block ``digest`` read from disk into RAM ahead of its read;

@@ -40,7 +40,9 @@ TOTAL = sum(len(data) for data in OBJECTS.values())
 
 def run(rig: Rig, **request: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     events: list[dict[str, Any]] = []
-    summary = stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(**request), events.append)
+    summary = stage_files(
+        rig.namespace, rig.reader, rig.view, ["hot"], StageRequest(**request), events.append
+    )
     return summary, events
 
 
@@ -202,7 +204,7 @@ def test_a_block_a_read_is_fetching_does_not_stop_the_stage_as_a_full_cache(
             None  # the stage's GETs pass; the read's stays held (a call reads the gate once)
         )
         ignore = lambda _: None  # noqa: E731
-        summary = stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(), ignore, workers=1)
+        summary = stage_files(rig.namespace, rig.reader, rig.view, ["hot"], StageRequest(), ignore, workers=1)
     finally:
         gate.set()
         reader.join(10)
@@ -210,7 +212,7 @@ def test_a_block_a_read_is_fetching_does_not_stop_the_stage_as_a_full_cache(
     for key in objects:
         info = rig.namespace.lookup(f"/{key}").info
         assert info is not None
-        assert all(rig.reader.residency(info, index) for index in (0, 1))
+        assert all(rig.view.residency(info, index) for index in (0, 1))
 
 
 @pytest.mark.parametrize("policy", [MinioPolicy, LruPolicy])
@@ -224,7 +226,9 @@ def test_a_selection_larger_than_the_cache_is_reported_not_hidden(
     frame = disk_bytes(encode(bytes(BLOCK_SIZE), Codec.RAW).size)
     rig = make_rig(objects, capacity=4 * frame, policy=policy())
     events: list[dict[str, Any]] = []
-    summary = stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(), events.append, workers=1)
+    summary = stage_files(
+        rig.namespace, rig.reader, rig.view, ["hot"], StageRequest(), events.append, workers=1
+    )
     assert summary["unkept_bytes"] == 6 * BLOCK_SIZE
     assert summary["failed"] == 0
     assert events[-1]["bytes_done"] == 10 * BLOCK_SIZE  # the progress bar ends at 100 %
@@ -283,12 +287,14 @@ def test_a_stopping_daemon_cancels_the_stage(make_rig: RigFactory) -> None:
     cancelled = threading.Event()
     cancelled.set()
     with pytest.raises(StageCancelled):
-        stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(), lambda _event: None, cancelled)
+        stage_files(
+            rig.namespace, rig.reader, rig.view, ["hot"], StageRequest(), lambda _event: None, cancelled
+        )
 
 
 def test_mount_handlers_count_hints_and_report_tiers(make_rig: RigFactory) -> None:
     rig = make_rig(OBJECTS)
-    handlers = MountHandlers(rig.namespace, rig.reader, rig.cache, {"mountpoint": "/mnt"})
+    handlers = MountHandlers(rig.namespace, rig.reader, rig.view, rig.cache, {"mountpoint": "/mnt"})
     assert handlers.hint(["/train/a.tar", "val/d.tar", "/nope", "/train"]) == (2, 2)
     handlers.stage(StageRequest(include="*.jpg"), lambda _event: None)
     stats = handlers.stats()
@@ -307,7 +313,7 @@ def test_mount_handlers_pass_hints_to_the_prefetcher(make_rig: RigFactory) -> No
         return len(order), 0
 
     handlers = MountHandlers(
-        rig.namespace, rig.reader, rig.cache, {}, prefetcher_hint, lambda: {"prefetch": {"x": 1}}
+        rig.namespace, rig.reader, rig.view, rig.cache, {}, prefetcher_hint, lambda: {"prefetch": {"x": 1}}
     )
     assert handlers.hint(["/b", "/a"]) == (2, 0)
     assert given == [["/b", "/a"]]
@@ -324,7 +330,7 @@ def test_progress_view_shows_progress_and_keeps_failures(
     rig.store.delete("val/d.tar")
     stream = io.StringIO()
     view = ProgressView(stream, interactive=interactive)
-    stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(check=check), view)
+    stage_files(rig.namespace, rig.reader, rig.view, ["hot"], StageRequest(check=check), view)
     view.close()
     output = stream.getvalue()
     assert phase in output
