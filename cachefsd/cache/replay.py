@@ -4,7 +4,7 @@ doctor``'s what-if table (``diagnose/whatif.py``) runs a job's observed
 order through at other cache sizes.
 
 The cache here is a set of block names with a byte capacity, run by a real
-policy from ``policy.py`` the way a tier runs it: a
+policy from ``policy.py`` by the tiers' own rule (``tier.victims_for``): a
 miss admits the block once it has been read (refused when the policy gives
 no victim up), a read another job is still to make this epoch is marked
 for the policy as the mount marks it (``policy.SharedReads``), and a block
@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from cachefsd.cache.policy import EvictionPolicy, PlannedUse, SharedReads
+from cachefsd.cache.tier import NoRoom, victims_for
 from cachefsd.jobs import UNKNOWN_JOB
 from cachefsd.prefetch.access import AccessModel
 
@@ -58,19 +59,23 @@ class ReplayCache:
         size = self._size_of(block)
         if size > self.capacity:
             return False
-        while self._used + size > self.capacity:
-            evicted = self.policy.victim(block)
-            if evicted is None:
-                return False
-            self.resident.remove(evicted)
-            self._used -= self._size_of(evicted)
-            self.policy.removed(evicted)
-            if self.planned is not None:
-                self.planned.consumed(evicted)
+        try:
+            victims_for(self.policy, block, self._used + size - self.capacity, self._evict, "replayed")
+        except NoRoom:
+            return False
         self.resident.add(block)
         self._used += size
         self.policy.admitted(block, ahead)
         return True
+
+    def _evict(self, block: str) -> int:
+        self.resident.remove(block)
+        size = self._size_of(block)
+        self._used -= size
+        self.policy.removed(block)
+        if self.planned is not None:
+            self.planned.consumed(block)
+        return size
 
 
 class ReplayHook(Protocol):

@@ -28,7 +28,8 @@ from cachefsd.cache.codec import Codec, content_hash, decode, encode
 from cachefsd.cache.directory import TierSpec, gc, open_cache, verify
 from cachefsd.cache.index import BlockRef, Index, IndexDamaged
 from cachefsd.cache.policy import LruPolicy, MinioPolicy, PlannedUse
-from cachefsd.cache.tier import HELD_DESCRIPTORS, Tier, disk_bytes
+from cachefsd.cache.replay import ReplayCache
+from cachefsd.cache.tier import HELD_DESCRIPTORS, NoRoom, Tier, disk_bytes, victims_for
 from cachefsd.cache.tiered import CacheTuning, TieredCache
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.metrics import Metrics
@@ -953,3 +954,29 @@ def test_a_read_ends_a_blocks_plan_and_a_refused_block_keeps_none(tmp_path: Path
         cache.admit(ref("too big"), content_hash(too_big), too_big, ahead=True, next_use=6.0)
         assert not resident(cache, ref("too big"))
         assert planned.next_use(content_hash(too_big)) is None
+
+
+def test_a_tier_and_the_replayed_cache_make_room_by_one_rule() -> None:
+    """Victims until the newcomer fits; a refusal keeps the victims already
+    given up out (the tier deletes or demotes them all the same)."""
+    policy = LruPolicy()
+    for block in ("a", "b", "c"):
+        policy.admitted(block)
+    sizes = {"a": 1, "b": 2, "c": 3}
+
+    def remove(block: str) -> int:
+        policy.removed(block)
+        return sizes[block]
+
+    assert victims_for(policy, "new", 2, remove, "test") == ["a", "b"]
+    with pytest.raises(NoRoom) as refused:
+        victims_for(MinioPolicy(), "new", 1, sizes.__getitem__, "test")
+    assert refused.value.victims == []
+    replayed = ReplayCache(LruPolicy(), 3, sizes.__getitem__)
+    assert replayed.admit("a")
+    assert replayed.admit("b")
+    assert replayed.admit("c")  # 3 bytes: both residents go
+    assert replayed.resident == {"c"}
+    full = ReplayCache(MinioPolicy(), 3, sizes.__getitem__)
+    assert full.admit("c")
+    assert not full.admit("a")
