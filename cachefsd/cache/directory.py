@@ -33,9 +33,10 @@ from cachefsd.cache.index import (
     is_damage,
 )
 from cachefsd.cache.lock import CacheDirLock, create_cache_directory
+from cachefsd.cache.maintenance import Damage, VerifyReport, reconcile, verify_blocks
 from cachefsd.cache.policy import LRU, DueElsewhere, EpochClock, PlannedUse, make_policy
 from cachefsd.cache.tier import Tier
-from cachefsd.cache.tiered import CacheEvents, Damage, TieredCache, VerifyReport
+from cachefsd.cache.tiered import CacheEvents, TieredCache
 from cachefsd.config import CacheSettings, human_bytes, resolve_tier_size
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.metrics import Metrics
@@ -279,7 +280,7 @@ def open_cache(
             for spec in layout
         ]
         cache = TieredCache(tiers, index, events, planned)
-        dropped = cache.reconcile(tidy=not inspect_only)
+        dropped = reconcile(cache, tidy=not inspect_only)
         index.start_serving()
         return OpenCache(index, cache, dropped)
 
@@ -386,7 +387,7 @@ def verify(cache_dir: Path, repair: bool) -> VerifyReport:
         except IndexDamaged as exc:
             opened.index.note_damage(exc)  # for the next mount
             _set_aside(cache_dir / _INDEX_NAME, exc, maintenance=True)
-        found, dropped = opened.cache.verify(repair), opened.dropped
+        found, dropped = verify_blocks(opened.cache, repair), opened.dropped
         return VerifyReport(
             found.checked + len(dropped.corrupt) + len(dropped.missing),
             dropped.corrupt + found.corrupt,

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from cachefsd.aio import LoopThread
 from cachefsd.cache.codec import Codec
 from cachefsd.cache.index import Index
+from cachefsd.cache.maintenance import reconcile
 from cachefsd.cache.policy import EvictionPolicy, LruPolicy, PlannedUse, SharedReads
 from cachefsd.cache.tier import Tier
 from cachefsd.cache.tiered import CacheTuning, TieredCache
@@ -137,7 +138,7 @@ def build_rig(
         planned,
         cache_tuning,
     )
-    cache.reconcile()
+    reconcile(cache)
     index.start_serving()  # as open_cache does
     settings = Settings(
         source=str(cache_dir),

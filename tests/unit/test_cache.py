@@ -27,6 +27,7 @@ from cachefsd.cache import tier as tier_module
 from cachefsd.cache.codec import Codec, content_hash, decode, encode
 from cachefsd.cache.directory import TierSpec, gc, open_cache, verify
 from cachefsd.cache.index import BlockRef, Index, IndexDamaged
+from cachefsd.cache.maintenance import reconcile, verify_blocks
 from cachefsd.cache.policy import LruPolicy, MinioPolicy, PlannedUse
 from cachefsd.cache.replay import ReplayCache
 from cachefsd.cache.tier import HELD_DESCRIPTORS, NoRoom, Tier, disk_bytes, victims_for
@@ -56,7 +57,7 @@ def tiered(
     if warm is not None:
         tiers.append(Tier("warm", root / "warm", warm, Codec.LZ4, LruPolicy()))
     cache = TieredCache(tiers, index, metrics, clock=clock)
-    cache.reconcile()
+    reconcile(cache)
     try:
         yield cache, metrics
     finally:
@@ -823,13 +824,13 @@ def test_a_smaller_capacity_on_restart_keeps_the_most_recent_and_says_what_it_ev
 def test_verify_finds_and_repairs_damage(tmp_path: Path) -> None:
     with tiered(tmp_path, 1 << 20, 1 << 20) as (cache, _):
         digests = [admit(cache, ref(f"k{i}"), os.urandom(3000)) for i in range(3)]
-        assert cache.verify(repair=False).checked == 3
+        assert verify_blocks(cache, repair=False).checked == 3
         cache.tiers[0].path_of(digests[0]).write_bytes(b"rotten")
         cache.tiers[0].path_of(digests[1]).unlink()
-        report = cache.verify(repair=True)
+        report = verify_blocks(cache, repair=True)
         assert report.corrupt == [digests[0]]
         assert report.missing == [digests[1]]
-        clean = cache.verify(repair=False)
+        clean = verify_blocks(cache, repair=False)
         assert clean.checked == 1
         assert not clean.corrupt
         assert not clean.missing
@@ -883,7 +884,7 @@ def test_a_repair_the_index_cannot_record_is_reported_unrepaired(tmp_path: Path)
         digests = [admit(cache, ref(f"k{i}"), os.urandom(3000)) for i in range(2)]
         cache.tiers[0].path_of(digests[0]).write_bytes(b"rotten")
         cache._index._db.execute("PRAGMA query_only = ON")  # sqlite refuses every write, as when full
-        report = cache.verify(repair=True)
+        report = verify_blocks(cache, repair=True)
         assert report.corrupt == [digests[0]]
         assert report.unrepaired == [digests[0]]
 
