@@ -19,9 +19,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-from prometheus_client import CollectorRegistry
+from typing import Any, Literal
 
 from cachefsd.cache.codec import Codec
 from cachefsd.cache.index import (
@@ -36,10 +34,9 @@ from cachefsd.cache.lock import CacheDirLock, create_cache_directory
 from cachefsd.cache.maintenance import Damage, VerifyReport, reconcile, verify_blocks
 from cachefsd.cache.policy import LRU, DueElsewhere, EpochClock, PlannedUse, make_policy
 from cachefsd.cache.tier import Tier
-from cachefsd.cache.tiered import CacheEvents, TieredCache
+from cachefsd.cache.tiered import CacheEvents, DedupWhere, TieredCache
 from cachefsd.config import CacheSettings, human_bytes, resolve_tier_size
 from cachefsd.errors import CachefsdError, ConfigError
-from cachefsd.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -360,6 +357,19 @@ class _NoEpochs:
         return 0
 
 
+class _Unreported:
+    """The ``CacheEvents`` of an offline command: no daemon serves its
+    metrics, so nothing is counted."""
+
+    def tier_usage(self, tier: str, used_bytes: int, capacity_bytes: int, blocks: int) -> None: ...
+    def tier_read(self, tier: str, nbytes: int) -> None: ...
+    def block_evicted(self, tier: str) -> None: ...
+    def block_moved(self, direction: Literal["promotion", "demotion"]) -> None: ...
+    def block_corrupt(self, tier: str) -> None: ...
+    def cache_error(self, tier: str) -> None: ...
+    def dedup_saved(self, where: DedupWhere, nbytes: int) -> None: ...
+
+
 @contextmanager
 def _maintenance(cache_dir: Path, inspect_only: bool = False) -> Iterator[OpenCache]:
     """The cache as the last daemon laid it out, for an offline command:
@@ -369,7 +379,7 @@ def _maintenance(cache_dir: Path, inspect_only: bool = False) -> Iterator[OpenCa
         None,
         LRU,
         _NoEpochs(),
-        Metrics(CollectorRegistry()),
+        _Unreported(),
         lock_wait=_NO_WAIT,
         inspect_only=inspect_only,
     ) as opened:
