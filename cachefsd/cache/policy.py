@@ -146,7 +146,9 @@ class SharedReads:
     the admission of a block fetched or promoted for it), so the mark is
     per thread: concurrent reads of different jobs each answer for
     themselves, and off a marked read (prefetch, stage, a block demoted to
-    make room) every block answers no."""
+    make room) every block answers no. A mark's test runs under the tier's
+    lock and may look the read's blocks up in the index, whose lock comes
+    after a tier's (``tiered.py``)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
