@@ -44,7 +44,7 @@ a block being read) is outside this trace. Prints a table and writes ``benchmark
 ``--readers 2`` is two jobs reading the same dataset side by side (a sweep),
 each its own shuffled passes, interleaved at random; an "epoch" is then one
 pass of each. Each read tells the policy, as the mount does, whether the
-other job is still to read the block this epoch (``accessed(again=...)``).
+other job is still to read the block this epoch (``SharedReads``).
 
     .venv/bin/python benchmarks/policy_sim.py [--files 1000] [--epochs 5] [--seed 0] [--readers 1]
 """
@@ -66,6 +66,7 @@ from cachefsd.cache.policy import (
     POLICY_NAMES,
     EpochAwarePolicy,
     PlannedUse,
+    SharedReads,
     make_policy,
 )
 from cachefsd.cache.replay import ReplayCache, replay
@@ -224,18 +225,23 @@ def simulate_policy(
     if name == BOUND:
         return simulate_order_blind_bound(trace, jobs, capacity, files)
     clock = AccessModel()
+    shared = SharedReads()
     if name == PLANNED:
         oracle = TraceOracle(trace)
-        cache = ReplayCache(EpochAwarePolicy(clock, oracle), capacity)
-        return replay(cache, trace, clock, jobs, hooks=[oracle], read_seconds=READ_SECONDS)
+        cache = ReplayCache(EpochAwarePolicy(clock, oracle, shared), capacity)
+        return replay(
+            cache, trace, clock, jobs, hooks=[oracle], read_seconds=READ_SECONDS, shared_reads=shared
+        )
     if name in (PREFETCHED, HINTED):
         planned = PlannedUse()
-        cache = ReplayCache(EpochAwarePolicy(clock, planned), capacity, planned=planned)
+        cache = ReplayCache(EpochAwarePolicy(clock, planned, shared), capacity, planned=planned)
         hints = pass_orders(trace, jobs, files) if name == HINTED else None
         prefetcher = SimPrefetcher(cache, clock, trace, jobs, hints)
-        return replay(cache, trace, clock, jobs, hooks=[prefetcher], read_seconds=READ_SECONDS)
-    cache = ReplayCache(make_policy(name, clock, random.Random(seed)), capacity)
-    return replay(cache, trace, clock, jobs, read_seconds=READ_SECONDS)
+        return replay(
+            cache, trace, clock, jobs, hooks=[prefetcher], read_seconds=READ_SECONDS, shared_reads=shared
+        )
+    cache = ReplayCache(make_policy(name, clock, random.Random(seed), elsewhere=shared), capacity)
+    return replay(cache, trace, clock, jobs, read_seconds=READ_SECONDS, shared_reads=shared)
 
 
 def pass_orders(trace: Sequence[str], jobs: Sequence[str], files: int) -> dict[int, tuple[str, list[str]]]:

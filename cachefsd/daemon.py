@@ -266,6 +266,7 @@ class Daemon:
             handlers = MountHandlers(
                 parts.namespace,
                 parts.reader,
+                parts.view,
                 parts.cache,
                 state,
                 stats.snapshot,

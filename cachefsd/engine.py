@@ -25,9 +25,10 @@ from cachefsd.aio import LoopThread
 from cachefsd.buffers import reuse_block_buffers
 from cachefsd.cache.directory import OpenCache, open_cache, tier_specs
 from cachefsd.cache.index import Index
-from cachefsd.cache.policy import PlannedUse
+from cachefsd.cache.policy import PlannedUse, SharedReads
 from cachefsd.cache.shared import SharedTier, open_shared
 from cachefsd.cache.tiered import TieredCache
+from cachefsd.cache.view import CacheView
 from cachefsd.config import CacheSettings, FetchSettings, Settings, StoreSettings, human_bytes
 from cachefsd.diagnose.ledger import MeterLedger
 from cachefsd.errors import CachefsdError
@@ -61,6 +62,7 @@ class Engine:
     cache: TieredCache
     index: Index
     reader: BlockReader
+    view: CacheView  # the cache as the prefetcher, staging and the filesystem see this source's blocks
     namespace: Namespace
     metrics: Metrics
     prefetcher: Prefetcher
@@ -93,15 +95,18 @@ def data_path(
     metrics: Metrics,
     model: AccessModel,
     settings: Settings,
+    shared_reads: SharedReads,
     reads: ReadEvents | None = None,
     listing_clock: Callable[[], float] = time.time,
     fresh_wait: float = FRESH_WAIT_SECONDS,
     shared: SharedTier | None = None,
-) -> tuple[BlockReader, Namespace, Prefetcher, FileSystem]:
+) -> tuple[BlockReader, CacheView, Namespace, Prefetcher, FileSystem]:
     """The data path over an opened cache, from the fetcher to the
     filesystem, wired as every mount has it; ``reads`` counts its reads
     (``metrics`` when None), ``listing_clock`` and ``fresh_wait`` are the
-    namespace's (tests pass their own); ``shared`` the node's shared tier."""
+    namespace's (tests pass their own); ``shared`` the node's shared tier;
+    ``shared_reads`` where reads mark the blocks another job is still to
+    read, for the cache's policy."""
     fetcher = Fetcher(store, settings.fetch, metrics)
     dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
     reader = BlockReader(
@@ -126,9 +131,19 @@ def data_path(
         clock=listing_clock,
         fresh_wait=fresh_wait,
     )
-    prefetcher = Prefetcher(model, namespace, reader, settings.prefetch, metrics)
-    fs = FileSystem(namespace, reader, os.getuid(), os.getgid(), access=prefetcher, jobs=CallerJobs())
-    return reader, namespace, prefetcher, fs
+    view = CacheView(store.cache_key, cache)
+    prefetcher = Prefetcher(model, namespace, reader, view, settings.prefetch, metrics)
+    fs = FileSystem(
+        namespace,
+        reader,
+        view,
+        os.getuid(),
+        os.getgid(),
+        access=prefetcher,
+        jobs=CallerJobs(),
+        shared_reads=shared_reads,
+    )
+    return reader, view, namespace, prefetcher, fs
 
 
 class NodeEpochs:
@@ -167,8 +182,9 @@ class NodeEpochs:
 
 class Node:
     """What all the mounts of one daemon share: the I/O loop, the metrics,
-    one epoch clock, the jobs' loader meters, and the cache (tiers, index,
-    policy), opened once by ``opened``. ``close`` stops the loop."""
+    one epoch clock, the jobs' loader meters, the plans and the marks of
+    reads other jobs are still to make that the policy reads, and the cache
+    (tiers, index, policy), opened once by ``opened``. ``close`` stops the loop."""
 
     def __init__(self) -> None:
         reuse_block_buffers()
@@ -177,6 +193,7 @@ class Node:
         self.metrics.watch_epoch(self.epochs.current, self.epochs.job_epochs)
         self.meters = MeterLedger(self.metrics.job_reads_so_far, self.metrics)
         self.planned = PlannedUse()
+        self.shared_reads = SharedReads()
         self.io = LoopThread()
         self._opened: OpenCache | None = None
         self._shared: SharedTier | None = None
@@ -223,6 +240,7 @@ class Node:
             cache.block_size,
             migrate_block_size=mounting,
             keep_recorded_layout=keep_recorded_layout,
+            elsewhere=self.shared_reads,
         ) as opened:
             _warn_of_small_disks(opened.cache)
             self._opened = opened
@@ -243,7 +261,7 @@ class Node:
         """The data path of one mount over the node's cache; its access
         model ticks the node's clock until the block ends."""
         model = AccessModel()
-        reader, namespace, prefetcher, fs = data_path(
+        reader, view, namespace, prefetcher, fs = data_path(
             store,
             self.cache,
             self.index,
@@ -251,13 +269,14 @@ class Node:
             self.metrics,
             model,
             settings,
+            self.shared_reads,
             self.metrics.for_mount(str(settings.mountpoint)),
             shared=self._shared,
         )
         self.epochs.add(model)
         try:
             yield Engine(
-                store, self.cache, self.index, reader, namespace, self.metrics, prefetcher, model, fs
+                store, self.cache, self.index, reader, view, namespace, self.metrics, prefetcher, model, fs
             )
         finally:
             self.epochs.remove(model)

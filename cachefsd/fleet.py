@@ -41,7 +41,7 @@ SHARED = "shared"
 
 
 class FleetBlocks:
-    """``stage.Blocks`` whose one tier is the shared tier."""
+    """``stage.Blocks`` and ``stage.Resident`` whose one tier is the shared tier."""
 
     def __init__(
         self, source: str, shared: SharedTier, fetcher: Fetcher, io: LoopThread, block_size: int
@@ -114,6 +114,6 @@ def stage_fleet(settings: Settings, request: StageRequest, report: Report) -> di
         shared.check()
         blocks = FleetBlocks(store.cache_key, shared, fetcher, io, block_size)
         try:
-            return stage_files(namespace, blocks, [SHARED], request, report)
+            return stage_files(namespace, blocks, blocks, [SHARED], request, report)
         except StoreError as exc:
             raise CachefsdError(f"cannot stage {settings.source}: {exc}") from exc

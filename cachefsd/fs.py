@@ -28,12 +28,14 @@ as nothing can read them any more.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,7 +43,7 @@ from cachefsd.errors import BadFileHandle, IsADirectory, NotADirectory, ObjectCh
 from cachefsd.jobs import CallerJobs
 from cachefsd.namespace.names import inode_number
 from cachefsd.namespace.tree import Namespace
-from cachefsd.reader import BlockReader, Piece
+from cachefsd.reader import BlockReader, Piece, block_range
 from cachefsd.store.base import ObjectInfo
 
 DIR_MODE = stat.S_IFDIR | 0o555
@@ -63,6 +65,34 @@ class AccessEvents(Protocol):
 
     def read_by_one_of_many(self, info: ObjectInfo, offset: int, size: int, job: str) -> None:
         """``job`` read these bytes, which ``wanted_elsewhere`` said another job is still to read."""
+        ...
+
+
+class CacheDisk(Protocol):
+    """What the filesystem asks of the block cache (``cache.view.CacheView``)."""
+
+    def digest(self, info: ObjectInfo, index: int) -> str | None:
+        """The content hash cached for block ``index`` of ``info``; None if it is not cached."""
+        ...
+
+    def warm(self, info: ObjectInfo, index: int, hold: bool = False) -> bool:
+        """Start loading cached block ``index`` of ``info`` into RAM ahead of
+        its read (``hold``: the read is due next); False if it is not cached."""
+        ...
+
+    def usage(self) -> tuple[int, int]:
+        """The cache's capacity and the bytes it holds."""
+        ...
+
+
+class ReadMarks(Protocol):
+    """Where a read says that another job is still to read its blocks this
+    epoch, which the cache's policy asks as it counts them
+    (``cache.policy.SharedReads``)."""
+
+    def reading(self, blocks: Callable[[str], bool]) -> AbstractContextManager[None]:
+        """Within the block, on this thread, the blocks for which
+        ``blocks(hash)`` is true are due for another job."""
         ...
 
 
@@ -111,15 +141,19 @@ class FileSystem:
         self,
         namespace: Namespace,
         reader: BlockReader,
+        cache: CacheDisk,
         uid: int,
         gid: int,
         access: AccessEvents,
         jobs: CallerJobs,
+        shared_reads: ReadMarks,
     ) -> None:
         self._namespace = namespace
         self._access = access
+        self._shared_reads = shared_reads
         self.jobs = jobs  # who a request's pid reads for
         self._reader = reader
+        self._cache = cache
         self._uid = uid
         self._gid = gid
         self._mounted_at = time.time()
@@ -150,7 +184,7 @@ class FileSystem:
                 # with the round trip; when the pages are held, it costs a
                 # few system calls on a block file already in RAM. A larger
                 # file's first read may not be at offset 0 (a footer).
-                self._reader.warm(info, 0, hold=True)
+                self._cache.warm(info, 0, hold=True)
         return self._remember(parent, name, info)
 
     def forget(self, inode: int, count: int) -> None:
@@ -193,8 +227,14 @@ class FileSystem:
             self._access.opened(info, job)
         self._access.read(info, offset, size, job)
         again = self._access.wanted_elsewhere(info, job)
+        marked = (
+            self._shared_reads.reading(self._blocks_of(info, offset, size))
+            if again
+            else contextlib.nullcontext()
+        )
         try:
-            pieces = self._reader.read(info, offset, size, job, again)
+            with marked:
+                pieces = self._reader.read(info, offset, size, job)
         except ObjectChanged:
             # Overwritten or deleted since it was listed: the listing that
             # showed it is dropped, and the kernel forgets the name, so the
@@ -205,6 +245,13 @@ class FileSystem:
         if again:
             self._access.read_by_one_of_many(info, offset, size, job)
         return pieces
+
+    def _blocks_of(self, info: ObjectInfo, offset: int, size: int) -> Callable[[str], bool]:
+        """Whether a block (by hash) holds bytes ``[offset, offset + size)``
+        of ``info``: asked as the cache counts each, so a block fetched for
+        the read is found once it is cached."""
+        indices = block_range(offset, size, info.size, self._reader.block_size)
+        return lambda digest: any(self._cache.digest(info, index) == digest for index in indices)
 
     def entry_of(self, inode: int) -> tuple[int, str] | None:
         """(parent inode, name) of file inode ``inode``, None if unknown."""
@@ -273,7 +320,7 @@ class FileSystem:
         """Sizes for ``df``: a bucket has none, so the cache's (its
         capacity, and its room as free space), in blocks. With no size,
         ``df`` left the mount out of its list, as it does pseudo filesystems."""
-        capacity, used = self._reader.cache_usage()
+        capacity, used = self._cache.usage()
         unit = self._reader.block_size
         room = max(0, capacity - used) // unit
         return {

@@ -241,14 +241,10 @@ class BlockReader:
     def ref(self, info: ObjectInfo, index: int) -> BlockRef:
         return BlockRef(self._source, info.key, info.etag, index)
 
-    def read(
-        self, info: ObjectInfo, offset: int, size: int, job: str = UNKNOWN_JOB, again: bool = False
-    ) -> list[Piece]:
+    def read(self, info: ObjectInfo, offset: int, size: int, job: str = UNKNOWN_JOB) -> list[Piece]:
         """Exactly the bytes ``[offset, offset + size)`` of version ``info``
         (short only at the end of the object), as pieces in order, for
-        ``job`` (``jobs.py``; the FUSE edge knows it, a stage has none);
-        ``again`` when another job is still to read them this epoch, which
-        the cache's policy then ranks them by.
+        ``job`` (``jobs.py``; the FUSE edge knows it, a stage has none).
 
         A raw-tier block is served from its file without copying (checked
         where it lies on its first read, see ``TieredCache.raw_hit``); a
@@ -269,11 +265,6 @@ class BlockReader:
             close_pieces(pieces)
             raise
         self._events.read_done(served, stalled, job, time.monotonic() - started)
-        if again:
-            for index in block_range(offset, size, info.size, self._block_size):
-                digest = self._cache.lookup(self.ref(info, index))
-                if digest is not None:
-                    self._cache.touch(digest, again=True)
         return pieces
 
     def _piece(self, info: ObjectInfo, index: int, lo: int, hi: int) -> tuple[Piece, str, float]:
@@ -394,49 +385,9 @@ class BlockReader:
         if not raw:
             self._memory.put(ref, bytes(data))
 
-    def digest(self, info: ObjectInfo, index: int) -> str | None:
-        """The content hash cached for block ``index`` of ``info``, or None."""
-        return self._cache.lookup(self.ref(info, index))
-
-    def cache_usage(self) -> tuple[int, int]:
-        """The cache's capacity and the bytes it holds."""
-        return self._cache.capacity, self._cache.used_bytes
-
     def fetching(self, info: ObjectInfo, index: int) -> bool:
         """Whether a GET of block ``index`` of ``info`` is under way."""
         return self._in_flight.busy(self.ref(info, index))
-
-    def cache_room(self, next_use: float | None = None, wanted: int | None = None) -> int:
-        """Bytes the cache would keep of blocks fetched ahead now (planned to
-        be read at ``next_use``, if known), counted until ``wanted`` bytes
-        are found; fetching more than that only spends bandwidth on blocks
-        it would refuse."""
-        return self._cache.room(next_use, wanted)
-
-    def plan(self, info: ObjectInfo, index: int, position: float) -> str | None:
-        """Plan cached block ``index`` of ``info`` to be read next at
-        ``position``; its hash, or None if it is not cached."""
-        digest = self.digest(info, index)
-        return digest if digest is not None and self._cache.plan(digest, position) else None
-
-    def unplan(self, digest: str) -> None:
-        """Block ``digest`` is no longer planned (read, or the plan changed)."""
-        self._cache.unplan(digest)
-
-    def warm(self, info: ObjectInfo, index: int, hold: bool = False) -> bool:
-        """Start loading cached block ``index`` of ``info`` from the cache
-        disk into the page cache; False if it is not cached. With ``hold``
-        its read is due next and reuses the descriptor (``Tier.warm``)."""
-        digest = self.digest(info, index)
-        if digest is None:
-            return False
-        self._cache.warm(digest, hold)
-        return True
-
-    def residency(self, info: ObjectInfo, index: int) -> str | None:
-        """The tier holding block ``index`` of ``info``, or None."""
-        digest = self.digest(info, index)
-        return None if digest is None else self._cache.tier_of(digest)
 
     def fetch_run_ahead(
         self, info: ObjectInfo, indices: range, tier: str | None = None, next_use: float | None = None

@@ -101,7 +101,7 @@ class Tree(Protocol):
 
 
 class Blocks(Protocol):
-    """The block cache as staging sees it (``reader.BlockReader``)."""
+    """How staging fetches blocks (``reader.BlockReader``)."""
 
     @property
     def block_size(self) -> int: ...
@@ -111,10 +111,6 @@ class Blocks(Protocol):
         """Blocks one ``fetch_run_ahead`` brings at most."""
         ...
 
-    def residency(self, info: ObjectInfo, index: int) -> str | None:
-        """The tier holding block ``index`` of ``info``, or None."""
-        ...
-
     def fetching(self, info: ObjectInfo, index: int) -> bool:
         """Whether a GET of block ``index`` of ``info`` is under way."""
         ...
@@ -122,6 +118,14 @@ class Blocks(Protocol):
     def fetch_run_ahead(self, info: ObjectInfo, indices: range, tier: str | None = None) -> set[int]:
         """Cache consecutive blocks ``indices`` with one GET; those this
         call fetched. Raises on failure."""
+        ...
+
+
+class Resident(Protocol):
+    """Where staging learns what the cache holds (``cache.view.CacheView``)."""
+
+    def residency(self, info: ObjectInfo, index: int) -> str | None:
+        """The tier holding block ``index`` of ``info``, or None."""
         ...
 
 
@@ -289,6 +293,7 @@ def _select(tree: Tree, request: StageRequest, run: _Run) -> list[Selected]:
 def stage_files(
     tree: Tree,
     blocks: Blocks,
+    resident: Resident,
     tiers: Sequence[str],
     request: StageRequest,
     report: Report,
@@ -305,9 +310,9 @@ def stage_files(
     phase = "check" if request.check else "fetch"
     run.tick(phase, force=True)
     if request.check:
-        _check(blocks, files, run)
+        _check(resident, blocks.block_size, files, run)
     else:
-        _BlockFetch(blocks, request.tier, run).run(files, workers)
+        _BlockFetch(blocks, resident, request.tier, run).run(files, workers)
     run.tick(phase, force=True)
     counters = run.counters
     seconds = time.monotonic() - counters.started
@@ -328,10 +333,13 @@ def stage_files(
     else:
         # Counted at the end: a cache smaller than the selection refuses
         # blocks (epoch-aware, MinIO) or evicts earlier ones (LRU).
-        resident = sum(
-            length for selected in files for tier, length in _residency(blocks, selected) if tier is not None
+        kept = sum(
+            length
+            for selected in files
+            for tier, length in _residency(resident, blocks.block_size, selected)
+            if tier is not None
         )
-        summary["unkept_bytes"] = max(0, counters.bytes_total - counters.bytes_failed - resident)
+        summary["unkept_bytes"] = max(0, counters.bytes_total - counters.bytes_failed - kept)
     return summary
 
 
@@ -341,16 +349,16 @@ def _blocks_of(info: ObjectInfo, block_size: int) -> Iterator[tuple[int, int]]:
         yield index, min(block_size, info.size - index * block_size)
 
 
-def _residency(blocks: Blocks, selected: Selected) -> Iterator[tuple[str | None, int]]:
+def _residency(resident: Resident, block_size: int, selected: Selected) -> Iterator[tuple[str | None, int]]:
     """(tier holding it or None, length) of every block of ``selected``."""
-    for index, length in _blocks_of(selected.info, blocks.block_size):
-        yield blocks.residency(selected.info, index), length
+    for index, length in _blocks_of(selected.info, block_size):
+        yield resident.residency(selected.info, index), length
 
 
-def _check(blocks: Blocks, files: list[Selected], run: _Run) -> None:
+def _check(resident: Resident, block_size: int, files: list[Selected], run: _Run) -> None:
     counters = run.counters
     for selected in files:
-        for tier, length in _residency(blocks, selected):
+        for tier, length in _residency(resident, block_size, selected):
             if tier is not None:
                 counters.resident[tier] = counters.resident.get(tier, 0) + length
                 counters.bytes_cached += length
@@ -383,8 +391,9 @@ class _BlockFetch:
     """The fetch phase: hands uncached blocks to a pool a window at a time
     and books what comes back. Used by the coordinating thread only."""
 
-    def __init__(self, blocks: Blocks, tier: str | None, run: _Run) -> None:
+    def __init__(self, blocks: Blocks, resident: Resident, tier: str | None, run: _Run) -> None:
         self._blocks = blocks
+        self._resident = resident
         self._tier = tier
         self._run = run
         self._counters = run.counters
@@ -449,7 +458,7 @@ class _BlockFetch:
                 if state.failed:
                     self._counters.bytes_failed += length
                     self._block_done(state)
-                elif self._blocks.residency(info, index) is not None:
+                elif self._resident.residency(info, index) is not None:
                     self._counters.bytes_cached += length
                     self._block_done(state)
                 else:
@@ -473,7 +482,7 @@ class _BlockFetch:
             else:  # it was cached, or a read's GET (which this joined) fetched it
                 self._counters.bytes_cached += length
             info = run.state.selected.info
-            if self._blocks.residency(info, index) is None and not self._blocks.fetching(info, index):
+            if self._resident.residency(info, index) is None and not self._blocks.fetching(info, index):
                 self._cache_full = True  # fetched, by whoever, and refused (not still on its way)
             self._block_done(run.state)
 
@@ -532,7 +541,7 @@ def stage_offline(settings: Settings, request: StageRequest, report: Report) -> 
         require_cache(settings.cache.dir)
     with engine.open_engine(settings, keep_recorded_layout=True) as parts:
         tiers = [tier.name for tier in parts.cache.tiers]
-        return stage_files(parts.namespace, parts.reader, tiers, request, report)
+        return stage_files(parts.namespace, parts.reader, parts.view, tiers, request, report)
 
 
 def stage_through(mount: MountOf, request: StageRequest, report: Report) -> dict[str, Any]:

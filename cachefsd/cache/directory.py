@@ -19,9 +19,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-from prometheus_client import CollectorRegistry
+from typing import Any, Literal
 
 from cachefsd.cache.codec import Codec
 from cachefsd.cache.index import (
@@ -33,12 +31,12 @@ from cachefsd.cache.index import (
     is_damage,
 )
 from cachefsd.cache.lock import CacheDirLock, create_cache_directory
-from cachefsd.cache.policy import LRU, EpochClock, PlannedUse, make_policy
+from cachefsd.cache.maintenance import Damage, VerifyReport, reconcile, verify_blocks
+from cachefsd.cache.policy import LRU, DueElsewhere, EpochClock, PlannedUse, make_policy
 from cachefsd.cache.tier import Tier
-from cachefsd.cache.tiered import CacheEvents, Damage, TieredCache, VerifyReport
+from cachefsd.cache.tiered import CacheEvents, DedupWhere, TieredCache
 from cachefsd.config import CacheSettings, human_bytes, resolve_tier_size
 from cachefsd.errors import CachefsdError, ConfigError
-from cachefsd.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -234,13 +232,15 @@ def open_cache(
     migrate_block_size: bool = False,
     keep_recorded_layout: bool = False,
     inspect_only: bool = False,
+    elsewhere: DueElsewhere | None = None,
 ) -> Iterator[OpenCache]:
     """Lock, open and reconcile a cache. ``specs`` None means the layout
     recorded by the last daemon (for maintenance commands), and so does
     ``keep_recorded_layout`` when there is one (an offline stage: a layout
     of its own, or the defaults, would trim or drop the daemon's tiers);
-    ``planned`` is the prefetcher's plan, which the epoch-aware policy
-    reads; ``block_size`` the size the blocks are read at (None for
+    ``planned`` is the prefetcher's plan and ``elsewhere`` the marks of
+    reads other jobs are still to make, which the epoch-aware policy reads;
+    ``block_size`` the size the blocks are read at (None for
     maintenance, which reads blocks by their hashes only), and
     ``migrate_block_size`` whether a cache filled at another is dropped (a
     mount) or refused; ``inspect_only`` that nothing in the cache is
@@ -272,12 +272,12 @@ def open_cache(
                 Path(spec.dir),
                 spec.capacity,
                 _CODECS[spec.codec],
-                make_policy(policy, epochs, rng, planned),
+                make_policy(policy, epochs, rng, planned, elsewhere),
             )
             for spec in layout
         ]
         cache = TieredCache(tiers, index, events, planned)
-        dropped = cache.reconcile(tidy=not inspect_only)
+        dropped = reconcile(cache, tidy=not inspect_only)
         index.start_serving()
         return OpenCache(index, cache, dropped)
 
@@ -357,6 +357,19 @@ class _NoEpochs:
         return 0
 
 
+class _Unreported:
+    """The ``CacheEvents`` of an offline command: no daemon serves its
+    metrics, so nothing is counted."""
+
+    def tier_usage(self, tier: str, used_bytes: int, capacity_bytes: int, blocks: int) -> None: ...
+    def tier_read(self, tier: str, nbytes: int) -> None: ...
+    def block_evicted(self, tier: str) -> None: ...
+    def block_moved(self, direction: Literal["promotion", "demotion"]) -> None: ...
+    def block_corrupt(self, tier: str) -> None: ...
+    def cache_error(self, tier: str) -> None: ...
+    def dedup_saved(self, where: DedupWhere, nbytes: int) -> None: ...
+
+
 @contextmanager
 def _maintenance(cache_dir: Path, inspect_only: bool = False) -> Iterator[OpenCache]:
     """The cache as the last daemon laid it out, for an offline command:
@@ -366,7 +379,7 @@ def _maintenance(cache_dir: Path, inspect_only: bool = False) -> Iterator[OpenCa
         None,
         LRU,
         _NoEpochs(),
-        Metrics(CollectorRegistry()),
+        _Unreported(),
         lock_wait=_NO_WAIT,
         inspect_only=inspect_only,
     ) as opened:
@@ -384,7 +397,7 @@ def verify(cache_dir: Path, repair: bool) -> VerifyReport:
         except IndexDamaged as exc:
             opened.index.note_damage(exc)  # for the next mount
             _set_aside(cache_dir / _INDEX_NAME, exc, maintenance=True)
-        found, dropped = opened.cache.verify(repair), opened.dropped
+        found, dropped = verify_blocks(opened.cache, repair), opened.dropped
         return VerifyReport(
             found.checked + len(dropped.corrupt) + len(dropped.missing),
             dropped.corrupt + found.corrupt,

@@ -25,7 +25,7 @@ tier's bookkeeping order: ``admitted`` of a resident block counts as a read,
 ``accessed`` and ``removed`` of a block the policy does not hold are no-ops.
 Policies do no I/O, start no threads and take no locks: the tier calls them
 under its own. ``PlannedUse``, shared by the prefetcher and the tiers, has
-its own lock.
+its own lock; ``SharedReads`` keeps per-thread state and needs none.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ import heapq
 import random
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Final, Protocol
 
 LRU: Final = "lru"
@@ -70,9 +72,8 @@ class EvictionPolicy(Protocol):
         before anyone asked for it (prefetch, stage) and not read yet."""
         ...
 
-    def accessed(self, block: str, again: bool = False) -> None:
-        """``block`` was read from the tier; ``again`` when another job is
-        still to read it this epoch (jobs sharing a dataset)."""
+    def accessed(self, block: str) -> None:
+        """``block`` was read from the tier."""
         ...
 
     def removed(self, block: str) -> None:
@@ -124,6 +125,49 @@ class NextUse(Protocol):
         ...
 
 
+class DueElsewhere(Protocol):
+    """Whether another job is still to read a block this epoch: the jobs of
+    a sweep each read every block of one dataset once an epoch, in orders
+    of their own, so a block one of them just read may be due for another."""
+
+    def due_elsewhere(self, block: str) -> bool:
+        """Asked as ``block`` is read (or admitted for a read): whether a job
+        other than its reader is still to read it this epoch."""
+        ...
+
+
+class SharedReads:
+    """The daemon's ``DueElsewhere``. Who is still to read what is known by
+    file and job (the access model's ``wanted_elsewhere``), and only the
+    read path knows both: the mount marks a read that another job is still
+    to read the bytes of (``reading``, given which blocks are the read's),
+    and while it runs, those blocks are due elsewhere. The policies are
+    asked on the reading thread as the read counts each block (its hit, or
+    the admission of a block fetched or promoted for it), so the mark is
+    per thread: concurrent reads of different jobs each answer for
+    themselves, and off a marked read (prefetch, stage, a block demoted to
+    make room) every block answers no. A mark's test runs under the tier's
+    lock and may look the read's blocks up in the index, whose lock comes
+    after a tier's (``tiered.py``)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @contextmanager
+    def reading(self, blocks: Callable[[str], bool]) -> Iterator[None]:
+        """Within the block, on this thread: a block is due elsewhere when
+        ``blocks(block)`` says it is one of the marked read's."""
+        self._local.blocks = blocks
+        try:
+            yield
+        finally:
+            del self._local.blocks
+
+    def due_elsewhere(self, block: str) -> bool:
+        blocks: Callable[[str], bool] | None = getattr(self._local, "blocks", None)
+        return blocks is not None and blocks(block)
+
+
 class PlannedUse:
     """The daemon's ``NextUse``: the position (on the prefetcher's count of
     opens) at which a block is planned to be read next, for blocks fetched
@@ -167,7 +211,7 @@ class LruPolicy:
         self._order[block] = None
         self._order.move_to_end(block)
 
-    def accessed(self, block: str, again: bool = False) -> None:
+    def accessed(self, block: str) -> None:
         if block in self._order:
             self._order.move_to_end(block)
 
@@ -218,7 +262,7 @@ class TwoRandomPolicy:
             self._blocks.append(block)
         self._touch(block)
 
-    def accessed(self, block: str, again: bool = False) -> None:
+    def accessed(self, block: str) -> None:
         if block in self._index:
             self._touch(block)
 
@@ -274,7 +318,7 @@ class MinioPolicy:
     def admitted(self, block: str, ahead: bool = False) -> None:
         self._resident.add(block)
 
-    def accessed(self, block: str, again: bool = False) -> None:
+    def accessed(self, block: str) -> None:
         """Reads change nothing: MinIO keeps whatever filled the cache first."""
 
     def removed(self, block: str) -> None:
@@ -316,10 +360,10 @@ class EpochAwarePolicy:
       read, is the least useful block of all. Steady state is MinIO's hit
       ratio (the cached fraction), but the contents follow the working set.
     - a block read while another job sharing the dataset is still to read
-      it this epoch (``accessed(again=True)``: a sweep's jobs each read every
-      block once an epoch, in orders of their own) ranks as due too, until
-      a read that leaves no job to come, and goes stale only once the clock
-      (the leading job's epoch) is two epochs on: a job an epoch behind the
+      it this epoch (``DueElsewhere``: a sweep's jobs each read every block
+      once an epoch, in orders of their own) ranks as due too, until a read
+      that leaves no job to come, and goes stale only once the clock (the
+      leading job's epoch) is two epochs on: a job an epoch behind the
       leader still needs it;
     - a block fetched ahead (prefetch, stage) has not been read: it ranks as
       if last read in the previous epoch, due in this one, until it is read
@@ -343,9 +387,12 @@ class EpochAwarePolicy:
     re-push, never a wrong answer about residency.
     """
 
-    def __init__(self, epochs: EpochClock, next_use: NextUse | None = None) -> None:
+    def __init__(
+        self, epochs: EpochClock, next_use: NextUse | None = None, elsewhere: DueElsewhere | None = None
+    ) -> None:
         self._epochs = epochs
         self._next_use = next_use
+        self._elsewhere = elsewhere
         # Epoch of each resident's last read (admission counts), as ranked:
         # its group's key below.
         self._epoch_of: dict[str, float] = {}
@@ -373,15 +420,9 @@ class EpochAwarePolicy:
         elif block not in self._epoch_of:
             self._settle(block, self._epochs.current() - 1)
 
-    def accessed(self, block: str, again: bool = False) -> None:
+    def accessed(self, block: str) -> None:
         if block in self._epoch_of:
-            if again:
-                # Another job is still to read it: due, until the clock (the
-                # leading job's epoch) has moved on twice, so that a job
-                # still in the leader's previous epoch keeps it too.
-                self._settle(block, self._epochs.current() + DUE_ELSEWHERE_RANK)
-            else:
-                self._read(block)
+            self._read(block)
 
     def removed(self, block: str) -> None:
         epoch = self._epoch_of.pop(block, None)
@@ -470,7 +511,13 @@ class EpochAwarePolicy:
         return None if self._next_use is None else self._next_use.next_use(block)
 
     def _read(self, block: str) -> None:
-        self._settle(block, self._epochs.current())
+        if self._elsewhere is not None and self._elsewhere.due_elsewhere(block):
+            # Another job is still to read it: due, until the clock (the
+            # leading job's epoch) has moved on twice, so that a job still
+            # in the leader's previous epoch keeps it too.
+            self._settle(block, self._epochs.current() + DUE_ELSEWHERE_RANK)
+        else:
+            self._settle(block, self._epochs.current())
 
     def _settle(self, block: str, epoch: float) -> None:
         previous = self._epoch_of.get(block)
@@ -506,12 +553,17 @@ class EpochAwarePolicy:
 
 
 def make_policy(
-    name: str, epochs: EpochClock, rng: random.Random, next_use: NextUse | None = None
+    name: str,
+    epochs: EpochClock,
+    rng: random.Random,
+    next_use: NextUse | None = None,
+    elsewhere: DueElsewhere | None = None,
 ) -> EvictionPolicy:
     """The policy called ``name`` (one of ``POLICY_NAMES``); ValueError for any other.
 
-    ``epochs`` and ``next_use`` only matter to the epoch-aware policy, ``rng``
-    only to 2-random; every policy takes them so config can switch freely.
+    ``epochs``, ``next_use`` and ``elsewhere`` only matter to the epoch-aware
+    policy, ``rng`` only to 2-random; every policy takes them so config can
+    switch freely.
     """
     if name == LRU:
         return LruPolicy()
@@ -520,5 +572,5 @@ def make_policy(
     if name == MINIO:
         return MinioPolicy()
     if name == EPOCH_AWARE:
-        return EpochAwarePolicy(epochs, next_use)
+        return EpochAwarePolicy(epochs, next_use, elsewhere)
     raise ValueError(f"unknown eviction policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")

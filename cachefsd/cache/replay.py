@@ -4,13 +4,14 @@ doctor``'s what-if table (``diagnose/whatif.py``) runs a job's observed
 order through at other cache sizes.
 
 The cache here is a set of block names with a byte capacity, run by a real
-policy from ``policy.py`` the way a tier runs it: a miss admits the block
-once it has been read (refused when the policy gives no victim up), a read
-tells the policy whether another job is still to read it this epoch, and a
-block the prefetcher brought (``admit(ahead=True)``) carries its planned
-use. The epoch clock is the daemon's own access model, told of every open
-and read as the mount tells it. Hooks run before each read and after it
-(a next-use oracle, a simulated prefetcher).
+policy from ``policy.py`` by the tiers' own rule (``tier.victims_for``): a
+miss admits the block once it has been read (refused when the policy gives
+no victim up), a read another job is still to make this epoch is marked
+for the policy as the mount marks it (``policy.SharedReads``), and a block
+the prefetcher brought (``admit(ahead=True)``) carries its planned use.
+The epoch clock is the daemon's own access model, told of every open and
+read as the mount tells it. Hooks run before each read and after it (a
+next-use oracle, a simulated prefetcher).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from cachefsd.cache.policy import EvictionPolicy, PlannedUse
+from cachefsd.cache.policy import EvictionPolicy, PlannedUse, SharedReads
+from cachefsd.cache.tier import NoRoom, victims_for
 from cachefsd.jobs import UNKNOWN_JOB
 from cachefsd.workload.model import AccessModel
 
@@ -41,16 +43,14 @@ class ReplayCache:
         self._size_of = size_of
         self._used = 0
 
-    def read(self, block: str, again: bool) -> bool:
-        """A read of ``block`` (``again``: another job is still to read it
-        this epoch); a miss admits it. Whether it hit."""
+    def read(self, block: str) -> bool:
+        """A read of ``block``; a miss admits it. Whether it hit."""
         if self.planned is not None:
             self.planned.consumed(block)
         if block in self.resident:
-            self.policy.accessed(block, again)
+            self.policy.accessed(block)
             return True
-        if self.admit(block) and again:
-            self.policy.accessed(block, again)
+        self.admit(block)
         return False
 
     def admit(self, block: str, ahead: bool = False) -> bool:
@@ -59,19 +59,23 @@ class ReplayCache:
         size = self._size_of(block)
         if size > self.capacity:
             return False
-        while self._used + size > self.capacity:
-            evicted = self.policy.victim(block)
-            if evicted is None:
-                return False
-            self.resident.remove(evicted)
-            self._used -= self._size_of(evicted)
-            self.policy.removed(evicted)
-            if self.planned is not None:
-                self.planned.consumed(evicted)
+        try:
+            victims_for(self.policy, block, self._used + size - self.capacity, self._evict, "replayed")
+        except NoRoom:
+            return False
         self.resident.add(block)
         self._used += size
         self.policy.admitted(block, ahead)
         return True
+
+    def _evict(self, block: str) -> int:
+        self.resident.remove(block)
+        size = self._size_of(block)
+        self._used -= size
+        self.policy.removed(block)
+        if self.planned is not None:
+            self.planned.consumed(block)
+        return size
 
 
 class ReplayHook(Protocol):
@@ -95,11 +99,13 @@ def replay(
     file_size: Callable[[str], int] = lambda _: 1,
     hooks: Sequence[ReplayHook] = (),
     read_seconds: float = 0.001,
+    shared_reads: SharedReads | None = None,
 ) -> list[bool]:
     """Replay ``trace`` (files, read whole by ``jobs``, one job when None)
     through ``cache``: hit per block read, in order. Each job lists the
     dataset first, as a loader does. ``read_seconds`` apart: time only
-    orders the model's events."""
+    orders the model's events. ``shared_reads``: where a read another job
+    is still to make is marked, which ``cache``'s policy was given."""
     readers = [UNKNOWN_JOB] * len(trace) if jobs is None else jobs
     listing = {path: file_size(path) for path in set(trace)}
     for job in dict.fromkeys(readers):
@@ -113,8 +119,12 @@ def replay(
         size = listing[path]
         clock.opened(path, size, now, job)
         clock.read(path, 0, size, now, job)
-        again = clock.wanted_elsewhere(path, job)  # as the mount asks at each read
-        hits.extend(cache.read(block, again) for block in blocks_of(path))
+        blocks = blocks_of(path)
+        if shared_reads is not None and clock.wanted_elsewhere(path, job):  # as the mount asks at each read
+            with shared_reads.reading(frozenset(blocks).__contains__):
+                hits.extend(cache.read(block) for block in blocks)
+        else:
+            hits.extend(cache.read(block) for block in blocks)
         for hook in hooks:
             hook.after(position + 1)
     return hits

@@ -24,6 +24,7 @@ import secrets
 import stat
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from cachefsd.cache.codec import Codec, Frame
@@ -73,6 +74,25 @@ class UnplaceableBlock(OSError):
 # in the way of that name, not the disk (full, read-only, failing). Not a
 # permission refused: an immutable or unwritable blocks/ refuses them all.
 _BLOCKED_NAME = frozenset({errno.EEXIST, errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY})
+
+
+def victims_for(
+    policy: EvictionPolicy, incoming: str, needed: int, remove: Callable[[str], int], where: str
+) -> list[str]:
+    """How a full tier makes room for block ``incoming``: the victims
+    ``policy`` gives up, each taken out with ``remove`` (which returns its
+    bytes), until ``needed`` bytes are free. ``NoRoom`` as soon as the
+    policy refuses, with the victims taken out so far (``where`` names the
+    tier in its message). The tiers and the replayed cache
+    (``replay.ReplayCache``) admit by this one rule."""
+    victims: list[str] = []
+    while needed > 0:
+        victim = policy.victim(incoming)
+        if victim is None:
+            raise NoRoom(f"the {where} policy keeps every block", victims)
+        victims.append(victim)
+        needed -= remove(victim)
+    return victims
 
 
 class Tier:
@@ -145,16 +165,9 @@ class Tier:
         demote) them before writing. ``NoRoom`` if the policy refuses."""
         if size > self.capacity:
             raise NoRoom(f"{size} bytes exceed the {self.name} tier", [])
-        victims: list[str] = []
         with self._lock:
-            limit = self.limit()
-            while self._used + size > limit:
-                victim = self._policy.victim(incoming)
-                if victim is None:
-                    raise NoRoom(f"the {self.name} tier's policy keeps every block", victims)
-                victims.append(victim)
-                self._remove_locked(victim)
-        return victims
+            needed = self._used + size - self.limit()
+            return victims_for(self._policy, incoming, needed, self._remove_locked, f"{self.name} tier's")
 
     def limit(self) -> int:
         """The bytes this tier may hold now: its capacity, or less when its
@@ -193,11 +206,11 @@ class Tier:
             if digest in self._sizes:
                 self._policy.next_use_changed(digest)
 
-    def accessed(self, digest: str, again: bool = False) -> None:
-        """``again`` as in ``EvictionPolicy.accessed``."""
+    def accessed(self, digest: str) -> None:
+        """Block ``digest`` was read: let the policy rank it so."""
         with self._lock:
             if digest in self._sizes:
-                self._policy.accessed(digest, again)
+                self._policy.accessed(digest)
 
     # -- files ------------------------------------------------------------
 

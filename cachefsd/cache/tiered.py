@@ -12,8 +12,8 @@ referenced from every (source, key, etag, block) that holds it.
 Crash safety: a frame is written to a temp file and renamed into its tier
 before the index names it there; a moved block is written to its new tier,
 re-homed in the index, and only then deleted from the old one; an evicted
-block leaves the index before its file goes. ``reconcile`` at start-up
-deletes temp files, files the index does not place in that tier, rows whose
+block leaves the index before its file goes. ``maintenance.reconcile`` at
+start-up deletes temp files, files the index does not place in that tier, rows whose
 file is missing or of the wrong size, and unreferenced blocks. Every frame
 carries its hash and is verified when read back, so nothing a ``kill -9``
 or a power loss leaves behind can be served.
@@ -36,15 +36,14 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
 from cachefsd.cache.codec import Codec, CorruptBlock, check_raw, decode, encode
 from cachefsd.cache.index import BlockRef, Index, IndexDamaged, StoredBlock
 from cachefsd.cache.policy import PlannedUse
 from cachefsd.cache.tier import NoRoom, Tier, UnplaceableBlock, disk_bytes
-from cachefsd.config import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -100,29 +99,6 @@ class Placement:
     raw: bool  # stored as a raw frame: servable from the file without copying
 
 
-@dataclass(frozen=True)
-class VerifyReport:
-    checked: int
-    corrupt: list[str]
-    missing: list[str]
-    # Bad blocks a repair could not drop from the index (its disk is full).
-    unrepaired: list[str] = field(default_factory=list)
-    # Files no block row names (left by a crash, or strays): a repair, a
-    # gc and the next mount remove them.
-    orphans: int = 0
-
-
-@dataclass(frozen=True)
-class Damage:
-    """What ``reconcile`` found (and, tidying, dropped): blocks whose row
-    names a file of the wrong size (corrupt) or none (missing), and files
-    in the tiers that no row names (orphans: crash leftovers, strays)."""
-
-    corrupt: list[str]
-    missing: list[str]
-    orphans: int = 0
-
-
 def _file_identity(stat: os.stat_result) -> tuple[int, int, int]:
     """What changes when a file is written to or replaced: its device and
     inode, and its ctime, which every write, truncation or rename sets to
@@ -154,7 +130,6 @@ class TieredCache:
         # checked (``_file_identity``), the most recently served last.
         self._checked_files: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
         self._checked_lock = threading.Lock()
-        self._by_name = {tier.name: tier for tier in tiers}
         self._index = index
         self._events = events
         self._move_lock = threading.Lock()
@@ -172,6 +147,10 @@ class TieredCache:
         return self._tiers
 
     @property
+    def index(self) -> Index:
+        return self._index
+
+    @property
     def capacity(self) -> int:
         return sum(tier.capacity for tier in self._tiers)
 
@@ -186,87 +165,6 @@ class TieredCache:
         return self._moving.get(digest)
 
     # -- start-up -------------------------------------------------------
-
-    def reconcile(self, tidy: bool = True) -> Damage:
-        """Make files, index and accounting agree after whatever happened
-        last time, and trim every tier to its (possibly new) capacity; the
-        damage found on the way (dropped, as the rest). Without ``tidy``
-        (``verify`` without ``--repair``) nothing on disk or in the index
-        changes: the damage is only found, and the tiers account for the
-        blocks that are intact."""
-        on_disk: dict[str, dict[str, int]] = {}
-        strays = 0
-        for tier in self._tiers:
-            on_disk[tier.name], not_blocks = tier.files(tidy)
-            strays += not_blocks
-        stored = self._index.blocks()  # least recently used first
-        kept, damage, trimmed = self._judge_rows(stored, on_disk, tidy)
-        for block in stored:  # admit in recency order so the policies see it
-            if block.hash in kept:
-                self._by_name[block.tier].add(block.hash, block.disk_bytes)
-        # What no row took: block files never recorded (a crash), and strays.
-        if not tidy:
-            damage = replace(damage, orphans=strays + sum(len(files) for files in on_disk.values()))
-            log.info("cache inspected: %d blocks intact, %d orphan files", len(kept), damage.orphans)
-            return damage
-        removed = strays
-        for tier in self._tiers:
-            for orphan in on_disk[tier.name]:
-                try:
-                    tier.delete(orphan)
-                except OSError as exc:  # immutable, say: it stays, and the mount goes on
-                    log.warning("cannot remove orphan block %s from the %s tier: %s", orphan, tier.name, exc)
-                    continue
-                removed += 1
-        damage = replace(damage, orphans=removed)
-        log.info("cache reconciled: %d blocks kept, %d orphan files removed", len(kept), removed)
-        if damage.corrupt or damage.missing:
-            log.warning(
-                "cache: dropped %d blocks whose file was of the wrong size and %d whose file was gone; "
-                "they are fetched again when read",
-                len(damage.corrupt),
-                len(damage.missing),
-            )
-        for name, (blocks, nbytes) in trimmed.items():
-            # A smaller capacity (or a tier left out) empties a warm cache: say so.
-            why = "beyond its capacity" if name in self._by_name else "the tier is no longer configured"
-            message = "%s tier: %d cached blocks (%s) evicted at start: %s"
-            log.warning(message, name, blocks, human_bytes(nbytes), why)
-        self._report_usage()
-        return damage
-
-    def _judge_rows(
-        self, stored: list[StoredBlock], on_disk: dict[str, dict[str, int]], tidy: bool
-    ) -> tuple[dict[str, StoredBlock], Damage, dict[str, tuple[int, int]]]:
-        """For ``reconcile``: the rows kept (their files taken out of
-        ``on_disk``), the damaged ones, and per tier the blocks and bytes
-        trimmed for want of room (or of the tier); all but the kept are
-        dropped when ``tidy``."""
-        garbage = set(self._index.unreferenced())
-        damage = Damage([], [])
-        kept: dict[str, StoredBlock] = {}
-        used = dict.fromkeys(self._by_name, 0)
-        trimmed: dict[str, tuple[int, int]] = {}
-        for block in reversed(stored):  # most recent first: they are kept when a tier overflows
-            tier = self._by_name.get(block.tier)
-            file_size = None if tier is None else on_disk[tier.name].pop(block.hash, None)
-            intact = file_size is not None and disk_bytes(file_size) == block.disk_bytes
-            fits = tier is not None and used[tier.name] + block.disk_bytes <= tier.capacity
-            if intact and fits and block.hash not in garbage:
-                used[block.tier] += block.disk_bytes
-                kept[block.hash] = block
-                continue
-            if block.hash not in garbage:  # an unreferenced block is no loss
-                if tier is None or intact:  # no room for it, or no tier
-                    blocks, nbytes = trimmed.get(block.tier, (0, 0))
-                    trimmed[block.tier] = (blocks + 1, nbytes + block.disk_bytes)
-                elif file_size is None:
-                    damage.missing.append(block.hash)
-                else:
-                    damage.corrupt.append(block.hash)
-            if tidy:
-                self._drop(block.hash, tier)
-        return kept, damage, trimmed
 
     def save_recency(self) -> None:
         """Persist the order of use so eviction order survives a restart;
@@ -344,21 +242,20 @@ class TieredCache:
         tier = self._tier_holding(digest)
         return None if tier is None else Placement(tier.name, tier.codec is Codec.RAW)
 
-    def touch(self, digest: str, again: bool = False) -> None:
+    def touch(self, digest: str) -> None:
         """A read served from RAM, not through ``read``: the policies still
-        have to see it; ``again`` as in ``EvictionPolicy.accessed`` (a read
-        already counted is then ranked anew)."""
+        have to see it."""
         tier = self._tier_holding(digest)
         if tier is not None:
-            self._read_from(tier, digest, again)
+            self._read_from(tier, digest)
 
-    def _read_from(self, tier: Tier, digest: str, again: bool = False) -> None:
+    def _read_from(self, tier: Tier, digest: str) -> None:
         """Count a read of block ``digest`` in ``tier``: it ends the block's
         plan (it was planned to be read next; now it has been), and its
         policy ranks it as read."""
         if self._planned is not None:
             self._planned.consumed(digest)
-        tier.accessed(digest, again)
+        tier.accessed(digest)
 
     def warm(self, digest: str, hold: bool = False) -> None:
         """Have block ``digest`` read from disk into RAM ahead of its read;
@@ -515,7 +412,7 @@ class TieredCache:
                 # when some later read admits it, by a position long past.
                 if self._planned is not None:
                     self._planned.consumed(digest)
-        self._report_usage()
+        self.report_usage()
 
     def _record(self, ref: BlockRef, stored: StoredBlock, identity: tuple[str, int] | None) -> None:
         try:
@@ -560,7 +457,7 @@ class TieredCache:
             try:
                 if position + 1 < len(self._tiers) and self._demote(digest, position):
                     continue
-                self._drop(digest, tier)
+                self.drop(digest, tier)
             finally:
                 self._moving.pop(digest, None)
             self._events.block_evicted(tier.name)
@@ -615,7 +512,7 @@ class TieredCache:
                 self._rehome(digest, source, self._tiers[0], "promotion")
             finally:
                 self._moving.pop(digest, None)
-        self._report_usage()
+        self.report_usage()
 
     def _rehome(
         self, digest: str, source: Tier, target: Tier, direction: Literal["promotion", "demotion"]
@@ -638,10 +535,12 @@ class TieredCache:
 
     # -- removal --------------------------------------------------------
 
-    def _drop(self, digest: str, tier: Tier | None) -> None:
+    def drop(self, digest: str, tier: Tier | None) -> None:
         """Delete a block's row, then its file, and its plan; best effort. If
         the row cannot be deleted the file goes anyway: a row naming a
-        missing file is a miss on read, and start-up drops it."""
+        missing file is a miss on read, and start-up drops it. The caller
+        has taken it out of ``tier``'s accounting (or it never was in it:
+        ``maintenance``)."""
         if self._planned is not None:
             self._planned.consumed(digest)
         try:
@@ -662,15 +561,15 @@ class TieredCache:
         the next tier is good) or evicted since the reader found it there,
         and the read is only a miss."""
         if tier.remove(digest) is not None:
-            self._drop(digest, tier)
-            self._report_usage()
+            self.drop(digest, tier)
+            self.report_usage()
 
     def _forget(self, digest: str) -> None:
         tier = self._tier_holding(digest)
         if tier is not None:
             tier.remove(digest)
-        self._drop(digest, tier)
-        self._report_usage()
+        self.drop(digest, tier)
+        self.report_usage()
 
     def release_version(self, source: str, key: str, etag: str, block_count: int) -> None:
         """Drop one version of an object (it changed or was deleted upstream),
@@ -684,37 +583,7 @@ class TieredCache:
             for digest in unreferenced:
                 self._forget(digest)
 
-    # -- maintenance ------------------------------------------------------
-
-    def verify(self, repair: bool) -> VerifyReport:
-        """Check every block's frame and hash; with ``repair``, drop the bad
-        ones (they are fetched again on their next read)."""
-        corrupt: list[str] = []
-        missing: list[str] = []
-        checked = 0
-        for digest, tier in self._stored():
-            checked += 1
-            try:
-                decode(tier.read(digest), digest)
-            except FileNotFoundError:
-                missing.append(digest)
-            except (CorruptBlock, OSError):
-                corrupt.append(digest)
-        if not repair:
-            return VerifyReport(checked, corrupt, missing)
-        for digest in corrupt + missing:
-            self._forget(digest)  # best effort, as on every path: a row may stay
-        left = {block.hash for block in self._index.blocks()}
-        return VerifyReport(
-            checked, corrupt, missing, [digest for digest in corrupt + missing if digest in left]
-        )
-
-    def _stored(self) -> Iterator[tuple[str, Tier]]:
-        for block in self._index.blocks():
-            tier = self._by_name.get(block.tier)
-            if tier is not None and tier.holds(block.hash):
-                yield block.hash, tier
-
-    def _report_usage(self) -> None:
+    def report_usage(self) -> None:
+        """Tell the events each tier's usage, after anything that changed it."""
         for tier in self._tiers:
             self._events.tier_usage(tier.name, tier.used_bytes, tier.capacity, tier.block_count)

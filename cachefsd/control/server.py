@@ -76,7 +76,7 @@ from cachefsd.diagnose.meter import MeterTotals
 from cachefsd.diagnose.service import Diagnosis
 from cachefsd.errors import BadRequest, CachefsdError, StageCancelled
 from cachefsd.namespace.tree import Namespace
-from cachefsd.stage import Blocks, Report, normalise, stage_files
+from cachefsd.stage import Blocks, Report, Resident, normalise, stage_files
 
 log = logging.getLogger(__name__)
 
@@ -539,6 +539,7 @@ class MountHandlers:
         self,
         namespace: Namespace,
         reader: Blocks,
+        resident: Resident,
         cache: TieredCache,
         mount: MountState,
         activity: Callable[[], NodeActivity],
@@ -555,6 +556,7 @@ class MountHandlers:
         reports are refused."""
         self._namespace = namespace
         self._reader = reader
+        self._resident = resident
         self._cache = cache
         self._mount = mount
         self._activity = activity
@@ -618,7 +620,9 @@ class MountHandlers:
 
     def stage(self, request: StageRequest, report: Report) -> dict[str, Any]:
         tiers = [tier.name for tier in self._cache.tiers]
-        return stage_files(self._namespace, self._reader, tiers, request, report, self._closing)
+        return stage_files(
+            self._namespace, self._reader, self._resident, tiers, request, report, self._closing
+        )
 
     def attach(self, settings: dict[str, Any]) -> dict[str, Any]:
         if self._node is None:

@@ -16,7 +16,7 @@ Budget, whatever the number of open files, counted by the accounts
 - at most the reach (``reach.py``: AIMD between
   ``PrefetchTuning.min_reach_bytes`` and ``lookahead``) fetched ahead and
   not yet read;
-- at most the cache's room (``TieredCache.room``: free space plus what the
+- at most the cache's room (``CachedBlocks.room``: free space plus what the
   eviction policy would give up) in flight: a block the cache refuses on
   arrival was fetched for nothing;
 - at most ``bandwidth`` bytes per second when set (``bucket.py``).
@@ -85,6 +85,36 @@ log = logging.getLogger(__name__)
 Run = list[tuple[int, BlockRef, int]]
 
 
+class CachedBlocks(Protocol):
+    """What the prefetcher asks of the block cache (``cache.view.CacheView``),
+    by object version and block index."""
+
+    def digest(self, info: ObjectInfo, index: int) -> str | None:
+        """The content hash cached for block ``index`` of ``info``; None if it is not cached."""
+        ...
+
+    def plan(self, info: ObjectInfo, index: int, position: float) -> str | None:
+        """Plan cached block ``index`` of ``info`` to be read next at
+        ``position`` (on the count of opens); its hash, or None if it is not
+        cached (then nothing is planned)."""
+        ...
+
+    def unplan(self, digest: str) -> None:
+        """Block ``digest`` is no longer planned (read, or the plan changed)."""
+        ...
+
+    def warm(self, info: ObjectInfo, index: int) -> bool:
+        """Start loading cached block ``index`` of ``info`` into RAM ahead
+        of its read; False if it is not cached."""
+        ...
+
+    def room(self, next_use: float | None, wanted: int) -> int:
+        """Bytes the cache would keep of blocks fetched ahead now, planned
+        to be read at ``next_use`` (None: unknown), counted until ``wanted``
+        bytes are found."""
+        ...
+
+
 class PrefetchEvents(Protocol):
     def prefetch_issued(self, nbytes: int) -> None: ...
     def prefetch_used(self, nbytes: int) -> None: ...
@@ -98,6 +128,7 @@ class Prefetcher:
         model: AccessModel,
         namespace: Namespace,
         reader: BlockReader,
+        cache: CachedBlocks,
         settings: PrefetchSettings,
         events: PrefetchEvents,
         tuning: PrefetchTuning = DEFAULT_TUNING,
@@ -109,6 +140,7 @@ class Prefetcher:
         self._model = model
         self._namespace = namespace
         self._reader = reader
+        self._cache = cache
         self._settings = settings
         self._events = events
         self._tuning = tuning
@@ -186,7 +218,7 @@ class Prefetcher:
             return
         position = self._opens_now() + distance
         for index in block_range(offset, size, info.size, self._reader.block_size):
-            self._reader.plan(info, index, position)
+            self._cache.plan(info, index, position)
 
     def _fetch_head(self, info: ObjectInfo, job: str) -> None:
         """Fetch the first run of a large file (``head.py``) with the GET of
@@ -197,7 +229,7 @@ class Prefetcher:
         demand read's priority."""
         if not self._thread.is_alive() or self._stopped.is_set():  # --no-prefetch, or stopping
             return
-        if self._reader.digest(info, 0) is not None or self._reader.fetching(info, 0):
+        if self._cache.digest(info, 0) is not None or self._reader.fetching(info, 0):
             return
         prediction = Prediction(
             info.key, 0, RUN_BYTES, 0.0, workload=self._model.workload_of(info.key, job) or ""
@@ -336,7 +368,7 @@ class Prefetcher:
         with self._lock:
             voided = self._accounts.digests_of(turns)
         for digest in voided:
-            self._reader.unplan(digest)
+            self._cache.unplan(digest)
         self._warming.void(self._stale)
 
     def _stale(self, workload: str, epoch: int) -> bool:
@@ -359,19 +391,19 @@ class Prefetcher:
             if info is None:
                 continue
             for index in block_range(0, info.size, info.size, self._reader.block_size):
-                digest = self._reader.plan(info, index, opens + distance)
+                digest = self._cache.plan(info, index, opens + distance)
                 if digest is not None:
                     planned.add(digest)
         with self._lock:
             stale, self._resident_plans = self._resident_plans - planned, planned
         for digest in stale:
-            self._reader.unplan(digest)
+            self._cache.unplan(digest)
 
     def _retire_waste(self) -> None:
         """Blocks fetched ahead that left the cache before anyone read them."""
         with self._lock:
             ahead = self._accounts.ahead()
-        gone = [ref for ref, block in ahead if self._reader.digest(block.info, block.index) is None]
+        gone = [ref for ref, block in ahead if self._cache.digest(block.info, block.index) is None]
         with self._lock:
             wasted = self._accounts.retire(gone)
             if wasted:
@@ -399,7 +431,7 @@ class Prefetcher:
                 end += RUN_BYTES
             block_size = self._reader.block_size
             blocks = block_range(prediction.offset, end - prediction.offset, info.size, block_size)
-            if all(self._reader.digest(info, index) is not None for index in blocks):
+            if all(self._cache.digest(info, index) is not None for index in blocks):
                 if prediction.offset == 0 and prediction.length >= info.size:
                     news = self._model.satisfied(prediction.path, prediction.workload)
                     if news and prediction.planned:
@@ -431,7 +463,7 @@ class Prefetcher:
             if info is None:
                 continue
             for index in block_range(0, info.size, info.size, self._reader.block_size):
-                self._reader.warm(info, index)
+                self._cache.warm(info, index)
             self._warming.warmed(file, info.size)
             self._events.prefetch_warmed(info.size)
 
@@ -467,7 +499,7 @@ class Prefetcher:
         position = self._opens + prediction.distance
         if not self._budget_allows_locked(nbytes, position, now):
             return False
-        if self._reader.digest(info, index) is not None:
+        if self._cache.digest(info, index) is not None:
             self._bucket.refund(nbytes)
             return True
         self._accounts.start(ref, nbytes)
@@ -488,7 +520,7 @@ class Prefetcher:
         return (
             self._accounts.gets < self._settings.concurrency
             and self._accounts.ahead_bytes + nbytes <= self._reach.bytes
-            and needed <= self._reader.cache_room(position, wanted=needed)
+            and needed <= self._cache.room(position, wanted=needed)
             and self._bucket.spend(nbytes, now)
         )
 
@@ -542,7 +574,7 @@ class Prefetcher:
     ) -> None:
         """Block ``index``'s prefetch is over: it was ``fetched`` by it, or
         not (cached meanwhile, fetched by a read's GET, or failed)."""
-        digest = self._reader.digest(info, index) if fetched else None
+        digest = self._cache.digest(info, index) if fetched else None
         with self._lock:
             joined = self._accounts.landed(ref)
             if digest is None:

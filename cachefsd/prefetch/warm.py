@@ -2,7 +2,7 @@
 disk into the page cache next, within a budget of bytes ahead of the readers.
 
 With a plan (a hint, or a replay the model trusts), a file that is already
-cached is warmed as its turn nears (``BlockReader.warm``:
+cached is warmed as its turn nears (``CachedBlocks.warm``:
 ``posix_fadvise(WILLNEED)``, which does not wait), at most
 ``PrefetchTuning.warm_ahead_bytes`` of files warmed and not opened yet, so
 that a hit does not wait on the cache disk either. A file whose turn has

@@ -225,7 +225,7 @@ class AccessModel:
     def wanted_elsewhere(self, path: str, job: str = UNKNOWN_JOB) -> bool:
         """Whether a workload of a job other than ``job``, reading in the
         last ``JOB_IDLE_SECONDS``, still has ``path`` to read this epoch: a
-        block of it read now is due again (``EvictionPolicy.accessed``). Two
+        block of it read now is due again (``policy.DueElsewhere``). Two
         jobs of a sweep on one dataset each read every file once an epoch,
         in orders of their own. O(jobs)."""
         # Asked at every FUSE read. With one job, it is the asker (its read,

@@ -14,9 +14,11 @@ from prometheus_client import CollectorRegistry
 from cachefsd.aio import LoopThread
 from cachefsd.cache.codec import Codec
 from cachefsd.cache.index import Index
-from cachefsd.cache.policy import EvictionPolicy, LruPolicy, PlannedUse
+from cachefsd.cache.maintenance import reconcile
+from cachefsd.cache.policy import EvictionPolicy, LruPolicy, PlannedUse, SharedReads
 from cachefsd.cache.tier import Tier
 from cachefsd.cache.tiered import CacheTuning, TieredCache
+from cachefsd.cache.view import CacheView
 from cachefsd.config import FetchSettings, Settings
 from cachefsd.engine import data_path
 from cachefsd.fs import ROOT_INODE, Attributes, FileSystem
@@ -85,6 +87,7 @@ class Rig:
     cache: TieredCache
     metrics: Metrics
     reader: BlockReader
+    view: CacheView
     namespace: Namespace
     fs: FileSystem
     clock: Clock
@@ -116,10 +119,13 @@ def build_rig(
     fetch: FetchSettings = FAST_FETCH,
     fresh_wait: float = TEST_FRESH_WAIT_SECONDS,
     cache_tuning: CacheTuning = DAEMON_CACHE_TUNING,
+    shared_reads: SharedReads | None = None,
 ) -> Rig:
     """The whole read path over a ``MemoryStore``, its cache in ``cache_dir``,
-    its I/O on ``io``; the caller closes ``rig.index``. For tests that
-    cannot take fixtures (hypothesis state machines); others use ``make_rig``."""
+    its I/O on ``io``; the caller closes ``rig.index``. ``shared_reads``:
+    where reads mark blocks other jobs are still to read, if ``policy`` was
+    given them. For tests that cannot take fixtures (hypothesis state
+    machines); others use ``make_rig``."""
     store = store or MemoryStore(objects or {})
     faulty = FaultyStore(store)
     cache_dir.mkdir(exist_ok=True)
@@ -132,7 +138,7 @@ def build_rig(
         planned,
         cache_tuning,
     )
-    cache.reconcile()
+    reconcile(cache)
     index.start_serving()  # as open_cache does
     settings = Settings(
         source=str(cache_dir),
@@ -143,10 +149,19 @@ def build_rig(
     )
     clock = Clock()
     model = AccessModel()
-    reader, namespace, _, fs = data_path(
-        faulty, cache, index, io, metrics, model, settings, listing_clock=clock, fresh_wait=fresh_wait
+    reader, view, namespace, _, fs = data_path(
+        faulty,
+        cache,
+        index,
+        io,
+        metrics,
+        model,
+        settings,
+        shared_reads or SharedReads(),
+        listing_clock=clock,
+        fresh_wait=fresh_wait,
     )
-    return Rig(store, faulty, index, cache, metrics, reader, namespace, fs, clock, cache_dir, model)
+    return Rig(store, faulty, index, cache, metrics, reader, view, namespace, fs, clock, cache_dir, model)
 
 
 @pytest.fixture(name="make_rig")

@@ -9,6 +9,8 @@ import logging
 import os
 import shutil
 import sqlite3
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -27,8 +29,10 @@ from cachefsd.cache import tier as tier_module
 from cachefsd.cache.codec import Codec, content_hash, decode, encode
 from cachefsd.cache.directory import TierSpec, gc, open_cache, verify
 from cachefsd.cache.index import BlockRef, Index, IndexDamaged
+from cachefsd.cache.maintenance import reconcile, verify_blocks
 from cachefsd.cache.policy import LruPolicy, MinioPolicy, PlannedUse
-from cachefsd.cache.tier import HELD_DESCRIPTORS, Tier, disk_bytes
+from cachefsd.cache.replay import ReplayCache
+from cachefsd.cache.tier import HELD_DESCRIPTORS, NoRoom, Tier, disk_bytes, victims_for
 from cachefsd.cache.tiered import CacheTuning, TieredCache
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.metrics import Metrics
@@ -56,7 +60,7 @@ def tiered(
     if warm is not None:
         tiers.append(Tier("warm", root / "warm", warm, Codec.LZ4, LruPolicy()))
     cache = TieredCache(tiers, index, metrics, clock=clock)
-    cache.reconcile()
+    reconcile(cache)
     try:
         yield cache, metrics
     finally:
@@ -824,13 +828,13 @@ def test_a_smaller_capacity_on_restart_keeps_the_most_recent_and_says_what_it_ev
 def test_verify_finds_and_repairs_damage(tmp_path: Path) -> None:
     with tiered(tmp_path, 1 << 20, 1 << 20) as (cache, _):
         digests = [admit(cache, ref(f"k{i}"), os.urandom(3000)) for i in range(3)]
-        assert cache.verify(repair=False).checked == 3
+        assert verify_blocks(cache, repair=False).checked == 3
         cache.tiers[0].path_of(digests[0]).write_bytes(b"rotten")
         cache.tiers[0].path_of(digests[1]).unlink()
-        report = cache.verify(repair=True)
+        report = verify_blocks(cache, repair=True)
         assert report.corrupt == [digests[0]]
         assert report.missing == [digests[1]]
-        clean = cache.verify(repair=False)
+        clean = verify_blocks(cache, repair=False)
         assert clean.checked == 1
         assert not clean.corrupt
         assert not clean.missing
@@ -884,7 +888,7 @@ def test_a_repair_the_index_cannot_record_is_reported_unrepaired(tmp_path: Path)
         digests = [admit(cache, ref(f"k{i}"), os.urandom(3000)) for i in range(2)]
         cache.tiers[0].path_of(digests[0]).write_bytes(b"rotten")
         cache._index._db.execute("PRAGMA query_only = ON")  # sqlite refuses every write, as when full
-        report = cache.verify(repair=True)
+        report = verify_blocks(cache, repair=True)
         assert report.corrupt == [digests[0]]
         assert report.unrepaired == [digests[0]]
 
@@ -955,3 +959,44 @@ def test_a_read_ends_a_blocks_plan_and_a_refused_block_keeps_none(tmp_path: Path
         cache.admit(ref("too big"), content_hash(too_big), too_big, ahead=True, next_use=6.0)
         assert not resident(cache, ref("too big"))
         assert planned.next_use(content_hash(too_big)) is None
+
+
+def test_a_tier_and_the_replayed_cache_make_room_by_one_rule() -> None:
+    """Victims until the newcomer fits; a refusal keeps the victims already
+    given up out (the tier deletes or demotes them all the same)."""
+    policy = LruPolicy()
+    for block in ("a", "b", "c"):
+        policy.admitted(block)
+    sizes = {"a": 1, "b": 2, "c": 3}
+
+    def remove(block: str) -> int:
+        policy.removed(block)
+        return sizes[block]
+
+    assert victims_for(policy, "new", 2, remove, "test") == ["a", "b"]
+    with pytest.raises(NoRoom) as refused:
+        victims_for(MinioPolicy(), "new", 1, sizes.__getitem__, "test")
+    assert refused.value.victims == []
+    replayed = ReplayCache(LruPolicy(), 3, sizes.__getitem__)
+    assert replayed.admit("a")
+    assert replayed.admit("b")
+    assert replayed.admit("c")  # 3 bytes: both residents go
+    assert replayed.resident == {"c"}
+    full = ReplayCache(MinioPolicy(), 3, sizes.__getitem__)
+    assert full.admit("c")
+    assert not full.admit("a")
+
+
+def test_the_cache_stands_below_the_metrics() -> None:
+    """The cache reports through ``CacheEvents``, which the metrics
+    implement: importing any module of it loads neither the metrics nor
+    prometheus-client (a cycle cache <-> metrics made each half of the
+    other)."""
+    code = (
+        "import pkgutil, sys, importlib, cachefsd.cache as cache; "
+        "names = [each.name for each in pkgutil.iter_modules(cache.__path__)]; "
+        "[importlib.import_module(f'cachefsd.cache.{name}') for name in names]; "
+        "print(sorted({'cachefsd.metrics', 'prometheus_client'} & set(sys.modules)))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

@@ -6,9 +6,13 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
+from cachefsd.cache.codec import HEADER_SIZE
+from cachefsd.cache.policy import EpochAwarePolicy, SharedReads
+from cachefsd.cache.tier import disk_bytes
 from cachefsd.errors import (
     BadFileHandle,
     IsADirectory,
@@ -18,7 +22,7 @@ from cachefsd.errors import (
     UnknownInode,
 )
 from cachefsd.fs import ROOT_INODE, FileSystem
-from cachefsd.jobs import UNKNOWN_JOB
+from cachefsd.jobs import UNKNOWN_JOB, CallerJobs
 from cachefsd.store.base import ObjectInfo
 from cachefsd.workload.model import AccessModel
 from tests.unit.conftest import BLOCK_SIZE, RigFactory, joined, looked_up, read_path
@@ -244,14 +248,14 @@ def test_looking_up_a_cached_sample_starts_loading_its_block(
         assert info is not None
         for index in range(blocks):
             assert rig.reader.fetch_run_ahead(info, range(index, index + 1)) == {index}
-    warm = rig.reader.warm
+    warm = rig.view.warm
     warmed: list[tuple[str, int, bool, bool]] = []
 
     def recorded_warm(info: ObjectInfo, index: int, hold: bool = False) -> bool:
         warmed.append((info.key, index, hold, warm(info, index, hold)))
         return warmed[-1][3]
 
-    monkeypatch.setattr(rig.reader, "warm", recorded_warm)
+    monkeypatch.setattr(rig.view, "warm", recorded_warm)
     for key in ("sample", "shard"):
         looked_up(rig.fs, "/" + key)
     assert warmed == [("sample", 0, True, True)]
@@ -286,3 +290,46 @@ def test_df_shows_the_cache_capacity_and_its_room(make_rig: RigFactory) -> None:
     assert read_path(rig.fs, "/f", len(data)) == data
     after = rig.fs.statfs()
     assert after["f_bavail"] == after["f_bfree"] < before["f_bfree"]
+
+
+class FirstEpoch:
+    """An ``EpochClock`` that stays in epoch 0."""
+
+    def current(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_block_another_job_is_still_to_read_outlives_one_nobody_needs(
+    make_rig: RigFactory, tmp_path: Path, marked: bool
+) -> None:
+    """Two jobs (a sweep) read one dataset: a read of a file the other job
+    is still to read marks its blocks, and the epoch-aware policy keeps
+    them over a block both have read, which without the marks it would
+    have evicted first (it was read earlier)."""
+    shared = SharedReads()
+    policy = EpochAwarePolicy(FirstEpoch(), elsewhere=shared if marked else None)
+    files = {f"d/f{number}": os.urandom(BLOCK_SIZE) for number in range(3)}
+    rig = make_rig(
+        files, capacity=2 * disk_bytes(HEADER_SIZE + BLOCK_SIZE), policy=policy, shared_reads=shared
+    )
+    proc = tmp_path / "proc"
+    for pid in (100, 200):  # job a: pid 100; job b: pid 200, each the leader of its group
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "stat").write_text(f"{pid} (python) S 1 {pid} 1 0 -1 4194560 0 0 0 0")
+    rig.fs.jobs = CallerJobs(proc)
+    handle = rig.fs.opendir(looked_up(rig.fs, "/d").inode, 100)
+    rig.fs.opendir(looked_up(rig.fs, "/d").inode, 200)
+    rig.fs.releasedir(handle)
+
+    def read(path: str, pid: int) -> None:
+        inode = looked_up(rig.fs, path).inode
+        assert joined(rig.fs.read(inode, BLOCK_SIZE, 0, pid)) == files[path.lstrip("/")]
+
+    read("/d/f0", 100)  # a's first read: b reads nothing yet
+    read("/d/f1", 200)  # a is still to read f1: marked
+    read("/d/f0", 200)  # both have read f0: nobody needs it
+    read("/d/f2", 100)  # the cache is full: one of f0, f1 goes
+    infos = {path: rig.namespace.lookup(f"/{path}").info for path in files}
+    kept = {path for path, info in infos.items() if info is not None and rig.view.digest(info, 0) is not None}
+    assert kept == ({"d/f1", "d/f2"} if marked else {"d/f0", "d/f2"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +16,7 @@ from cachefsd.cache.policy import (
     EvictionPolicy,
     LruPolicy,
     MinioPolicy,
+    SharedReads,
     TwoRandomPolicy,
     make_policy,
 )
@@ -29,6 +31,16 @@ class FakeClock:
 
     def current(self) -> int:
         return self.epoch
+
+
+class OtherJobs:
+    """A ``DueElsewhere``: the blocks another job is still to read, a set the test edits."""
+
+    def __init__(self) -> None:
+        self.due: set[str] = set()
+
+    def due_elsewhere(self, block: str) -> bool:
+        return block in self.due
 
 
 class PlanOracle:
@@ -147,15 +159,17 @@ def test_epoch_aware_keeps_what_one_job_read_while_another_is_still_to_read_it()
     """Two jobs on one dataset: a block one read this epoch and the other is
     still to read is due, as if unread; once the other reads it too, it is
     read this epoch and a victim as for one job."""
-    clock = FakeClock()
-    policy = EpochAwarePolicy(clock)
+    clock, others = FakeClock(), OtherJobs()
+    policy = EpochAwarePolicy(clock, elsewhere=others)
     fill(policy, "stale", "a", "b")
     clock.epoch = 2
-    policy.accessed("a", again=True)
-    policy.accessed("b", again=True)
+    others.due = {"a", "b"}
+    policy.accessed("a")
+    policy.accessed("b")
     assert (policy.victim(), policy.spare()) == ("stale", 1)
     policy.removed("stale")
     assert (policy.victim(), policy.spare()) == (None, 0)
+    others.due = set()
     policy.accessed("b")  # the second job's read: nobody is to read it again this epoch
     assert (policy.victim(), policy.spare()) == ("b", 1)
 
@@ -164,12 +178,13 @@ def test_epoch_aware_keeps_a_block_due_elsewhere_through_the_leading_jobs_next_e
     """The clock is the leading job's epoch: a job one epoch behind still
     needs what it has not read, after the leader moved on; two epochs on, an
     unread due block is as stale as any."""
-    clock = FakeClock()
-    policy = EpochAwarePolicy(clock)
+    clock, others = FakeClock(), OtherJobs()
+    policy = EpochAwarePolicy(clock, elsewhere=others)
     clock.epoch = 2
     fill(policy, "done")
+    others.due = {"due"}
     policy.admitted("due")
-    policy.accessed("due", again=True)
+    policy.accessed("due")
     clock.epoch = 3  # the leader's next epoch
     assert (policy.victim(), policy.spare()) == (
         None,
@@ -179,6 +194,34 @@ def test_epoch_aware_keeps_a_block_due_elsewhere_through_the_leading_jobs_next_e
     assert policy.victim() == "done"
     policy.removed("done")
     assert (policy.victim(), policy.spare()) == ("due", 1)
+
+
+def test_epoch_aware_keeps_a_block_admitted_for_a_read_another_job_is_still_to_make() -> None:
+    """A block fetched (or promoted) for a read is admitted as read: the
+    oracle is asked then too. The one another job still needs stays; the
+    one nobody needs is the victim."""
+    clock, others = FakeClock(), OtherJobs()
+    policy = EpochAwarePolicy(clock, elsewhere=others)
+    others.due = {"needed"}
+    fill(policy, "needed", "done")
+    assert (policy.victim("new"), policy.spare()) == ("done", 1)
+    policy.removed("done")
+    assert policy.victim("new") is None
+
+
+def test_shared_reads_mark_the_blocks_of_one_read_on_its_thread_only() -> None:
+    shared = SharedReads()
+    assert not shared.due_elsewhere("a")  # no read marked
+    seen_elsewhere: list[bool] = []
+    with shared.reading({"a", "b"}.__contains__):
+        assert shared.due_elsewhere("a")
+        assert shared.due_elsewhere("b")
+        assert not shared.due_elsewhere("c")  # not the read's: a block demoted meanwhile, say
+        other = threading.Thread(target=lambda: seen_elsewhere.append(shared.due_elsewhere("a")))
+        other.start()
+        other.join()
+    assert seen_elsewhere == [False]  # another thread's read is not marked
+    assert not shared.due_elsewhere("a")  # the read is over
 
 
 def test_epoch_aware_keeps_a_block_fetched_ahead_until_it_is_read() -> None:

@@ -53,7 +53,7 @@ def start(
     clock: Callable[[], float] = time.monotonic,
 ) -> Iterator[Prefetcher]:
     model = AccessModel()
-    prefetcher = Prefetcher(model, rig.namespace, rig.reader, settings, rig.metrics, tuning, clock)
+    prefetcher = Prefetcher(model, rig.namespace, rig.reader, rig.view, settings, rig.metrics, tuning, clock)
     prefetcher.start()
     try:
         yield prefetcher
@@ -108,7 +108,7 @@ def test_a_hint_is_followed_in_order_within_the_lookahead(
         accepted, unknown = prefetcher.hint([*order, "train/no-such-file"])
         assert (accepted, unknown) == (len(order), 1)
         infos = [rig.namespace.lookup("/" + key).info for key in order]
-        wait_for(lambda: all(rig.reader.residency(info, 0) for info in infos[:3]), "the first hinted files")
+        wait_for(lambda: all(rig.view.residency(info, 0) for info in infos[:3]), "the first hinted files")
         # The lookahead holds three files: nothing more is fetched until one is read.
         assert rig.store.get_count == 3
         info = rig.namespace.lookup("/" + order[0]).info
@@ -124,7 +124,7 @@ def test_the_shares_of_distributed_ranks_are_merged_into_one_order(
 ) -> None:
     rig = make_rig(dataset)
     model = AccessModel()
-    prefetcher = Prefetcher(model, rig.namespace, rig.reader, PrefetchSettings(), rig.metrics)
+    prefetcher = Prefetcher(model, rig.namespace, rig.reader, rig.view, PrefetchSettings(), rig.metrics)
     keys = sorted(dataset)
     prefetcher.hint(keys[0:4], part=(0, 2))
     prefetcher.hint(keys[4:8], part=(1, 2))
@@ -141,7 +141,7 @@ def test_the_shares_of_a_job_that_stopped_reading_are_not_kept(
     rig = make_rig(dataset)
     model, clock = AccessModel(), Clock()
     prefetcher = Prefetcher(
-        model, rig.namespace, rig.reader, PrefetchSettings(), rig.metrics, DEFAULT_TUNING, clock
+        model, rig.namespace, rig.reader, rig.view, PrefetchSettings(), rig.metrics, DEFAULT_TUNING, clock
     )
     keys = sorted(dataset)
     prefetcher.hint(keys[0:4], part=(0, 2), job="trial[1]")
@@ -164,7 +164,7 @@ def test_a_read_that_joins_a_prefetch_in_flight_counts_it_used_not_wasted(
     info = rig.namespace.lookup("/" + key).info
     assert info is not None
     settings = PrefetchSettings(concurrency=1)
-    prefetcher = Prefetcher(AccessModel(), rig.namespace, rig.reader, settings, rig.metrics)
+    prefetcher = Prefetcher(AccessModel(), rig.namespace, rig.reader, rig.view, settings, rig.metrics)
     calls = rig.faulty.calls
     prefetcher.start()
     try:
@@ -184,7 +184,7 @@ def test_a_read_that_joins_a_prefetch_in_flight_counts_it_used_not_wasted(
         prefetcher.stop()
     assert rig.store.get_count == 1
     assert sample(rig.metrics.registry, "cachefsd_prefetch_wasted_bytes_total") == 0
-    digest = rig.reader.digest(info, 0)
+    digest = rig.view.digest(info, 0)
     assert digest is not None
     assert planned.next_use(digest) is None  # read: nothing left planned
 
@@ -225,10 +225,10 @@ def test_a_prefetched_block_the_cache_refuses_counts_issued_and_wasted(
             lambda: sample(rig.metrics.registry, "cachefsd_prefetch_issued_bytes_total") > 0,
             "the prefetch to land",
         )
-    assert rig.reader.residency(info, 0) is not None  # the resident stayed
+    assert rig.view.residency(info, 0) is not None  # the resident stayed
     first_info = rig.namespace.lookup("/" + first).info
     assert first_info is not None
-    assert rig.reader.residency(first_info, 0) is None  # refused on arrival
+    assert rig.view.residency(first_info, 0) is None  # refused on arrival
     assert sample(rig.metrics.registry, "cachefsd_prefetch_issued_bytes_total") == BLOCK_SIZE // 2
     assert sample(rig.metrics.registry, "cachefsd_prefetch_wasted_bytes_total") == BLOCK_SIZE // 2
 
@@ -248,18 +248,20 @@ def test_with_a_hint_a_full_cache_gives_up_what_is_read_last_for_what_is_read_fi
     assert all(info is not None for info in infos)
     for info in infos[4:]:
         assert rig.reader.fetch_run_ahead(info, range(1)) == {0}  # cached, not read yet: due this epoch
-    prefetcher = Prefetcher(model, rig.namespace, rig.reader, PrefetchSettings(concurrency=1), rig.metrics)
+    prefetcher = Prefetcher(
+        model, rig.namespace, rig.reader, rig.view, PrefetchSettings(concurrency=1), rig.metrics
+    )
     prefetcher.start()
     try:
         prefetcher.hint(order)
         for turn, info in enumerate(infos[:4]):
-            wait_for(lambda info=info: rig.reader.residency(info, 0) is not None, f"hinted file {turn}")
-            kept = [rig.reader.residency(each, 0) is not None for each in infos[4:]]
+            wait_for(lambda info=info: rig.view.residency(info, 0) is not None, f"hinted file {turn}")
+            kept = [rig.view.residency(each, 0) is not None for each in infos[4:]]
             assert kept == sorted(kept, reverse=True)  # only ever the latest went
             assert kept.count(False) > turn
     finally:
         prefetcher.stop()
-    assert [rig.reader.residency(info, 0) is not None for info in infos] == [True] * 4 + [False] * 4
+    assert [rig.view.residency(info, 0) is not None for info in infos] == [True] * 4 + [False] * 4
     assert sample(rig.metrics.registry, "cachefsd_prefetch_wasted_bytes_total") == 0
 
 
@@ -269,7 +271,7 @@ def test_a_new_epoch_voids_the_plans_of_blocks_never_read(
     planned = PlannedUse()
     rig = make_rig(dataset, planned=planned)
     model = AccessModel()
-    prefetcher = Prefetcher(model, rig.namespace, rig.reader, PrefetchSettings(), rig.metrics)
+    prefetcher = Prefetcher(model, rig.namespace, rig.reader, rig.view, PrefetchSettings(), rig.metrics)
     keys = sorted(dataset)
     ahead = rig.namespace.lookup("/" + keys[0]).info
     other = rig.namespace.lookup("/" + keys[5]).info
@@ -278,8 +280,8 @@ def test_a_new_epoch_voids_the_plans_of_blocks_never_read(
     prefetcher.start()
     try:
         prefetcher.hint([keys[0]])
-        wait_for(lambda: rig.reader.residency(ahead, 0) is not None, "the hinted file")
-        digest = rig.reader.digest(ahead, 0)
+        wait_for(lambda: rig.view.residency(ahead, 0) is not None, "the hinted file")
+        digest = rig.view.digest(ahead, 0)
         assert digest is not None
         wait_for(lambda: planned.next_use(digest) is not None, "its plan")
         for _ in range(2):  # a re-read ends the first epoch
@@ -300,13 +302,13 @@ def test_one_jobs_new_epoch_keeps_the_plans_of_another(
     planned = PlannedUse()
     rig = make_rig(dataset, planned=planned)
     model = AccessModel()
-    prefetcher = Prefetcher(model, rig.namespace, rig.reader, PrefetchSettings(), rig.metrics)
+    prefetcher = Prefetcher(model, rig.namespace, rig.reader, rig.view, PrefetchSettings(), rig.metrics)
     hinted = [key for key in sorted(dataset) if key.startswith("train/c0/")]
     first = rig.namespace.lookup("/" + hinted[0]).info
     unhinted = [key for key in sorted(dataset) if key.startswith("train/c1/")]
     others = [rig.namespace.lookup("/" + key).info for key in unhinted]
     assert first is not None
-    unplan, void_plans = rig.reader.unplan, prefetcher._void_plans
+    unplan, void_plans = rig.view.unplan, prefetcher._void_plans
     unplanned: list[str] = []
     voided: list[dict[str, int]] = []
 
@@ -318,15 +320,15 @@ def test_one_jobs_new_epoch_keeps_the_plans_of_another(
         void_plans(turns)
         voided.append(turns)
 
-    monkeypatch.setattr(rig.reader, "unplan", recorded_unplan)
+    monkeypatch.setattr(rig.view, "unplan", recorded_unplan)
     monkeypatch.setattr(prefetcher, "_void_plans", recorded_void_plans)
     for directory in ("train/c0", "train/c1"):
         prefetcher.listed(rig.namespace.listdir("/" + directory), directory)
     prefetcher.start()
     try:
         prefetcher.hint(hinted)
-        wait_for(lambda: rig.reader.residency(first, 0) is not None, "the first hinted file")
-        digest = rig.reader.digest(first, 0)
+        wait_for(lambda: rig.view.residency(first, 0) is not None, "the first hinted file")
+        digest = rig.view.digest(first, 0)
         assert digest is not None
         wait_for(lambda: planned.next_use(digest) is not None, "its plan")
         for info in [*others, others[0]]:  # c1 read through, then again: its next epoch
@@ -356,14 +358,14 @@ def test_with_a_hint_cached_files_are_warmed_nearest_first_within_the_budget(
         assert info is not None
         rig.reader.fetch_run_ahead(info, range(1))
     warmed = functools.partial(sample, rig.metrics.registry, "cachefsd_prefetch_warmed_bytes_total")
-    warm = rig.reader.warm
+    warm = rig.view.warm
     warmed_keys: list[str] = []
 
     def recorded_warm(info: ObjectInfo, index: int) -> bool:
         warmed_keys.append(info.key)
         return warm(info, index)
 
-    monkeypatch.setattr(rig.reader, "warm", recorded_warm)
+    monkeypatch.setattr(rig.view, "warm", recorded_warm)
     with start(rig, PrefetchSettings(), tuning) as prefetcher:
         prefetcher.hint(order)
         wait_for(lambda: warmed() == 3 * file_bytes, "the first three hinted files to be warmed")
@@ -384,7 +386,7 @@ def test_without_a_plan_nothing_is_warmed(make_rig: RigFactory, dataset: dict[st
         assert info is not None
         rig.reader.fetch_run_ahead(info, range(1))
     model = AccessModel()
-    prefetcher = Prefetcher(model, rig.namespace, rig.reader, PrefetchSettings(), rig.metrics)
+    prefetcher = Prefetcher(model, rig.namespace, rig.reader, rig.view, PrefetchSettings(), rig.metrics)
     prefetcher.start()
     try:
         walk_and_open(rig, prefetcher, "train/c0/s00")
@@ -405,7 +407,7 @@ def test_consecutive_blocks_of_a_file_are_fetched_with_one_get(make_rig: RigFact
     assert info is not None
     with start(rig, PrefetchSettings()) as prefetcher:
         prefetcher.hint(["big.bin"])
-        wait_for(lambda: all(rig.reader.residency(info, i) for i in range(7)), "the whole file cached")
+        wait_for(lambda: all(rig.view.residency(info, i) for i in range(7)), "the whole file cached")
         # Counted once the run is over, after its blocks are cached.
         issued = functools.partial(sample, rig.metrics.registry, "cachefsd_prefetch_issued_bytes_total")
         wait_for(lambda: issued() == len(data), "the run to be accounted for")
@@ -477,7 +479,7 @@ def test_a_block_whose_prefetch_failed_is_tried_again_once_its_time_is_up_on_the
         wait_for(lambda: rig.store.get_count >= len(dataset) - 3, "the other unread files to be fetched")
         assert len(raised) == 2
         failed = [rig.namespace.lookup("/" + key).info for key in raised]
-        assert all(info is not None and rig.reader.residency(info, 0) is None for info in failed)
+        assert all(info is not None and rig.view.residency(info, 0) is None for info in failed)
         clock.now += DEFAULT_TUNING.failed_retry_seconds
         wait_for(lambda: rig.store.get_count >= len(dataset) - 1, "the failed files to be fetched")
     assert len(raised) == 2
@@ -524,7 +526,7 @@ def test_a_first_read_at_a_large_files_start_brings_its_first_run_with_the_same_
         prefetcher.opened(info)
         prefetcher.read(info, 0, 512)
         assert joined(rig.reader.read(info, 0, 512)) == data[:512]
-        wait_for(lambda: all(rig.reader.residency(info, i) for i in range(80)), "the whole file cached")
+        wait_for(lambda: all(rig.view.residency(info, i) for i in range(80)), "the whole file cached")
     assert rig.store.get_count == 1
     assert joined(rig.reader.read(info, 0, len(data))) == data
 

@@ -137,7 +137,7 @@ def test_a_raw_block_is_served_from_the_file_written_and_checked_once_it_changes
         assert joined(pieces) == data[offset : offset + BLOCK_SIZE]
     assert checked() == 0
     # A block file written to since is checked again: rot is caught, not served.
-    digest = rig.reader.digest(info, 0)
+    digest = rig.view.digest(info, 0)
     assert digest is not None
     block_file = rig.cache.tiers[0].path_of(digest)
     rotten = bytearray(block_file.read_bytes())

@@ -47,7 +47,9 @@ TOTAL = sum(len(data) for data in OBJECTS.values())
 
 def run(rig: Rig, **request: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     events: list[dict[str, Any]] = []
-    summary = stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(**request), events.append)
+    summary = stage_files(
+        rig.namespace, rig.reader, rig.view, ["hot"], StageRequest(**request), events.append
+    )
     return summary, events
 
 
@@ -209,7 +211,7 @@ def test_a_block_a_read_is_fetching_does_not_stop_the_stage_as_a_full_cache(
             None  # the stage's GETs pass; the read's stays held (a call reads the gate once)
         )
         ignore = lambda _: None  # noqa: E731
-        summary = stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(), ignore, workers=1)
+        summary = stage_files(rig.namespace, rig.reader, rig.view, ["hot"], StageRequest(), ignore, workers=1)
     finally:
         gate.set()
         reader.join(10)
@@ -217,7 +219,7 @@ def test_a_block_a_read_is_fetching_does_not_stop_the_stage_as_a_full_cache(
     for key in objects:
         info = rig.namespace.lookup(f"/{key}").info
         assert info is not None
-        assert all(rig.reader.residency(info, index) for index in (0, 1))
+        assert all(rig.view.residency(info, index) for index in (0, 1))
 
 
 @pytest.mark.parametrize("policy", [MinioPolicy, LruPolicy])
@@ -231,7 +233,9 @@ def test_a_selection_larger_than_the_cache_is_reported_not_hidden(
     frame = disk_bytes(encode(bytes(BLOCK_SIZE), Codec.RAW).size)
     rig = make_rig(objects, capacity=4 * frame, policy=policy())
     events: list[dict[str, Any]] = []
-    summary = stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(), events.append, workers=1)
+    summary = stage_files(
+        rig.namespace, rig.reader, rig.view, ["hot"], StageRequest(), events.append, workers=1
+    )
     assert summary["unkept_bytes"] == 6 * BLOCK_SIZE
     assert summary["failed"] == 0
     assert events[-1]["bytes_done"] == 10 * BLOCK_SIZE  # the progress bar ends at 100 %
@@ -290,7 +294,9 @@ def test_a_stopping_daemon_cancels_the_stage(make_rig: RigFactory) -> None:
     cancelled = threading.Event()
     cancelled.set()
     with pytest.raises(StageCancelled):
-        stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(), lambda _event: None, cancelled)
+        stage_files(
+            rig.namespace, rig.reader, rig.view, ["hot"], StageRequest(), lambda _event: None, cancelled
+        )
 
 
 def mount_handlers(
@@ -308,7 +314,7 @@ def mount_handlers(
         activity = DaemonStats(
             rig.metrics, rig.model, residency, state.source, state.mountpoint, node_facts
         ).snapshot
-    return MountHandlers(rig.namespace, rig.reader, rig.cache, state, activity, hint)
+    return MountHandlers(rig.namespace, rig.reader, rig.view, rig.cache, state, activity, hint)
 
 
 def test_mount_handlers_count_hints_and_report_tiers(make_rig: RigFactory) -> None:
@@ -355,7 +361,7 @@ def test_progress_view_shows_progress_and_keeps_failures(
     rig.store.delete("val/d.tar")
     stream = io.StringIO()
     view = ProgressView(stream, interactive=interactive)
-    stage_files(rig.namespace, rig.reader, ["hot"], StageRequest(check=check), view)
+    stage_files(rig.namespace, rig.reader, rig.view, ["hot"], StageRequest(check=check), view)
     view.close()
     output = stream.getvalue()
     assert phase in output
