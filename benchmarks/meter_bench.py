@@ -12,7 +12,8 @@ import argparse
 import statistics
 import time
 
-from cachefsd.diagnose.meter import MeterTotals, watch
+from cachefsd.control.client import MeterTotals
+from cachefsd.diagnose.meter import watch
 
 
 class Discard:

@@ -26,14 +26,13 @@ from cachefsd.cache.codec import content_hash
 from cachefsd.cache.index import Index
 from cachefsd.cache.shared import SharedTier, open_shared
 from cachefsd.config import Settings
-from cachefsd.control.client import StageRequest
 from cachefsd.engine import MOUNT_CHECK_SECONDS
 from cachefsd.errors import CachefsdError, StoreError
 from cachefsd.fetch import Fetcher
 from cachefsd.metrics import Metrics
 from cachefsd.namespace.tree import Namespace
 from cachefsd.reader import BRIDGE_MARGIN_SECONDS, block_bounds, blocks_per_run
-from cachefsd.stage import Report, stage_files
+from cachefsd.stage import Report, StageRequest, stage_files
 from cachefsd.store import open_store
 from cachefsd.store.base import ObjectInfo
 

@@ -44,7 +44,6 @@ the counters; workers only call ``fetch_run_ahead`` and return its result.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -52,20 +51,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cachefsd.control.client import ControlClient, StageRequest, client_for
-from cachefsd.control.mounts import (
-    MountOf,
-    daemon_using,
-    find_mount,
-    foreign_mount,
-    not_a_mount,
-)
 from cachefsd.errors import BadRequest, CachefsdError, NotADirectory, ObjectNotFound, StageCancelled
 from cachefsd.globs import PathGlob
 from cachefsd.store.base import ObjectInfo
 
 if TYPE_CHECKING:
-    from cachefsd.config import Settings
     from cachefsd.namespace.tree import Entry
 
 # Parallel block fetches of one stage. Stage runs before a job, when the
@@ -98,6 +88,18 @@ class Tree(Protocol):
     def listdir(self, path: str) -> dict[str, ObjectInfo | None]:
         """Name -> object, or None for a subdirectory."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class StageRequest:
+    """What ``POST /stage`` asks for: the files under ``path`` (mount-relative)
+    whose mount-relative path matches ``include``, fetched into ``tier``
+    (None: the fastest with room), or only measured when ``check``."""
+
+    path: str = "/"
+    include: str | None = None
+    tier: str | None = None
+    check: bool = False
 
 
 class Blocks(Protocol):
@@ -490,68 +492,6 @@ class _BlockFetch:
         state.blocks_left -= 1
         if state.blocks_left == 0:
             self._counters.files_done += 1
-
-
-# -- the command's side -------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """Where ``cachefsd stage TARGET`` runs: through ``mount``'s daemon, or
-    in this process on ``source``."""
-
-    mount: MountOf | None = None
-    source: str | None = None
-
-
-def resolve_target(target: str) -> Target:
-    """A bucket URI is a source; a path under a live mount goes through its
-    daemon; a mount whose daemon is gone is an error naming the source to
-    stage offline; any other existing directory is a local source."""
-    if "://" in target:
-        return Target(source=target)
-    mount = find_mount(target)
-    if mount is not None:
-        if not mount.live:
-            raise CachefsdError(
-                f"{mount.mountpoint} has no running daemon; stage its source into its cache instead: "
-                f"cachefsd stage {mount.state.source} --cache-dir {mount.state.cache_dir}"
-            )
-        return Target(mount=mount)
-    foreign = foreign_mount(target)
-    if foreign is not None:  # not a local directory to copy through the mount
-        raise not_a_mount(target, foreign)
-    if not os.path.isdir(target):
-        raise CachefsdError(f"{target}: not a bucket URI, a cachefsd mount or a local directory")
-    return Target(source=os.path.abspath(target))
-
-
-def stage_offline(settings: Settings, request: StageRequest, report: Report) -> dict[str, Any]:
-    """Stage into ``settings.cache`` from ``settings.source`` in this process."""
-    holder = daemon_using(settings.cache.dir)
-    if holder is not None:
-        raise CachefsdError(
-            f"cache directory {settings.cache.dir} is in use by the daemon of {holder.mountpoint} "
-            f"(pid {holder.pid}); stage through the mount: cachefsd stage {holder.mountpoint}"
-        )
-    from cachefsd import engine  # noqa: PLC0415 - the data path: only when staging offline
-    from cachefsd.cache.directory import require_cache  # noqa: PLC0415
-
-    if request.check:
-        require_cache(settings.cache.dir)
-    with engine.open_engine(settings, keep_recorded_layout=True) as parts:
-        tiers = [tier.name for tier in parts.cache.tiers]
-        return stage_files(parts.namespace, parts.reader, parts.view, tiers, request, report)
-
-
-def stage_through(mount: MountOf, request: StageRequest, report: Report) -> dict[str, Any]:
-    """Stage through the daemon of ``mount``, relaying its events to ``report``."""
-    client: ControlClient = client_for(mount)
-    for event in client.stage(request):
-        if event.get("event") == "summary":
-            return {key: value for key, value in event.items() if key != "event"}
-        report(event)
-    raise CachefsdError("the daemon ended the stage without a summary")  # client.stage raises first
 
 
 # What a stage reports its progress to: one event (a JSON object) a call.

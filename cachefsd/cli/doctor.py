@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 
 from cachefsd.config import human_bytes
 from cachefsd.control.answers import CacheSetup, DiagnosisAnswer, MeteredJob
-from cachefsd.diagnose.meter import REPORT_SECONDS, MeterTotals
+from cachefsd.control.client import MeterTotals
+from cachefsd.diagnose.meter import REPORT_SECONDS
 from cachefsd.diagnose.verdict import JobFacts, advice, severity, verdict
 from cachefsd.diagnose.whatif import capacities_to_try, what_if
 from cachefsd.workload.model import ObservedOrder

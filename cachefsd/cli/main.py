@@ -195,14 +195,13 @@ def _stage_flags(args: argparse.Namespace, source: str) -> dict[str, Any]:
 
 
 def _cmd_stage(args: argparse.Namespace, argv: list[str]) -> int:
-    from cachefsd import stage  # noqa: PLC0415 - keep `cachefsd --help` light
-    from cachefsd.cli.stage import run_command  # noqa: PLC0415
-    from cachefsd.control.client import StageRequest  # noqa: PLC0415
+    from cachefsd.cli.stage import resolve_target, run_command  # noqa: PLC0415 - keep `cachefsd --help` light
+    from cachefsd.stage import StageRequest  # noqa: PLC0415
 
     # Progress is drawn on stderr; library chatter (cache reconcile at info)
     # would break the bar, so only warnings show unless asked for.
     _configure_logging(args.log_level or "warning")
-    target = stage.resolve_target(args.target)
+    target = resolve_target(args.target)
     if target.mount is not None:
         ignored = [name for name in _STAGE_CACHE_FLAGS if getattr(args, name) is not None]
         if ignored:

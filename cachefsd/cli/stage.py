@@ -1,20 +1,25 @@
-"""``cachefsd stage``'s presentation: the progress view (a rich bar on a
-terminal, a line every few seconds otherwise), the summary, and the exit
-code."""
+"""``cachefsd stage``, the command's side: where a stage runs (through a
+mount's daemon, offline in this process, or into the shared tier alone),
+its progress view (a rich bar on a terminal, a line every few seconds
+otherwise), the summary, and the exit code. The staging itself is
+``cachefsd.stage``'s, the same in the daemon and here."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Any
 
 from cachefsd.config import Settings, human_bytes
-from cachefsd.control.client import StageRequest
+from cachefsd.control.client import ControlClient, client_for
+from cachefsd.control.mounts import MountOf, daemon_using, find_mount, foreign_mount, not_a_mount
 from cachefsd.errors import CachefsdError
 from cachefsd.fleet import stage_fleet
-from cachefsd.stage import MAX_LISTED_FAILURES, Target, stage_offline, stage_through
+from cachefsd.stage import MAX_LISTED_FAILURES, Report, StageRequest, stage_files
 
 # Without a terminal: one line this often, or whenever another
 # PLAIN_STEP_PERCENT of the bytes is done, whichever comes first.
@@ -22,6 +27,65 @@ PLAIN_INTERVAL_SECONDS = 5.0
 
 
 PLAIN_STEP_PERCENT = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where ``cachefsd stage TARGET`` runs: through ``mount``'s daemon, or
+    in this process on ``source``."""
+
+    mount: MountOf | None = None
+    source: str | None = None
+
+
+def resolve_target(target: str) -> Target:
+    """A bucket URI is a source; a path under a live mount goes through its
+    daemon; a mount whose daemon is gone is an error naming the source to
+    stage offline; any other existing directory is a local source."""
+    if "://" in target:
+        return Target(source=target)
+    mount = find_mount(target)
+    if mount is not None:
+        if not mount.live:
+            raise CachefsdError(
+                f"{mount.mountpoint} has no running daemon; stage its source into its cache instead: "
+                f"cachefsd stage {mount.state.source} --cache-dir {mount.state.cache_dir}"
+            )
+        return Target(mount=mount)
+    foreign = foreign_mount(target)
+    if foreign is not None:  # not a local directory to copy through the mount
+        raise not_a_mount(target, foreign)
+    if not os.path.isdir(target):
+        raise CachefsdError(f"{target}: not a bucket URI, a cachefsd mount or a local directory")
+    return Target(source=os.path.abspath(target))
+
+
+def stage_offline(settings: Settings, request: StageRequest, report: Report) -> dict[str, Any]:
+    """Stage into ``settings.cache`` from ``settings.source`` in this process."""
+    holder = daemon_using(settings.cache.dir)
+    if holder is not None:
+        raise CachefsdError(
+            f"cache directory {settings.cache.dir} is in use by the daemon of {holder.mountpoint} "
+            f"(pid {holder.pid}); stage through the mount: cachefsd stage {holder.mountpoint}"
+        )
+    from cachefsd import engine  # noqa: PLC0415 - the data path: only when staging offline
+    from cachefsd.cache.directory import require_cache  # noqa: PLC0415
+
+    if request.check:
+        require_cache(settings.cache.dir)
+    with engine.open_engine(settings, keep_recorded_layout=True) as parts:
+        tiers = [tier.name for tier in parts.cache.tiers]
+        return stage_files(parts.namespace, parts.reader, parts.view, tiers, request, report)
+
+
+def stage_through(mount: MountOf, request: StageRequest, report: Report) -> dict[str, Any]:
+    """Stage through the daemon of ``mount``, relaying its events to ``report``."""
+    client: ControlClient = client_for(mount)
+    for event in client.stage(request):
+        if event.get("event") == "summary":
+            return {key: value for key, value in event.items() if key != "event"}
+        report(event)
+    raise CachefsdError("the daemon ended the stage without a summary")  # client.stage raises first
 
 
 def _percent(part: int, whole: int) -> float:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from cachefsd.control.answers import DiagnosisAnswer, StatsAnswer
+    from cachefsd.stage import StageRequest
 
 Answer = TypeVar("Answer", bound="BaseModel")
 
@@ -60,15 +61,18 @@ SMALL_BODY_BYTES = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
-class StageRequest:
-    """What ``POST /stage`` asks for: the files under ``path`` (mount-relative)
-    whose mount-relative path matches ``include``, fetched into ``tier``
-    (None: the fastest with room), or only measured when ``check``."""
+class MeterTotals:
+    """What a loader meter (``cachefsd.diagnose``) has measured so far, as
+    ``POST /meter`` carries it: batches after the first, and their data
+    wait and step seconds."""
 
-    path: str = "/"
-    include: str | None = None
-    tier: str | None = None
-    check: bool = False
+    batches: int = 0
+    data_wait_seconds: float = 0.0
+    step_seconds: float = 0.0
+
+    @property
+    def data_wait_fraction(self) -> float:
+        return self.data_wait_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -108,17 +112,15 @@ class ControlClient:
         answer = self._call("POST", "/hint", body, self._timeout, MAX_BODY_BYTES)
         return int(answer["accepted"]), int(answer["unknown"])
 
-    def meter(
-        self, meter_id: str, readers: int, batches: int, data_wait_seconds: float, step_seconds: float
-    ) -> None:
+    def meter(self, meter_id: str, readers: int, totals: MeterTotals) -> None:
         """A loader meter's totals so far (``cachefsd.diagnose``), for the
         caller's job, with the number of processes that read for it."""
         body = {
             "meter": meter_id,
             "readers": readers,
-            "batches": batches,
-            "data_wait_seconds": data_wait_seconds,
-            "step_seconds": step_seconds,
+            "batches": totals.batches,
+            "data_wait_seconds": totals.data_wait_seconds,
+            "step_seconds": totals.step_seconds,
         }
         self._call("POST", "/meter", body, self._timeout)
 

@@ -70,13 +70,11 @@ from pydantic import (
 from cachefsd.cache.tiered import TieredCache
 from cachefsd.config import Settings, validated_settings
 from cachefsd.control.answers import DiagnosisAnswer, HintCounts, NodeActivity, StatsAnswer, TierUsage
-from cachefsd.control.client import MAX_BODY_BYTES, NDJSON, SMALL_BODY_BYTES, StageRequest
+from cachefsd.control.client import MAX_BODY_BYTES, NDJSON, SMALL_BODY_BYTES, MeterTotals
 from cachefsd.control.mounts import MountState
-from cachefsd.diagnose.meter import MeterTotals
-from cachefsd.diagnose.service import Diagnosis
 from cachefsd.errors import BadRequest, CachefsdError, StageCancelled
 from cachefsd.namespace.tree import Namespace
-from cachefsd.stage import Blocks, Report, Resident, normalise, stage_files
+from cachefsd.stage import Blocks, Report, Resident, StageRequest, normalise, stage_files
 
 log = logging.getLogger(__name__)
 
@@ -528,6 +526,17 @@ class NodeMounts(Protocol):
     def detach(self, mountpoint: str) -> None: ...
 
 
+class Diagnoses(Protocol):
+    """A mount's loader meters as ``POST /meter`` and ``GET /diagnose`` see
+    them (``diagnose.service.Diagnosis``)."""
+
+    def meter(self, pid: int, meter_id: str, totals: MeterTotals, readers: int) -> None:
+        """A meter's report, for the job of the process ``pid`` that sent it."""
+        ...
+
+    def snapshot(self) -> DiagnosisAnswer: ...
+
+
 class MountHandlers:
     """What a mounted daemon serves on its control socket
     (``ControlHandlers``): its stats, hints handed to the prefetcher, and
@@ -545,7 +554,7 @@ class MountHandlers:
         activity: Callable[[], NodeActivity],
         hint: Callable[[list[str], tuple[int, int] | None, int], tuple[int, int]] | None = None,
         node: NodeMounts | None = None,
-        diagnosis: Diagnosis | None = None,
+        diagnosis: Diagnoses | None = None,
     ) -> None:
         """``mount``: what identifies the mount in ``/stats`` (pid, mountpoint,
         source); ``activity``: what its daemon measured

@@ -7,6 +7,7 @@ Importing this package loads only the standard library: the daemon's side
 (``whatif``) are submodules imported by who needs them.
 """
 
-from cachefsd.diagnose.meter import MeterTotals, watch
+from cachefsd.control.client import MeterTotals
+from cachefsd.diagnose.meter import watch
 
 __all__ = ["MeterTotals", "watch"]

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cachefsd.diagnose.meter import MeterTotals
+from cachefsd.control.client import MeterTotals
 
 MAX_JOBS = 64
 MAX_METERS_PER_JOB = 256

@@ -42,10 +42,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from cachefsd.control.client import ControlClient, client_for
+from cachefsd.control.client import ControlClient, MeterTotals, client_for
 from cachefsd.control.mounts import find_mount, not_a_mount
 
 log = logging.getLogger(__name__)
@@ -64,20 +63,6 @@ RETRY_SECONDS = 30.0
 # How long the end of a pass waits for its last report: a healthy daemon
 # answers in a millisecond; a wedged one must not hold the next epoch up.
 CLOSE_WAIT_SECONDS = 0.5
-
-
-@dataclass(frozen=True, slots=True)
-class MeterTotals:
-    """What a meter has measured so far: batches after the first, and their
-    data wait and step seconds."""
-
-    batches: int = 0
-    data_wait_seconds: float = 0.0
-    step_seconds: float = 0.0
-
-    @property
-    def data_wait_fraction(self) -> float:
-        return self.data_wait_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
 
 
 class LoaderMeter:
@@ -127,7 +112,7 @@ class DaemonSink:
             if mount is None:
                 raise not_a_mount(self._mountpoint)
             self._client = client_for(mount, REPORT_TIMEOUT_SECONDS)
-        self._client.meter(meter_id, readers, totals.batches, totals.data_wait_seconds, totals.step_seconds)
+        self._client.meter(meter_id, readers, totals)
 
 
 class _Backoff:

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from cachefsd.control.answers import CacheSetup, DiagnosisAnswer, MeteredJob, MeteredReads, ObservedReads
+from cachefsd.control.client import MeterTotals
 from cachefsd.diagnose.ledger import MeterLedger
-from cachefsd.diagnose.meter import MeterTotals
 from cachefsd.diagnose.whatif import MAX_REPLAYED_FILES
 from cachefsd.jobs import CallerJobs
 from cachefsd.workload.model import ObservedOrder

@@ -9,8 +9,6 @@ import logging
 import os
 import shutil
 import sqlite3
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -985,18 +983,3 @@ def test_a_tier_and_the_replayed_cache_make_room_by_one_rule() -> None:
     full = ReplayCache(MinioPolicy(), 3, sizes.__getitem__)
     assert full.admit("c")
     assert not full.admit("a")
-
-
-def test_the_cache_stands_below_the_metrics() -> None:
-    """The cache reports through ``CacheEvents``, which the metrics
-    implement: importing any module of it loads neither the metrics nor
-    prometheus-client (a cycle cache <-> metrics made each half of the
-    other)."""
-    code = (
-        "import pkgutil, sys, importlib, cachefsd.cache as cache; "
-        "names = [each.name for each in pkgutil.iter_modules(cache.__path__)]; "
-        "[importlib.import_module(f'cachefsd.cache.{name}') for name in names]; "
-        "print(sorted({'cachefsd.metrics', 'prometheus_client'} & set(sys.modules)))"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "[]"

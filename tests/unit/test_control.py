@@ -16,13 +16,12 @@ from typing import Any
 import pytest
 
 from cachefsd.control.answers import DiagnosisAnswer, StatsAnswer
-from cachefsd.control.client import ControlClient, StageRequest
+from cachefsd.control.client import ControlClient, MeterTotals
 from cachefsd.control.mounts import MountOf, MountState
 from cachefsd.control.server import ControlServer
-from cachefsd.diagnose.meter import MeterTotals
 from cachefsd.errors import BadRequest, ControlError, StageCancelled
 from cachefsd.hints import HintingSampler, MountPaths
-from cachefsd.stage import Report
+from cachefsd.stage import Report, StageRequest
 from tests.answers import STATS
 
 METERED: dict[str, Any] = {
@@ -183,7 +182,7 @@ METER = {"meter": "m", "readers": 2, "batches": 1, "data_wait_seconds": 0.5, "st
 def test_a_meter_report_reaches_the_handler_with_the_senders_pid(
     client: ControlClient, handlers: FakeHandlers
 ) -> None:
-    client.meter("m1", 2, 12, 0.5, 3.0)
+    client.meter("m1", 2, MeterTotals(12, 0.5, 3.0))
     assert handlers.meters == [("m1", MeterTotals(12, 0.5, 3.0), 2)]
     assert handlers.pids == [os.getpid()]
     assert client.diagnose().jobs[0].batches == 1

@@ -21,9 +21,10 @@ import pytest
 from benchmarks.policy_sim import DEFAULT_FRACTIONS, run
 from cachefsd.cli.doctor import judge, render
 from cachefsd.control.answers import CacheSetup, DiagnosisAnswer
+from cachefsd.control.client import MeterTotals
 from cachefsd.diagnose import meter
 from cachefsd.diagnose.ledger import MAX_JOBS, MAX_METERS_PER_JOB, JobReads, MeterLedger
-from cachefsd.diagnose.meter import MeterTotals, watch
+from cachefsd.diagnose.meter import watch
 from cachefsd.diagnose.service import CacheFacts, Diagnosis
 from cachefsd.diagnose.verdict import (
     INPUT_BOUND,

@@ -24,12 +24,11 @@ from cachefsd.cache.policy import LruPolicy, MinioPolicy
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.cli.stage import ProgressView, printable, summary_lines
 from cachefsd.control.answers import HintCounts, NodeActivity, PrefixResidency, StatsAnswer
-from cachefsd.control.client import StageRequest
 from cachefsd.control.mounts import MountState
 from cachefsd.control.server import MountHandlers
 from cachefsd.errors import BadRequest, StageCancelled
 from cachefsd.globs import PathGlob
-from cachefsd.stage import compile_include, stage_files
+from cachefsd.stage import StageRequest, compile_include, stage_files
 from cachefsd.stats import DaemonStats, Residency
 from tests.answers import STATS, node_facts
 from tests.polling import wait_until

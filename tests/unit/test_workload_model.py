@@ -4,15 +4,12 @@ and consistency under concurrent and random events."""
 
 from __future__ import annotations
 
-import ast
 import random
 import threading
-from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import cachefsd
 from cachefsd.cache.policy import EpochAwarePolicy
 from cachefsd.workload.identity import JOB_IDLE_SECONDS
 from cachefsd.workload.model import AccessModel
@@ -215,28 +212,3 @@ def test_random_events_keep_every_workloads_counts_and_the_clock_consistent(
         assert len(predicted) <= 5
         assert all(p.length > 0 and p.offset >= 0 and p.distance >= 0 for p in predicted)
         assert all(p.workload in workloads(model) for p in predicted)
-
-
-# -- layering ---------------------------------------------------------------------
-
-
-def imported_by(package: str) -> set[str]:
-    """The ``cachefsd`` modules the modules of ``package`` import."""
-    found: set[str] = set()
-    for source in (Path(cachefsd.__file__).parent / package).glob("*.py"):
-        for node in ast.walk(ast.parse(source.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module is not None:
-                found.add(node.module)
-            elif isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-    return {name for name in found if name.startswith("cachefsd.")}
-
-
-def test_the_workload_model_stands_below_the_cache_and_the_prefetcher() -> None:
-    """The cache (its policy's clock, the replay) and the prefetcher use the
-    model; it uses neither, and the cache does not reach the prefetcher
-    through it: no import cycle."""
-    assert {name for name in imported_by("workload") if not name.startswith("cachefsd.workload")} == {
-        "cachefsd.jobs"
-    }
-    assert not {name for name in imported_by("cache") if name.startswith("cachefsd.prefetch")}
