@@ -389,10 +389,10 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """``CACHEFSD_CACHE__SIZE=20G`` -> ``{"cache": {"size": "20G"}}``."""
     tree: dict[str, Any] = {}
     for name, path in _env_settings(environ).items():
-        node = tree
+        table = tree
         for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = environ[name]
+            table = table.setdefault(part, {})
+        table[path[-1]] = environ[name]
     return tree
 
 
