@@ -538,7 +538,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("local", "local copy", "local"),
     Variant("cachefsd", "cachefsd (defaults)", "cachefsd"),
     Variant("cachefsd-noprefetch", "cachefsd, no prefetch", "cachefsd", False, needs=("prefetch",)),
-    Variant("cachefsd-model", "cachefsd, access model", "cachefsd", True, needs=("prefetch",)),
+    Variant("cachefsd-model", "cachefsd, workload model", "cachefsd", True, needs=("prefetch",)),
     Variant("cachefsd-hint", "cachefsd, hint", "cachefsd", hint=True, needs=("hint",)),
     Variant("cachefsd-stage", "cachefsd, stage first", "cachefsd", stage=True, needs=("stage",)),
     Variant("rclone", "rclone mount (full)", "rclone"),

@@ -5,8 +5,8 @@ N files of one block each are read once per epoch in a fresh random order
 which ``cachefsd doctor``'s what-if table replays a job's order through)
 admits on every miss; when full it asks the policy for a victim, and a
 refusal (None) means the block is not admitted. Every policy is the real class from
-``cachefsd.cache.policy``, with the daemon's own access model
-(``cachefsd.workload.model.AccessModel``) as its epoch clock, told of
+``cachefsd.cache.policy``, with the daemon's own workload model
+(``cachefsd.workload.model.WorkloadModel``) as its epoch clock, told of
 each read as the mount tells it (an open, then a read of the block). Rows:
 
 - lru, 2-random, minio, epoch-aware: the shipped policies;
@@ -23,7 +23,7 @@ Then the prefetching replays, where a block may enter before it is read,
 with unbounded bandwidth (what the mount reaches when the store keeps up):
 
 - epoch-aware+prefetch: the mount's prefetcher (``SimPrefetcher``: the
-  access model's predictions, planned on the count of opens as the mount
+  workload model's predictions, planned on the count of opens as the mount
   plans them) filling the cache after every read, no hint;
 - order-blind bound: the best any cache can do that knows which blocks
   each job is still to read this epoch but not their order (what the mount
@@ -44,7 +44,7 @@ a block being read) is outside this trace. Prints a table and writes ``benchmark
 ``--readers 2`` is two jobs reading the same dataset side by side (a sweep),
 each its own shuffled passes, interleaved at random; an "epoch" is then one
 pass of each. Each read tells the policy, as the mount does, whether the
-other job is still to read the block this epoch (``SharedReads``).
+other job is still to read the block this epoch (``ReadMarks``).
 
     .venv/bin/python benchmarks/policy_sim.py [--files 1000] [--epochs 5] [--seed 0] [--readers 1]
 """
@@ -66,11 +66,11 @@ from cachefsd.cache.policy import (
     POLICY_NAMES,
     EpochAwarePolicy,
     PlannedUse,
-    SharedReads,
+    ReadMarks,
     make_policy,
 )
 from cachefsd.cache.replay import ReplayCache, replay
-from cachefsd.workload.model import AccessModel
+from cachefsd.workload.model import WorkloadModel
 
 RESULTS = Path(__file__).parent / "results"
 # Large enough that a per-epoch hit ratio has a standard error of about 1 %,
@@ -162,7 +162,7 @@ class TraceOracle:
 
 class SimPrefetcher:
     """The mount's prefetcher (``cachefsd.prefetch.prefetcher``) with unbounded
-    bandwidth and reach: after every read it fetches the access model's
+    bandwidth and reach: after every read it fetches the workload model's
     predictions, jobs round-robin and nearest first, planning each at its
     predicted position on the count of opens, until the cache refuses one.
     With ``hints`` (the reader's pass order by the trace position that
@@ -174,7 +174,7 @@ class SimPrefetcher:
     def __init__(
         self,
         cache: ReplayCache,
-        clock: AccessModel,
+        clock: WorkloadModel,
         trace: Sequence[str],
         jobs: Sequence[str],
         hints: dict[int, tuple[str, list[str]]] | None = None,
@@ -224,24 +224,22 @@ def simulate_policy(
         return simulate_belady(trace, capacity)
     if name == BOUND:
         return simulate_order_blind_bound(trace, jobs, capacity, files)
-    clock = AccessModel()
-    shared = SharedReads()
+    clock = WorkloadModel()
+    marks = ReadMarks()
     if name == PLANNED:
         oracle = TraceOracle(trace)
-        cache = ReplayCache(EpochAwarePolicy(clock, oracle, shared), capacity)
-        return replay(
-            cache, trace, clock, jobs, hooks=[oracle], read_seconds=READ_SECONDS, shared_reads=shared
-        )
+        cache = ReplayCache(EpochAwarePolicy(clock, oracle, marks), capacity)
+        return replay(cache, trace, clock, jobs, hooks=[oracle], read_seconds=READ_SECONDS, read_marks=marks)
     if name in (PREFETCHED, HINTED):
         planned = PlannedUse()
-        cache = ReplayCache(EpochAwarePolicy(clock, planned, shared), capacity, planned=planned)
+        cache = ReplayCache(EpochAwarePolicy(clock, planned, marks), capacity, planned=planned)
         hints = pass_orders(trace, jobs, files) if name == HINTED else None
         prefetcher = SimPrefetcher(cache, clock, trace, jobs, hints)
         return replay(
-            cache, trace, clock, jobs, hooks=[prefetcher], read_seconds=READ_SECONDS, shared_reads=shared
+            cache, trace, clock, jobs, hooks=[prefetcher], read_seconds=READ_SECONDS, read_marks=marks
         )
-    cache = ReplayCache(make_policy(name, clock, random.Random(seed), elsewhere=shared), capacity)
-    return replay(cache, trace, clock, jobs, read_seconds=READ_SECONDS, shared_reads=shared)
+    cache = ReplayCache(make_policy(name, clock, random.Random(seed), elsewhere=marks), capacity)
+    return replay(cache, trace, clock, jobs, read_seconds=READ_SECONDS, read_marks=marks)
 
 
 def pass_orders(trace: Sequence[str], jobs: Sequence[str], files: int) -> dict[int, tuple[str, list[str]]]:

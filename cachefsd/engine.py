@@ -25,7 +25,7 @@ from cachefsd.aio import LoopThread
 from cachefsd.buffers import reuse_block_buffers
 from cachefsd.cache.directory import OpenCache, open_cache, tier_specs
 from cachefsd.cache.index import Index
-from cachefsd.cache.policy import PlannedUse, SharedReads
+from cachefsd.cache.policy import PlannedUse, ReadMarks
 from cachefsd.cache.shared import SharedTier, open_shared
 from cachefsd.cache.tiered import TieredCache
 from cachefsd.cache.view import CacheView
@@ -41,7 +41,7 @@ from cachefsd.prefetch.prefetcher import Prefetcher
 from cachefsd.reader import BlockReader, ReadEvents
 from cachefsd.store import open_store
 from cachefsd.store.base import ObjectStore
-from cachefsd.workload.model import AccessModel
+from cachefsd.workload.model import WorkloadModel
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Engine:
     namespace: Namespace
     metrics: Metrics
     prefetcher: Prefetcher
-    model: AccessModel
+    model: WorkloadModel
     fs: FileSystem
 
 
@@ -93,9 +93,9 @@ def data_path(
     index: Index,
     io: LoopThread,
     metrics: Metrics,
-    model: AccessModel,
+    model: WorkloadModel,
     settings: Settings,
-    shared_reads: SharedReads,
+    read_marks: ReadMarks,
     reads: ReadEvents | None = None,
     listing_clock: Callable[[], float] = time.time,
     fresh_wait: float = FRESH_WAIT_SECONDS,
@@ -105,7 +105,7 @@ def data_path(
     filesystem, wired as every mount has it; ``reads`` counts its reads
     (``metrics`` when None), ``listing_clock`` and ``fresh_wait`` are the
     namespace's (tests pass their own); ``shared`` the node's shared tier;
-    ``shared_reads`` where reads mark the blocks another job is still to
+    ``read_marks`` where reads mark the blocks another job is still to
     read, for the cache's policy."""
     fetcher = Fetcher(store, settings.fetch, metrics)
     dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
@@ -141,30 +141,30 @@ def data_path(
         os.getgid(),
         access=prefetcher,
         jobs=CallerJobs(),
-        shared_reads=shared_reads,
+        read_marks=read_marks,
     )
     return reader, view, namespace, prefetcher, fs
 
 
 class NodeEpochs:
-    """``EpochClock`` over the access models of a daemon's mounts: the
+    """``EpochClock`` over the workload models of a daemon's mounts: the
     cache's policy ranks every block by one clock. Each model already
     serves several workloads the same way (its highest epoch), so the node's
     clock is the highest epoch of any mount. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._models: list[AccessModel] = []
+        self._models: list[WorkloadModel] = []
 
-    def add(self, model: AccessModel) -> None:
+    def add(self, model: WorkloadModel) -> None:
         with self._lock:
             self._models.append(model)
 
-    def remove(self, model: AccessModel) -> None:
+    def remove(self, model: WorkloadModel) -> None:
         with self._lock:
             self._models.remove(model)
 
-    def _current_models(self) -> list[AccessModel]:
+    def _current_models(self) -> list[WorkloadModel]:
         with self._lock:
             return list(self._models)
 
@@ -193,7 +193,7 @@ class Node:
         self.metrics.watch_epoch(self.epochs.current, self.epochs.job_epochs)
         self.meters = MeterLedger(self.metrics.job_reads_so_far, self.metrics)
         self.planned = PlannedUse()
-        self.shared_reads = SharedReads()
+        self.read_marks = ReadMarks()
         self.io = LoopThread()
         self._opened: OpenCache | None = None
         self._shared: SharedTier | None = None
@@ -240,7 +240,7 @@ class Node:
             cache.block_size,
             migrate_block_size=mounting,
             keep_recorded_layout=keep_recorded_layout,
-            elsewhere=self.shared_reads,
+            elsewhere=self.read_marks,
         ) as opened:
             _warn_of_small_disks(opened.cache)
             self._opened = opened
@@ -260,7 +260,7 @@ class Node:
     def mount(self, settings: Settings, store: ObjectStore) -> Iterator[Engine]:
         """The data path of one mount over the node's cache; its access
         model ticks the node's clock until the block ends."""
-        model = AccessModel()
+        model = WorkloadModel()
         reader, view, namespace, prefetcher, fs = data_path(
             store,
             self.cache,
@@ -269,7 +269,7 @@ class Node:
             self.metrics,
             model,
             settings,
-            self.shared_reads,
+            self.read_marks,
             self.metrics.for_mount(str(settings.mountpoint)),
             shared=self._shared,
         )

@@ -53,7 +53,7 @@ ROOT_INODE = 1
 
 
 class AccessEvents(Protocol):
-    """What the access model learns from, and what a read asks and tells it
+    """What the workload model learns from, and what a read asks and tells it
     of the other jobs (prefetch/prefetcher.py implements it)."""
 
     def opened(self, info: ObjectInfo, job: str) -> None: ...
@@ -88,7 +88,7 @@ class CacheDisk(Protocol):
 class ReadMarks(Protocol):
     """Where a read says that another job is still to read its blocks this
     epoch, which the cache's policy asks as it counts them
-    (``cache.policy.SharedReads``)."""
+    (``cache.policy.ReadMarks``)."""
 
     def reading(self, blocks: Callable[[str], bool]) -> AbstractContextManager[None]:
         """Within the block, on this thread, the blocks for which
@@ -105,7 +105,7 @@ class Attributes:
     gid: int
     nlink: int
     inode: int  # what the kernel names the inode by in its requests (FUSE's nodeid)
-    ino: int  # what ``stat`` shows: a hash of the version (or the directory's path)
+    st_ino: int  # what ``stat`` shows: a hash of the version (or the directory's path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,11 +146,11 @@ class FileSystem:
         gid: int,
         access: AccessEvents,
         jobs: CallerJobs,
-        shared_reads: ReadMarks,
+        read_marks: ReadMarks,
     ) -> None:
         self._namespace = namespace
         self._access = access
-        self._shared_reads = shared_reads
+        self._read_marks = read_marks
         self.jobs = jobs  # who a request's pid reads for
         self._reader = reader
         self._cache = cache
@@ -214,7 +214,7 @@ class FileSystem:
         """Bytes of the version ``inode`` stands for, for process ``pid``
         (whose job is counted). The kernel opens without asking (its pages
         of an inode are always right), so a read at offset 0 is what tells
-        the access model a file was opened."""
+        the workload model a file was opened."""
         with self._lock:
             file = self._files.get(inode)
         if file is None:
@@ -228,7 +228,7 @@ class FileSystem:
         self._access.read(info, offset, size, job)
         again = self._access.wanted_elsewhere(info, job)
         marked = (
-            self._shared_reads.reading(self._blocks_of(info, offset, size))
+            self._read_marks.reading(self._blocks_of(info, offset, size))
             if again
             else contextlib.nullcontext()
         )

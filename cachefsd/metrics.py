@@ -449,7 +449,7 @@ class Metrics:
             registry=registry,
         )
         self.epoch_number = Gauge(
-            "cachefsd_epoch", "Current training epoch, as the access model sees it", registry=registry
+            "cachefsd_epoch", "Current training epoch, as the workload model sees it", registry=registry
         )
         self.served_bytes = Counter(
             "cachefsd_served_bytes",

@@ -14,7 +14,7 @@ itself is added here:
 - residency: how many bytes of each top-level prefix of the source each
   tier holds, from one index query cached for ``RESIDENCY_REFRESH_SECONDS``
   and shared with the ``cachefsd_resident_bytes`` metric (``Residency``);
-- the access model's epochs, per workload.
+- the workload model's epochs, per workload.
 
 Concurrency: ``HitRing`` and ``Residency`` each guard their state with
 their own lock; ``DaemonStats.snapshot`` is called on control-server
@@ -37,12 +37,12 @@ from cachefsd.control.answers import (
     AccessTotals,
     CacheTotals,
     DedupTotals,
-    Epochs,
+    EpochsAnswer,
     FetchByKind,
     FetchTotals,
     HitRatios,
     JobActivity,
-    MountReads,
+    MountReadsAnswer,
     NodeActivity,
     NodeFacts,
     NodeReads,
@@ -256,7 +256,7 @@ class Residency:
 
 
 class AccessStats(Protocol):
-    """The access model as stats sees it (``workload.model.AccessModel``)."""
+    """The workload model as stats sees it (``workload.model.WorkloadModel``)."""
 
     def current(self) -> int: ...
     def stats(self) -> dict[str, object]: ...
@@ -344,7 +344,7 @@ class DaemonStats:
         return NodeActivity(
             mount=ThisMount(
                 mountpoint=self._mount,
-                reads=MountReads(
+                reads=MountReadsAnswer(
                     count=SourceCounts(
                         cache=int(mount_reads.get("cache", 0.0)), cold=int(mount_reads.get("cold", 0.0))
                     ),
@@ -397,9 +397,9 @@ class DaemonStats:
                 corrupt_blocks=_ints(values_by(metrics.corrupt_blocks, "tier")),
                 errors=_ints(values_by(metrics.cache_errors, "tier")),
             ),
-            epoch=Epochs(
+            epoch=EpochsAnswer(
                 current=int(value_of(metrics.epoch_number)),
-                jobs={root: job.epoch for root, job in access.per_job.items()},
+                workloads={name: workload.epoch for name, workload in access.per_workload.items()},
             ),
             jobs=self._jobs(),
             access=access,

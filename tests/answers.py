@@ -11,13 +11,13 @@ from cachefsd.stats import OTHER_PREFIX
 
 ACCESS: dict[str, Any] = {
     "epoch": 2,
-    "jobs": 1,
+    "workloads": 1,
     "working_set_files": 1000,
     "unread_files": 400,
     "read_this_epoch_files": 600,
     "active_streams": 1,
     "hint_coverage": 0.0,
-    "per_job": {
+    "per_workload": {
         "python[4242]:train": {
             "epoch": 2,
             "working_set_files": 1000,
@@ -104,7 +104,7 @@ STATS: dict[str, Any] = {
         "corrupt_blocks": {"hot": 0, "warm": 0},
         "errors": {"hot": 0, "warm": 0},
     },
-    "epoch": {"current": 2, "jobs": {"train": 2, "val": 1}},
+    "epoch": {"current": 2, "workloads": {"train": 2, "val": 1}},
     "jobs": {
         "python[4242]": {
             "reads": {"cache": 900, "cold": 100},

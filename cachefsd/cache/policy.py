@@ -25,7 +25,7 @@ tier's bookkeeping order: ``admitted`` of a resident block counts as a read,
 ``accessed`` and ``removed`` of a block the policy does not hold are no-ops.
 Policies do no I/O, start no threads and take no locks: the tier calls them
 under its own. ``PlannedUse``, shared by the prefetcher and the tiers, has
-its own lock; ``SharedReads`` keeps per-thread state and needs none.
+its own lock; ``ReadMarks`` keeps per-thread state and needs none.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class EvictionPolicy(Protocol):
 
 
 class EpochClock(Protocol):
-    """Where the current training epoch comes from (the access model owns the real one)."""
+    """Where the current training epoch comes from (the workload model owns the real one)."""
 
     def current(self) -> int:
         """The current epoch number; never decreases."""
@@ -136,9 +136,9 @@ class DueElsewhere(Protocol):
         ...
 
 
-class SharedReads:
+class ReadMarks:
     """The daemon's ``DueElsewhere``. Who is still to read what is known by
-    file and job (the access model's ``wanted_elsewhere``), and only the
+    file and job (the workload model's ``wanted_elsewhere``), and only the
     read path knows both: the mount marks a read that another job is still
     to read the bytes of (``reading``, given which blocks are the read's),
     and while it runs, those blocks are due elsewhere. The policies are
@@ -156,12 +156,14 @@ class SharedReads:
     @contextmanager
     def reading(self, blocks: Callable[[str], bool]) -> Iterator[None]:
         """Within the block, on this thread: a block is due elsewhere when
-        ``blocks(block)`` says it is one of the marked read's."""
+        ``blocks(block)`` says it is one of the marked read's; the mark
+        around it, if any, is restored after."""
+        outer = getattr(self._local, "blocks", None)
         self._local.blocks = blocks
         try:
             yield
         finally:
-            del self._local.blocks
+            self._local.blocks = outer
 
     def due_elsewhere(self, block: str) -> bool:
         blocks: Callable[[str], bool] | None = getattr(self._local, "blocks", None)

@@ -7,9 +7,9 @@ The cache here is a set of block names with a byte capacity, run by a real
 policy from ``policy.py`` by the tiers' own rule (``tier.victims_for``): a
 miss admits the block once it has been read (refused when the policy gives
 no victim up), a read another job is still to make this epoch is marked
-for the policy as the mount marks it (``policy.SharedReads``), and a block
+for the policy as the mount marks it (``policy.ReadMarks``), and a block
 the prefetcher brought (``admit(ahead=True)``) carries its planned use.
-The epoch clock is the daemon's own access model, told of every open and
+The epoch clock is the daemon's own workload model, told of every open and
 read as the mount tells it. Hooks run before each read and after it (a
 next-use oracle, a simulated prefetcher).
 """
@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from cachefsd.cache.policy import EvictionPolicy, PlannedUse, SharedReads
+from cachefsd.cache.policy import EvictionPolicy, PlannedUse, ReadMarks
 from cachefsd.cache.tier import NoRoom, victims_for
 from cachefsd.jobs import UNKNOWN_JOB
-from cachefsd.workload.model import AccessModel
+from cachefsd.workload.model import WorkloadModel
 
 
 class ReplayCache:
@@ -93,18 +93,18 @@ class ReplayHook(Protocol):
 def replay(
     cache: ReplayCache,
     trace: Sequence[str],
-    clock: AccessModel,
+    clock: WorkloadModel,
     jobs: Sequence[str] | None = None,
     blocks_of: Callable[[str], Sequence[str]] = lambda path: (path,),
     file_size: Callable[[str], int] = lambda _: 1,
     hooks: Sequence[ReplayHook] = (),
     read_seconds: float = 0.001,
-    shared_reads: SharedReads | None = None,
+    read_marks: ReadMarks | None = None,
 ) -> list[bool]:
     """Replay ``trace`` (files, read whole by ``jobs``, one job when None)
     through ``cache``: hit per block read, in order. Each job lists the
     dataset first, as a loader does. ``read_seconds`` apart: time only
-    orders the model's events. ``shared_reads``: where a read another job
+    orders the model's events. ``read_marks``: where a read another job
     is still to make is marked, which ``cache``'s policy was given."""
     readers = [UNKNOWN_JOB] * len(trace) if jobs is None else jobs
     listing = {path: file_size(path) for path in set(trace)}
@@ -120,8 +120,8 @@ def replay(
         clock.opened(path, size, now, job)
         clock.read(path, 0, size, now, job)
         blocks = blocks_of(path)
-        if shared_reads is not None and clock.wanted_elsewhere(path, job):  # as the mount asks at each read
-            with shared_reads.reading(frozenset(blocks).__contains__):
+        if read_marks is not None and clock.wanted_elsewhere(path, job):  # as the mount asks at each read
+            with read_marks.reading(frozenset(blocks).__contains__):
                 hits.extend(cache.read(block) for block in blocks)
         else:
             hits.extend(cache.read(block) for block in blocks)

@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from cachefsd.config import human_bytes
-from cachefsd.control.answers import CacheSetup, DiagnosisAnswer, MeteredJob
+from cachefsd.control.answers import CacheSetup, DiagnosisAnswer, MeteredJobAnswer
 from cachefsd.control.client import MeterTotals
 from cachefsd.diagnose.meter import REPORT_SECONDS
 from cachefsd.diagnose.verdict import JobFacts, advice, severity, verdict
@@ -78,7 +78,7 @@ def judge(diagnosis: DiagnosisAnswer) -> DoctorReport:
     )
 
 
-def _judge_job(job: MeteredJob, cache: CacheSetup, mountpoint: str) -> JobReport:
+def _judge_job(job: MeteredJobAnswer, cache: CacheSetup, mountpoint: str) -> JobReport:
     data_wait = MeterTotals(job.batches, job.data_wait_seconds, job.step_seconds).data_wait_fraction
     reads = job.reads
     reading = stall = None

@@ -182,8 +182,8 @@ def _activity(stats: StatsAnswer) -> RenderableType:
         "dedup saved",
         f"disk {human_bytes(dedup.disk_saved_bytes)}, wire {human_bytes(dedup.wire_saved_bytes)}",
     )
-    per_job = ", ".join(f"{root or '/'}: {number}" for root, number in epoch.jobs.items())
-    table.add_row("epoch", Text(f"{epoch.current}" + (f" ({per_job})" if per_job else "")))
+    each = ", ".join(f"{name or '/'}: {number}" for name, number in epoch.workloads.items())
+    table.add_row("epoch", Text(f"{epoch.current}" + (f" ({each})" if each else "")))
     return table
 
 

@@ -67,7 +67,7 @@ class ReadBytes(SourceBytes):
     total: int
 
 
-class MountReads(_Answer):
+class MountReadsAnswer(_Answer):
     count: SourceCounts
     bytes: ReadBytes
 
@@ -76,7 +76,7 @@ class ThisMount(_Answer):
     """What this mount's readers got (the rest of the answer is the node's)."""
 
     mountpoint: str
-    reads: MountReads
+    reads: MountReadsAnswer
     hit_ratio: float | None
     stall_seconds: float
 
@@ -95,7 +95,7 @@ class NodeFacts(_Answer):
     mounts: list[NodeMount]
 
 
-class NodeReads(MountReads):
+class NodeReads(MountReadsAnswer):
     served_bytes: dict[str, int]  # by place: memory, a tier, shared, cold
 
 
@@ -149,9 +149,9 @@ class CacheTotals(_Answer):
     errors: dict[str, int]
 
 
-class Epochs(_Answer):
+class EpochsAnswer(_Answer):
     current: int
-    jobs: dict[str, int]  # the access model's job (caller:root) -> its epoch
+    workloads: dict[str, int]  # a workload (job:dataset root) -> its epoch
 
 
 class JobActivity(_Answer):
@@ -165,8 +165,8 @@ class JobActivity(_Answer):
     data_wait_fraction: float | None  # None without a loader meter's step time
 
 
-class JobAccess(_Answer):
-    """One job as the access model sees it."""
+class WorkloadAccess(_Answer):
+    """One workload (a job reading one dataset) as the workload model sees it."""
 
     epoch: int
     working_set_files: int
@@ -179,16 +179,16 @@ class JobAccess(_Answer):
 
 
 class AccessTotals(_Answer):
-    """The access model over all jobs, and the most recently active ones."""
+    """The workload model over all workloads, and the most recently active ones."""
 
     epoch: int
-    jobs: int
+    workloads: int
     working_set_files: int
     unread_files: int
     read_this_epoch_files: int
     active_streams: int
     hint_coverage: float  # share of this epoch's opens a hint predicted
-    per_job: dict[str, JobAccess]
+    per_workload: dict[str, WorkloadAccess]
 
 
 class PrefixResidency(_Answer):
@@ -223,7 +223,7 @@ class NodeActivity(_Answer):
     prefetch: PrefetchTotals
     dedup: DedupTotals
     cache: CacheTotals
-    epoch: Epochs
+    epoch: EpochsAnswer
     jobs: dict[str, JobActivity]
     access: AccessTotals
     residency: ResidencyAnswer
@@ -268,7 +268,7 @@ class MeteredReads(_Answer):
 
 
 class ObservedReads(_Answer):
-    """A sample of a job's read order on the mount (the access model's
+    """A sample of a job's read order on the mount (the workload model's
     ``ObservedOrder``), for the what-if replay; ``workload`` names the job
     and the dataset it read (``workload.identity``)."""
 
@@ -283,7 +283,7 @@ class ObservedReads(_Answer):
     epoch: int
 
 
-class MeteredJob(_Answer):
+class MeteredJobAnswer(_Answer):
     """A job whose loader meters report to this mount, and its reads."""
 
     job: str
@@ -302,4 +302,4 @@ class DiagnosisAnswer(_Answer):
 
     mountpoint: str
     cache: CacheSetup
-    jobs: list[MeteredJob]
+    jobs: list[MeteredJobAnswer]

@@ -16,7 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from cachefsd.control.answers import CacheSetup, DiagnosisAnswer, MeteredJob, MeteredReads, ObservedReads
+from cachefsd.control.answers import (
+    CacheSetup,
+    DiagnosisAnswer,
+    MeteredJobAnswer,
+    MeteredReads,
+    ObservedReads,
+)
 from cachefsd.control.client import MeterTotals
 from cachefsd.diagnose.ledger import MeterLedger
 from cachefsd.diagnose.whatif import MAX_REPLAYED_FILES
@@ -55,7 +61,7 @@ class Diagnosis:
         for metered in self._ledger.jobs(self._mountpoint):
             observed = self._observed(metered.job, MAX_REPLAYED_FILES)
             jobs.append(
-                MeteredJob(
+                MeteredJobAnswer(
                     job=metered.job,
                     batches=metered.totals.batches,
                     data_wait_seconds=metered.totals.data_wait_seconds,

@@ -1,6 +1,6 @@
 """Why a job starves, from the loop's data wait and the store's stalls, and
 what to change. Pure rules over numbers: ``cachefsd doctor`` feeds them
-what the daemon's ledger and access model report.
+what the daemon's ledger and workload model report.
 
 The verdict uses the thresholds of TensorFlow's input-pipeline analyzer on
 the share of the loop's time spent waiting for the next batch: under 5 %

@@ -1,6 +1,6 @@
 """What-if: the hit ratio a job would get at other cache sizes, without a rerun.
 
-The daemon keeps each job's order of its last epoch (``AccessModel.observed``,
+The daemon keeps each job's order of its last epoch (``WorkloadModel.observed``,
 a sample of it by a hash of file names for a large dataset). Replaying
 that order through the daemon's eviction policy (``cache.replay``), one
 epoch to fill the cache and ``MEASURED_EPOCHS`` more, at each cache size
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from cachefsd.cache.policy import make_policy
 from cachefsd.cache.replay import ReplayCache, replay
-from cachefsd.workload.model import AccessModel, ObservedOrder
+from cachefsd.workload.model import ObservedOrder, WorkloadModel
 
 # Cache sizes tried, as fractions of the job's working set, besides the
 # cache's own capacity: from a quarter of the data to all of it with room.
@@ -66,7 +66,7 @@ def what_if(
     first_epoch = sum(len(blocks[path]) for path in epochs[0])
     results = []
     for capacity in capacities:
-        clock = AccessModel()
+        clock = WorkloadModel()
         cache = ReplayCache(
             make_policy(policy, clock, random.Random(seed)),
             capacity // observed.sample_every,

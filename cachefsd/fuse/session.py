@@ -86,7 +86,7 @@ def _answered(handler: Callable[P, None]) -> Callable[P, None]:
 def _fill(target: ll.Stat, attributes: Attributes) -> None:
     seconds = int(attributes.mtime)
     nanoseconds = int((attributes.mtime - seconds) * 1e9)
-    target.st_ino = attributes.ino
+    target.st_ino = attributes.st_ino
     target.st_mode = attributes.mode
     target.st_nlink = attributes.nlink
     target.st_uid = attributes.uid

@@ -132,7 +132,7 @@ class Namespace:
         self._listing: SingleFlight[str, _Cached] = SingleFlight()
 
     def lookup(self, path: str) -> Entry:
-        """The node at ``path``; ``ObjectNotFound`` or ``NotADirectory`` otherwise."""
+        """The entry at ``path``; ``ObjectNotFound`` or ``NotADirectory`` otherwise."""
         parts = split_path(path)
         if not parts:
             return ROOT

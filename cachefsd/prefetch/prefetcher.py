@@ -1,9 +1,9 @@
-"""The prefetcher: turns the access model's predictions into block fetches,
+"""The prefetcher: turns the workload model's predictions into block fetches,
 within one global budget. It composes one module per mechanism, and holds
 the state they share.
 
 Every open, read and directory listing of the mount is an event for the
-access model (``cachefsd/workload/``). A single thread wakes on those events, asks
+workload model (``cachefsd/workload/``). A single thread wakes on those events, asks
 the model what will be read next (a sequential stream's next window, a
 hint's remaining order, a replayed order, or the unread files of the
 epoch), and fetches the blocks that are not cached yet, nearest predicted
@@ -77,7 +77,7 @@ from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.prefetch.warm import ToWarm, WarmQueue
 from cachefsd.reader import RUN_BYTES, BlockReader, ClaimedRun, block_range
 from cachefsd.store.base import ObjectInfo
-from cachefsd.workload.model import AccessModel, Prediction
+from cachefsd.workload.model import Prediction, WorkloadModel
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class PrefetchEvents(Protocol):
 class Prefetcher:
     def __init__(
         self,
-        model: AccessModel,
+        model: WorkloadModel,
         namespace: Namespace,
         reader: BlockReader,
         cache: CachedBlocks,
@@ -135,7 +135,7 @@ class Prefetcher:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``clock`` is read wherever the prefetcher needs the time: the
-        access model's events, the token bucket, failed blocks' retries and
+        workload model's events, the token bucket, failed blocks' retries and
         the pace of waste retirement."""
         self._model = model
         self._namespace = namespace

@@ -39,7 +39,7 @@ epoch holds at least ``MIN_EPOCH_FRACTION`` of it; ``files`` skips the holes
 reads leave in the unread dict (C-speed, about 1 ms per million at worst).
 
 Concurrency: none here. A workload's ``Epochs`` is guarded by the lock of
-its owner (``model.AccessModel``).
+its owner (``model.WorkloadModel``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ job (every shell command is one) forgets the jobs idle for
 Cost: every lookup is O(depth of the path), O(1) in practice.
 
 Concurrency: none here. ``Workloads`` and everything it holds are guarded
-by the lock of their owner (``model.AccessModel``); time comes in as ``now``.
+by the lock of their owner (``model.WorkloadModel``); time comes in as ``now``.
 """
 
 from __future__ import annotations

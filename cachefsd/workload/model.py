@@ -1,4 +1,4 @@
-"""The access model: what each workload will read next, learned from the
+"""The workload model: what each workload will read next, learned from the
 events a mount sees. The façade a mount uses; the rules live in the
 modules it composes, each readable alone:
 
@@ -60,7 +60,8 @@ from cachefsd.workload.streams import STREAM_MAX_WINDOW
 # stream-sized window (the consumer clips to the object); a stream takes
 # over once the reader is in the file. Also used when the size is unknown.
 FILE_PREDICTION_BYTES: Final = STREAM_MAX_WINDOW
-# stats() details the most recently active workloads only.
+# stats() details the most recently active workloads only: a /stats answer
+# and the table ``cachefsd stats`` draws stay small on a node of many jobs.
 STATS_MAX_WORKLOADS: Final = 32
 
 
@@ -101,7 +102,7 @@ class ObservedOrder:
     epoch: int
 
 
-class AccessModel:
+class WorkloadModel:
     """Learns workloads, working sets, epochs, streams and orders from mount
     events; see the module docstring. Thread-safe; usable as an ``EpochClock``."""
 
@@ -334,8 +335,8 @@ class AccessModel:
         )
 
     def stats(self) -> dict[str, object]:
-        """Totals over all workloads (``jobs`` counts them), and details of
-        the most recently active ones (``per_job``, by workload name).
+        """Totals over all workloads (``workloads`` counts them), and details of
+        the most recently active ones (``per_workload``, by workload name).
 
         ``hint_coverage`` is the share of this epoch's opens (all workloads)
         that came where a hint predicted them: 0.0 without hints, near 1.0
@@ -350,13 +351,13 @@ class AccessModel:
             active = sorted(workloads, key=lambda workload: workload.last_event, reverse=True)
             return {
                 "epoch": self._max_epoch,
-                "jobs": len(workloads),
+                "workloads": len(workloads),
                 "working_set_files": sum(len(workload.epochs.working) for workload in workloads),
                 "unread_files": sum(workload.epochs.unread_count() for workload in workloads),
                 "read_this_epoch_files": opens,
                 "active_streams": sum(workload.streams.live(self._now) for workload in workloads),
                 "hint_coverage": hinted / opens if opens else 0.0,
-                "per_job": {
+                "per_workload": {
                     workload.id: self._workload_stats_locked(workload)
                     for workload in active[:STATS_MAX_WORKLOADS]
                 },

@@ -17,7 +17,7 @@ previous epoch already replayed the one before it.
 Units: positions and distances count FILES opened this epoch, 0-based.
 
 Concurrency: none here. A plan belongs to one workload's epochs
-(``epochs.py``), whose owner (``model.AccessModel``) guards it with its lock.
+(``epochs.py``), whose owner (``model.WorkloadModel``) guards it with its lock.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ HINT_MIN_MATCH: Final = 0.5
 # files of several batches at once, so an exact hint is read up to workers x
 # prefetch_factor x batch size places out of order (8 x 2 x 256 = 4,096, more
 # with several ranks on the node); a random order falls within n/8 of its
-# place with probability about 1/4, far below the thresholds. (A cap of 512
-# places made an exact hint of a 100k-file dataset at batch 256 look wrong.)
+# place with probability about 1/4, far below the thresholds. The slack
+# grows with the plan, never capped: at batch 256 an exact hint of a
+# 100k-file dataset is read thousands of places out of order.
 PLAN_SLACK_DIVISOR: Final = 8
 
 

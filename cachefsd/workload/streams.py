@@ -17,7 +17,7 @@ or read to its file's end, predicts nothing.
 
 Time comes in with the reads (``now``); nothing here reads a clock.
 Concurrency: none here. A workload's ``Streams`` is guarded by the lock of
-its owner (``model.AccessModel``).
+its owner (``model.WorkloadModel``).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ STREAM_INITIAL_WINDOW: Final = 1 << 20
 STREAM_MAX_WINDOW: Final = 64 << 20
 # Bytes read contiguously that make a stream. Not a count of reads: the
 # kernel sends one 1 MiB pread as several contiguous READs, and one mmap
-# fault as a read-around of up to its read-ahead (a block, 4 MiB); two
-# READs made every random reader a stream, fetched ahead by up to two
-# runs (1.6 GB for ten 1 MiB preads of a 6 GiB file).
+# fault as a read-around of up to its read-ahead (a block, 4 MiB); a
+# stream is confirmed by more bytes than either, so a random reader of a
+# large file (ten 1 MiB preads) is never fetched ahead by whole runs.
 STREAM_CONFIRM_BYTES: Final = 8 << 20
 # Files up to this size are one default block, fetched whole by their first
 # read; only larger files get streams.

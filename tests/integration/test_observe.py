@@ -155,7 +155,7 @@ def test_two_jobs_on_one_prefix_keep_their_own_epochs(
 ) -> None:
     """Two jobs started in sessions of their own read the same files in
     their own shuffles at once: each is a job with its own epochs (3
-    passes: epoch 2), where one access model for both counted an epoch at
+    passes: epoch 2), where one workload model for both counted an epoch at
     nearly every open. One more is possible: the pages of a file are both
     jobs', and one job dropping them while the other reads the file makes
     the kernel read it twice, which looks like a new pass."""
@@ -174,7 +174,7 @@ def test_two_jobs_on_one_prefix_keep_their_own_epochs(
         assert job.wait(timeout=120) == 0
     result = run_cli("stats", str(mount.mountpoint), "--json")
     assert result.returncode == 0, result.stderr
-    epochs = json.loads(result.stdout)["epoch"]["jobs"]
+    epochs = json.loads(result.stdout)["epoch"]["workloads"]
     mine = {
         name: epoch
         for name, epoch in epochs.items()
@@ -231,7 +231,7 @@ def test_stats_json_agrees_with_the_metrics_and_shows_residency(
     assert hot["blocks"] == metrics["cachefsd_tier_blocks{tier=hot}"]
     assert stats["epoch"]["current"] == metrics["cachefsd_epoch"] == 1
     # The job is this test's: its process group's, on train/.
-    (epoch,) = [v for k, v in stats["epoch"]["jobs"].items() if k.endswith(f"[{os.getpgid(0)}]:train")]
+    (epoch,) = [v for k, v in stats["epoch"]["workloads"].items() if k.endswith(f"[{os.getpgid(0)}]:train")]
     assert epoch == 1
 
     # All of train/ is resident, in the hot tier; nothing of val/ or the root.

@@ -15,7 +15,7 @@ from cachefsd.aio import LoopThread
 from cachefsd.cache.codec import Codec
 from cachefsd.cache.index import Index
 from cachefsd.cache.maintenance import reconcile
-from cachefsd.cache.policy import EvictionPolicy, LruPolicy, PlannedUse, SharedReads
+from cachefsd.cache.policy import EvictionPolicy, LruPolicy, PlannedUse, ReadMarks
 from cachefsd.cache.tier import Tier
 from cachefsd.cache.tiered import CacheTuning, TieredCache
 from cachefsd.cache.view import CacheView
@@ -27,7 +27,7 @@ from cachefsd.namespace.tree import Namespace
 from cachefsd.reader import BlockReader, FileSpan, Piece, close_pieces
 from cachefsd.store.faulty import FaultyStore
 from cachefsd.store.memory import MemoryStore
-from cachefsd.workload.model import AccessModel
+from cachefsd.workload.model import WorkloadModel
 
 BLOCK_SIZE = 64 << 10
 FAST_FETCH = FetchSettings(deadline=2.0, attempt_timeout=0.5, backoff_initial=0.01, backoff_max=0.05)
@@ -92,7 +92,7 @@ class Rig:
     fs: FileSystem
     clock: Clock
     cache_dir: Path
-    model: AccessModel
+    model: WorkloadModel
 
 
 RigFactory = Callable[..., Rig]
@@ -119,10 +119,10 @@ def build_rig(
     fetch: FetchSettings = FAST_FETCH,
     fresh_wait: float = TEST_FRESH_WAIT_SECONDS,
     cache_tuning: CacheTuning = DAEMON_CACHE_TUNING,
-    shared_reads: SharedReads | None = None,
+    read_marks: ReadMarks | None = None,
 ) -> Rig:
     """The whole read path over a ``MemoryStore``, its cache in ``cache_dir``,
-    its I/O on ``io``; the caller closes ``rig.index``. ``shared_reads``:
+    its I/O on ``io``; the caller closes ``rig.index``. ``read_marks``:
     where reads mark blocks other jobs are still to read, if ``policy`` was
     given them. For tests that cannot take fixtures (hypothesis state
     machines); others use ``make_rig``."""
@@ -148,7 +148,7 @@ def build_rig(
         namespace={"metadata_ttl": ttl, "trust_saved_listings": trust_saved_listings},
     )
     clock = Clock()
-    model = AccessModel()
+    model = WorkloadModel()
     reader, view, namespace, _, fs = data_path(
         faulty,
         cache,
@@ -157,7 +157,7 @@ def build_rig(
         metrics,
         model,
         settings,
-        shared_reads or SharedReads(),
+        read_marks or ReadMarks(),
         listing_clock=clock,
         fresh_wait=fresh_wait,
     )

@@ -34,7 +34,7 @@ from cachefsd.cache.tier import HELD_DESCRIPTORS, NoRoom, Tier, disk_bytes, vict
 from cachefsd.cache.tiered import CacheTuning, TieredCache
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.metrics import Metrics
-from cachefsd.workload.model import AccessModel
+from cachefsd.workload.model import WorkloadModel
 from tests.metrics import sample
 from tests.polling import wait_until
 from tests.unit.conftest import Clock
@@ -273,7 +273,7 @@ def test_an_opened_cache_ranks_by_the_plan(tmp_path: Path) -> None:
     frame = disk_bytes(encode(block, Codec.RAW).size)
     (tmp_path / "hot").mkdir()
     spec = TierSpec("hot", str(tmp_path / "hot"), 2 * frame, "raw")
-    planned, epochs = PlannedUse(), AccessModel()
+    planned, epochs = PlannedUse(), WorkloadModel()
     metrics = Metrics(CollectorRegistry())
     with open_cache(tmp_path, [spec], "epoch-aware", epochs, metrics, planned=planned) as opened:
         cache = opened.cache
@@ -293,7 +293,7 @@ def _reopen(root: Path, block_size: int, migrate: bool = True) -> bool:
     spec = TierSpec("hot", str(root / "hot"), 1 << 20, "raw")
     metrics = Metrics(CollectorRegistry())
     with open_cache(
-        root, [spec], "lru", AccessModel(), metrics, block_size=block_size, migrate_block_size=migrate
+        root, [spec], "lru", WorkloadModel(), metrics, block_size=block_size, migrate_block_size=migrate
     ) as opened:
         found = opened.cache.lookup(ref("k")) is not None
         if not found:
@@ -355,7 +355,7 @@ def test_an_index_from_before_the_size_was_recorded_is_judged_by_its_blocks(
     def opened(block_size: int | None) -> Any:
         metrics = Metrics(CollectorRegistry())
         return open_cache(
-            tmp_path, [spec], "lru", AccessModel(), metrics, block_size=block_size, migrate_block_size=True
+            tmp_path, [spec], "lru", WorkloadModel(), metrics, block_size=block_size, migrate_block_size=True
         )
 
     with opened(None) as cache:  # records no size, as before
@@ -409,7 +409,7 @@ def test_a_damaged_index_is_set_aside_not_a_failed_mount(
     (tmp_path / "index.sqlite").write_bytes(b"not a database, whatever happened to it" * 100)
     spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
     metrics = Metrics(CollectorRegistry())
-    with open_cache(tmp_path, [spec], "lru", AccessModel(), metrics) as opened:
+    with open_cache(tmp_path, [spec], "lru", WorkloadModel(), metrics) as opened:
         data = os.urandom(100)
         opened.cache.admit(ref("k"), content_hash(data), data)
         assert read(opened.cache, ref("k")) == data
@@ -467,7 +467,7 @@ def test_a_damaged_index_is_reported_by_verify_and_set_aside_by_a_mount(
 
     def mount() -> Any:
         return open_cache(
-            cache_dir, [spec], "lru", AccessModel(), Metrics(CollectorRegistry()), block_size=1 << 20
+            cache_dir, [spec], "lru", WorkloadModel(), Metrics(CollectorRegistry()), block_size=1 << 20
         )
 
     data = os.urandom(100)
@@ -500,7 +500,7 @@ def test_damage_found_while_serving_is_set_aside_by_the_next_mount(
     spec = TierSpec("hot", str(tmp_path), 1 << 20, "raw")
 
     def mount() -> Any:
-        return open_cache(tmp_path, [spec], "lru", AccessModel(), Metrics(CollectorRegistry()))
+        return open_cache(tmp_path, [spec], "lru", WorkloadModel(), Metrics(CollectorRegistry()))
 
     first, second = os.urandom(100), os.urandom(100)
     with mount() as opened:
@@ -531,7 +531,7 @@ def test_a_directory_where_the_damaged_index_or_its_note_goes_does_not_refuse_th
     (tmp_path / "index.sqlite").write_bytes(b"not a database" * 100)
     (tmp_path / "index.sqlite.damaged").mkdir()
     (tmp_path / "index.sqlite.damage-found").mkdir()
-    with open_cache(tmp_path, [spec], "lru", AccessModel(), Metrics(CollectorRegistry())) as opened:
+    with open_cache(tmp_path, [spec], "lru", WorkloadModel(), Metrics(CollectorRegistry())) as opened:
         data = os.urandom(100)
         opened.cache.admit(ref("k"), content_hash(data), data)
         # Not noted where a directory is in the way: said, not taken for noted already.
@@ -539,7 +539,7 @@ def test_a_directory_where_the_damaged_index_or_its_note_goes_does_not_refuse_th
     assert "cannot note the damage" in caplog.text
     assert "removed (it cannot be kept as" in caplog.text
     assert "kept as" not in caplog.text.replace("cannot be kept as", "")
-    with open_cache(tmp_path, [spec], "lru", AccessModel(), Metrics(CollectorRegistry())) as opened:
+    with open_cache(tmp_path, [spec], "lru", WorkloadModel(), Metrics(CollectorRegistry())) as opened:
         assert read(opened.cache, ref("k")) == data
 
 
@@ -556,7 +556,7 @@ def test_a_damaged_tier_layout_is_reported_by_verify(tmp_path: Path, layout: str
     """verify reads the layout the index records (the mount does not):
     damaged, it printed a traceback."""
     spec = TierSpec("hot", str(tmp_path), 1 << 20, "raw")
-    with open_cache(tmp_path, [spec], "lru", AccessModel(), Metrics(CollectorRegistry())):
+    with open_cache(tmp_path, [spec], "lru", WorkloadModel(), Metrics(CollectorRegistry())):
         pass
     database = sqlite3.connect(tmp_path / "index.sqlite", isolation_level=None)
     database.execute("UPDATE meta SET value = ? WHERE name = 'tiers'", (layout,))
@@ -773,7 +773,7 @@ def _offline_stage(cache_dir: Path) -> None:
     """What ``stage`` opens without a daemon: the cache's own recorded tiers."""
     spec = TierSpec("hot", str(cache_dir), 1 << 20, "raw")
     metrics = Metrics(CollectorRegistry())
-    with open_cache(cache_dir, [spec], "lru", AccessModel(), metrics, keep_recorded_layout=True):
+    with open_cache(cache_dir, [spec], "lru", WorkloadModel(), metrics, keep_recorded_layout=True):
         pass
 
 
@@ -790,7 +790,7 @@ def test_maintenance_refuses_a_recorded_tier_that_holds_no_blocks(tmp_path: Path
     spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
     (tmp_path / "hot").mkdir()
     cache_dir = tmp_path / "cache"
-    with open_cache(cache_dir, [spec], "lru", AccessModel(), Metrics(CollectorRegistry())) as opened:
+    with open_cache(cache_dir, [spec], "lru", WorkloadModel(), Metrics(CollectorRegistry())) as opened:
         data = os.urandom(100)
         opened.cache.admit(ref("k"), content_hash(data), data)
     victim = tmp_path / "victim"
@@ -852,7 +852,7 @@ def test_verify_without_repair_reports_damage_and_changes_nothing(tmp_path: Path
     wrong size, and files no row names, are reported, and left as found."""
     (tmp_path / "hot").mkdir()
     spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
-    with open_cache(tmp_path, [spec], "lru", AccessModel(), Metrics(CollectorRegistry())) as opened:
+    with open_cache(tmp_path, [spec], "lru", WorkloadModel(), Metrics(CollectorRegistry())) as opened:
         digests = [admit(opened.cache, ref(f"k{i}"), os.urandom(3000)) for i in range(3)]
         tier = opened.cache.tiers[0]
     tier.path_of(digests[0]).write_bytes(b"short")
@@ -944,7 +944,7 @@ def test_a_read_ends_a_blocks_plan_and_a_refused_block_keeps_none(tmp_path: Path
     spec = TierSpec("hot", str(tmp_path / "hot"), frame, "raw")
     planned = PlannedUse()
     metrics = Metrics(CollectorRegistry())
-    with open_cache(tmp_path, [spec], "epoch-aware", AccessModel(), metrics, planned=planned) as opened:
+    with open_cache(tmp_path, [spec], "epoch-aware", WorkloadModel(), metrics, planned=planned) as opened:
         cache = opened.cache
         digest = content_hash(block)
         cache.admit(ref("planned"), digest, block, ahead=True, next_use=5.0)

@@ -13,14 +13,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from benchmarks.policy_sim import DEFAULT_FRACTIONS, run
 from cachefsd.cli.doctor import judge, render
-from cachefsd.control.answers import CacheSetup, DiagnosisAnswer
+from cachefsd.control.answers import CacheSetup, DiagnosisAnswer, MeteredReads, ObservedReads
 from cachefsd.control.client import MeterTotals
 from cachefsd.diagnose import meter
 from cachefsd.diagnose.ledger import MAX_JOBS, MAX_METERS_PER_JOB, JobReads, MeterLedger
@@ -445,3 +446,14 @@ def test_a_job_with_no_steps_yet_is_not_input_bound_and_told_to_wait() -> None:
     (job,) = judge(diagnosis(step=0.0, wait=0.0, stall=0.0, order=None)).jobs
     assert job.verdict == NOT_INPUT_BOUND
     assert job.what_if.rows == []
+
+
+@pytest.mark.parametrize(
+    ("answer", "record"),
+    [(MeteredReads, JobReads), (ObservedReads, ObservedOrder)],
+    ids=["reads", "observed"],
+)
+def test_an_answer_copies_its_daemon_record_field_for_field(answer: type[BaseModel], record: type) -> None:
+    """The answers module imports nothing of the daemon, so these two records
+    are declared on each side of the socket: they must not drift apart."""
+    assert list(answer.model_fields) == [each.name for each in fields(record)]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cachefsd.cache.codec import HEADER_SIZE
-from cachefsd.cache.policy import EpochAwarePolicy, SharedReads
+from cachefsd.cache.policy import EpochAwarePolicy, ReadMarks
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.errors import (
     BadFileHandle,
@@ -24,7 +24,7 @@ from cachefsd.errors import (
 from cachefsd.fs import ROOT_INODE, FileSystem
 from cachefsd.jobs import UNKNOWN_JOB, CallerJobs
 from cachefsd.store.base import ObjectInfo
-from cachefsd.workload.model import AccessModel
+from cachefsd.workload.model import WorkloadModel
 from tests.unit.conftest import BLOCK_SIZE, RigFactory, joined, looked_up, read_path
 
 
@@ -63,7 +63,7 @@ def test_a_directory_keeps_its_inode_and_a_version_its_own(make_rig: RigFactory)
     rig.clock.now += 6
     second = looked_up(rig.fs, "/d/f")
     assert second.inode != first.inode
-    assert second.ino != first.ino
+    assert second.st_ino != first.st_ino
     assert looked_up(rig.fs, "/d").inode == directory
     assert rig.fs.getattr(first.inode).size == 3  # what the kernel holds of the old one does not change
 
@@ -195,7 +195,7 @@ def test_an_inode_lives_while_the_kernel_references_it(make_rig: RigFactory) -> 
     rig.fs.forget(ino, 1)  # a late forget of a dropped inode changes nothing
     again = looked_up(rig.fs, "/f")
     assert again.inode != ino  # the kernel's numbers are never reused
-    assert again.ino == first.ino  # what stat shows stays (du, tar and rsync key on it)
+    assert again.st_ino == first.st_ino  # what stat shows stays (du, tar and rsync key on it)
 
 
 def test_a_listing_is_read_whole_from_one_handle(make_rig: RigFactory) -> None:
@@ -261,14 +261,14 @@ def test_looking_up_a_cached_sample_starts_loading_its_block(
     assert warmed == [("sample", 0, True, True)]
 
 
-def opened_this_epoch(model: AccessModel, job: str) -> list[str]:
+def opened_this_epoch(model: WorkloadModel, job: str) -> list[str]:
     """The files ``job`` opened this epoch, in order (its first epoch: nothing replays yet)."""
     observed = model.observed(job, max_files=1_000)
     return [] if observed is None else observed.order
 
 
 def test_a_read_at_the_start_of_a_file_is_its_open(make_rig: RigFactory) -> None:
-    """The kernel opens without asking: the access model learns of an open
+    """The kernel opens without asking: the workload model learns of an open
     from the read of a file's first bytes, once per read from 0."""
     rig = make_rig({"f": os.urandom(2 * BLOCK_SIZE)})
     ino = looked_up(rig.fs, "/f").inode
@@ -307,12 +307,10 @@ def test_a_block_another_job_is_still_to_read_outlives_one_nobody_needs(
     is still to read marks its blocks, and the epoch-aware policy keeps
     them over a block both have read, which without the marks it would
     have evicted first (it was read earlier)."""
-    shared = SharedReads()
-    policy = EpochAwarePolicy(FirstEpoch(), elsewhere=shared if marked else None)
+    marks = ReadMarks()
+    policy = EpochAwarePolicy(FirstEpoch(), elsewhere=marks if marked else None)
     files = {f"d/f{number}": os.urandom(BLOCK_SIZE) for number in range(3)}
-    rig = make_rig(
-        files, capacity=2 * disk_bytes(HEADER_SIZE + BLOCK_SIZE), policy=policy, shared_reads=shared
-    )
+    rig = make_rig(files, capacity=2 * disk_bytes(HEADER_SIZE + BLOCK_SIZE), policy=policy, read_marks=marks)
     proc = tmp_path / "proc"
     for pid in (100, 200):  # job a: pid 100; job b: pid 200, each the leader of its group
         (proc / str(pid)).mkdir(parents=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 from cachefsd.config import FetchSettings, Settings, StoreSettings
 from cachefsd.engine import Node, NodeEpochs, StoreFactory
 from cachefsd.store.memory import MemoryStore
-from cachefsd.workload.model import AccessModel
+from cachefsd.workload.model import WorkloadModel
 from tests.unit.conftest import read_path
 
 BLOCK = 64 << 10
@@ -75,7 +75,7 @@ def test_two_mounts_share_one_capacity_and_count_their_own_reads(tmp_path: Path)
 def test_the_node_clock_is_the_latest_epoch_of_any_mount() -> None:
     clock = NodeEpochs()
     assert (clock.current(), clock.job_epochs()) == (0, {})
-    first, second = AccessModel(), AccessModel()
+    first, second = WorkloadModel(), WorkloadModel()
     clock.add(first)
     clock.add(second)
     files = {f"d/{n}": 10 for n in range(4)}

@@ -16,11 +16,11 @@ from cachefsd.cache.policy import (
     EvictionPolicy,
     LruPolicy,
     MinioPolicy,
-    SharedReads,
+    ReadMarks,
     TwoRandomPolicy,
     make_policy,
 )
-from cachefsd.workload.model import AccessModel
+from cachefsd.workload.model import WorkloadModel
 
 
 class FakeClock:
@@ -209,19 +209,28 @@ def test_epoch_aware_keeps_a_block_admitted_for_a_read_another_job_is_still_to_m
     assert policy.victim("new") is None
 
 
-def test_shared_reads_mark_the_blocks_of_one_read_on_its_thread_only() -> None:
-    shared = SharedReads()
-    assert not shared.due_elsewhere("a")  # no read marked
+def test_read_marks_mark_the_blocks_of_one_read_on_its_thread_only() -> None:
+    marks = ReadMarks()
+    assert not marks.due_elsewhere("a")  # no read marked
     seen_elsewhere: list[bool] = []
-    with shared.reading({"a", "b"}.__contains__):
-        assert shared.due_elsewhere("a")
-        assert shared.due_elsewhere("b")
-        assert not shared.due_elsewhere("c")  # not the read's: a block demoted meanwhile, say
-        other = threading.Thread(target=lambda: seen_elsewhere.append(shared.due_elsewhere("a")))
+    with marks.reading({"a", "b"}.__contains__):
+        assert marks.due_elsewhere("a")
+        assert marks.due_elsewhere("b")
+        assert not marks.due_elsewhere("c")  # not the read's: a block demoted meanwhile, say
+        other = threading.Thread(target=lambda: seen_elsewhere.append(marks.due_elsewhere("a")))
         other.start()
         other.join()
     assert seen_elsewhere == [False]  # another thread's read is not marked
-    assert not shared.due_elsewhere("a")  # the read is over
+    assert not marks.due_elsewhere("a")  # the read is over
+
+
+def test_a_read_mark_within_another_restores_the_outer_one() -> None:
+    marks = ReadMarks()
+    with marks.reading({"a"}.__contains__):
+        with marks.reading({"b"}.__contains__):
+            assert (marks.due_elsewhere("a"), marks.due_elsewhere("b")) == (False, True)
+        assert (marks.due_elsewhere("a"), marks.due_elsewhere("b")) == (True, False)
+    assert not marks.due_elsewhere("a")
 
 
 def test_epoch_aware_keeps_a_block_fetched_ahead_until_it_is_read() -> None:
@@ -331,11 +340,11 @@ def test_epoch_aware_heap_stays_bounded_under_rereads() -> None:
 
 
 class Reads:
-    """The access model (the policies' epoch clock in the daemon), told of
+    """The workload model (the policies' epoch clock in the daemon), told of
     each file's read as the mount tells it: an open, 1 ms after the last."""
 
     def __init__(self) -> None:
-        self.model = AccessModel()
+        self.model = WorkloadModel()
         self._now = 0.0
 
     def read(self, name: str) -> int:

@@ -1,4 +1,4 @@
-"""The prefetcher over an in-memory bucket: it fetches what the access model
+"""The prefetcher over an in-memory bucket: it fetches what the workload model
 predicts, within its budget, and counts what was used."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from cachefsd.prefetch.prefetcher import Prefetcher
 from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.store.base import ObjectInfo
 from cachefsd.workload.identity import JOB_IDLE_SECONDS
-from cachefsd.workload.model import AccessModel
+from cachefsd.workload.model import WorkloadModel
 from tests.metrics import sample
 from tests.polling import wait_until
 from tests.unit.conftest import BLOCK_SIZE, Clock, Rig, RigFactory, joined, read_path
@@ -52,7 +52,7 @@ def start(
     tuning: PrefetchTuning = DEFAULT_TUNING,
     clock: Callable[[], float] = time.monotonic,
 ) -> Iterator[Prefetcher]:
-    model = AccessModel()
+    model = WorkloadModel()
     prefetcher = Prefetcher(model, rig.namespace, rig.reader, rig.view, settings, rig.metrics, tuning, clock)
     prefetcher.start()
     try:
@@ -123,7 +123,7 @@ def test_the_shares_of_distributed_ranks_are_merged_into_one_order(
     make_rig: RigFactory, dataset: dict[str, bytes]
 ) -> None:
     rig = make_rig(dataset)
-    model = AccessModel()
+    model = WorkloadModel()
     prefetcher = Prefetcher(model, rig.namespace, rig.reader, rig.view, PrefetchSettings(), rig.metrics)
     keys = sorted(dataset)
     prefetcher.hint(keys[0:4], part=(0, 2))
@@ -139,20 +139,20 @@ def test_the_shares_of_a_job_that_stopped_reading_are_not_kept(
     reading (the model forgot it) must not keep its order, nor merge it
     into a later hint of a job of the same name."""
     rig = make_rig(dataset)
-    model, clock = AccessModel(), Clock()
+    model, clock = WorkloadModel(), Clock()
     prefetcher = Prefetcher(
         model, rig.namespace, rig.reader, rig.view, PrefetchSettings(), rig.metrics, DEFAULT_TUNING, clock
     )
     keys = sorted(dataset)
     prefetcher.hint(keys[0:4], part=(0, 2), job="trial[1]")
     prefetcher.hint(keys[4:8], part=(1, 2), job="trial[1]")
-    assert model.stats()["per_job"]["trial[1]:train"]["hint_files"] == 8  # type: ignore[index]
+    assert model.stats()["per_workload"]["trial[1]:train"]["hint_files"] == 8  # type: ignore[index]
     clock.now += JOB_IDLE_SECONDS + 1
     info = rig.namespace.lookup("/" + keys[0]).info
     assert info is not None
     prefetcher.opened(info, "trial[2]")  # a new caller: trial[1], idle, is forgotten
     prefetcher.hint(keys[4:8], part=(1, 2), job="trial[1]")
-    assert model.stats()["per_job"]["trial[1]:train"]["hint_files"] == 4  # type: ignore[index]
+    assert model.stats()["per_workload"]["trial[1]:train"]["hint_files"] == 4  # type: ignore[index]
 
 
 def test_a_read_that_joins_a_prefetch_in_flight_counts_it_used_not_wasted(
@@ -164,7 +164,7 @@ def test_a_read_that_joins_a_prefetch_in_flight_counts_it_used_not_wasted(
     info = rig.namespace.lookup("/" + key).info
     assert info is not None
     settings = PrefetchSettings(concurrency=1)
-    prefetcher = Prefetcher(AccessModel(), rig.namespace, rig.reader, rig.view, settings, rig.metrics)
+    prefetcher = Prefetcher(WorkloadModel(), rig.namespace, rig.reader, rig.view, settings, rig.metrics)
     calls = rig.faulty.calls
     prefetcher.start()
     try:
@@ -239,7 +239,7 @@ def test_with_a_hint_a_full_cache_gives_up_what_is_read_last_for_what_is_read_fi
     """Belady: the cache holds the last four files of the hinted order, all
     still to be read; the first four evict them, latest first. One fetch at
     a time, so that each eviction can be seen."""
-    model, planned = AccessModel(), PlannedUse()
+    model, planned = WorkloadModel(), PlannedUse()
     frame = disk_bytes(encode(bytes(BLOCK_SIZE // 2), Codec.RAW).size)
     policy = EpochAwarePolicy(model, planned)
     rig = make_rig(dataset, capacity=4 * frame, policy=policy, planned=planned)
@@ -270,7 +270,7 @@ def test_a_new_epoch_voids_the_plans_of_blocks_never_read(
 ) -> None:
     planned = PlannedUse()
     rig = make_rig(dataset, planned=planned)
-    model = AccessModel()
+    model = WorkloadModel()
     prefetcher = Prefetcher(model, rig.namespace, rig.reader, rig.view, PrefetchSettings(), rig.metrics)
     keys = sorted(dataset)
     ahead = rig.namespace.lookup("/" + keys[0]).info
@@ -301,7 +301,7 @@ def test_one_jobs_new_epoch_keeps_the_plans_of_another(
     cached blocks stay planned."""
     planned = PlannedUse()
     rig = make_rig(dataset, planned=planned)
-    model = AccessModel()
+    model = WorkloadModel()
     prefetcher = Prefetcher(model, rig.namespace, rig.reader, rig.view, PrefetchSettings(), rig.metrics)
     hinted = [key for key in sorted(dataset) if key.startswith("train/c0/")]
     first = rig.namespace.lookup("/" + hinted[0]).info
@@ -385,7 +385,7 @@ def test_without_a_plan_nothing_is_warmed(make_rig: RigFactory, dataset: dict[st
         info = rig.namespace.lookup("/" + key).info
         assert info is not None
         rig.reader.fetch_run_ahead(info, range(1))
-    model = AccessModel()
+    model = WorkloadModel()
     prefetcher = Prefetcher(model, rig.namespace, rig.reader, rig.view, PrefetchSettings(), rig.metrics)
     prefetcher.start()
     try:

@@ -36,7 +36,7 @@ from cachefsd.stats import (
     bound_prefixes,
     histogram_quantile,
 )
-from cachefsd.workload.model import AccessModel
+from cachefsd.workload.model import WorkloadModel
 from tests.answers import ACCESS, STATS, node_facts
 
 INF = float("inf")
@@ -270,11 +270,11 @@ class FakeModel:
         return self.epoch
 
     def stats(self) -> dict[str, object]:
-        job = ACCESS["per_job"]["python[4242]:train"]
+        workload = ACCESS["per_workload"]["python[4242]:train"]
         return {
             **ACCESS,
             "epoch": self.epoch,
-            "per_job": {"train": {**job, "epoch": self.epoch}, "val": {**job, "epoch": 0}},
+            "per_workload": {"train": {**workload, "epoch": self.epoch}, "val": {**workload, "epoch": 0}},
         }
 
 
@@ -335,7 +335,7 @@ def test_snapshot_agrees_with_the_registry(index: Index) -> None:
     }
     assert snapshot["dedup"] == {"disk_saved_bytes": 0, "wire_saved_bytes": 64}
     assert snapshot["cache"]["used_bytes"] == 8192
-    assert snapshot["epoch"] == {"current": 3, "jobs": {"train": 3, "val": 0}}
+    assert snapshot["epoch"] == {"current": 3, "workloads": {"train": 3, "val": 0}}
     assert registry.get_sample_value("cachefsd_epoch") == 3
     resident = {entry["prefix"]: entry for entry in snapshot["residency"]["prefixes"]}
     assert resident["train"] == {"prefix": "train", "bytes": {"hot": 107, "warm": 50}, "total_bytes": 157}
@@ -414,7 +414,7 @@ def test_names_are_shown_as_they_are_never_as_markup() -> None:
     stats = {
         **STATS,
         "residency": {**residency, "prefixes": prefixes},
-        "epoch": {"current": 1, "jobs": {"[bold]job": 1}},
+        "epoch": {"current": 1, "workloads": {"[bold]job": 1}},
     }
     text = _text(stats)
     for name in ("[v2]imagenet", "[red]train", "x[/]", "[bold]job: 1"):
@@ -527,7 +527,7 @@ def test_the_answer_round_trips_in_its_keys_order() -> None:
         (lambda stats: stats["fetch"]["demand"].update(p90_seconds=0.1), "fetch.demand.p90_seconds"),
         (lambda stats: stats["hit_ratio"].pop("last_minute"), "hit_ratio.last_minute"),
         (lambda stats: stats["fetch"].pop("shared"), "fetch.shared"),
-        (lambda stats: stats["access"]["per_job"]["python[4242]:train"].update(order="guess"), "order"),
+        (lambda stats: stats["access"]["per_workload"]["python[4242]:train"].update(order="guess"), "order"),
     ],
 )
 def test_an_unknown_or_missing_field_fails_loudly(change: Any, named: str) -> None:
@@ -538,11 +538,11 @@ def test_an_unknown_or_missing_field_fails_loudly(change: Any, named: str) -> No
 
 
 def test_the_access_models_own_stats_are_an_answer() -> None:
-    """The access model's stats are a dict of its own: the answer checks every key of it."""
-    model = AccessModel()
+    """The workload model's stats are a dict of its own: the answer checks every key of it."""
+    model = WorkloadModel()
     model.listed("train", {"train/a.jpg": 100, "train/b.jpg": 100}, 0.0, job="python[7]")
     model.opened("train/a.jpg", 100, 1.0, job="python[7]")
     model.read("train/a.jpg", 0, 100, 1.0, job="python[7]")
     access = AccessTotals.model_validate(model.stats())
     assert access.read_this_epoch_files == 1
-    assert [(job.working_set_files, job.unread_files) for job in access.per_job.values()] == [(2, 1)]
+    assert [(job.working_set_files, job.unread_files) for job in access.per_workload.values()] == [(2, 1)]

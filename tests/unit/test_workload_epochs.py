@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachefsd.workload.epochs import Epochs, add_files
-from cachefsd.workload.model import AccessModel
+from cachefsd.workload.model import WorkloadModel
 from tests.unit.traces import (
     KIB,
     SMALL,
@@ -26,7 +26,7 @@ from tests.unit.traces import (
 
 
 def test_sequential_epochs_end_at_the_first_reopen() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "seq", 20)
     trace = Trace(model)
     trace.pass_over(files)
@@ -41,7 +41,7 @@ def test_sequential_epochs_end_at_the_first_reopen() -> None:
 
 
 def test_shuffled_epochs_are_detected() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "shuf", 100)
     trace = Trace(model)
     for number, order in enumerate(shuffled_epochs(files, 4, random.Random(7))):
@@ -52,7 +52,7 @@ def test_shuffled_epochs_are_detected() -> None:
 
 
 def test_epoch_zero_without_listing_ends_at_any_reopen() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     trace = Trace(model)
     files = dataset("nolist", 10)
     trace.pass_over(files)
@@ -61,7 +61,7 @@ def test_epoch_zero_without_listing_ends_at_any_reopen() -> None:
 
 
 def test_early_reread_does_not_end_the_epoch() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "d", 20)
     trace = Trace(model)
     trace.pass_over(files[:5])
@@ -71,7 +71,7 @@ def test_early_reread_does_not_end_the_epoch() -> None:
 
 
 def test_reopening_a_file_just_opened_is_a_peek_not_a_boundary() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "d", 64)
     trace = Trace(model)
     trace.pass_over(files[:40])
@@ -82,7 +82,7 @@ def test_reopening_a_file_just_opened_is_a_peek_not_a_boundary() -> None:
 
 
 def test_many_reads_after_one_open_count_once() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "d", 4)
     model.opened(files[0], 4 * KIB, 1.0)
     for offset in range(0, 4 * KIB, KIB):
@@ -93,7 +93,7 @@ def test_many_reads_after_one_open_count_once() -> None:
 
 def test_distributed_share_ends_epochs_once_the_epoch_size_is_known() -> None:
     """A node reads a different quarter of the dataset each epoch."""
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "ddp", 400)
     trace = Trace(model)
     rng = random.Random(3)
@@ -109,7 +109,7 @@ def test_distributed_share_ends_epochs_once_the_epoch_size_is_known() -> None:
 
 
 def test_unread_shrinks_during_an_epoch_and_resets_at_the_next() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "u", 10)
     trace = Trace(model)
     assert details(model, "u")["unread_files"] == 10
@@ -122,7 +122,7 @@ def test_unread_shrinks_during_an_epoch_and_resets_at_the_next() -> None:
 
 
 def test_a_file_opened_without_listing_joins_the_working_set() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "w", 3)
     trace = Trace(model)
     trace.open("w/late.jpg")
@@ -133,7 +133,7 @@ def test_a_file_opened_without_listing_joins_the_working_set() -> None:
 
 
 def test_listing_predicts_unread_files_from_the_first_open() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     model.listed("train", {}, 0.0)
     cats, dogs = listed_dataset(model, "train/cat", 5), listed_dataset(model, "train/dog", 5)
     assert model.predict(10) == []  # a listing alone may be a human's `ls`
@@ -145,7 +145,7 @@ def test_listing_predicts_unread_files_from_the_first_open() -> None:
 
 
 def test_satisfied_files_stay_unread_but_are_not_predicted_until_the_next_epoch() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "s", 6)
     trace = Trace(model)
     trace.open(files[0])

@@ -6,7 +6,7 @@ import random
 
 from cachefsd.workload.epochs import SEED_UNREAD_OPENS
 from cachefsd.workload.identity import JOB_IDLE_SECONDS, workload_id
-from cachefsd.workload.model import AccessModel
+from cachefsd.workload.model import WorkloadModel
 from tests.unit.traces import (
     SMALL,
     Trace,
@@ -29,7 +29,7 @@ def test_a_workload_is_named_by_its_job_and_root() -> None:
 
 
 def test_recursive_scan_makes_one_workload_at_the_top_listed_directory() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     model.listed("", {}, 0.0)
     model.listed("data/train", {}, 0.0)
     for label in ("cat", "dog"):
@@ -40,7 +40,7 @@ def test_recursive_scan_makes_one_workload_at_the_top_listed_directory() -> None
 
 
 def test_without_listing_a_path_belongs_to_its_first_component() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     model.opened("a/x/1.bin", SMALL, 1.0)
     model.opened("b/y/2.bin", SMALL, 1.0)
     model.opened("root.bin", SMALL, 1.0)
@@ -51,7 +51,7 @@ def test_without_listing_a_path_belongs_to_its_first_component() -> None:
 
 
 def test_a_parent_listed_after_its_child_absorbs_the_child_workload() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     listed_dataset(model, "ds/c1", 2)
     assert workloads(model) == {"ds/c1"}
     listed(model, "ds", [])
@@ -61,14 +61,14 @@ def test_a_parent_listed_after_its_child_absorbs_the_child_workload() -> None:
 
 
 def test_a_deeper_listing_under_a_fallback_workload_joins_it() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     model.opened("a/train/0.jpg", SMALL, 1.0)
     listed_dataset(model, "a/train", 3)
     assert workloads(model) == {"a"}
 
 
 def test_listing_the_mount_root_does_not_merge_workloads() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     model.listed("", {"README": 10}, 0.0)
     listed_dataset(model, "a", 2)
     listed_dataset(model, "b", 2)
@@ -78,7 +78,7 @@ def test_listing_the_mount_root_does_not_merge_workloads() -> None:
 def test_one_hint_over_several_guessed_workloads_makes_them_one() -> None:
     """A hint is one loader's exact order: class folders right under the
     mount, first guessed as workloads of their own, are one dataset."""
-    model = AccessModel()
+    model = WorkloadModel()
     listed_dataset(model, "a", 4)
     listed_dataset(model, "b", 4)
     model.hint([], 0.0)
@@ -88,7 +88,7 @@ def test_one_hint_over_several_guessed_workloads_makes_them_one() -> None:
 
 
 def test_hints_of_two_workloads_stay_apart() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     listed_dataset(model, "a", 4)
     listed_dataset(model, "b", 4)
     model.hint(["a/img0003.jpg", "a/img0001.jpg"], 0.0)
@@ -98,7 +98,7 @@ def test_hints_of_two_workloads_stay_apart() -> None:
 
 
 def test_a_workload_merged_into_its_parent_answers_for_its_predictions() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     model.listed("ds/a", {"ds/a/1.jpg": SMALL}, 0.0, "p[1]")
     model.opened("ds/a/1.jpg", SMALL, 1.0, "p[1]")
     assert model.workload_of("ds/a/1.jpg", "p[1]") == "p[1]:ds/a"
@@ -109,7 +109,7 @@ def test_a_workload_merged_into_its_parent_answers_for_its_predictions() -> None
 
 def test_turns_name_the_workloads_that_started_an_epoch_once() -> None:
     """What the prefetcher asks each round: which workloads began a new pass."""
-    model = AccessModel()
+    model = WorkloadModel()
     first, second = listed_dataset(model, "a/b", 10), listed_dataset(model, "c", 10)
     trace = Trace(model)
     trace.pass_over(first)
@@ -143,7 +143,7 @@ def _interleaved(orders: dict[str, list[str]], rng: random.Random) -> list[tuple
 def test_two_jobs_reading_one_dataset_keep_their_own_epochs() -> None:
     """Two jobs (a sweep) shuffling the same files: each epoch boundary is a
     job's own, not every re-read of a file the other job read."""
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "d", 200)
     rng = random.Random(7)
     passes = {job: shuffled_epochs(files, 3, rng) for job in ("a[1]", "b[2]")}
@@ -163,7 +163,7 @@ def test_a_workload_that_never_listed_shares_the_datasets_working_set() -> None:
     """A second job on a listed dataset knows its files: its unread set
     once it has opened a few (a shell's ``cat`` of one file copies nothing),
     and what a later listing adds."""
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "d", 40)
     model.opened(files[0], SMALL, 1.0, "cat[5]")
     assert details(model, "cat[5]:d")["unread_files"] == 0
@@ -179,7 +179,7 @@ def test_a_workload_that_never_listed_shares_the_datasets_working_set() -> None:
 
 
 def test_a_job_idle_for_long_is_forgotten_when_a_new_one_comes() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "d", 4)
     model.opened(files[0], SMALL, 1000.0, "a[1]")
     model.opened(files[1], SMALL, 1000.0 + JOB_IDLE_SECONDS / 2, "b[2]")
@@ -192,7 +192,7 @@ def test_a_job_idle_for_long_is_forgotten_when_a_new_one_comes() -> None:
 
 
 def test_a_hint_replaces_only_its_own_jobs_plan() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "d", 8)
     model.hint(files, 1000.0, "a[1]")
     model.hint(files[::-1], 1000.0, "b[2]")
@@ -204,7 +204,7 @@ def test_a_hint_replaces_only_its_own_jobs_plan() -> None:
 
 
 def test_a_file_is_planned_elsewhere_by_another_jobs_plan_until_it_reads_it() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "d", 6)
     model.hint(files, 1000.0, "a[1]")
     model.hint(files[::-1], 1000.0, "b[2]")
@@ -218,7 +218,7 @@ def test_a_file_is_planned_elsewhere_by_another_jobs_plan_until_it_reads_it() ->
 
 
 def test_a_file_is_wanted_elsewhere_while_another_active_job_is_still_to_read_it() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "d", 4)
     assert not model.wanted_elsewhere(files[0], "a[1]")  # a listing alone is nobody's reading
     model.opened(files[0], SMALL, 1000.0, "a[1]")
@@ -233,7 +233,7 @@ def test_a_file_is_wanted_elsewhere_while_another_active_job_is_still_to_read_it
 
 
 def test_a_listing_reaches_only_the_workloads_that_hold_its_directory() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     model.listed("", {"README": 10}, 0.0, "ls[1]")
     model.opened("README", 10, 1.0, "cat[2]")  # cat[2]'s workload is the mount root's, not a dataset
     files = listed_dataset(model, "train", 5)
@@ -242,7 +242,7 @@ def test_a_listing_reaches_only_the_workloads_that_hold_its_directory() -> None:
 
 
 def test_a_file_of_one_jobs_other_dataset_is_not_wanted_elsewhere() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     model.opened("train/a.jpg", SMALL, 1.0, "python[1]")
     model.opened("val/b.jpg", SMALL, 2.0, "python[1]")
     assert not model.wanted_elsewhere("val/b.jpg", "python[1]")

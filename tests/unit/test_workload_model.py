@@ -1,4 +1,4 @@
-"""The access model as a mount, the prefetcher and the eviction policy use
+"""The workload model as a mount, the prefetcher and the eviction policy use
 it: predictions over workloads, the epoch clock, what a job read, stats,
 and consistency under concurrent and random events."""
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cachefsd.cache.policy import EpochAwarePolicy
 from cachefsd.workload.identity import JOB_IDLE_SECONDS
-from cachefsd.workload.model import AccessModel
+from cachefsd.workload.model import WorkloadModel
 from tests.unit.traces import (
     MIB,
     SMALL,
@@ -26,7 +26,7 @@ from tests.unit.traces import (
 
 
 def test_predictions_interleave_workloads_round_robin() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     a_files, b_files = listed_dataset(model, "a", 10), listed_dataset(model, "b", 10)
     trace = Trace(model)
     trace.open(a_files[0])
@@ -37,7 +37,7 @@ def test_predictions_interleave_workloads_round_robin() -> None:
 
 
 def test_an_idle_workload_predicts_nothing() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     listed_dataset(model, "old", 5)
     listed_dataset(model, "new", 5)
     model.opened("old/img0000.jpg", SMALL, 0.0)
@@ -46,7 +46,7 @@ def test_an_idle_workload_predicts_nothing() -> None:
 
 
 def test_interleaved_workloads_keep_separate_epochs_and_unread_sets() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     a_files, b_files = listed_dataset(model, "a", 10), listed_dataset(model, "b", 30)
     trace = Trace(model)
     a_trace = a_files * 3
@@ -65,7 +65,7 @@ def test_interleaved_workloads_keep_separate_epochs_and_unread_sets() -> None:
 
 
 def test_the_model_is_an_epoch_clock_for_the_eviction_policy() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     policy = EpochAwarePolicy(model)
     files = dataset("c", 4)
     trace = Trace(model)
@@ -77,13 +77,13 @@ def test_the_model_is_an_epoch_clock_for_the_eviction_policy() -> None:
 
 
 def test_stats_report_epochs_sizes_streams_and_hints() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "s", 10)
     trace = Trace(model)
     trace.pass_over(files[:4])
     stats = model.stats()
     assert stats["epoch"] == 0
-    assert stats["jobs"] == 1
+    assert stats["workloads"] == 1
     assert stats["working_set_files"] == 10
     assert stats["unread_files"] == 6
     assert stats["read_this_epoch_files"] == 4
@@ -103,7 +103,7 @@ def test_stats_report_epochs_sizes_streams_and_hints() -> None:
 
 
 def test_observed_is_a_jobs_largest_workload_in_the_order_it_read() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "big", 40)
     model.listed("small", {"small/a": SMALL}, 0.0, "p[1]")
     model.opened("small/a", SMALL, 1.0, "p[1]")
@@ -122,7 +122,7 @@ def test_observed_is_a_jobs_largest_workload_in_the_order_it_read() -> None:
 
 
 def test_concurrent_events_from_many_threads_keep_the_model_consistent() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "t", 200)
     errors: list[BaseException] = []
 
@@ -181,7 +181,7 @@ EVENTS = st.one_of(
 def test_random_events_keep_every_workloads_counts_and_the_clock_consistent(
     events: list[tuple[object, ...]],
 ) -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     now = 0.0
     epoch = 0
     for event in events:
@@ -199,9 +199,9 @@ def test_random_events_keep_every_workloads_counts_and_the_clock_consistent(
         else:
             model.hint([str(path) for path in subject], now, job)  # type: ignore[attr-defined]
         stats = model.stats()
-        per_workload = stats["per_job"]
+        per_workload = stats["per_workload"]
         assert isinstance(per_workload, dict)
-        assert stats["jobs"] == len(per_workload)  # names are unique
+        assert stats["workloads"] == len(per_workload)  # names are unique
         for found in per_workload.values():
             assert found["unread_files"] + found["read_this_epoch_files"] <= found["working_set_files"]
             assert found["epoch"] <= model.current()

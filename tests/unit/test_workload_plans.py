@@ -7,7 +7,7 @@ import random
 import pytest
 
 from cachefsd.workload.epochs import PLAN_RECHECK_FILES
-from cachefsd.workload.model import FILE_PREDICTION_BYTES, AccessModel
+from cachefsd.workload.model import FILE_PREDICTION_BYTES, WorkloadModel
 from cachefsd.workload.plans import HINT_MIN_MATCH, PLAN_PROBATION_OPENS, REPLAY_MIN_MATCH, Plan
 from tests.unit.traces import (
     Trace,
@@ -60,7 +60,7 @@ def test_placements_skip_what_was_opened_and_count_the_files_before() -> None:
 
 
 def test_an_unshuffled_loader_order_is_replayed_from_the_current_position() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "fixed", 50)
     order = files[:]
     random.Random(1).shuffle(order)  # fixed, but not the listing order
@@ -80,7 +80,7 @@ def test_an_unshuffled_loader_order_is_replayed_from_the_current_position() -> N
 
 
 def test_replay_needs_some_evidence_in_the_first_repeated_epoch() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "fixed", 50)
     order = list(reversed(files))
     trace = Trace(model)
@@ -93,7 +93,7 @@ def test_replay_needs_some_evidence_in_the_first_repeated_epoch() -> None:
 
 
 def test_a_shuffled_loader_is_not_replayed() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "shuf", 200)
     trace = Trace(model)
     first, second = shuffled_epochs(files, 2, random.Random(11))
@@ -109,7 +109,7 @@ def test_a_shuffled_loader_is_not_replayed() -> None:
 
 
 def test_a_hint_is_followed_exactly_from_the_reader_position() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "h", 40)
     order = files[:]
     random.Random(5).shuffle(order)
@@ -128,7 +128,7 @@ def test_a_hint_is_followed_exactly_from_the_reader_position() -> None:
 
 
 def test_a_new_hint_starts_a_new_epoch() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "h", 40)
     trace = Trace(model)
     trace.pass_over(files)
@@ -142,7 +142,7 @@ def test_a_new_hint_starts_a_new_epoch() -> None:
 
 
 def test_a_hint_arriving_just_after_the_pass_began_joins_the_epoch() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "h", 64)
     trace = Trace(model)
     trace.pass_over(files)
@@ -157,7 +157,7 @@ def test_a_hint_arriving_just_after_the_pass_began_joins_the_epoch() -> None:
 
 
 def test_a_hint_of_unknown_paths_costs_bandwidth_then_falls_back() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "h", 40)
     ghosts = [f"h/ghost{i}.jpg" for i in range(40)]
     model.hint(ghosts, 0.0)
@@ -170,7 +170,7 @@ def test_a_hint_of_unknown_paths_costs_bandwidth_then_falls_back() -> None:
 
 
 def test_a_hint_with_a_different_order_falls_back() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "h", 40)
     model.hint(list(reversed(files)), 0.0)
     trace = Trace(model)
@@ -194,7 +194,7 @@ def dataloader_opens(order: list[str], workers: int, batch: int) -> list[str]:
 
 @pytest.mark.parametrize("hinted", [True, False])
 def test_a_hint_read_by_many_workers_with_large_batches_is_followed(hinted: bool) -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "h", 20_000)
     order = files[:]
     random.Random(3).shuffle(order)
@@ -208,7 +208,7 @@ def test_a_hint_read_by_many_workers_with_large_batches_is_followed(hinted: bool
 def test_a_satisfied_planned_file_is_predicted_again_as_its_turn_nears() -> None:
     # It may have been evicted since it was found cached: a plan's sooner
     # files take the room of its later ones.
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "s", PLAN_RECHECK_FILES + 8)
     order = files[::-1]
     model.hint(order, 0.0)
@@ -223,7 +223,7 @@ def test_a_satisfied_planned_file_is_predicted_again_as_its_turn_nears() -> None
 
 
 def test_planned_orders_files_by_the_plan_and_drops_them_once_read() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     files = listed_dataset(model, "n", 30)
     order = files[:]
     random.Random(2).shuffle(order)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cachefsd.workload.model import AccessModel
+from cachefsd.workload.model import WorkloadModel
 from cachefsd.workload.streams import (
     MAX_STREAMS_PER_WORKLOAD,
     STREAM_CONFIRM_BYTES,
@@ -100,7 +100,7 @@ def test_the_most_recently_read_streams_are_kept_and_predicted_first() -> None:
 
 
 def test_the_model_predicts_a_workloads_streams_before_its_files() -> None:
-    model = AccessModel()
+    model = WorkloadModel()
     model.listed("s", {"s/big.bin": HUGE, "s/small.jpg": SMALL}, 0.0)
     model.opened("s/big.bin", HUGE, 1.0)
     model.read("s/big.bin", 0, STREAM_CONFIRM_BYTES, 1.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from cachefsd.jobs import UNKNOWN_JOB
-from cachefsd.workload.model import AccessModel, Prediction
+from cachefsd.workload.model import Prediction, WorkloadModel
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -18,7 +18,7 @@ ALL = 100_000
 class Trace:
     """Feeds a model events with a clock that ticks 10 ms per event."""
 
-    def __init__(self, model: AccessModel) -> None:
+    def __init__(self, model: WorkloadModel) -> None:
         self.model = model
         self.now = 1000.0
 
@@ -39,11 +39,11 @@ def dataset(root: str, count: int) -> list[str]:
     return [f"{root}/img{i:04d}.jpg" for i in range(count)]
 
 
-def listed(model: AccessModel, directory: str, paths: list[str], size: int = SMALL) -> None:
+def listed(model: WorkloadModel, directory: str, paths: list[str], size: int = SMALL) -> None:
     model.listed(directory, dict.fromkeys(paths, size), 0.0)
 
 
-def listed_dataset(model: AccessModel, root: str, count: int) -> list[str]:
+def listed_dataset(model: WorkloadModel, root: str, count: int) -> list[str]:
     """``count`` files in ``root``, listed to the model as a loader's scan would."""
     files = dataset(root, count)
     listed(model, root, files)
@@ -69,7 +69,7 @@ def paths_of(predictions: list[Prediction]) -> list[str]:
     return [prediction.path for prediction in predictions]
 
 
-def epoch_of_path(model: AccessModel, path: str, job: str = UNKNOWN_JOB) -> int:
+def epoch_of_path(model: WorkloadModel, path: str, job: str = UNKNOWN_JOB) -> int:
     """The epoch of ``job``'s workload of ``path``, as the prefetcher asks it."""
     workload = model.workload_of(path, job)
     assert workload is not None, f"no workload of {job} holds {path}"
@@ -78,24 +78,24 @@ def epoch_of_path(model: AccessModel, path: str, job: str = UNKNOWN_JOB) -> int:
     return epoch
 
 
-def predicted_files(model: AccessModel, workload: str) -> set[str]:
+def predicted_files(model: WorkloadModel, workload: str) -> set[str]:
     """The whole files predicted for ``workload``: what it still has to
     open this epoch but what the prefetcher found cached (its unread set,
     while it is active)."""
     return {p.path for p in model.predict(ALL) if p.workload == workload and p.offset == 0}
 
 
-def details(model: AccessModel, workload: str) -> dict[str, object]:
+def details(model: WorkloadModel, workload: str) -> dict[str, object]:
     """``stats``' details of ``workload``."""
-    per_workload = model.stats()["per_job"]
+    per_workload = model.stats()["per_workload"]
     assert isinstance(per_workload, dict)
     found = per_workload[workload]
     assert isinstance(found, dict)
     return found
 
 
-def workloads(model: AccessModel) -> set[str]:
+def workloads(model: WorkloadModel) -> set[str]:
     """The names of the model's workloads (all of them, as ``stats`` details up to 32)."""
-    per_workload = model.stats()["per_job"]
+    per_workload = model.stats()["per_workload"]
     assert isinstance(per_workload, dict)
     return set(per_workload)
