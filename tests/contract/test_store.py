@@ -48,6 +48,7 @@ from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreEr
 from cachefsd.store import gcs as gcs_module
 from cachefsd.store import s3 as s3_module
 from cachefsd.store.base import Listing, ObjectInfo, ObjectStore
+from cachefsd.store.faulty import Faults, FaultyStore
 from cachefsd.store.gcs import GcsStore
 from cachefsd.store.listing import merged, one_level
 from cachefsd.store.local import LocalStore
@@ -386,6 +387,37 @@ def test_overwritten_object_raises_object_changed(backend: Backend) -> None:
         return info.etag
 
     assert run(backend, read_pinned) != etag
+
+
+def test_whole_objects_are_read_and_written(backend: Backend) -> None:
+    """``get_object`` and ``put_object`` (the shared tier's blocks and
+    mappings): a missing key is ``ObjectNotFound``, a write replaces."""
+    key = f"scratch/{uuid.uuid4().hex}.bin"
+
+    async def body(store: ObjectStore) -> tuple[bytes, bytes, bytes]:
+        with pytest.raises(ObjectNotFound):
+            await store.get_object(key)
+        await store.put_object(key, b"one")
+        first = await store.get_object(key)
+        await store.put_object(key, b"two, and longer")
+        return await store.get_object(DEEP_KEY), first, await store.get_object(key)
+
+    assert run(backend, body) == (backend.seed[DEEP_KEY], b"one", b"two, and longer")
+
+
+def test_a_faulty_store_injects_into_whole_object_calls() -> None:
+    store = FaultyStore(MemoryStore(), Faults(failures_left=2, error=AccessDenied))
+
+    async def body() -> bytes:
+        with pytest.raises(AccessDenied):
+            await store.put_object("k", b"x")
+        with pytest.raises(AccessDenied):
+            await store.get_object("k")
+        await store.put_object("k", b"x")
+        return await store.get_object("k")
+
+    assert asyncio.run(body()) == b"x"
+    assert store.calls == 4
 
 
 # -- S3 --------------------------------------------------------------------------
