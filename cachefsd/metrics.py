@@ -608,3 +608,22 @@ class Metrics:
 
     def dedup_saved(self, where: DedupWhere, nbytes: int) -> None:
         self.dedup_saved_bytes.labels(where).inc(nbytes)
+
+
+class SharedTierFetches:
+    """``FetchEvents`` of the shared tier's fetcher: its requests, demand or
+    prefetch, are counted under kind ``shared`` (a bucket beside the
+    origin, whose requests keep their own kinds)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def fetch_done(self, kind: FetchKind, seconds: float, nbytes: int) -> None:
+        self._metrics.fetch_latency.labels("shared").observe(seconds)
+        self._metrics.fetch_bytes.labels("shared").inc(nbytes)
+
+    def fetch_retry(self, kind: FetchKind) -> None:
+        self._metrics.fetch_retries.labels("shared").inc()
+
+    def fetch_failed(self, kind: FetchKind) -> None:
+        self._metrics.fetch_errors.labels("shared").inc()
