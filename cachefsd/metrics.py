@@ -610,7 +610,7 @@ class Metrics:
         self.dedup_saved_bytes.labels(where).inc(nbytes)
 
 
-class SharedTierFetches:
+class SharedFetches:
     """``FetchEvents`` of the shared tier's fetcher: its requests, demand or
     prefetch, are counted under kind ``shared`` (a bucket beside the
     origin, whose requests keep their own kinds)."""
