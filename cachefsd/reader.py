@@ -6,7 +6,7 @@ shorter). The reader splits a range into blocks and asks the block cache
 in RAM, the local tiers) at once; for a block none holds, its remote levels
 (the shared tier) and then the origin, once for all concurrent readers of
 the block (single-flight), and puts what the origin sent into every level.
-A raw tier's block is a ``FileSpan`` of its file, sliced like bytes and
+A raw tier's block is a ``FileSpan`` of its file, cut like bytes and
 handed to the kernel without a copy.
 
 A block is always found through (source, key, etag, index): bytes cached
@@ -106,8 +106,10 @@ def close_pieces(pieces: list[Piece]) -> None:
 
 
 def _piece_of(content: Content, lo: int, hi: int) -> Piece:
-    """Bytes ``[lo, hi)`` of a block, as a piece: bytes (libfuse is handed
-    bytes; a fetched block arrives as a bytearray), or a span of its file."""
+    """Bytes ``[lo, hi)`` of a block, as a piece: a span of its file, or
+    bytes (libfuse is handed bytes; a fetched block arrives as a bytearray)."""
+    if isinstance(content, FileSpan):
+        return content.part(lo, hi)
     piece = content[lo:hi]
     return bytes(piece) if isinstance(piece, bytearray) else piece
 

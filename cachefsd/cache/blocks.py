@@ -25,12 +25,12 @@ from cachefsd.cache.index import BlockRef
 from cachefsd.fetch import FetchKind
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made on every read of a raw block, frozen ones cost 3x
 class FileSpan:
     """Bytes of a block that lie in a cached block file: the FUSE layer
     hands the descriptor to libfuse, which copies (or splices) in C. The
-    receiver owns ``fd`` and must close it. Sliced (and measured) like
-    bytes: a slice is the same descriptor, further in."""
+    receiver owns ``fd`` and must close it. Measured like bytes; a part of
+    it is the same descriptor, further in (``part``)."""
 
     fd: int
     offset: int
@@ -39,9 +39,9 @@ class FileSpan:
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, part: slice) -> FileSpan:
-        start, stop, _ = part.indices(self.length)
-        return FileSpan(self.fd, self.offset + start, max(0, stop - start))
+    def part(self, start: int, end: int) -> FileSpan:
+        """Its bytes ``[start, end)``, as ``content[start:end]`` of bytes."""
+        return FileSpan(self.fd, self.offset + start, end - start)
 
 
 # A block's content: bytes (a bytearray as a fetch brings it), or where it

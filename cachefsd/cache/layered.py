@@ -43,22 +43,30 @@ class LayeredCache:
         self._far = [level for level in levels if level.remote]
         if list(levels) != self._near + self._far:
             raise ValueError("a remote level must come after every near one")
+        self._furthest_near = len(self._near) - 1
 
     def find(self, version: Version, index: int) -> Block | None:
         """Block ``index`` of ``version`` from the nearest level that holds
         it, for a read; None when only a remote level or the origin may."""
-        near = self._near
-        for position, level in enumerate(near):
+        for position, level in enumerate(self._near):
             block = level.get(version, index, FOR_A_READ)
             if block is not None:
-                in_place = False
-                for other in range(len(near) - 1, -1, -1):
-                    if other == position:
-                        in_place = in_place or isinstance(block.content, FileSpan)
-                    elif not in_place:
-                        in_place = near[other].served(version, index, block)
+                # A span from the furthest near level (a hot hit) has no one to tell.
+                if position < self._furthest_near or not isinstance(block.content, FileSpan):
+                    self._spread(version, index, block, position)
                 return block
         return None
+
+    def _spread(self, version: Version, index: int, block: Block, position: int) -> None:
+        """Tell the near levels but the one at ``position``, which found
+        ``block``, furthest first, up to one that serves it in place."""
+        near = self._near
+        in_place = False
+        for other in range(len(near) - 1, -1, -1):
+            if other == position:
+                in_place = in_place or isinstance(block.content, FileSpan)
+            elif not in_place:
+                in_place = near[other].served(version, index, block)
 
     def find_remote(self, version: Version, indices: Sequence[int], use: Use) -> dict[int, Block]:
         """The blocks of ``indices`` the remote levels hold, each put into

@@ -15,7 +15,6 @@ import threading
 from collections import OrderedDict
 
 from cachefsd.cache.blocks import Block, BlockCache, FileSpan, Use, Version
-from cachefsd.cache.index import BlockRef
 
 # Decoded blocks kept in RAM. 16 blocks of 4 MiB cover the block each of a
 # dozen concurrent sequential readers is in; the kernel page cache holds the
@@ -31,8 +30,10 @@ class RecentBlocks(BlockCache):
     def __init__(self, capacity: int = RECENT_BLOCKS_BYTES) -> None:
         self._capacity = capacity
         self._lock = threading.Lock()
-        # Guarded by _lock; the blocks as a hit returns them, least recent first.
-        self._blocks: OrderedDict[BlockRef, Block] = OrderedDict()
+        # Guarded by _lock; the blocks as a hit returns them, least recent
+        # first, by (version, index): a version is a tuple, so the key costs
+        # less than a BlockRef, on every read.
+        self._blocks: OrderedDict[tuple[Version, int], Block] = OrderedDict()
         self._used = 0
 
     @property
@@ -44,31 +45,31 @@ class RecentBlocks(BlockCache):
         return self._used
 
     def get(self, version: Version, index: int, use: Use) -> Block | None:
-        ref = version.ref(index)
+        key = (version, index)
         with self._lock:
-            block = self._blocks.get(ref)
+            block = self._blocks.get(key)
             if block is not None:
-                self._blocks.move_to_end(ref)
+                self._blocks.move_to_end(key)
             return block
 
     def put(self, version: Version, index: int, digest: str, content: bytes | bytearray, use: Use) -> bool:
         if not use.ahead:
-            self._keep(version.ref(index), Block(digest, bytes(content), MEMORY))
+            self._keep((version, index), Block(digest, bytes(content), MEMORY))
         return False
 
     def served(self, version: Version, index: int, block: Block) -> bool:
         if not isinstance(block.content, FileSpan):
-            self._keep(version.ref(index), Block(block.digest, bytes(block.content), MEMORY))
+            self._keep((version, index), Block(block.digest, bytes(block.content), MEMORY))
         return False
 
-    def _keep(self, ref: BlockRef, block: Block) -> None:
+    def _keep(self, key: tuple[Version, int], block: Block) -> None:
         """Keep ``block`` (its content bytes: libfuse is handed bytes),
         evicting the least recently read."""
         size = len(block.content)
         with self._lock:
-            if ref in self._blocks or size > self._capacity:
+            if key in self._blocks or size > self._capacity:
                 return
-            self._blocks[ref] = block
+            self._blocks[key] = block
             self._used += size
             while self._used > self._capacity:
                 _, evicted = self._blocks.popitem(last=False)

@@ -307,7 +307,7 @@ class TieredCache(BlockCache):
         decoded and verified. On a miss, with a content identity, another
         object's block of that identity, adopted (``adopt``)."""
         ref = version.ref(index)
-        digest = self.lookup(ref)
+        digest = self._index.lookup(ref)
         if digest is not None:
             return self._hit(digest, version.length(index))
         identity = version.identity
