@@ -83,11 +83,6 @@ def block_bounds(index: int, object_size: int, block_size: int) -> tuple[int, in
     return start, min(start + block_size, object_size)
 
 
-def blocks_per_run(block_size: int) -> int:
-    """Blocks one GET of a run brings at most (``RUN_BYTES``)."""
-    return max(1, RUN_BYTES // block_size)
-
-
 class ReadEvents(Protocol):
     def read_done(self, served: dict[str, int], stall_seconds: float, job: str, seconds: float) -> None:
         """One read of ``job`` (``jobs.py``) answered in ``seconds``: its
@@ -203,7 +198,7 @@ class BlockReader:
     @property
     def run_blocks(self) -> int:
         """Blocks one ``fetch_run_ahead`` GET brings at most (``RUN_BYTES``)."""
-        return blocks_per_run(self._block_size)
+        return max(1, RUN_BYTES // self._block_size)
 
     def ref(self, info: ObjectInfo, index: int) -> BlockRef:
         return BlockRef(self._source, info.key, info.etag, index)
