@@ -449,11 +449,15 @@ def open_shared(
 ) -> ObjectStore:
     """The store behind a shared tier URL (``s3://bucket/prefix``,
     ``gs://bucket/prefix``), its requests cut at ``REQUEST_SECONDS``, with
-    the environment's credentials for it, or for S3 those of
-    ``<credentials_env_prefix>AWS_*``: the origin's may differ."""
+    the environment's credentials for it (and ``AWS_REGION``, else the
+    AWS config's region: it is never asked of S3, as a source's is at its
+    mount, since a shared tier that is down must not stop a mount), or for
+    S3 those of ``<credentials_env_prefix>AWS_*``: the origin's may differ."""
     credentials = shared_credentials(credentials_env_prefix, environ)
     try:
-        settings = StoreSettings(endpoint_url=endpoint_url, connect_timeout=REQUEST_SECONDS)
+        settings = StoreSettings(
+            endpoint_url=endpoint_url, region=environ.get("AWS_REGION"), connect_timeout=REQUEST_SECONDS
+        )
     except ValidationError as exc:
         message = exc.errors()[0]["msg"]
         raise ConfigError(f"cache.shared.endpoint_url: {message}") from None

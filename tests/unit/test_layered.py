@@ -6,8 +6,11 @@ to the shared tier and one GET from the origin."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -224,3 +227,18 @@ def test_concurrent_readers_of_a_block_the_shared_tier_lacks_cost_one_get_from_t
     assert _read_concurrently(rig, gate, monkeypatch) == [data] * 8
     assert rig.store.get_count == 1
     assert bucket.get_count == 1  # the version's mapping, asked once
+
+
+def test_the_read_path_loads_no_cloud_sdk_for_a_local_source() -> None:
+    """The shared tier opens its store through ``open_store`` when it is
+    configured, so a daemon of a local directory never loads an SDK."""
+    sdks = ("obstore", "aiobotocore", "botocore", "boto3", "google")
+    code = (
+        "import sys, cachefsd.reader, cachefsd.fs, cachefsd.cache.shared, cachefsd.cache.layered; "
+        f"print([name for name in sys.modules if name.split('.')[0] in {sdks!r}])"
+    )
+    root = Path(__file__).parents[2]  # ``-c`` imports from the working directory first: this checkout
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
+    )
+    assert loaded.stdout.strip() == "[]"
