@@ -116,6 +116,16 @@ def test_a_remote_hit_is_put_into_the_near_levels_as_its_use_says() -> None:
     assert ram.calls == [("put", 1, AHEAD)]  # the level decides (RAM keeps only what is read)
 
 
+def test_a_hit_in_a_further_remote_level_is_put_into_the_nearer_ones() -> None:
+    disk, near_bucket, far_bucket = Fake("hot"), Fake("rack", remote=True), Fake("region", remote=True)
+    far_bucket.blocks[0] = block("region")
+    found = LayeredCache([disk, near_bucket, far_bucket]).find_remote(VERSION, [0], FOR_A_READ)
+    assert found == {0: far_bucket.blocks[0]}
+    assert near_bucket.calls == [("get_many", (0,), FOR_A_READ), ("put", 0, FOR_A_READ)]
+    assert far_bucket.calls == [("get_many", (0,), FOR_A_READ)]
+    assert disk.calls == [("put", 0, FOR_A_READ)]
+
+
 def test_an_origin_fetch_fills_near_levels_block_by_block_and_remote_ones_at_its_end() -> None:
     ram, disk, bucket = Fake("memory"), Fake("hot", in_place=True), Fake("shared", remote=True)
     cache = LayeredCache([ram, disk, bucket])
