@@ -51,7 +51,8 @@ class LayeredCache:
         for position, level in enumerate(self._near):
             block = level.get(version, index, FOR_A_READ)
             if block is not None:
-                # A span from the furthest near level (a hot hit) has no one to tell.
+                # A span from the furthest near level (a hot hit): no level is further
+                # to tell, and the nearer ones need no copy.
                 if position < self._furthest_near or not isinstance(block.content, FileSpan):
                     self._spread(version, index, block, position)
                 return block
