@@ -23,10 +23,13 @@ from prometheus_client import CollectorRegistry
 
 from cachefsd.aio import LoopThread
 from cachefsd.buffers import reuse_block_buffers
+from cachefsd.cache.blocks import BlockCache
 from cachefsd.cache.directory import OpenCache, open_cache, tier_specs
 from cachefsd.cache.index import Index
+from cachefsd.cache.layered import LayeredCache
 from cachefsd.cache.policy import PlannedUse, ReadMarks
-from cachefsd.cache.shared import SharedTier, open_shared
+from cachefsd.cache.recent import RecentBlocks
+from cachefsd.cache.shared import SharedCache, open_shared
 from cachefsd.cache.tiered import TieredCache
 from cachefsd.cache.view import CacheView
 from cachefsd.config import CacheSettings, FetchSettings, Settings, StoreSettings, human_bytes
@@ -35,7 +38,7 @@ from cachefsd.errors import CachefsdError
 from cachefsd.fetch import Fetcher
 from cachefsd.fs import FileSystem
 from cachefsd.jobs import CallerJobs
-from cachefsd.metrics import Metrics
+from cachefsd.metrics import Metrics, SharedFetches
 from cachefsd.namespace.tree import FRESH_WAIT_SECONDS, Namespace
 from cachefsd.prefetch.prefetcher import Prefetcher
 from cachefsd.reader import BlockReader, ReadEvents
@@ -99,25 +102,28 @@ def data_path(
     reads: ReadEvents | None = None,
     listing_clock: Callable[[], float] = time.time,
     fresh_wait: float = FRESH_WAIT_SECONDS,
-    shared: SharedTier | None = None,
+    shared: SharedCache | None = None,
 ) -> tuple[BlockReader, CacheView, Namespace, Prefetcher, FileSystem]:
     """The data path over an opened cache, from the fetcher to the
     filesystem, wired as every mount has it; ``reads`` counts its reads
     (``metrics`` when None), ``listing_clock`` and ``fresh_wait`` are the
     namespace's (tests pass their own); ``shared`` the node's shared tier;
     ``read_marks`` where reads mark the blocks another job is still to
-    read, for the cache's policy."""
+    read, for the cache's policy. The mount's block cache: its own recent
+    blocks in RAM, then the node's local tiers, then the shared tier."""
     fetcher = Fetcher(store, settings.fetch, metrics)
     dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
+    levels: list[BlockCache] = [RecentBlocks(), cache]
+    if shared is not None:
+        levels.append(shared)
     reader = BlockReader(
         store.cache_key,
         settings.cache.block_size,
-        cache,
+        LayeredCache(levels),
         fetcher,
         io,
         metrics if reads is None else reads,
         dedup_by_etag,
-        shared,
     )
     namespace = Namespace(
         store,
@@ -196,7 +202,7 @@ class Node:
         self.read_marks = ReadMarks()
         self.io = LoopThread()
         self._opened: OpenCache | None = None
-        self._shared: SharedTier | None = None
+        self._shared: SharedCache | None = None
 
     @property
     def cache(self) -> TieredCache:
@@ -247,7 +253,14 @@ class Node:
             if cache.shared is not None:
                 shared = cache.shared
                 store = open_shared(shared.url, shared.endpoint_url, shared.credentials_env_prefix)
-                self._shared = SharedTier(store, self.io, cache.block_size, self.metrics, time.monotonic)
+                self._shared = SharedCache(
+                    store,
+                    self.io,
+                    cache.block_size,
+                    self.metrics,
+                    SharedFetches(self.metrics),
+                    time.monotonic,
+                )
             try:
                 yield
             finally:

@@ -24,7 +24,7 @@ from cachefsd.store.base import ObjectStore
 T = TypeVar("T")
 
 # demand: a reader waits; prefetch: nobody waits yet; metadata: list/head.
-FetchKind = Literal["demand", "prefetch", "metadata", "shared"]
+FetchKind = Literal["demand", "prefetch", "metadata"]
 
 
 class FetchEvents(Protocol):
@@ -80,11 +80,16 @@ class Fetcher:
         settings: FetchSettings,
         events: FetchEvents,
         rng: random.Random | None = None,
+        retries: bool = True,
     ) -> None:
+        """Without ``retries`` a failed request fails at once (the shared
+        tier's: a miss there costs one origin fetch, a retry's backoff
+        would cost every read more)."""
         self._store = store
         self._settings = settings
         self._events = events
         self._rng = rng or random.Random()
+        self._retries = retries
         self._slots: PrioritySlots | None = None
 
     @property
@@ -155,11 +160,12 @@ class Fetcher:
         what: str,
         attempt: Callable[[], Awaitable[T]],
         kind: FetchKind,
+        measure: Callable[[T], int] = lambda _: 0,
     ) -> T:
         """``attempt()``'s result, retried on retryable errors and timeouts
         until the deadline; each attempt cut at ``attempt_timeout`` (a
         listing or a HEAD, whose answers are small). ``what`` names the
-        request in errors."""
+        request in errors; ``measure`` says how many bytes a result brought."""
         self._slots = self._slots or PrioritySlots(self._settings.concurrency)  # of the running loop
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._settings.deadline
@@ -171,12 +177,24 @@ class Fetcher:
             try:
                 limited = self._limited(attempt, _PRIORITY[kind])
                 result = await asyncio.wait_for(limited, min(self._settings.attempt_timeout, remaining))
-                self._events.fetch_done(kind, time.monotonic() - started, 0)
+                self._events.fetch_done(kind, time.monotonic() - started, measure(result))
                 return result
             except (StoreError, TimeoutError) as exc:
                 cause = self._worth_retrying(exc, kind, cause)
             attempts += 1
             await self._back_off(what, kind, attempts, cause, deadline)
+
+    async def get_object(self, key: str, kind: FetchKind) -> bytes | None:
+        """Object ``key`` whole (a small one), or None if there is none; a
+        request as ``call`` makes one."""
+
+        async def attempt() -> bytes | None:
+            try:
+                return await self._store.get_object(key)
+            except ObjectNotFound:
+                return None
+
+        return await self.call(f"GET {key}", attempt, kind, lambda data: 0 if data is None else len(data))
 
     def _worth_retrying(
         self, exc: StoreError | TimeoutError, kind: FetchKind, cause: Exception | None
@@ -201,7 +219,7 @@ class Fetcher:
         backoff = self._rng.uniform(
             0, min(self._settings.backoff_max, self._settings.backoff_initial * 2**attempts)
         )
-        if asyncio.get_running_loop().time() + backoff >= deadline:
+        if not self._retries or asyncio.get_running_loop().time() + backoff >= deadline:
             self._events.fetch_failed(kind)
             reason = str(cause) or type(cause).__name__
             raise DeadlineExceeded(

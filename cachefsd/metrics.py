@@ -45,6 +45,10 @@ LATENCY_BUCKETS = (
     30.0,
 )
 
+# The kind label of the cachefsd_fetch_* metrics: the origin's requests by
+# their FetchKind, the shared tier's all as "shared".
+FetchLabel = FetchKind | Literal["shared"]
+
 
 # (prefix, tier, bytes): one sample of ``cachefsd_resident_bytes``.
 ResidencyRows = Callable[[], Iterable[tuple[str, str, int]]]
@@ -638,3 +642,24 @@ class Metrics:
 
     def dedup_saved(self, where: DedupWhere, nbytes: int) -> None:
         self.dedup_saved_bytes.labels(where).inc(nbytes)
+
+
+class SharedFetches:
+    """``FetchEvents`` of the shared tier's fetcher: its requests, demand or
+    prefetch, are counted under kind ``shared`` (a bucket beside the
+    origin, whose requests keep their own kinds)."""
+
+    LABEL: FetchLabel = "shared"
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def fetch_done(self, kind: FetchKind, seconds: float, nbytes: int) -> None:
+        self._metrics.fetch_latency.labels(self.LABEL).observe(seconds)
+        self._metrics.fetch_bytes.labels(self.LABEL).inc(nbytes)
+
+    def fetch_retry(self, kind: FetchKind) -> None:
+        self._metrics.fetch_retries.labels(self.LABEL).inc()
+
+    def fetch_failed(self, kind: FetchKind) -> None:
+        self._metrics.fetch_errors.labels(self.LABEL).inc()

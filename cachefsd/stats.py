@@ -57,8 +57,7 @@ from cachefsd.control.answers import (
 from cachefsd.metrics import JOB_LABEL, value_of, values_by
 
 if TYPE_CHECKING:
-    from cachefsd.fetch import FetchKind
-    from cachefsd.metrics import Metrics
+    from cachefsd.metrics import FetchLabel, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -446,7 +445,7 @@ class DaemonStats:
             )
         return jobs
 
-    def _fetch(self, kind: FetchKind) -> FetchTotals:
+    def _fetch(self, kind: FetchLabel) -> FetchTotals:
         metrics = self._metrics
         buckets = [
             (float(bound), count)

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,10 @@ CREATE TABLE IF NOT EXISTS listings (
 """
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRef:
-    """Block ``block`` of one version of one object of one source."""
+class BlockRef(NamedTuple):
+    """Block ``block`` of one version of one object of one source. A tuple:
+    one is made and hashed on every read, at a third of a frozen
+    dataclass's cost."""
 
     source: str
     key: str

@@ -1,5 +1,9 @@
 """The tiered block cache: hot (fast disk, raw frames) and warm (larger
-disk, lz4 frames), or a single tier, over one index.
+disk, lz4 frames), or a single tier, over one index. It is the local level
+of the block cache (``blocks.BlockCache``): a raw block is served in place,
+as a span of its file, a compressed one decoded (once for its concurrent
+readers), and a block of another object with the same content identity is
+adopted instead of fetched.
 
 Movement: a new block enters the fastest tier whose policy makes room for
 it; a block evicted from a tier is demoted to the next one instead of being
@@ -40,10 +44,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
-from cachefsd.cache.codec import Codec, CorruptBlock, check_raw, decode, encode
+from cachefsd.cache.blocks import Block, BlockCache, FileSpan, Use, Version
+from cachefsd.cache.codec import HEADER_SIZE, Codec, CorruptBlock, check_raw, decode, encode
 from cachefsd.cache.index import BlockRef, Index, IndexDamaged, StoredBlock
 from cachefsd.cache.policy import PlannedUse
 from cachefsd.cache.tier import NoRoom, Tier, UnplaceableBlock, disk_bytes
+from cachefsd.singleflight import SingleFlight
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +73,10 @@ KEPT_FRAME_BYTES = (4 << 20) + 4096
 # disk made prefetch fetch the same blocks over and over, 1.2 GB in 10 s,
 # with a warning for each.
 DISK_ERROR_BACKOFF_SECONDS = 30.0
+# How long a read waits for another thread's read and decode of the same
+# compressed block: as long as a read may wait for the origin (the default
+# fetch deadline), which a disk that answers at all never comes near.
+DECODE_WAIT_SECONDS = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +85,7 @@ class CacheTuning:
 
     checked_files_remembered: int = CHECKED_FILES_REMEMBERED
     disk_error_backoff_seconds: float = DISK_ERROR_BACKOFF_SECONDS
+    decode_wait_seconds: float = DECODE_WAIT_SECONDS
 
 
 DedupWhere = Literal["disk", "wire"]
@@ -106,9 +117,10 @@ def _file_identity(stat: os.stat_result) -> tuple[int, int, int]:
     return stat.st_dev, stat.st_ino, stat.st_ctime_ns
 
 
-class TieredCache:
+class TieredCache(BlockCache):
     """The tiers in speed order over one index: admission, reads, promotion, demotion and eviction
-    between them."""
+    between them. As a level of the block cache (``blocks.BlockCache``), the
+    local one: a raw block is served in place, from its file."""
 
     def __init__(
         self,
@@ -141,6 +153,9 @@ class TieredCache:
         # Tier name -> blocks whose name is blocked there (``UnplaceableBlock``):
         # not tried again until a restart, each try cost a write and a warning.
         self._unplaceable: dict[str, set[str]] = {tier.name: set() for tier in tiers}
+        # A compressed block's concurrent READs (the kernel's read-ahead
+        # sends about four) share one read and decode of the whole block.
+        self._decoding: SingleFlight[str, bytes | None] = SingleFlight()
 
     @property
     def tiers(self) -> list[Tier]:
@@ -177,6 +192,62 @@ class TieredCache:
             )
         except (sqlite3.Error, IndexDamaged) as exc:
             log.warning("cannot save the order of use of cached blocks: %s", exc)
+
+    # -- as a level of the block cache -------------------------------------
+
+    @property
+    def remote(self) -> bool:
+        return False
+
+    def get(self, version: Version, index: int, use: Use) -> Block | None:
+        """The block: a raw one as a ``FileSpan`` of its file (checked where
+        it lies on its first read, see ``raw_hit``), a compressed one
+        decoded and verified. On a miss, with a content identity, another
+        object's block of that identity, adopted (``adopt``)."""
+        ref = version.ref(index)
+        digest = self._index.lookup(ref)
+        if digest is not None:
+            return self._hit(digest, version.length(index))
+        identity = version.identity
+        adopted = None if identity is None else self.adopt(ref, identity)
+        if adopted is None:
+            return None
+        digest, data = adopted
+        placement = self.placement(digest)
+        if placement is not None and placement.raw:
+            return self._hit(digest, version.length(index))  # served in place, as its next reads are
+        return Block(digest, data, "memory" if placement is None else placement.tier)
+
+    def _hit(self, digest: str, length: int) -> Block | None:
+        hit = self.raw_hit(digest)
+        if hit is not None:
+            tier, fd = hit
+            return Block(digest, FileSpan(fd, HEADER_SIZE, length), tier)
+        placement = self.placement(digest)
+        if placement is None:
+            return None
+        data = self._decoding.do(digest, lambda: self.read(digest), self._tuning.decode_wait_seconds)
+        return None if data is None else Block(digest, data, placement.tier)
+
+    def put(self, version: Version, index: int, digest: str, content: bytes | bytearray, use: Use) -> bool:
+        self.admit(version.ref(index), digest, content, version.identity, use.tier, use.ahead, use.next_use)
+        placement = self.placement(digest)
+        return placement is not None and placement.raw
+
+    def served(self, version: Version, index: int, block: Block) -> bool:
+        tier = self._tier_holding(block.digest)
+        if tier is None:
+            return False
+        self._read_from(tier, block.digest)
+        return tier.codec is Codec.RAW
+
+    def residency(self, version: Version, index: int) -> str | None:
+        digest = self.lookup(version.ref(index))
+        return None if digest is None else self.tier_of(digest)
+
+    def forget(self, version: Version) -> None:
+        block_count = -(-version.size // version.block_size)
+        self.release_version(version.source, version.key, version.etag, block_count)
 
     # -- read path ------------------------------------------------------
 

@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any, ParamSpec
 
 from cachefsd.buffers import address
+from cachefsd.cache.blocks import FileSpan
 from cachefsd.errors import CachefsdError, ObjectChanged, errno_for
 from cachefsd.fs import Attributes, FileSystem
 from cachefsd.fuse import lowlevel as ll
-from cachefsd.reader import FileSpan, Piece, close_pieces
+from cachefsd.reader import Piece, close_pieces
 
 log = logging.getLogger(__name__)
 

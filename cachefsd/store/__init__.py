@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cachefsd.config import FetchSettings, StoreSettings
 from cachefsd.errors import ConfigError
-from cachefsd.store.base import ObjectStore
+from cachefsd.store.base import Credentials, ObjectStore
 from cachefsd.store.local import LocalStore
 
 # Bucket names as the services have allowed them: letters, digits, dots,
@@ -19,10 +19,18 @@ from cachefsd.store.local import LocalStore
 _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]$")
 
 
-def open_store(source: str, settings: StoreSettings, fetch: FetchSettings) -> ObjectStore:
+def open_store(
+    source: str,
+    settings: StoreSettings,
+    fetch: FetchSettings,
+    credentials: Credentials | None = None,
+    writable: bool = False,
+) -> ObjectStore:
     """The store for ``s3://bucket[/prefix]``, ``gs://bucket[/prefix]``,
     ``file:///dir`` or ``/dir``, each attempt of a request cut at
-    ``fetch.attempt_timeout``; ``ConfigError`` naming ``source`` otherwise."""
+    ``fetch.attempt_timeout``; ``ConfigError`` naming ``source`` otherwise.
+    An S3 store signs with ``credentials`` if given; ``writable`` for a
+    store that is written to (GCS then asks for a token that may write)."""
     scheme, sep, rest = source.partition("://")
     if sep and scheme in ("s3", "gs"):
         bucket, _, prefix = rest.partition("/")
@@ -31,10 +39,10 @@ def open_store(source: str, settings: StoreSettings, fetch: FetchSettings) -> Ob
         if scheme == "s3":
             from cachefsd.store.s3 import S3Store  # noqa: PLC0415 - load an SDK only when used
 
-            return S3Store(bucket, prefix.strip("/"), settings, fetch.attempt_timeout)
+            return S3Store(bucket, prefix.strip("/"), settings, fetch.attempt_timeout, credentials)
         from cachefsd.store.gcs import GcsStore  # noqa: PLC0415 - load an SDK only when used
 
-        return GcsStore(bucket, prefix.strip("/"), fetch.attempt_timeout, fetch.concurrency)
+        return GcsStore(bucket, prefix.strip("/"), fetch.attempt_timeout, fetch.concurrency, writable)
     if sep and scheme != "file":
         raise ConfigError(f"source: unsupported scheme {scheme!r}: use s3://, gs://, file:// or a directory")
     path = Path(rest if sep else source).expanduser()

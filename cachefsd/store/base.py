@@ -13,7 +13,7 @@ the backend's own exception as ``__cause__``.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -48,6 +48,17 @@ class ListingPage:
 
     listing: Listing
     next_token: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """Keys a store signs with instead of its client's own chain (the shared
+    tier's, which may differ from the origin's). Never shown: only the key
+    id is in the repr."""
+
+    access_key_id: str
+    secret_access_key: str = field(repr=False)
+    session_token: str | None = field(default=None, repr=False)
 
 
 class ObjectStore(Protocol):
@@ -106,6 +117,16 @@ class ObjectStore(Protocol):
         ``piece`` bytes (the last one shorter) as they arrive: a long range
         is never whole in memory, and its first blocks can be used before
         its last arrive. Ends early only at the end of the object."""
+        ...
+
+    async def get_object(self, key: str) -> bytes:
+        """The whole current content of ``key`` (a small object: a block or
+        a mapping of the shared tier); ``ObjectNotFound`` if absent."""
+        ...
+
+    async def put_object(self, key: str, data: bytes) -> None:
+        """Store ``data`` as ``key``, replacing any object there; readers
+        see the old content or the new, never a part."""
         ...
 
     async def close(self) -> None:

@@ -87,6 +87,14 @@ class FaultyStore:
         await self._inject()
         return await self._inner.get_range(key, start, end, etag)
 
+    async def get_object(self, key: str) -> bytes:
+        await self._inject()
+        return await self._inner.get_object(key)
+
+    async def put_object(self, key: str, data: bytes) -> None:
+        await self._inject()
+        await self._inner.put_object(key, data)
+
     async def stream_range(
         self, key: str, start: int, end: int, etag: str, piece: int
     ) -> AsyncGenerator[bytes | bytearray, None]:

@@ -49,6 +49,8 @@ _T = TypeVar("_T")
 
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 _READ_ONLY_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
+# A store that is written to (the shared tier) asks for this one instead.
+_READ_WRITE_SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
 
 # The JSON API's maximum page size; a 10,000-entry directory is ten requests.
 _LIST_PAGE_SIZE = 1000
@@ -112,8 +114,13 @@ def _mtime(blob: storage.Blob) -> float:
 class GcsStore:
     """Objects under ``gs://bucket/prefix``, keys relative to the prefix."""
 
-    def __init__(self, bucket: str, prefix: str, attempt_timeout: float, threads: int) -> None:
+    def __init__(
+        self, bucket: str, prefix: str, attempt_timeout: float, threads: int, writable: bool = False
+    ) -> None:
+        """``writable`` for a store that ``put_object`` writes to: its token
+        then allows writes (a source's is read-only)."""
         # Immutable after construction.
+        self._scope = _READ_WRITE_SCOPE if writable else _READ_ONLY_SCOPE
         self._bucket_name = bucket
         self._prefix = prefix.strip("/")
         self._root = f"{self._prefix}/" if self._prefix else ""
@@ -159,7 +166,7 @@ class GcsStore:
         if os.environ.get(EMULATOR_ENV):
             credentials = AnonymousCredentials()
         else:
-            credentials, _ = google.auth.default(scopes=[_READ_ONLY_SCOPE])
+            credentials, _ = google.auth.default(scopes=[self._scope])
         session = AuthorizedSession(credentials)
         adapter = HTTPAdapter(pool_connections=1, pool_maxsize=self._threads)
         session.mount("https://", adapter)
@@ -293,6 +300,27 @@ class GcsStore:
         elif served != etag:
             raise ObjectChanged(f"{self._target(key)}: served generation {served}, read pinned to {etag}")
         return data
+
+    async def get_object(self, key: str) -> bytes:
+        full_key = self._root + key
+        bucket = await self._get_bucket()
+
+        def call() -> bytes:
+            data: bytes = bucket.blob(full_key).download_as_bytes(
+                raw_download=True, timeout=self._attempt_timeout, retry=None
+            )
+            return data
+
+        return await self._run(self._target(key), call)
+
+    async def put_object(self, key: str, data: bytes) -> None:
+        full_key = self._root + key
+        bucket = await self._get_bucket()
+
+        def call() -> None:
+            bucket.blob(full_key).upload_from_string(data, timeout=self._attempt_timeout, retry=None)
+
+        await self._run(self._target(key), call)
 
     def stream_range(
         self, key: str, start: int, end: int, etag: str, piece: int

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import uuid
 from collections.abc import AsyncGenerator
 from pathlib import Path
 
@@ -134,6 +135,35 @@ class LocalStore:
             raise StoreError(f"cannot read {key}: {exc.strerror}") from exc
         finally:
             os.close(fd)
+
+    async def get_object(self, key: str) -> bytes:
+        return await asyncio.to_thread(self._get_object, key)
+
+    def _get_object(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            return path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            raise ObjectNotFound(key) from exc
+        except OSError as exc:
+            raise StoreError(f"cannot read {key}: {exc.strerror}") from exc
+
+    async def put_object(self, key: str, data: bytes) -> None:
+        await asyncio.to_thread(self._put_object, key, data)
+
+    def _put_object(self, key: str, data: bytes) -> None:
+        """A temp file renamed over ``key``: a reader sees a whole file."""
+        if not key or key.endswith("/"):
+            raise StoreError(f"cannot write {key!r}: not a file name")
+        path = self._path(key)
+        temp = path.with_name(f".{path.name[:200]}.{uuid.uuid4().hex}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temp.write_bytes(data)
+            os.replace(temp, path)
+        except OSError as exc:
+            temp.unlink(missing_ok=True)
+            raise StoreError(f"cannot write {key}: {exc.strerror}") from exc
 
     def stream_range(
         self, key: str, start: int, end: int, etag: str, piece: int

@@ -91,6 +91,17 @@ class MemoryStore:
             raise ObjectChanged(key)
         return data[start:end]
 
+    async def get_object(self, key: str) -> bytes:
+        with self._lock:
+            self.get_count += 1
+            entry = self._objects.get(key)
+        if entry is None:
+            raise ObjectNotFound(key)
+        return entry[1]
+
+    async def put_object(self, key: str, data: bytes) -> None:
+        self.put(key, data)
+
     def stream_range(
         self, key: str, start: int, end: int, etag: str, piece: int
     ) -> AsyncGenerator[bytes | bytearray, None]:

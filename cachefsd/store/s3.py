@@ -61,7 +61,7 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.utils import parse_timestamp
-from obstore import get_async
+from obstore import get_async, put_async
 from obstore.exceptions import BaseError as ObstoreError
 from obstore.exceptions import NotFoundError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 from obstore.store import S3Store as ObstoreS3
@@ -69,7 +69,7 @@ from obstore.store import S3Store as ObstoreS3
 from cachefsd.buffers import address
 from cachefsd.config import StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
-from cachefsd.store.base import Listing, ListingPage, ObjectInfo, gathered, redact_url
+from cachefsd.store.base import Credentials, Listing, ListingPage, ObjectInfo, gathered, redact_url
 
 if TYPE_CHECKING:
     from obstore import GetResult
@@ -237,7 +237,16 @@ def _parse_timestamp(value: str) -> datetime.datetime:
 class S3Store:
     """Objects under ``s3://bucket/prefix``, keys relative to the prefix."""
 
-    def __init__(self, bucket: str, prefix: str, settings: StoreSettings, attempt_timeout: float) -> None:
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        settings: StoreSettings,
+        attempt_timeout: float,
+        credentials: Credentials | None = None,
+    ) -> None:
+        """Signed with ``credentials`` when given, else with those of
+        botocore's chain (environment, profiles, roles)."""
         # Immutable after construction.
         self._bucket = bucket
         self._prefix = _normalise_prefix(prefix)
@@ -249,6 +258,10 @@ class S3Store:
         self._session.get_component("response_parser_factory").set_parser_defaults(
             timestamp_parser=_parse_timestamp
         )
+        if credentials is not None:
+            self._session.set_credentials(
+                credentials.access_key_id, credentials.secret_access_key, credentials.session_token
+            )
         self._client: Any = None
         self._exit_stack: AsyncExitStack | None = None
         self._client_lock = asyncio.Lock()
@@ -543,6 +556,27 @@ class S3Store:
                         return  # the body ended: the end of the object
             except _S3_ERRORS as exc:
                 raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
+
+    async def get_object(self, key: str) -> bytes:
+        full_key = self._root + key
+        if not full_key:
+            raise ObjectNotFound(self._target(key))
+        data = await self._data_client()
+        try:
+            response = await get_async(data, full_key)
+            return bytes(await response.bytes_async())
+        except _DATA_ERRORS as exc:
+            raise _translate_data(exc, target=self._target(key), endpoint=self._endpoint) from exc
+
+    async def put_object(self, key: str, data: bytes) -> None:
+        full_key = self._root + key
+        if not full_key:
+            raise StoreError(f"{self._target(key)}: not an object name")
+        client = await self._data_client()
+        try:
+            await put_async(client, full_key, data)
+        except _DATA_ERRORS as exc:
+            raise _translate_data(exc, target=self._target(key), endpoint=self._endpoint) from exc
 
     async def close(self) -> None:
         stack, self._exit_stack, self._client = self._exit_stack, None, None

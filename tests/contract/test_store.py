@@ -47,7 +47,8 @@ from cachefsd.config import FetchSettings, StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
 from cachefsd.store import gcs as gcs_module
 from cachefsd.store import s3 as s3_module
-from cachefsd.store.base import Listing, ObjectInfo, ObjectStore
+from cachefsd.store.base import Credentials, Listing, ObjectInfo, ObjectStore
+from cachefsd.store.faulty import Faults, FaultyStore
 from cachefsd.store.gcs import GcsStore
 from cachefsd.store.listing import merged, one_level
 from cachefsd.store.local import LocalStore
@@ -388,6 +389,37 @@ def test_overwritten_object_raises_object_changed(backend: Backend) -> None:
     assert run(backend, read_pinned) != etag
 
 
+def test_whole_objects_are_read_and_written(backend: Backend) -> None:
+    """``get_object`` and ``put_object`` (the shared tier's blocks and
+    mappings): a missing key is ``ObjectNotFound``, a write replaces."""
+    key = f"scratch/{uuid.uuid4().hex}.bin"
+
+    async def body(store: ObjectStore) -> tuple[bytes, bytes, bytes]:
+        with pytest.raises(ObjectNotFound):
+            await store.get_object(key)
+        await store.put_object(key, b"one")
+        first = await store.get_object(key)
+        await store.put_object(key, b"two, and longer")
+        return await store.get_object(DEEP_KEY), first, await store.get_object(key)
+
+    assert run(backend, body) == (backend.seed[DEEP_KEY], b"one", b"two, and longer")
+
+
+def test_a_faulty_store_injects_into_whole_object_calls() -> None:
+    store = FaultyStore(MemoryStore(), Faults(failures_left=2, error=AccessDenied))
+
+    async def body() -> bytes:
+        with pytest.raises(AccessDenied):
+            await store.put_object("k", b"x")
+        with pytest.raises(AccessDenied):
+            await store.get_object("k")
+        await store.put_object("k", b"x")
+        return await store.get_object("k")
+
+    assert asyncio.run(body()) == b"x"
+    assert store.calls == 4
+
+
 # -- S3 --------------------------------------------------------------------------
 
 
@@ -552,9 +584,7 @@ def test_s3_reads_what_odd_endpoints_send(endpoint: str, monkeypatch: pytest.Mon
     assert [len(piece) for piece in pieces] == [16384] * 4 + [70_000 - 4 * 16384]
 
 
-def test_s3_without_credentials_is_access_denied(
-    s3_settings: StoreSettings, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def _no_credentials_in_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for name in (
         "AWS_ACCESS_KEY_ID",
         "AWS_SECRET_ACCESS_KEY",
@@ -568,10 +598,36 @@ def test_s3_without_credentials_is_access_denied(
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def test_s3_without_credentials_is_access_denied(
+    s3_settings: StoreSettings, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _no_credentials_in_the_environment(monkeypatch, tmp_path)
     store = S3Store("bkt", "", s3_settings, ATTEMPT_TIMEOUT_SECONDS)
 
     with pytest.raises(AccessDenied, match="standard chain"):
         _run_alone(lambda: _check_then_close(store))
+
+
+def test_s3_signs_with_credentials_of_its_own(
+    s3_client: Any, s3_settings: StoreSettings, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The shared tier's (``credentials_env_prefix``): none in the
+    environment, and the store still reads and writes."""
+    bucket = f"own-{uuid.uuid4().hex[:12]}"
+    s3_client.create_bucket(Bucket=bucket)
+    _no_credentials_in_the_environment(monkeypatch, tmp_path)
+    store = S3Store(bucket, "p", s3_settings, ATTEMPT_TIMEOUT_SECONDS, Credentials("AKIAOWN", "s3cr3t"))
+
+    async def body() -> bytes:
+        try:
+            await store.put_object("k", b"signed")
+            return await store.get_object("k")
+        finally:
+            await store.close()
+
+    assert _run_alone(body) == b"signed"
 
 
 def test_s3_store_survives_an_endpoint_outage(s3_client: Any) -> None:

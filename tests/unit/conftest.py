@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,19 +13,22 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from cachefsd.aio import LoopThread
+from cachefsd.cache.blocks import FileSpan
 from cachefsd.cache.codec import Codec
 from cachefsd.cache.index import Index
 from cachefsd.cache.maintenance import reconcile
 from cachefsd.cache.policy import EvictionPolicy, LruPolicy, PlannedUse, ReadMarks
+from cachefsd.cache.shared import SharedCache
 from cachefsd.cache.tier import Tier
 from cachefsd.cache.tiered import CacheTuning, TieredCache
 from cachefsd.cache.view import CacheView
 from cachefsd.config import FetchSettings, Settings
 from cachefsd.engine import data_path
 from cachefsd.fs import ROOT_INODE, Attributes, FileSystem
-from cachefsd.metrics import Metrics
+from cachefsd.metrics import Metrics, SharedFetches
 from cachefsd.namespace.tree import Namespace
-from cachefsd.reader import BlockReader, FileSpan, Piece, close_pieces
+from cachefsd.reader import BlockReader, Piece, close_pieces
+from cachefsd.store.base import ObjectStore
 from cachefsd.store.faulty import FaultyStore
 from cachefsd.store.memory import MemoryStore
 from cachefsd.workload.model import WorkloadModel
@@ -93,6 +97,7 @@ class Rig:
     clock: Clock
     cache_dir: Path
     model: WorkloadModel
+    shared: SharedCache | None = None
 
 
 RigFactory = Callable[..., Rig]
@@ -120,9 +125,11 @@ def build_rig(
     fresh_wait: float = TEST_FRESH_WAIT_SECONDS,
     cache_tuning: CacheTuning = DAEMON_CACHE_TUNING,
     read_marks: ReadMarks | None = None,
+    shared_store: ObjectStore | None = None,
 ) -> Rig:
     """The whole read path over a ``MemoryStore``, its cache in ``cache_dir``,
-    its I/O on ``io``; the caller closes ``rig.index``. ``read_marks``:
+    its I/O on ``io``, with a shared tier in ``shared_store`` if given; the
+    caller closes ``rig.index`` (and ``rig.shared``). ``read_marks``:
     where reads mark blocks other jobs are still to read, if ``policy`` was
     given them. For tests that cannot take fixtures (hypothesis state
     machines); others use ``make_rig``."""
@@ -149,6 +156,9 @@ def build_rig(
     )
     clock = Clock()
     model = WorkloadModel()
+    shared = None
+    if shared_store is not None:
+        shared = SharedCache(shared_store, io, BLOCK_SIZE, metrics, SharedFetches(metrics), time.monotonic)
     reader, view, namespace, _, fs = data_path(
         faulty,
         cache,
@@ -160,22 +170,27 @@ def build_rig(
         read_marks or ReadMarks(),
         listing_clock=clock,
         fresh_wait=fresh_wait,
+        shared=shared,
     )
-    return Rig(store, faulty, index, cache, metrics, reader, view, namespace, fs, clock, cache_dir, model)
+    return Rig(
+        store, faulty, index, cache, metrics, reader, view, namespace, fs, clock, cache_dir, model, shared
+    )
 
 
 @pytest.fixture(name="make_rig")
 def fixture_make_rig(tmp_path: Path, io: LoopThread) -> Iterator[RigFactory]:
     """``make_rig(objects, cache_dir=..., **build_rig's options)``: the
     whole read path over a ``MemoryStore``, in ``tmp_path`` unless told;
-    indexes are closed at teardown."""
-    indexes: list[Index] = []
+    indexes and shared tiers are closed at teardown."""
+    rigs: list[Rig] = []
 
     def make(objects: dict[str, bytes] | None = None, cache_dir: Path | None = None, **options: Any) -> Rig:
         rig = build_rig(io, cache_dir or tmp_path / "cache", objects, **options)
-        indexes.append(rig.index)
+        rigs.append(rig)
         return rig
 
     yield make
-    for index in indexes:
-        index.close()
+    for rig in rigs:
+        if rig.shared is not None:
+            rig.shared.close()
+        rig.index.close()

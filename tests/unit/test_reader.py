@@ -14,10 +14,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cachefsd.cache.blocks import FileSpan
 from cachefsd.cache.codec import Codec, content_hash
 from cachefsd.cache.tiered import CacheTuning
 from cachefsd.errors import DeadlineExceeded
-from cachefsd.reader import FileSpan, block_bounds, block_range
+from cachefsd.reader import block_bounds, block_range
 from cachefsd.store.base import ObjectInfo
 from tests.metrics import sample
 from tests.polling import wait_until
