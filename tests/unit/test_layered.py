@@ -6,11 +6,8 @@ to the shared tier and one GET from the origin."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -241,18 +238,3 @@ def test_concurrent_readers_of_a_block_the_shared_tier_lacks_cost_one_get_from_t
     # The version's mapping, asked once for the eight readers, and once by
     # that write (which adds the block to it).
     assert bucket.get_count == 2
-
-
-def test_the_read_path_loads_no_cloud_sdk_for_a_local_source() -> None:
-    """The shared tier opens its store through ``open_store`` when it is
-    configured, so a daemon of a local directory never loads an SDK."""
-    sdks = ("obstore", "aiobotocore", "botocore", "boto3", "google")
-    code = (
-        "import sys, cachefsd.reader, cachefsd.fs, cachefsd.cache.shared, cachefsd.cache.layered; "
-        f"print([name for name in sys.modules if name.split('.')[0] in {sdks!r}])"
-    )
-    root = Path(__file__).parents[2]  # ``-c`` imports from the working directory first: this checkout
-    loaded = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
-    )
-    assert loaded.stdout.strip() == "[]"

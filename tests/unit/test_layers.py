@@ -1,5 +1,5 @@
 """The layers stand alone: the packages of ``cachefsd`` import each other
-without a cycle.
+without a cycle, and the read path of a local source loads no cloud SDK.
 
 A package here is a top-level unit of ``cachefsd``: a subpackage
 (``cache``, ``prefetch``) or a module (``reader``, ``fs``). Every import
@@ -12,6 +12,7 @@ replaced alone.
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from collections import defaultdict
@@ -125,3 +126,40 @@ def test_cycles_are_found() -> None:
     assert cycles(graph) == [["a", "b", "c"]]
     del graph["c"]["a"]
     assert cycles(graph) == []
+
+
+def test_reading_a_local_source_loads_no_cloud_sdk(tmp_path: Path) -> None:
+    """The whole data path over a local directory, opened and read, in a
+    fresh interpreter: a node that mounts local data never pays for (nor
+    breaks on) an SDK it does not use."""
+    source = tmp_path / "data"
+    source.mkdir()
+    (source / "sample.bin").write_bytes(b"x" * 70_000)
+    script = f"""
+import json, os, sys
+from cachefsd.config import Settings
+from cachefsd.engine import open_engine
+import cachefsd.daemon, cachefsd.fs, cachefsd.reader, cachefsd.cache.tiered
+
+settings = Settings(
+    source={str(source)!r}, mountpoint={str(tmp_path / "mnt")!r}, cache={{"dir": {str(tmp_path / "cache")!r}}}
+)
+with open_engine(settings) as engine:
+    info = engine.namespace.lookup("/sample.bin").info
+    pieces = engine.reader.read(info, 0, info.size)
+    assert sum(len(p) if isinstance(p, bytes) else p.length for p in pieces) == 70_000
+    for piece in pieces:
+        if not isinstance(piece, bytes):
+            os.close(piece.fd)
+print(json.dumps(sorted({{name.split(".")[0] for name in sys.modules}} & {set(CLOUD_SDKS)!r})))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=PACKAGE.parent,  # ``-c`` imports from the working directory first: this checkout
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == []

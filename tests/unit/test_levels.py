@@ -10,6 +10,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,14 +73,14 @@ def corrupt_counted(level: Level) -> float:
     )
 
 
-@pytest.fixture(name="level", params=["recent", "tiered", "shared"])
-def fixture_level(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Level]:
+@contextmanager
+def opened_level(kind: str, tmp_path: Path) -> Iterator[Level]:
     metrics = Metrics(CollectorRegistry())
     capacity = CAPACITY_BLOCKS * BLOCK
-    if request.param == "recent":
+    if kind == "recent":
         recent = RecentBlocks(capacity)
         yield Level("memory", recent, metrics, None, lambda: recent.used_bytes, capacity)
-    elif request.param == "tiered":
+    elif kind == "tiered":
         index = Index(tmp_path / "index.sqlite")
         # Room on disk for the blocks and their frame headers.
         hot = Tier("hot", tmp_path / "hot", capacity + CAPACITY_BLOCKS * 4096, Codec.RAW, LruPolicy())
@@ -111,6 +112,26 @@ def fixture_level(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Le
         io.stop()
 
 
+@pytest.fixture(name="level", params=["recent", "tiered", "shared"])
+def fixture_level(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Level]:
+    with opened_level(request.param, tmp_path) as level:
+        yield level
+
+
+@pytest.fixture(name="stored_level", params=["tiered", "shared"])
+def fixture_stored_level(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Level]:
+    """A level that keeps its blocks out of RAM, where they can be damaged."""
+    with opened_level(request.param, tmp_path) as level:
+        yield level
+
+
+@pytest.fixture(name="bounded_level", params=["recent", "tiered"])
+def fixture_bounded_level(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Level]:
+    """A level with a byte capacity of its own (a lifecycle rule ages the shared one)."""
+    with opened_level(request.param, tmp_path) as level:
+        yield level
+
+
 def test_a_block_never_put_is_a_miss(level: Level) -> None:
     assert level.cache.get(version("nothing"), 0, READ) is None
     assert level.cache.get_many(version("nothing"), [0, 1], READ) == {}
@@ -136,9 +157,9 @@ def test_another_version_of_the_object_finds_nothing(level: Level) -> None:
     assert level.cache.get(other, 0, READ) is None
 
 
-def test_a_damaged_block_is_a_miss_and_counted(level: Level) -> None:
-    if level.damage is None:
-        pytest.skip(f"the {level.name} level holds its blocks in RAM only: nothing to damage")
+def test_a_damaged_block_is_a_miss_and_counted(stored_level: Level) -> None:
+    level = stored_level
+    assert level.damage is not None
     data = os.urandom(BLOCK)
     digest = content_hash(data)
     level.cache.put(version("k"), 0, digest, data, READ)
@@ -147,9 +168,9 @@ def test_a_damaged_block_is_a_miss_and_counted(level: Level) -> None:
     assert corrupt_counted(level) == 1
 
 
-def test_a_level_with_a_capacity_never_holds_more(level: Level) -> None:
-    if level.used_bytes is None:
-        pytest.skip(f"the {level.name} level has no capacity of its own (a lifecycle rule ages it)")
+def test_a_level_with_a_capacity_never_holds_more(bounded_level: Level) -> None:
+    level = bounded_level
+    assert level.used_bytes is not None
     for index in range(3 * CAPACITY_BLOCKS):
         data = os.urandom(BLOCK)
         level.cache.put(version("big", 3 * CAPACITY_BLOCKS * BLOCK), index, content_hash(data), data, READ)
