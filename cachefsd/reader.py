@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from cachefsd.aio import LoopThread
-from cachefsd.cache.blocks import FOR_A_READ, Block, Content, FileSpan, Use, Version
+from cachefsd.cache.blocks import FOR_A_READ, Block, Content, FileSpan, Use, Version, block_ref
 from cachefsd.cache.codec import content_hash
 from cachefsd.cache.index import BlockRef
 from cachefsd.cache.layered import LayeredCache
@@ -190,7 +190,7 @@ class BlockReader:
         return max(1, RUN_BYTES // self._block_size)
 
     def ref(self, info: ObjectInfo, index: int) -> BlockRef:
-        return BlockRef(self._source, info.key, info.etag, index)
+        return block_ref(self._source, info, index)
 
     def version(self, info: ObjectInfo) -> Version:
         """``info`` as the block cache keys it."""

@@ -23,6 +23,7 @@ from typing import NamedTuple, Protocol
 
 from cachefsd.cache.index import BlockRef
 from cachefsd.fetch import FetchKind
+from cachefsd.store.base import ObjectInfo
 
 
 @dataclass(slots=True)  # not frozen: one is made on every read of a raw block, frozen ones cost 3x
@@ -57,6 +58,12 @@ class Block(NamedTuple):  # a tuple: made on every hit, at a third of a frozen d
     digest: str
     content: Content
     level: str
+
+
+def block_ref(source: str, info: ObjectInfo, index: int) -> BlockRef:
+    """Block ``index`` of version ``info`` of an object of ``source``, as the
+    index names it: by version, so bytes of one are never another's."""
+    return BlockRef(source, info.key, info.etag, index)
 
 
 class Version(NamedTuple):  # a tuple: made on every read, at a third of a frozen dataclass's cost

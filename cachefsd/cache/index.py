@@ -11,9 +11,12 @@ place before its row is committed, and its row is deleted before the file is
 unlinked. So after a crash the index only names files that exist or are
 about to be reconciled away, and start-up removes files it does not name.
 
-Concurrency: one connection, guarded by ``_lock``; every method takes it.
-The in-memory ``_refs`` map mirrors ``block_refs`` for the read path and is
-guarded by the same lock.
+Concurrency: one connection, guarded by ``_lock``; every method that
+touches it takes it. The in-memory ``_refs`` map mirrors ``block_refs`` for
+the read path: it is written under ``_lock``, and ``lookup`` reads it
+without the lock (one dict lookup is atomic under the GIL), so a read never
+waits for a commit and the policies may look a block up under a tier's
+lock. A writer therefore never empties an entry it is about to set again.
 """
 
 from __future__ import annotations
@@ -235,17 +238,20 @@ class Index:
 
     def _add_ref_locked(self, ref: BlockRef, digest: str) -> None:
         previous = self._refs.get(ref)
-        if previous is not None:
-            self._drop_ref_locked(ref)
-        self._refs[ref] = digest
+        if previous is not None and previous != digest:
+            self._unhold_locked(previous, ref)
+        self._refs[ref] = digest  # replaced in one step: a lookup meanwhile sees one or the other
         self._refs_by_hash.setdefault(digest, set()).add(ref)
 
-    def _drop_ref_locked(self, ref: BlockRef) -> str:
-        digest = self._refs.pop(ref)
+    def _unhold_locked(self, digest: str, ref: BlockRef) -> None:
         holders = self._refs_by_hash[digest]
         holders.discard(ref)
         if not holders:
             del self._refs_by_hash[digest]
+
+    def _drop_ref_locked(self, ref: BlockRef) -> str:
+        digest = self._refs.pop(ref)
+        self._unhold_locked(digest, ref)
         return digest
 
     @property
@@ -282,8 +288,7 @@ class Index:
     # -- blocks ---------------------------------------------------------
 
     def lookup(self, ref: BlockRef) -> str | None:
-        with self._lock:
-            return self._refs.get(ref)
+        return self._refs.get(ref)  # without the lock: see the module's docstring
 
     def check_integrity(self) -> None:
         """sqlite's own full check (slow: ``verify`` only). Damage in an

@@ -145,7 +145,6 @@ def verify_blocks(cache: TieredCache, repair: bool) -> VerifyReport:
     ones (they are fetched again on their next read)."""
     corrupt: list[str] = []
     missing: list[str] = []
-    bad: list[tuple[str, Tier]] = []
     checked = 0
     for digest, tier in _stored(cache):
         checked += 1
@@ -155,15 +154,10 @@ def verify_blocks(cache: TieredCache, repair: bool) -> VerifyReport:
             missing.append(digest)
         except (CorruptBlock, OSError):
             corrupt.append(digest)
-        else:
-            continue
-        bad.append((digest, tier))
     if not repair:
         return VerifyReport(checked, corrupt, missing)
-    for digest, tier in bad:
-        tier.remove(digest)
-        cache.drop(digest, tier)  # best effort, as on every path: a row may stay
-    cache.report_usage()
+    for digest in corrupt + missing:
+        cache.discard(digest)  # best effort, as on every path: a row may stay
     left = {block.hash for block in cache.index.blocks()}
     return VerifyReport(checked, corrupt, missing, [digest for digest in corrupt + missing if digest in left])
 

@@ -491,7 +491,7 @@ class TieredCache(BlockCache):
         except sqlite3.Error as exc:
             log.warning("cannot record block %s: %s", stored.hash, exc)
             self._events.cache_error(stored.tier)
-            self._forget(stored.hash)
+            self.discard(stored.hash)
 
     def _place(self, position: int, digest: str, data: bytes | bytearray, ahead: bool = False) -> int:
         """Write ``data`` into tier ``position``, demoting or evicting what
@@ -635,7 +635,9 @@ class TieredCache(BlockCache):
             self.drop(digest, tier)
             self.report_usage()
 
-    def _forget(self, digest: str) -> None:
+    def discard(self, digest: str) -> None:
+        """Drop block ``digest`` from wherever it is (it is bad, or nothing
+        references it any more); best effort, as ``drop``."""
         tier = self._tier_holding(digest)
         if tier is not None:
             tier.remove(digest)
@@ -652,7 +654,7 @@ class TieredCache(BlockCache):
             return
         with self._move_lock:
             for digest in unreferenced:
-                self._forget(digest)
+                self.discard(digest)
 
     def report_usage(self) -> None:
         """Tell the events each tier's usage, after anything that changed it."""

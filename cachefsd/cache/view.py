@@ -13,7 +13,7 @@ It holds no state of its own; thread-safe as the cache is.
 
 from __future__ import annotations
 
-from cachefsd.cache.index import BlockRef
+from cachefsd.cache.blocks import block_ref
 from cachefsd.cache.tiered import TieredCache
 from cachefsd.store.base import ObjectInfo
 
@@ -27,7 +27,7 @@ class CacheView:
 
     def digest(self, info: ObjectInfo, index: int) -> str | None:
         """The content hash cached for block ``index`` of ``info``, or None."""
-        return self._cache.lookup(BlockRef(self._source, info.key, info.etag, index))
+        return self._cache.lookup(block_ref(self._source, info, index))
 
     def residency(self, info: ObjectInfo, index: int) -> str | None:
         """The tier holding block ``index`` of ``info``, or None."""

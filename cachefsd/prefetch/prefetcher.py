@@ -67,6 +67,7 @@ from typing import Protocol
 from cachefsd.cache.index import BlockRef
 from cachefsd.config import PrefetchSettings
 from cachefsd.errors import CachefsdError
+from cachefsd.fetch import FetchKind
 from cachefsd.jobs import UNKNOWN_JOB
 from cachefsd.namespace.tree import Namespace
 from cachefsd.prefetch.accounts import Accounts, Ahead
@@ -75,7 +76,7 @@ from cachefsd.prefetch.head import HeadRun, HeadRuns, free_blocks
 from cachefsd.prefetch.reach import Reach
 from cachefsd.prefetch.tuning import DEFAULT_TUNING, PrefetchTuning
 from cachefsd.prefetch.warm import ToWarm, WarmQueue
-from cachefsd.reader import RUN_BYTES, BlockReader, ClaimedRun, block_range
+from cachefsd.reader import RUN_BYTES, ClaimedRun, block_range
 from cachefsd.store.base import ObjectInfo
 from cachefsd.workload.model import Prediction, WorkloadModel
 
@@ -83,6 +84,43 @@ log = logging.getLogger(__name__)
 
 # Consecutive blocks of one file fetched with one GET: (index, ref, bytes) each.
 Run = list[tuple[int, BlockRef, int]]
+
+
+class Fetches(Protocol):
+    """What the prefetcher asks of the read path (``reader.BlockReader``):
+    how blocks are cut and named, whether one is being fetched, and runs of
+    them brought in ahead of their reads, sharing GETs with demand reads."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def run_blocks(self) -> int:
+        """Blocks one run's GET brings at most."""
+        ...
+
+    def ref(self, info: ObjectInfo, index: int) -> BlockRef: ...
+
+    def fetching(self, info: ObjectInfo, index: int) -> bool: ...
+
+    def claim_run_ahead(
+        self,
+        info: ObjectInfo,
+        indices: range,
+        tier: str | None = None,
+        next_use: float | None = None,
+        proceed: Callable[[int], bool] | None = None,
+        kind: FetchKind = "prefetch",
+    ) -> ClaimedRun:
+        """Claim the blocks now (a read of one then waits for this run);
+        fetch them when the run's ``fetch`` is called."""
+        ...
+
+    def fetch_run_ahead(
+        self, info: ObjectInfo, indices: range, tier: str | None = None, next_use: float | None = None
+    ) -> set[int]:
+        """Bring the blocks into the cache with one GET; those this call fetched."""
+        ...
 
 
 class CachedBlocks(Protocol):
@@ -127,7 +165,7 @@ class Prefetcher:
         self,
         model: WorkloadModel,
         namespace: Namespace,
-        reader: BlockReader,
+        reader: Fetches,
         cache: CachedBlocks,
         settings: PrefetchSettings,
         events: PrefetchEvents,
