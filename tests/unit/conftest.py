@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -71,6 +72,36 @@ def read_path(fs: FileSystem, path: str, size: int, offset: int = 0) -> bytes:
         return joined(fs.read(ino, size, offset, os.getpid()))
     finally:
         fs.forget(ino, 1)
+
+
+def read_concurrently(rig: Rig, gate: threading.Event, monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Eight reads of block 0 of ``/f``, the bucket held at ``gate`` until
+    all of them have asked for the block."""
+    info = rig.namespace.lookup("/f").info
+    assert info is not None
+    arrived = threading.Semaphore(0)
+    share = rig.reader._in_flight.do
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        arrived.release()
+        return share(*args, **kwargs)
+
+    monkeypatch.setattr(rig.reader._in_flight, "do", counted)
+    results: list[bytes] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(joined(rig.reader.read(info, 0, BLOCK_SIZE))))
+        for _ in range(8)
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in threads:
+            assert arrived.acquire(timeout=10), "a reader never asked for the block"
+    finally:
+        gate.set()
+    for thread in threads:
+        thread.join(10)
+    return results
 
 
 class Clock:

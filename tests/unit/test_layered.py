@@ -17,7 +17,7 @@ from cachefsd.cache.codec import content_hash
 from cachefsd.cache.layered import LayeredCache
 from cachefsd.store.faulty import Faults, FaultyStore
 from cachefsd.store.memory import MemoryStore
-from tests.unit.conftest import BLOCK_SIZE, Rig, RigFactory, joined
+from tests.unit.conftest import BLOCK_SIZE, RigFactory, read_concurrently
 
 VERSION = Version("s3://b", "k", "e", 4 * BLOCK_SIZE, BLOCK_SIZE, content_etag=False)
 AHEAD = Use("prefetch", ahead=True, next_use=7.0, tier="warm")
@@ -172,36 +172,6 @@ def test_a_version_gone_is_forgotten_by_every_level() -> None:
     assert all(level.calls == [("forget",)] for level in levels)
 
 
-def _read_concurrently(rig: Rig, gate: threading.Event, monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
-    """Eight reads of block 0 of ``/f``, the bucket held at ``gate`` until
-    all of them have asked for the block."""
-    info = rig.namespace.lookup("/f").info
-    assert info is not None
-    arrived = threading.Semaphore(0)
-    share = rig.reader._in_flight.do
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        arrived.release()
-        return share(*args, **kwargs)
-
-    monkeypatch.setattr(rig.reader._in_flight, "do", counted)
-    results: list[bytes] = []
-    threads = [
-        threading.Thread(target=lambda: results.append(joined(rig.reader.read(info, 0, BLOCK_SIZE))))
-        for _ in range(8)
-    ]
-    for thread in threads:
-        thread.start()
-    try:
-        for _ in threads:
-            assert arrived.acquire(timeout=10), "a reader never asked for the block"
-    finally:
-        gate.set()
-    for thread in threads:
-        thread.join(10)
-    return results
-
-
 def test_concurrent_readers_of_a_shared_block_cost_one_request_there_and_none_at_the_origin(
     make_rig: RigFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -219,7 +189,7 @@ def test_concurrent_readers_of_a_shared_block_cost_one_request_there_and_none_at
     other = make_rig({"f": data}, cache_dir=rig.cache_dir.with_name("other"), shared_store=shared)
     gate.clear()
     gets = bucket.get_count
-    assert _read_concurrently(other, gate, monkeypatch) == [data] * 8
+    assert read_concurrently(other, gate, monkeypatch) == [data] * 8
     assert bucket.get_count - gets == 2  # the version's mapping, then its block
     assert other.store.get_count == 0
 
@@ -231,7 +201,7 @@ def test_concurrent_readers_of_a_block_the_shared_tier_lacks_cost_one_get_from_t
     gate = threading.Event()
     bucket = MemoryStore()
     rig = make_rig({"f": data}, shared_store=FaultyStore(bucket, Faults(gate=gate)))
-    assert _read_concurrently(rig, gate, monkeypatch) == [data] * 8
+    assert read_concurrently(rig, gate, monkeypatch) == [data] * 8
     assert rig.store.get_count == 1
     assert rig.shared is not None
     rig.shared.close()  # the origin's block is written there

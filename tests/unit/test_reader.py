@@ -22,7 +22,7 @@ from cachefsd.reader import block_bounds, block_range
 from cachefsd.store.base import ObjectInfo
 from tests.metrics import sample
 from tests.polling import wait_until
-from tests.unit.conftest import BLOCK_SIZE, Rig, RigFactory, joined
+from tests.unit.conftest import BLOCK_SIZE, Rig, RigFactory, joined, read_concurrently
 
 
 @given(
@@ -75,31 +75,9 @@ def test_concurrent_readers_of_one_block_share_one_get(
 ) -> None:
     data = os.urandom(BLOCK_SIZE)
     rig = make_rig({"f": data})
-    info = rig.namespace.lookup("/f").info
-    assert info is not None
+    assert rig.namespace.lookup("/f").info is not None  # listed before the bucket is held
     gate = rig.faulty.faults.gate = threading.Event()  # the first GET stays in flight until all have come
-    arrived = threading.Semaphore(0)
-    share = rig.reader._in_flight.do
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        arrived.release()
-        return share(*args, **kwargs)
-
-    monkeypatch.setattr(rig.reader._in_flight, "do", counted)
-    results: list[bytes] = []
-    threads = [
-        threading.Thread(target=lambda: results.append(joined(rig.reader.read(info, 0, BLOCK_SIZE))))
-        for _ in range(8)
-    ]
-    for thread in threads:
-        thread.start()
-    try:
-        for _ in threads:
-            assert arrived.acquire(timeout=10), "a reader never asked for the block"
-    finally:
-        gate.set()
-    for thread in threads:
-        thread.join(10)
+    results = read_concurrently(rig, gate, monkeypatch)
     assert results == [data] * 8
     assert rig.store.get_count == 1
 
