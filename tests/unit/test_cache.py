@@ -24,11 +24,12 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from cachefsd.cache import tier as tier_module
-from cachefsd.cache.codec import Codec, content_hash, decode, encode
+from cachefsd.cache.blocks import FileSpan, Use, Version
+from cachefsd.cache.codec import HEADER_SIZE, Codec, content_hash, decode, encode
 from cachefsd.cache.directory import TierSpec, gc, open_cache, verify
 from cachefsd.cache.index import BlockRef, Index, IndexDamaged
 from cachefsd.cache.maintenance import reconcile, verify_blocks
-from cachefsd.cache.policy import LruPolicy, MinioPolicy, PlannedUse
+from cachefsd.cache.policy import EpochAwarePolicy, LruPolicy, MinioPolicy, PlannedUse, ReadMarks
 from cachefsd.cache.replay import ReplayCache
 from cachefsd.cache.tier import HELD_DESCRIPTORS, NoRoom, Tier, disk_bytes, victims_for
 from cachefsd.cache.tiered import CacheTuning, TieredCache
@@ -983,3 +984,43 @@ def test_a_tier_and_the_replayed_cache_make_room_by_one_rule() -> None:
     full = ReplayCache(MinioPolicy(), 3, sizes.__getitem__)
     assert full.admit("c")
     assert not full.admit("a")
+
+
+def test_a_block_adopted_by_a_marked_read_stays_due_for_the_other_job(tmp_path: Path) -> None:
+    """A read another job is still to make may find its block under another
+    object of the same content (dedup by etag): the block it adopts ranks as
+    due elsewhere, as a hit would, and outlives a block only read."""
+
+    class Epoch5:
+        def current(self) -> int:
+            return 5
+
+    marks = ReadMarks()
+    frame = disk_bytes(HEADER_SIZE + 4096)
+    index = Index(tmp_path / "index.sqlite")
+    hot = Tier("hot", tmp_path / "hot", 2 * frame, Codec.RAW, EpochAwarePolicy(Epoch5(), elsewhere=marks))
+    cache = TieredCache([hot], index, Metrics(CollectorRegistry()))
+    reconcile(cache)
+    index.start_serving()
+    shared, read, new = (os.urandom(4096) for _ in range(3))
+
+    def version(key: str) -> Version:
+        return Version("s", key, f"etag-{key[0]}", 4096, 1 << 20, content_etag=True)
+
+    def read_through(wanted: Version) -> None:
+        block = cache.get(wanted, 0, Use())
+        assert block is not None
+        cache.served(wanted, 0, block)
+        if isinstance(block.content, FileSpan):
+            os.close(block.content.fd)
+
+    cache.put(version("a/x"), 0, content_hash(shared), shared, Use())
+    adopter = version("a/y")  # the same etag and size as a/x: its content
+    with marks.reading(lambda digest: cache.lookup(adopter.ref(0)) == digest):
+        read_through(adopter)
+    cache.put(version("b"), 0, content_hash(read), read, Use())
+    read_through(version("b"))
+    cache.put(version("c"), 0, content_hash(new), new, Use())
+    assert cache.lookup(adopter.ref(0)) == content_hash(shared)
+    assert cache.lookup(version("b").ref(0)) is None
+    index.close()
