@@ -12,8 +12,8 @@ moto keeps its buckets in process-global backends, so objects survive
 like a bucket after a network partition.
 
 Concurrency: ``start``/``stop`` are called from one controlling thread. The
-counters and the set of open connections are shared with werkzeug's
-per-connection threads and guarded by ``_lock``; ``latency_seconds`` is a
+set of open connections is shared with werkzeug's per-connection threads
+and guarded by ``_lock``, the counters by their own; ``latency_seconds`` is a
 plain float read without the lock (a torn read is impossible in CPython and
 a stale one is harmless).
 """
@@ -23,35 +23,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ipaddress
-import signal
 import socket
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
-from types import FrameType
 from typing import Any
 
 from moto.moto_server.werkzeug_app import MotoRequestHandler
 from moto.server import DomainDispatcherApplication, create_backend_app
 from werkzeug.serving import BaseWSGIServer, make_server
 
+from cachefsd.testing.counting import GET_OBJECT, TOTAL, RequestCounter, request_kind, serve_in_foreground
+
 DEFAULT_HOST = "127.0.0.1"
 
 # How long stop() waits for the serving thread after asking it to shut down.
 # serve_forever polls every 0.5 s, so 5 s only trips on a real hang.
 _STOP_JOIN_SECONDS = 5.0
-
-# The foreground server's main thread wakes this often to notice a signal.
-_SIGNAL_POLL_SECONDS = 1.0
-
-# Request kinds counted by the middleware.
-GET_OBJECT = "get_object"
-HEAD_OBJECT = "head_object"
-PUT_OBJECT = "put_object"
-LIST = "list"
-OTHER = "other"
-TOTAL = "total"
 
 WsgiEnviron = dict[str, Any]
 StartResponse = Callable[..., Any]
@@ -71,19 +59,14 @@ def _is_path_style_host(host: str) -> bool:
     return True
 
 
-def request_kind(environ: WsgiEnviron) -> str:
-    """Classify an S3 request by method and whether it names an object key."""
-    method = environ.get("REQUEST_METHOD", "")
+def _request_kind(environ: WsgiEnviron) -> str:
+    """Classify a WSGI request (``counting.request_kind``)."""
     path = environ.get("PATH_INFO", "").lstrip("/")
     if _is_path_style_host(environ.get("HTTP_HOST", "")):
-        _, _, key = path.partition("/")
+        bucket, _, key = path.partition("/")
     else:
-        key = path
-    if key:
-        return {"GET": GET_OBJECT, "HEAD": HEAD_OBJECT, "PUT": PUT_OBJECT}.get(method, OTHER)
-    if method == "GET" and path:
-        return LIST
-    return OTHER
+        bucket, key = environ.get("HTTP_HOST", ""), path
+    return request_kind(environ.get("REQUEST_METHOD", ""), bucket, key)
 
 
 class S3TestServer:
@@ -98,9 +81,7 @@ class S3TestServer:
         self.latency_seconds = latency_seconds
         self._app = DomainDispatcherApplication(create_backend_app)
         self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
-        self._in_flight: Counter[str] = Counter()  # requests being answered, by kind
-        self._peak_in_flight: Counter[str] = Counter()
+        self._counter = RequestCounter()
         self._connections: set[socket.socket] = set()
         self._server: BaseWSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -119,28 +100,22 @@ class S3TestServer:
 
     def counts(self) -> dict[str, int]:
         """A snapshot of requests by kind (``get_object``, ``list``, ...) and ``total``."""
-        with self._lock:
-            return dict(self._counts)
+        return self._counter.counts()
 
     @property
     def get_object_count(self) -> int:
-        with self._lock:
-            return self._counts[GET_OBJECT]
+        return self._counter.count(GET_OBJECT)
 
     @property
     def request_count(self) -> int:
-        with self._lock:
-            return self._counts[TOTAL]
+        return self._counter.count(TOTAL)
 
     def peak_in_flight(self, kind: str) -> int:
         """The most requests of ``kind`` answered at once since the last reset."""
-        with self._lock:
-            return self._peak_in_flight[kind]
+        return self._counter.peak_in_flight(kind)
 
     def reset_counts(self) -> None:
-        with self._lock:
-            self._counts.clear()
-            self._peak_in_flight = self._in_flight.copy()
+        self._counter.reset()
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -186,21 +161,12 @@ class S3TestServer:
     # -- plumbing -------------------------------------------------------------
 
     def _middleware(self, environ: WsgiEnviron, start_response: StartResponse) -> Iterable[bytes]:
-        kind = request_kind(environ)
-        with self._lock:
-            self._counts[kind] += 1
-            self._counts[TOTAL] += 1
-            self._in_flight[kind] += 1
-            self._peak_in_flight[kind] = max(self._peak_in_flight[kind], self._in_flight[kind])
-        try:
+        with self._counter.answering(_request_kind(environ)):
             latency = self.latency_seconds
             if latency > 0:
                 time.sleep(latency)
             served: Iterable[bytes] = self._app(environ, start_response)
             return served
-        finally:
-            with self._lock:
-                self._in_flight[kind] -= 1
 
     def _handler_class(self) -> type[MotoRequestHandler]:
         """A request handler that registers its connection with this server,
@@ -234,20 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--latency-ms", type=float, default=0.0, help="delay added to every request")
     args = parser.parse_args(argv)
 
-    server = S3TestServer(host=args.host, port=args.port, latency_seconds=args.latency_ms / 1000.0)
-    stopping = threading.Event()
-
-    def _on_signal(signum: int, frame: FrameType | None) -> None:
-        stopping.set()
-
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
-    server.start()
-    # The first line of output is the endpoint, for scripts that start the server.
-    print(server.endpoint_url, flush=True)
-    while not stopping.wait(_SIGNAL_POLL_SECONDS):
-        pass
-    server.stop()
+    serve_in_foreground(
+        S3TestServer(host=args.host, port=args.port, latency_seconds=args.latency_ms / 1000.0)
+    )
 
 
 if __name__ == "__main__":

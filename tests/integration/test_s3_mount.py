@@ -26,7 +26,8 @@ from typing import Any
 import boto3
 import pytest
 
-from cachefsd.testing.s3_server import GET_OBJECT, HEAD_OBJECT, LIST, OTHER, PUT_OBJECT, S3TestServer
+from cachefsd.testing.counting import GET_OBJECT, HEAD_OBJECT, LIST, OTHER, PUT_OBJECT
+from cachefsd.testing.s3_server import S3TestServer
 from tests.conftest import TEST_REGION
 from tests.integration.conftest import Mount, MountFactory
 from tests.integration.datasets import (

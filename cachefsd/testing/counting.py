@@ -1,0 +1,111 @@
+"""What the test S3 servers share: request counts by kind, and running one in
+the foreground until a signal.
+
+Both servers (moto's in ``s3_server``, the file-backed one in ``file_s3``)
+count the same kinds the same way, so a test or a benchmark can swap one
+for the other. This module is stdlib only: ``file_s3`` must not pull moto in.
+
+Concurrency: ``RequestCounter`` is shared by a server's per-connection
+threads; every field is guarded by its ``_lock``.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Protocol
+
+# Request kinds.
+GET_OBJECT = "get_object"
+HEAD_OBJECT = "head_object"
+PUT_OBJECT = "put_object"
+LIST = "list"
+OTHER = "other"
+TOTAL = "total"
+
+# The foreground server's main thread wakes this often to notice a signal.
+_SIGNAL_POLL_SECONDS = 1.0
+
+
+def request_kind(method: str, bucket: str, key: str) -> str:
+    """Classify an S3 request by its method and whether it names a bucket and a key."""
+    if key:
+        return {"GET": GET_OBJECT, "HEAD": HEAD_OBJECT, "PUT": PUT_OBJECT}.get(method, OTHER)
+    if method == "GET" and bucket:
+        return LIST
+    return OTHER
+
+
+class RequestCounter:
+    """Requests by kind since the last reset, and the most answered at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._in_flight: Counter[str] = Counter()  # requests being answered, by kind
+        self._peak_in_flight: Counter[str] = Counter()
+
+    @contextmanager
+    def answering(self, kind: str) -> Iterator[None]:
+        """Count one request of ``kind`` and hold it in flight while the block runs."""
+        with self._lock:
+            self._counts[kind] += 1
+            self._counts[TOTAL] += 1
+            self._in_flight[kind] += 1
+            self._peak_in_flight[kind] = max(self._peak_in_flight[kind], self._in_flight[kind])
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight[kind] -= 1
+
+    def counts(self) -> dict[str, int]:
+        """A snapshot of requests by kind (``get_object``, ``list``, ...) and ``total``."""
+        with self._lock:
+            return dict(self._counts)
+
+    def count(self, kind: str) -> int:
+        with self._lock:
+            return self._counts[kind]
+
+    def peak_in_flight(self, kind: str) -> int:
+        """The most requests of ``kind`` answered at once since the last reset."""
+        with self._lock:
+            return self._peak_in_flight[kind]
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counts.clear()
+            self._peak_in_flight = self._in_flight.copy()
+
+
+class Server(Protocol):
+    """A test server as ``serve_in_foreground`` drives it."""
+
+    @property
+    def endpoint_url(self) -> str: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def serve_in_foreground(server: Server) -> None:
+    """Start ``server``, print its endpoint (the first line of output, for
+    scripts that start it) and serve until SIGINT or SIGTERM."""
+    stopping = threading.Event()
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    server.start()
+    print(server.endpoint_url, flush=True)
+    while not stopping.wait(_SIGNAL_POLL_SECONDS):
+        pass
+    server.stop()
