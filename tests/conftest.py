@@ -29,6 +29,7 @@ from google.cloud import storage
 
 from cachefsd.config import StoreSettings
 from cachefsd.store.gcs import EMULATOR_ENV
+from cachefsd.testing.file_s3 import FileS3Server
 from cachefsd.testing.gcs_emulator import GcsEmulator
 from cachefsd.testing.s3_server import S3TestServer
 from tests.net import free_port
@@ -63,6 +64,22 @@ def fixture_s3_settings(s3_server: S3TestServer) -> StoreSettings:
 def fixture_s3_client(s3_server: S3TestServer) -> Any:
     """A plain boto3 client on ``s3_server``, for seeding and mutating buckets."""
     return boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name=TEST_REGION)
+
+
+@pytest.fixture(name="file_s3_server", scope="session")
+def fixture_file_s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FileS3Server]:
+    """The file-backed S3 endpoint on 127.0.0.1 (random port), shared by the
+    session, its objects under the session's temporary directory."""
+    server = FileS3Server(tmp_path_factory.mktemp("file-s3"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(name="file_s3_client", scope="session")
+def fixture_file_s3_client(file_s3_server: FileS3Server) -> Any:
+    """A plain boto3 client on ``file_s3_server``."""
+    return boto3.client("s3", endpoint_url=file_s3_server.endpoint_url, region_name=TEST_REGION)
 
 
 @pytest.fixture(name="gcs_emulator", scope="session")

@@ -11,8 +11,9 @@ The exception is the local directory, which cannot hold an object named
 ``dir/`` or both a file ``x`` and a directory ``x/``: it is seeded without
 those two keys and compared with the reference over its own seed.
 
-S3 runs against the real moto server over HTTP and GCS against the
-fake-gcs-server emulator; nothing under test is mocked. Each test runs its
+S3 runs against the real moto server over HTTP and against the
+file-backed endpoint (``cachefsd.testing.file_s3``, "s3-file"), GCS against
+the fake-gcs-server emulator; nothing under test is mocked. Each test runs its
 coroutines in one ``asyncio.run``, opening and closing the store inside it,
 because S3Store's aiohttp session belongs to the loop that created it.
 """
@@ -54,6 +55,7 @@ from cachefsd.store.listing import merged, one_level
 from cachefsd.store.local import LocalStore
 from cachefsd.store.memory import MemoryStore
 from cachefsd.store.s3 import S3Store
+from cachefsd.testing.file_s3 import FileS3Server
 from cachefsd.testing.s3_server import S3TestServer
 
 T = TypeVar("T")
@@ -176,7 +178,7 @@ def _local_backend(root: Path) -> Backend:
     return Backend("local", lambda: LocalStore(root), put, seed, lambda: LocalStore(empty))
 
 
-def _s3_backend(client: Any, settings: StoreSettings) -> Backend:
+def _s3_backend(name: str, client: Any, settings: StoreSettings) -> Backend:
     bucket = f"contract-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)
 
@@ -187,7 +189,7 @@ def _s3_backend(client: Any, settings: StoreSettings) -> Backend:
     for key in OUTSIDE_KEYS:
         client.put_object(Bucket=bucket, Key=key, Body=b"outside")
     return Backend(
-        "s3",
+        name,
         lambda: S3Store(bucket, f"/{REMOTE_PREFIX}/", settings, ATTEMPT_TIMEOUT_SECONDS),
         put,
         SEED,
@@ -214,7 +216,7 @@ def _gcs_backend(client: storage.Client) -> Backend:
     )
 
 
-@pytest.fixture(name="backend", scope="session", params=["memory", "local", "s3", "gcs"])
+@pytest.fixture(name="backend", scope="session", params=["memory", "local", "s3", "s3-file", "gcs"])
 def fixture_backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Backend:
     """Every ObjectStore implementation, seeded once per session. The servers
     are only started when their backend is selected (``-k memory`` needs none)."""
@@ -223,7 +225,11 @@ def fixture_backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
     if request.param == "local":
         return _local_backend(tmp_path_factory.mktemp("local-store"))
     if request.param == "s3":
-        return _s3_backend(request.getfixturevalue("s3_client"), request.getfixturevalue("s3_settings"))
+        return _s3_backend("s3", request.getfixturevalue("s3_client"), request.getfixturevalue("s3_settings"))
+    if request.param == "s3-file":
+        server: FileS3Server = request.getfixturevalue("file_s3_server")
+        settings = StoreSettings(endpoint_url=server.endpoint_url, region="us-east-1")
+        return _s3_backend("s3-file", request.getfixturevalue("file_s3_client"), settings)
     return _gcs_backend(request.getfixturevalue("gcs_client"))
 
 
@@ -261,7 +267,7 @@ def test_list_pages_through_a_large_directory(backend: Backend) -> None:
     listing, pages = run(backend, lambda store: list_all(store, "many/"))
 
     # A bucket pages 1000 keys at most; a directory or a dict is one page.
-    assert pages == (2 if backend.name in ("s3", "gcs") else 1)
+    assert pages == (2 if backend.name in ("s3", "s3-file", "gcs") else 1)
     assert len(listing.objects) == MANY_KEYS
     assert listing.objects[-1].key == f"many/{MANY_KEYS - 1:05d}"
 
@@ -290,7 +296,7 @@ def test_head_agrees_with_list(backend: Backend, key: str) -> None:
     assert info.etag
     assert info.mtime > 0
     assert [entry.etag for entry in listed if entry.key == key] == [info.etag]
-    if backend.name in ("memory", "s3"):
+    if backend.name in ("memory", "s3", "s3-file"):
         # Both use the content MD5 (S3 single-part uploads), unquoted.
         assert info.etag == hashlib.md5(backend.seed[key]).hexdigest()
 
