@@ -89,8 +89,12 @@ def epoch(root: Path, relatives: list[str], workers: int, seed: int) -> tuple[fl
     return time.perf_counter() - started, total
 
 
-def _get_for(endpoint: str, keys: list[str], seconds: float, slot: int) -> tuple[int, int]:
-    """GETs and bytes that ``CEILING_THREADS`` threads of one process get in ``seconds``."""
+def _get_for(
+    endpoint: str, keys: list[str], ranges: tuple[str, ...], seconds: float, slot: int
+) -> tuple[int, int]:
+    """GETs and bytes that ``CEILING_THREADS`` threads of one process get in
+    ``seconds``: of a random key, whole or (with ``ranges``) a random one of
+    those ``Range`` headers."""
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     deadline = time.monotonic() + seconds
 
@@ -98,7 +102,10 @@ def _get_for(endpoint: str, keys: list[str], seconds: float, slot: int) -> tuple
         rng = random.Random(slot * CEILING_THREADS + thread)
         gets = nbytes = 0
         while time.monotonic() < deadline:
-            nbytes += len(client.get_object(Bucket="bench", Key=rng.choice(keys))["Body"].read())
+            request = {"Bucket": "bench", "Key": rng.choice(keys)}
+            if ranges:
+                request["Range"] = rng.choice(ranges)
+            nbytes += len(client.get_object(**request)["Body"].read())
             gets += 1
         return gets, nbytes
 
@@ -107,12 +114,15 @@ def _get_for(endpoint: str, keys: list[str], seconds: float, slot: int) -> tuple
     return sum(gets for gets, _ in counts), sum(nbytes for _, nbytes in counts)
 
 
-def server_ceiling(endpoint: str, keys: list[str]) -> dict[str, float]:
-    """Whole-object GETs/s and MB/s the server gives many clients at once."""
+def server_ceiling(
+    endpoint: str, keys: list[str], ranges: tuple[str, ...] = (), seconds: float = CEILING_SECONDS
+) -> dict[str, float]:
+    """GETs/s and MB/s the server gives many clients at once, of whole
+    objects or of ``ranges`` (``Range`` headers) of them, in bucket ``bench``."""
     started = time.perf_counter()
     with ProcessPoolExecutor(CEILING_PROCESSES) as pool:
         futures = [
-            pool.submit(_get_for, endpoint, keys, CEILING_SECONDS, slot) for slot in range(CEILING_PROCESSES)
+            pool.submit(_get_for, endpoint, keys, ranges, seconds, slot) for slot in range(CEILING_PROCESSES)
         ]
         counts = [future.result() for future in futures]
     elapsed = time.perf_counter() - started

@@ -1,0 +1,101 @@
+"""The benchmark servers' own ceilings, side by side: moto
+(``cachefsd.testing.s3_server``) and the file-backed endpoint
+(``cachefsd.testing.file_s3``), for whole GETs and for 4 MiB ranged GETs of
+32 MiB objects.
+
+moto reads and copies the whole object for every GET, so a range costs what
+the object costs; file_s3 sends a range's bytes with ``sendfile``. Clients
+are read_bench's ``server_ceiling``: 4 processes of 8 threads (boto3), so
+client CPU is not one GIL. Servers and modes take turns, repeated; the
+medians are reported. Prints a table and writes
+``benchmarks/results/server_ceiling.json``.
+
+    .venv/bin/python -m benchmarks.server_ceiling [--repeats 3] [--seconds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+import boto3
+
+from benchmarks.read_bench import CEILING_PROCESSES, CEILING_THREADS, RESULTS, server_ceiling
+from cachefsd.testing.file_s3 import FileS3Server
+from cachefsd.testing.s3_server import S3TestServer
+
+# Shards as a training job reads them, fetched as parts the size real S3
+# clients use (Mountpoint starts at 8 MiB; cachefsd's blocks are 4 MiB).
+OBJECTS = 8
+OBJECT_BYTES = 32 << 20
+PART_BYTES = 4 << 20
+RANGES = tuple(f"bytes={start}-{start + PART_BYTES - 1}" for start in range(0, OBJECT_BYTES, PART_BYTES))
+# Long enough that the clients' start (a process and boto3 each) is a small
+# part of a run; 2 servers x 2 modes x 3 repeats stay under two minutes.
+DEFAULT_SECONDS = 6.0
+MODES = {"whole": (), "ranged 4 MiB": RANGES}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=DEFAULT_SECONDS)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="cachefsd-ceiling-"))
+    servers: dict[str, S3TestServer | FileS3Server] = {
+        "moto": S3TestServer(),
+        "file_s3": FileS3Server(work / "file-s3"),
+    }
+    rng = random.Random(OBJECT_BYTES)
+    objects = {f"shards/{index:02d}.bin": rng.randbytes(OBJECT_BYTES) for index in range(OBJECTS)}
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+    try:
+        for server in servers.values():
+            server.start()
+            client = boto3.client("s3", endpoint_url=server.endpoint_url, region_name="us-east-1")
+            client.create_bucket(Bucket="bench")
+            for key, data in objects.items():
+                client.put_object(Bucket="bench", Key=key, Body=data)
+        for repeat in range(args.repeats):
+            for name, server in servers.items():
+                for mode, ranges in MODES.items():
+                    got = server_ceiling(server.endpoint_url, list(objects), ranges, args.seconds)
+                    runs.setdefault((name, mode), []).append(got)
+                    print(
+                        f"run {repeat + 1}  {name:<8} {mode:<13} "
+                        f"{got['MBps']:8.1f} MB/s {got['gets_per_s']:8.1f} GETs/s",
+                        flush=True,
+                    )
+    finally:
+        for server in servers.values():
+            server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    results = {
+        f"{name} {mode}": {
+            measure: statistics.median(run[measure] for run in measured) for measure in ("MBps", "gets_per_s")
+        }
+        for (name, mode), measured in runs.items()
+    }
+    print(
+        f"\nmedians of {args.repeats} runs of {args.seconds:.0f} s, {CEILING_PROCESSES} x {CEILING_THREADS} "
+        f"clients, {OBJECTS} objects of {OBJECT_BYTES >> 20} MiB"
+    )
+    print(f"{'server, GETs':<24}{'MB/s':>10}{'GETs/s':>10}")
+    for label, row in results.items():
+        print(f"{label:<24}{row['MBps']:>10.1f}{row['gets_per_s']:>10.1f}")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "server_ceiling.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
