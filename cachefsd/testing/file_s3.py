@@ -223,7 +223,8 @@ class _Index:
         """Up to ``max_keys`` entries from ``bound`` on: the keys under
         ``prefix``, those with ``delimiter`` after it rolled up into one
         common prefix each (an entry). Each common prefix costs one query;
-        its keys are skipped, not read."""
+        its keys are skipped, not read. ``max_keys`` 0 is an empty page
+        with nothing after it, as moto answers."""
         end = _successor(prefix)
         objects: list[tuple[bytes, StoredObject]] = []
         prefixes: list[bytes] = []
@@ -231,7 +232,7 @@ class _Index:
         with self._lock:
             if not self._has_bucket_locked(bucket):
                 raise _no_such_bucket(bucket)
-            while True:
+            while max_keys:
                 rows = self._db.execute(
                     "SELECT key, size, etag, mtime FROM objects WHERE bucket = ? AND key >= ?"
                     + ("" if end is None else " AND key < ?")
@@ -260,6 +261,7 @@ class _Index:
                         return ListedPage(objects, prefixes, None)
                     bound = following
                     break  # the rows after it may be under it: query again past it
+        return ListedPage([], [], None)
 
 
 def _bad_key(key: str) -> bool:

@@ -103,6 +103,10 @@ GET_FIELDS = ("Body", "ETag", "ContentLength", "ContentRange")
         {"Key": "big.bin", "Range": f"bytes={BIG - 10}-{BIG + 100}"},
         {"Key": "big.bin", "Range": f"bytes={BIG - 10}-"},
         {"Key": "big.bin", "Range": "bytes=-7"},
+        {"Key": "big.bin", "Range": "bytes=-0"},
+        {"Key": "big.bin", "Range": "bytes=-99999999"},
+        {"Key": "top.txt", "Range": "bytes=3-2"},  # not a range: the whole object
+        {"Key": "top.txt", "Range": "bytes=0-0,2-3"},  # several ranges: the whole object
         {"Key": "big.bin", "Range": f"bytes={BIG}-{BIG + 10}"},  # past the end: 416
         {"Key": "empty.bin"},
         {"Key": "empty.bin", "Range": "bytes=0-9"},
@@ -191,6 +195,9 @@ def _pages(client: Any, bucket: str, **request: Any) -> list[dict[str, Any]]:
         {"Prefix": "nope/", "Delimiter": "/"},
         {"Prefix": "a/", "PaginationConfig": {"PageSize": 1}},
         {"StartAfter": "many/01000", "Prefix": "many/"},
+        {"MaxKeys": 0},
+        {"Delimiter": "-"},
+        {"Prefix": "a/", "Delimiter": "b", "PaginationConfig": {"PageSize": 1}},
     ],
 )
 def test_listing_pages_as_moto_does(
