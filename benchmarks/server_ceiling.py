@@ -6,7 +6,10 @@
 moto reads and copies the whole object for every GET, so a range costs what
 the object costs; file_s3 sends a range's bytes with ``sendfile``. Clients
 are read_bench's ``server_ceiling``: 4 processes of 8 threads (boto3), so
-client CPU is not one GIL. Servers and modes take turns, repeated; the
+client CPU is not one GIL. Both servers run in this process, so its CPU
+time around a measurement is the server's (the clients' is their own):
+reported as cores busy and milliseconds a GET, it says whether the server
+or the machine was the limit. Servers and modes take turns, repeated; the
 medians are reported. Prints a table and writes
 ``benchmarks/results/server_ceiling.json``.
 
@@ -18,9 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import resource
 import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import boto3
@@ -39,6 +44,13 @@ RANGES = tuple(f"bytes={start}-{start + PART_BYTES - 1}" for start in range(0, O
 # part of a run; 2 servers x 2 modes x 3 repeats stay under two minutes.
 DEFAULT_SECONDS = 6.0
 MODES = {"whole": (), "ranged 4 MiB": RANGES}
+MEASURES = ("MBps", "gets_per_s", "server_cores", "server_cpu_ms_per_get")
+
+
+def _cpu_seconds() -> float:
+    """User and system CPU time of this process (its server threads) so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> int:
@@ -67,11 +79,17 @@ def main() -> int:
         for repeat in range(args.repeats):
             for name, server in servers.items():
                 for mode, ranges in MODES.items():
+                    before, started = _cpu_seconds(), time.perf_counter()
                     got = server_ceiling(server.endpoint_url, list(objects), ranges, args.seconds)
+                    cpu, elapsed = _cpu_seconds() - before, time.perf_counter() - started
+                    got["server_cores"] = cpu / elapsed
+                    got["server_cpu_ms_per_get"] = cpu / (got["gets_per_s"] * elapsed) * 1e3
                     runs.setdefault((name, mode), []).append(got)
                     print(
                         f"run {repeat + 1}  {name:<8} {mode:<13} "
-                        f"{got['MBps']:8.1f} MB/s {got['gets_per_s']:8.1f} GETs/s",
+                        f"{got['MBps']:8.1f} MB/s {got['gets_per_s']:8.1f} GETs/s "
+                        f"server {got['server_cores']:.2f} cores, "
+                        f"{got['server_cpu_ms_per_get']:.2f} ms a GET",
                         flush=True,
                     )
     finally:
@@ -81,7 +99,7 @@ def main() -> int:
 
     results = {
         f"{name} {mode}": {
-            measure: statistics.median(run[measure] for run in measured) for measure in ("MBps", "gets_per_s")
+            measure: statistics.median(run[measure] for run in measured) for measure in MEASURES
         }
         for (name, mode), measured in runs.items()
     }
@@ -89,9 +107,9 @@ def main() -> int:
         f"\nmedians of {args.repeats} runs of {args.seconds:.0f} s, {CEILING_PROCESSES} x {CEILING_THREADS} "
         f"clients, {OBJECTS} objects of {OBJECT_BYTES >> 20} MiB"
     )
-    print(f"{'server, GETs':<24}{'MB/s':>10}{'GETs/s':>10}")
+    print(f"{'server, GETs':<24}" + "".join(f"{measure:>24}" for measure in MEASURES))
     for label, row in results.items():
-        print(f"{label:<24}{row['MBps']:>10.1f}{row['gets_per_s']:>10.1f}")
+        print(f"{label:<24}" + "".join(f"{row[measure]:>24.2f}" for measure in MEASURES))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "server_ceiling.json").write_text(json.dumps(results, indent=2))
     return 0
