@@ -30,17 +30,18 @@ Layout under ``root``: ``index.sqlite`` (buckets, and for each object its
 size, etag, mtime and file) and ``objects/<random name>``. A key never
 becomes a path, so no key can reach outside ``root`` and a key may also be
 a "directory" of others (``x`` and ``x/y``). Keys that could not be a file
-under a mount anyway (a ``.`` or ``..`` segment, a leading ``/``, NUL) are
-refused with 400. A PUT writes a new file and then commits its row, which
-is the moment the new version appears; the old file is unlinked then, and a
-GET that opened it still sends the old version whole. Files no row names
-(a PUT cut off by a crash) are removed at start. Objects survive
-``stop()``/``start()`` and a new server on the same root.
+under a mount anyway (a ``.`` or ``..`` segment, a leading ``/``, NUL),
+and keys longer than S3's 1,024 bytes, are refused with 400. A PUT writes
+a new file and then commits its row, which is the moment the new version
+appears; the old file is unlinked then, and a GET that opened it still
+sends the old version whole. Files no row names (a PUT cut off by a crash)
+are removed at start. Objects survive ``stop()``/``start()`` and a new
+server on the same root.
 
 Concurrency: ``start``/``stop`` are called from one controlling thread. The
 index (one sqlite connection) and the set of open connections are shared
 by the per-connection threads and guarded by ``_Index._lock`` and
-``FileS3Server._lock``, never both at once; a GET looks its object up and
+``FileS3Server._lock`` (the counters by their own), never two at once; a GET looks its object up and
 opens the file under the index lock, so a concurrent PUT or DELETE cannot
 unlink it in between. ``latency_seconds`` is a plain float read without a
 lock (a torn read is impossible in CPython and a stale one is harmless).
