@@ -109,3 +109,30 @@ def serve_in_foreground(server: Server) -> None:
     while not stopping.wait(_SIGNAL_POLL_SECONDS):
         pass
     server.stop()
+
+
+class CountedServer:
+    """What a test server tells of its requests (``counter``, which its
+    request handling counts into): ``S3TestServer`` and ``FileS3Server``
+    answer alike, so a benchmark or test may take either."""
+
+    counter: RequestCounter
+
+    def counts(self) -> dict[str, int]:
+        """A snapshot of requests by kind (``get_object``, ``list``, ...) and ``total``."""
+        return self.counter.counts()
+
+    @property
+    def get_object_count(self) -> int:
+        return self.counter.count(GET_OBJECT)
+
+    @property
+    def request_count(self) -> int:
+        return self.counter.count(TOTAL)
+
+    def peak_in_flight(self, kind: str) -> int:
+        """The most requests of ``kind`` answered at once since the last reset."""
+        return self.counter.peak_in_flight(kind)
+
+    def reset_counts(self) -> None:
+        self.counter.reset()

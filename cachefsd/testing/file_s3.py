@@ -69,8 +69,7 @@ from urllib.parse import parse_qs, quote_plus, unquote, urlsplit
 from xml.sax.saxutils import escape
 
 from cachefsd.testing.counting import (
-    GET_OBJECT,
-    TOTAL,
+    CountedServer,
     RequestCounter,
     request_kind,
     serve_in_foreground,
@@ -577,7 +576,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(error.status, {"Content-Type": "application/xml"}, body)
 
 
-class FileS3Server:
+class FileS3Server(CountedServer):
     """The file-backed S3 endpoint on ``host:port`` in a background thread,
     with the counters and latency of ``s3_server.S3TestServer``.
 
@@ -613,27 +612,6 @@ class FileS3Server:
         if self._index is None:
             raise RuntimeError("FileS3Server is not running")
         return self._index
-
-    # -- counters ---------------------------------------------------------------
-
-    def counts(self) -> dict[str, int]:
-        """A snapshot of requests by kind (``get_object``, ``list``, ...) and ``total``."""
-        return self.counter.counts()
-
-    @property
-    def get_object_count(self) -> int:
-        return self.counter.count(GET_OBJECT)
-
-    @property
-    def request_count(self) -> int:
-        return self.counter.count(TOTAL)
-
-    def peak_in_flight(self, kind: str) -> int:
-        """The most requests of ``kind`` answered at once since the last reset."""
-        return self.counter.peak_in_flight(kind)
-
-    def reset_counts(self) -> None:
-        self.counter.reset()
 
     # -- lifecycle --------------------------------------------------------------
 

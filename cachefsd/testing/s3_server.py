@@ -33,7 +33,7 @@ from moto.moto_server.werkzeug_app import MotoRequestHandler
 from moto.server import DomainDispatcherApplication, create_backend_app
 from werkzeug.serving import BaseWSGIServer, make_server
 
-from cachefsd.testing.counting import GET_OBJECT, TOTAL, RequestCounter, request_kind, serve_in_foreground
+from cachefsd.testing.counting import CountedServer, RequestCounter, request_kind, serve_in_foreground
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -69,7 +69,7 @@ def _request_kind(environ: WsgiEnviron) -> str:
     return request_kind(environ.get("REQUEST_METHOD", ""), bucket, key)
 
 
-class S3TestServer:
+class S3TestServer(CountedServer):
     """moto S3 on ``host:port`` in a background thread, with counters and latency.
 
     ``port=0`` picks a free port on the first ``start()``; later starts reuse it.
@@ -81,7 +81,7 @@ class S3TestServer:
         self.latency_seconds = latency_seconds
         self._app = DomainDispatcherApplication(create_backend_app)
         self._lock = threading.Lock()
-        self._counter = RequestCounter()
+        self.counter = RequestCounter()
         self._connections: set[socket.socket] = set()
         self._server: BaseWSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -95,27 +95,6 @@ class S3TestServer:
     @property
     def running(self) -> bool:
         return self._server is not None
-
-    # -- counters -------------------------------------------------------------
-
-    def counts(self) -> dict[str, int]:
-        """A snapshot of requests by kind (``get_object``, ``list``, ...) and ``total``."""
-        return self._counter.counts()
-
-    @property
-    def get_object_count(self) -> int:
-        return self._counter.count(GET_OBJECT)
-
-    @property
-    def request_count(self) -> int:
-        return self._counter.count(TOTAL)
-
-    def peak_in_flight(self, kind: str) -> int:
-        """The most requests of ``kind`` answered at once since the last reset."""
-        return self._counter.peak_in_flight(kind)
-
-    def reset_counts(self) -> None:
-        self._counter.reset()
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -161,7 +140,7 @@ class S3TestServer:
     # -- plumbing -------------------------------------------------------------
 
     def _middleware(self, environ: WsgiEnviron, start_response: StartResponse) -> Iterable[bytes]:
-        with self._counter.answering(_request_kind(environ)):
+        with self.counter.answering(_request_kind(environ)):
             latency = self.latency_seconds
             if latency > 0:
                 time.sleep(latency)
