@@ -11,13 +11,20 @@ threads; every field is guarded by its ``_lock``.
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import socket
+import socketserver
 import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Protocol
+
+# How long stop() waits for the serving thread after asking it to shut down.
+# serve_forever polls every 0.5 s, so 5 s only trips on a real hang.
+STOP_JOIN_SECONDS = 5.0
 
 # Request kinds.
 GET_OBJECT = "get_object"
@@ -112,11 +119,63 @@ def serve_in_foreground(server: Server) -> None:
 
 
 class CountedServer:
-    """What a test server tells of its requests (``counter``, which its
-    request handling counts into): ``S3TestServer`` and ``FileS3Server``
-    answer alike, so a benchmark or test may take either."""
+    """A test server on its own thread: what it tells of its requests
+    (``counter``, which its request handling counts into), the connections
+    it serves (``track``, so ``stop`` can cut kept-alive ones), and its
+    lifecycle. ``S3TestServer`` and ``FileS3Server`` answer alike, so a
+    benchmark or test may take either. ``_lock`` guards ``_connections``."""
 
-    counter: RequestCounter
+    def __init__(self, host: str, port: int, latency_seconds: float) -> None:
+        self.host = host
+        self.port = port
+        self.latency_seconds = latency_seconds
+        self.counter = RequestCounter()
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        self._server: socketserver.BaseServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        if self.port == 0:
+            raise RuntimeError(f"{type(self).__name__} has no port until start() is called")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    def _serve(self, server: socketserver.BaseServer, port: int, name: str) -> None:
+        """Serve ``server`` (listening on ``port``) on a thread named after ``name``."""
+        self.port = port
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, name=f"{name}-{port}", daemon=True)
+        self._thread.start()
+
+    def track(self, connection: socket.socket, is_open: bool) -> None:
+        """Note a connection opened or closed, so ``stop()`` can cut kept-alive ones."""
+        with self._lock:
+            if is_open:
+                self._connections.add(connection)
+            else:
+                self._connections.discard(connection)
+
+    def stop(self) -> None:
+        """Stop listening and drop every open connection, so clients see the
+        server gone (a kept-alive connection would otherwise keep being served)."""
+        server, thread = self._server, self._thread
+        if server is None:
+            return
+        self._server = self._thread = None
+        server.shutdown()
+        server.server_close()
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            with contextlib.suppress(OSError):  # already closed by its peer
+                conn.shutdown(socket.SHUT_RDWR)
+        if thread is not None:
+            thread.join(STOP_JOIN_SECONDS)
 
     def counts(self) -> dict[str, int]:
         """A snapshot of requests by kind (``get_object``, ``list``, ...) and ``total``."""

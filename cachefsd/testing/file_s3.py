@@ -52,11 +52,9 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
-import contextlib
 import email.utils
 import hashlib
 import re
-import socket
 import sqlite3
 import threading
 import time
@@ -70,7 +68,6 @@ from xml.sax.saxutils import escape
 
 from cachefsd.testing.counting import (
     CountedServer,
-    RequestCounter,
     request_kind,
     serve_in_foreground,
 )
@@ -82,9 +79,6 @@ MAX_KEYS = 1000
 MAX_KEY_BYTES = 1024
 # A PUT's body is copied to its file in pieces of this size.
 _COPY_CHUNK = 1 << 20
-# How long stop() waits for the serving thread after asking it to shut down.
-# serve_forever polls every 0.5 s, so 5 s only trips on a real hang.
-_STOP_JOIN_SECONDS = 5.0
 # S3's rule for a bucket name (the dotted-IP form aside).
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
@@ -586,26 +580,9 @@ class FileS3Server(CountedServer):
     def __init__(
         self, root: Path, host: str = DEFAULT_HOST, port: int = 0, latency_seconds: float = 0.0
     ) -> None:
+        super().__init__(host, port, latency_seconds)
         self.root = root
-        self.host = host
-        self.port = port
-        self.latency_seconds = latency_seconds
-        self.counter = RequestCounter()
-        self._lock = threading.Lock()
-        self._connections: set[socket.socket] = set()
         self._index: _Index | None = None
-        self._server: _HttpServer | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def endpoint_url(self) -> str:
-        if self.port == 0:
-            raise RuntimeError("FileS3Server has no port until start() is called")
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        return self._server is not None
 
     @property
     def index(self) -> _Index:
@@ -621,35 +598,7 @@ class FileS3Server(CountedServer):
         if self._index is None:  # kept across restarts: a request cut off by stop() may still use it
             self._index = _Index(self.root)
         server = _HttpServer(self, (self.host, self.port))
-        self.port = server.server_address[1]
-        self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name=f"file-s3-{self.port}", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop listening and drop every open connection, so clients see the
-        server gone (a kept-alive connection would otherwise keep being served)."""
-        server, thread = self._server, self._thread
-        if server is None:
-            return
-        self._server = self._thread = None
-        server.shutdown()
-        server.server_close()
-        with self._lock:
-            connections = list(self._connections)
-        for conn in connections:
-            with contextlib.suppress(OSError):  # already closed by its peer
-                conn.shutdown(socket.SHUT_RDWR)
-        if thread is not None:
-            thread.join(_STOP_JOIN_SECONDS)
-
-    def track(self, connection: socket.socket, is_open: bool) -> None:
-        """Note a connection opened or closed, so ``stop()`` can cut kept-alive ones."""
-        with self._lock:
-            if is_open:
-                self._connections.add(connection)
-            else:
-                self._connections.discard(connection)
+        self._serve(server, server.server_address[1], "file-s3")
 
     def __enter__(self) -> FileS3Server:
         self.start()

@@ -21,25 +21,18 @@ a stale one is harmless).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ipaddress
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from moto.moto_server.werkzeug_app import MotoRequestHandler
 from moto.server import DomainDispatcherApplication, create_backend_app
-from werkzeug.serving import BaseWSGIServer, make_server
+from werkzeug.serving import make_server
 
-from cachefsd.testing.counting import CountedServer, RequestCounter, request_kind, serve_in_foreground
+from cachefsd.testing.counting import CountedServer, request_kind, serve_in_foreground
 
 DEFAULT_HOST = "127.0.0.1"
-
-# How long stop() waits for the serving thread after asking it to shut down.
-# serve_forever polls every 0.5 s, so 5 s only trips on a real hang.
-_STOP_JOIN_SECONDS = 5.0
 
 WsgiEnviron = dict[str, Any]
 StartResponse = Callable[..., Any]
@@ -76,25 +69,8 @@ class S3TestServer(CountedServer):
     """
 
     def __init__(self, host: str = DEFAULT_HOST, port: int = 0, latency_seconds: float = 0.0) -> None:
-        self.host = host
-        self.port = port
-        self.latency_seconds = latency_seconds
+        super().__init__(host, port, latency_seconds)
         self._app = DomainDispatcherApplication(create_backend_app)
-        self._lock = threading.Lock()
-        self.counter = RequestCounter()
-        self._connections: set[socket.socket] = set()
-        self._server: BaseWSGIServer | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def endpoint_url(self) -> str:
-        if self.port == 0:
-            raise RuntimeError("S3TestServer has no port until start() is called")
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        return self._server is not None
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -108,27 +84,7 @@ class S3TestServer(CountedServer):
             threaded=True,
             request_handler=self._handler_class(),
         )
-        self.port = server.server_port
-        self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name=f"moto-s3-{self.port}", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop listening and drop every open connection, so clients see the
-        server gone (a kept-alive connection would otherwise keep being served)."""
-        server, thread = self._server, self._thread
-        if server is None:
-            return
-        self._server = self._thread = None
-        server.shutdown()
-        server.server_close()
-        with self._lock:
-            connections = list(self._connections)
-        for conn in connections:
-            with contextlib.suppress(OSError):  # already closed by its peer
-                conn.shutdown(socket.SHUT_RDWR)
-        if thread is not None:
-            thread.join(_STOP_JOIN_SECONDS)
+        self._serve(server, server.server_port, "moto-s3")
 
     def __enter__(self) -> S3TestServer:
         self.start()
@@ -155,12 +111,10 @@ class S3TestServer(CountedServer):
         class Handler(MotoRequestHandler):
             def setup(self) -> None:
                 super().setup()
-                with owner._lock:
-                    owner._connections.add(self.connection)
+                owner.track(self.connection, True)
 
             def finish(self) -> None:
-                with owner._lock:
-                    owner._connections.discard(self.connection)
+                owner.track(self.connection, False)
                 super().finish()
 
             def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
