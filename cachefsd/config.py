@@ -328,6 +328,9 @@ class MetricsSettings(_Section):
 
 class FuseSettings(_Section):
     allow_other: bool = False
+    # Serve files cached whole in the hot tier through the kernel (FUSE
+    # passthrough, Linux 6.9+, as root): off makes the daemon serve every read.
+    passthrough: bool = True
 
 
 class Settings(_Section):

@@ -5,8 +5,7 @@ control socket and state file beside it.
 The mounts a daemon starts with are mounted in order; more join later
 through the control API (``cachefsd mount`` on a cache directory this
 daemon serves), and an unmount detaches one. The process ends with its
-last mount. SIGTERM, SIGINT and SIGHUP end every session, as libfuse's own
-handlers would for one.
+last mount. SIGTERM, SIGINT and SIGHUP end every session.
 
 A failure before a mount is ready is raised to whoever asked for it,
 which reports it in one line; ``ready`` is called once every starting
@@ -36,7 +35,7 @@ from cachefsd.control.server import ControlServer, MountHandlers
 from cachefsd.diagnose.service import CacheFacts, Diagnosis
 from cachefsd.engine import Node
 from cachefsd.errors import CachefsdError, ConfigError
-from cachefsd.fuse.session import Session, install_wake_handler
+from cachefsd.fuse.session import Session
 from cachefsd.jobs import CallerJobs
 from cachefsd.preflight import check_mounts
 from cachefsd.stats import DaemonStats, Residency
@@ -47,12 +46,10 @@ log = logging.getLogger(__name__)
 # The longest a mount may take to be ready once its source answered (the
 # cache is already open): the kernel's INIT comes within milliseconds.
 SESSION_READY_SECONDS = 60.0
-# How long a stopping session is woken, a tenth of a second apart, beyond
-# its fetch deadline (libfuse's loop joins its workers, and a worker in a
-# read waits for its block up to that deadline), before the daemon stops
-# waking it and logs it.
+# How long a stopping session may take beyond its fetch deadline (it joins
+# its workers, and a worker in a read waits for its block up to that
+# deadline) before the daemon stops waiting and logs it.
 SESSION_STOP_MARGIN_SECONDS = 10.0
-_WAKE_INTERVAL_SECONDS = 0.1
 
 
 def _start_metrics(settings: Settings, registry: CollectorRegistry) -> str | None:
@@ -257,8 +254,24 @@ class Daemon:
                 [tier.name for tier in parts.cache.tiers],
             )
             parts.metrics.watch_residency(str(mountpoint), parts.store.uri, residency.rows)
+            ready = threading.Event()
+            session = Session(
+                parts.fs,
+                str(mountpoint),
+                settings.namespace.metadata_ttl,
+                settings.cache.block_size,
+                ready.set,
+                parts.mount_events,
+                parts.cache.tiers[0].root if settings.fuse.passthrough else None,
+            )
             stats = DaemonStats(
-                parts.metrics, parts.model, residency, parts.store.uri, str(mountpoint), self.node_stats
+                parts.metrics,
+                parts.model,
+                residency,
+                parts.store.uri,
+                str(mountpoint),
+                self.node_stats,
+                lambda: str(session.passthrough),
             )
             stats.start()
             resources.callback(stats.stop)
@@ -288,14 +301,6 @@ class Daemon:
             control.start()
             resources.callback(control.stop)
             write_state(state)
-            ready = threading.Event()
-            session = Session(
-                parts.fs,
-                str(mountpoint),
-                settings.namespace.metadata_ttl,
-                settings.cache.block_size,
-                ready.set,
-            )
         except BaseException:
             resources.close()
             raise
@@ -325,15 +330,11 @@ class Daemon:
 
     @staticmethod
     def _stop(mount: _Mount) -> None:
-        # The session's loop may be between its check and its wait when a
-        # wake-up comes: it is woken again until it has ended.
         bound = mount.settings.fetch.deadline + SESSION_STOP_MARGIN_SECONDS
-        for _ in range(int(bound / _WAKE_INTERVAL_SECONDS)):
-            mount.session.stop()
-            mount.thread.join(_WAKE_INTERVAL_SECONDS)
-            if not mount.thread.is_alive():
-                return
-        log.warning("the session of %s did not stop within %gs", mount.mountpoint, bound)
+        mount.session.stop()
+        mount.thread.join(bound)
+        if mount.thread.is_alive():
+            log.warning("the session of %s did not stop within %gs", mount.mountpoint, bound)
 
     def serve(self) -> None:
         """Until the last mount has ended (no attach under way)."""
@@ -362,7 +363,6 @@ def run(mounts: list[Settings], ready: Callable[[], None]) -> None:
     and log settings are all of theirs) and serve until the last is unmounted."""
     settings = mounts[0]
     check_mounts(mounts)
-    install_wake_handler()
     node = Node()
     try:
         with ExitStack() as first_source:

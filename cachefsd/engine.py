@@ -38,7 +38,7 @@ from cachefsd.errors import CachefsdError
 from cachefsd.fetch import Fetcher
 from cachefsd.fs import FileSystem
 from cachefsd.jobs import CallerJobs
-from cachefsd.metrics import Metrics, SharedFetches
+from cachefsd.metrics import Metrics, MountEvents, SharedFetches
 from cachefsd.namespace.tree import FRESH_WAIT_SECONDS, Namespace
 from cachefsd.prefetch.prefetcher import Prefetcher
 from cachefsd.reader import BlockReader, ReadEvents
@@ -71,6 +71,7 @@ class Engine:
     prefetcher: Prefetcher
     model: WorkloadModel
     fs: FileSystem
+    mount_events: MountEvents  # what the mount's FUSE edge and reads tell the metrics
 
 
 def _warn_of_small_disks(cache: TieredCache) -> None:
@@ -274,6 +275,7 @@ class Node:
         """The data path of one mount over the node's cache; its access
         model ticks the node's clock until the block ends."""
         model = WorkloadModel()
+        events = self.metrics.for_mount(str(settings.mountpoint))
         reader, view, namespace, prefetcher, fs = data_path(
             store,
             self.cache,
@@ -283,13 +285,23 @@ class Node:
             model,
             settings,
             self.read_marks,
-            self.metrics.for_mount(str(settings.mountpoint)),
+            events,
             shared=self._shared,
         )
         self.epochs.add(model)
         try:
             yield Engine(
-                store, self.cache, self.index, reader, view, namespace, self.metrics, prefetcher, model, fs
+                store,
+                self.cache,
+                self.index,
+                reader,
+                view,
+                namespace,
+                self.metrics,
+                prefetcher,
+                model,
+                fs,
+                events,
             )
         finally:
             self.epochs.remove(model)

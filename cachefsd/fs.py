@@ -39,6 +39,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
+from cachefsd.cache.blocks import WholeFile
 from cachefsd.errors import BadFileHandle, IsADirectory, NotADirectory, ObjectChanged, UnknownInode
 from cachefsd.jobs import CallerJobs
 from cachefsd.namespace.names import inode_number
@@ -82,6 +83,12 @@ class CacheDisk(Protocol):
 
     def usage(self) -> tuple[int, int]:
         """The cache's capacity and the bytes it holds."""
+        ...
+
+    def whole_file(self, info: ObjectInfo) -> WholeFile | None:
+        """A cache file holding exactly the bytes of ``info`` from offset 0
+        (verified), open for the caller to close, its handover counted as a
+        read of it; None if there is none."""
         ...
 
 
@@ -212,28 +219,18 @@ class FileSystem:
 
     def read(self, inode: int, size: int, offset: int, pid: int) -> list[Piece]:
         """Bytes of the version ``inode`` stands for, for process ``pid``
-        (whose job is counted). The kernel opens without asking (its pages
-        of an inode are always right), so a read at offset 0 is what tells
-        the workload model a file was opened."""
-        with self._lock:
-            file = self._files.get(inode)
-        if file is None:
-            if inode in self._dirs:
-                raise IsADirectory(str(inode))
-            raise UnknownInode(str(inode))
+        (whose job is counted). Unless the kernel asks before it opens a
+        file (``open_through``), a read at offset 0 is what tells the
+        workload model a file was opened."""
+        file = self._file(inode)
         info = file.info
         job = self.jobs.of(pid)
         if offset == 0:
             self._access.opened(info, job)
         self._access.read(info, offset, size, job)
         again = self._access.wanted_elsewhere(info, job)
-        marked = (
-            self._read_marks.reading(self._blocks_of(info, offset, size))
-            if again
-            else contextlib.nullcontext()
-        )
         try:
-            with marked:
+            with self._marked(info, offset, size, again):
                 pieces = self._reader.read(info, offset, size, job)
         except ObjectChanged:
             # Overwritten or deleted since it was listed: the listing that
@@ -245,6 +242,42 @@ class FileSystem:
         if again:
             self._access.read_by_one_of_many(info, offset, size, job)
         return pieces
+
+    def open_through(self, inode: int, pid: int) -> WholeFile | None:
+        """The cache file that holds exactly the bytes of the version
+        ``inode`` stands for, for the kernel to read itself (FUSE
+        passthrough); None if there is none. The kernel then asks nothing
+        more, so this counts as process ``pid``'s read of the whole file,
+        for everyone ``read`` tells."""
+        info = self._file(inode).info
+        job = self.jobs.of(pid)
+        again = self._access.wanted_elsewhere(info, job)
+        with self._marked(info, 0, info.size, again):
+            found = self._cache.whole_file(info)
+        if found is None:
+            return None
+        self._access.opened(info, job)
+        self._access.read(info, 0, info.size, job)
+        if again:
+            self._access.read_by_one_of_many(info, 0, info.size, job)
+        self._reader.read_through(info, found.tier, job)
+        return found
+
+    def _file(self, inode: int) -> _File:
+        with self._lock:
+            file = self._files.get(inode)
+        if file is None:
+            if inode in self._dirs:
+                raise IsADirectory(str(inode))
+            raise UnknownInode(str(inode))
+        return file
+
+    def _marked(self, info: ObjectInfo, offset: int, size: int, again: bool) -> AbstractContextManager[None]:
+        """Where ``again`` (another job is still to read ``info``), the
+        cache's policy learns so of the blocks it counts as read within."""
+        if not again:
+            return contextlib.nullcontext()
+        return self._read_marks.reading(self._blocks_of(info, offset, size))
 
     def _blocks_of(self, info: ObjectInfo, offset: int, size: int) -> Callable[[str], bool]:
         """Whether a block (by hash) holds bytes ``[offset, offset + size)``

@@ -108,12 +108,16 @@ def waited_bytes(served: dict[str, int]) -> int:
     return served.get("cold", 0) + served.get("shared", 0)
 
 
-class MountReads:
+class MountEvents:
     """``ReadEvents`` of one mount: the node's counters, and the mount's own
-    (``cachefsd_mount_*{mount}``), so a dashboard tells which mount waits."""
+    (``cachefsd_mount_*{mount}``), so a dashboard tells which mount waits;
+    and its FUSE edge's (``fuse.session.SessionEvents``)."""
 
     def __init__(self, metrics: Metrics, mount: str) -> None:
         self._metrics = metrics
+        self._mount = mount
+        self._requests: dict[str, Counter] = {}
+        self._passthrough = metrics.passthrough.labels(mount)
         self._reads = {source: metrics.mount_reads.labels(mount, source) for source in ("cache", "cold")}
         self._bytes = {source: metrics.mount_read_bytes.labels(mount, source) for source in ("cache", "cold")}
         self._stall = metrics.mount_read_stall.labels(mount)
@@ -126,6 +130,15 @@ class MountReads:
         if cold_bytes:
             self._bytes["cold"].inc(cold_bytes)
             self._stall.inc(stall_seconds)
+
+    def request_answered(self, operation: str) -> None:
+        counter = self._requests.get(operation)
+        if counter is None:
+            counter = self._requests[operation] = self._metrics.fuse_requests.labels(self._mount, operation)
+        counter.inc()
+
+    def passthrough_state(self, on: bool) -> None:
+        self._passthrough.set(1 if on else 0)
 
 
 # The sample of a family that holds its value: a counter's running total,
@@ -349,24 +362,7 @@ class Metrics:
             [JOB_LABEL],
             registry=registry,
         )
-        self.mount_reads = Counter(
-            "cachefsd_mount_reads",
-            "Read requests answered through one mount, by where their bytes came from",
-            ["mount", "source"],
-            registry=registry,
-        )
-        self.mount_read_bytes = Counter(
-            "cachefsd_mount_read_bytes",
-            "Bytes returned to readers of one mount, by where they came from",
-            ["mount", "source"],
-            registry=registry,
-        )
-        self.mount_read_stall = Counter(
-            "cachefsd_mount_read_stall_seconds",
-            "Time the reads of one mount spent waiting on the cold store",
-            ["mount"],
-            registry=registry,
-        )
+        self._declare_mount_series(registry)
         self.job_labels = JobLabels(self._drop_job, clock)
         self.job_epochs: Callable[[], dict[str, int]] = dict  # set by ``watch_epoch``
         self.fetch_latency = Histogram(
@@ -481,6 +477,41 @@ class Metrics:
         registry.register(_DerivedCollector(self))
         registry.register(_JobCollector(self))
 
+    def _declare_mount_series(self, registry: CollectorRegistry) -> None:
+        """The series each mount has of its own (``MountEvents``)."""
+        self.mount_reads = Counter(
+            "cachefsd_mount_reads",
+            "Read requests answered through one mount, by where their bytes came from",
+            ["mount", "source"],
+            registry=registry,
+        )
+        self.mount_read_bytes = Counter(
+            "cachefsd_mount_read_bytes",
+            "Bytes returned to readers of one mount, by where they came from",
+            ["mount", "source"],
+            registry=registry,
+        )
+        self.mount_read_stall = Counter(
+            "cachefsd_mount_read_stall_seconds",
+            "Time the reads of one mount spent waiting on the cold store",
+            ["mount"],
+            registry=registry,
+        )
+        self.fuse_requests = Counter(
+            "cachefsd_fuse_requests",
+            "Requests the kernel sent one mount and the daemon answered, by operation "
+            "(reads served through FUSE passthrough send none)",
+            ["mount", "operation"],
+            registry=registry,
+        )
+        self.passthrough = Gauge(
+            "cachefsd_passthrough",
+            "1 when one mount serves cached files through the kernel (FUSE passthrough), 0 when the "
+            "daemon serves every read (the log and stats say why)",
+            ["mount"],
+            registry=registry,
+        )
+
     def derived(self) -> Derived:
         """The derived gauges' values now (what a scrape of them would show)."""
         read = values_by(self.read_bytes, "source")
@@ -500,10 +531,10 @@ class Metrics:
         while ``mount`` is mounted (a source a mount: the label stays bounded)."""
         self._residency.watch(mount, source, rows)
 
-    def for_mount(self, mount: str) -> MountReads:
-        """The ``ReadEvents`` of the mount at ``mount``: its series exist,
-        at 0, from now until ``forget_mount``."""
-        return MountReads(self, mount)
+    def for_mount(self, mount: str) -> MountEvents:
+        """The events of the mount at ``mount``: its series exist, at 0,
+        from now until ``forget_mount``."""
+        return MountEvents(self, mount)
 
     def forget_mount(self, mount: str) -> None:
         """Drop the series of a mount that is gone: the label stays bounded
@@ -513,9 +544,18 @@ class Metrics:
             *((self.mount_reads, (mount, source)) for source in ("cache", "cold")),
             *((self.mount_read_bytes, (mount, source)) for source in ("cache", "cold")),
             (self.mount_read_stall, (mount,)),
+            (self.passthrough, (mount,)),
         ):
             with contextlib.suppress(KeyError):
                 counter.remove(*labels)
+        operations = {
+            sample.labels["operation"]
+            for family in self.fuse_requests.collect()
+            for sample in family.samples
+            if sample.labels["mount"] == mount
+        }
+        for operation in operations:
+            self.fuse_requests.remove(mount, operation)
 
     def _drop_job(self, job: str) -> None:
         for counter, labels in (

@@ -223,6 +223,11 @@ class BlockReader:
         self._events.read_done(served, stalled, job, time.monotonic() - started)
         return pieces
 
+    def read_through(self, info: ObjectInfo, tier: str, job: str = UNKNOWN_JOB) -> None:
+        """``job`` reads all of ``info`` from a ``tier`` file that the kernel
+        reads itself (FUSE passthrough): counted as one read, at once."""
+        self._events.read_done({tier: info.size}, 0.0, job, 0.0)
+
     def _piece(self, version: Version, index: int, lo: int, hi: int) -> tuple[Piece, str, float]:
         """Bytes ``[lo, hi)`` of block ``index``, where they came from
         (``memory``, a tier's name, ``shared`` or ``cold``), and how long

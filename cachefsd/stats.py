@@ -281,16 +281,19 @@ class DaemonStats:
         source: str,
         mount: str,
         node: Callable[[], NodeFacts],
+        passthrough: Callable[[], str],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """The stats of the mount at ``mount`` (of ``source``), beside
-        ``node()``: what its daemon shows of itself."""
+        ``node()``: what its daemon shows of itself; ``passthrough()``:
+        whether its cached files are served through the kernel."""
         self._metrics = metrics
         self._model = model
         self.residency = residency
         self._source = source
         self._mount = mount
         self._node = node
+        self._passthrough = passthrough
         self._clock = clock
         self._started = clock()
         self._ring = HitRing()
@@ -353,6 +356,7 @@ class DaemonStats:
                 ),
                 hit_ratio=_ratio(mount_cache, mount_cache + mount_cold),
                 stall_seconds=value_of(metrics.mount_read_stall, mount=self._mount),
+                passthrough=self._passthrough(),
             ),
             node=self._node(),
             uptime_seconds=round(now - self._started, 3),

@@ -71,6 +71,7 @@ STATS: dict[str, Any] = {
         },
         "hit_ratio": 0.9,
         "stall_seconds": 12.5,
+        "passthrough": "on",
     },
     "node": node_facts().model_dump(mode="json"),
     "uptime_seconds": 3725.0,

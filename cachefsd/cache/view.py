@@ -13,7 +13,7 @@ It holds no state of its own; thread-safe as the cache is.
 
 from __future__ import annotations
 
-from cachefsd.cache.blocks import block_ref
+from cachefsd.cache.blocks import WholeFile, block_ref
 from cachefsd.cache.tiered import TieredCache
 from cachefsd.store.base import ObjectInfo
 
@@ -64,3 +64,6 @@ class CacheView:
     def usage(self) -> tuple[int, int]:
         """The cache's capacity and the bytes it holds (all sources')."""
         return self._cache.capacity, self._cache.used_bytes
+
+    def whole_file(self, info: ObjectInfo) -> WholeFile | None:
+        return None

@@ -105,8 +105,12 @@ def _mount_flags(args: argparse.Namespace) -> dict[str, Any]:
         for name in option.split(","):
             if name == "allow_other":
                 put("fuse", "allow_other", True)
+            elif name == "nopassthrough":
+                put("fuse", "passthrough", False)
             elif name not in ("ro", ""):
-                raise CachefsdError(f"-o {name}: unsupported mount option (supported: allow_other)")
+                raise CachefsdError(
+                    f"-o {name}: unsupported mount option (supported: allow_other, nopassthrough)"
+                )
     if args.log_level is not None:
         flags["log_level"] = args.log_level
     return flags
@@ -434,7 +438,9 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--no-metrics", action="store_true", help="serve no metrics endpoint")
     mount.add_argument("--no-prefetch", action="store_true", help="fetch only what readers ask for")
     mount.add_argument("--foreground", action="store_true", help="stay in the foreground (systemd)")
-    mount.add_argument("-o", dest="options", action="append", default=[], help="mount options: allow_other")
+    mount.add_argument(
+        "-o", dest="options", action="append", default=[], help="mount options: allow_other, nopassthrough"
+    )
     mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     mount.set_defaults(handler=_cmd_mount)
 

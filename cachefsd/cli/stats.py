@@ -110,6 +110,7 @@ def _this_mount(mount: ThisMount) -> RenderableType:
         "read from cache / cold", f"{human_bytes(read_bytes.cache)} / {human_bytes(read_bytes.cold)}"
     )
     table.add_row("read stall", _duration(mount.stall_seconds))
+    table.add_row("passthrough", Text(mount.passthrough))
     return table
 
 

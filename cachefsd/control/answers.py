@@ -79,6 +79,7 @@ class ThisMount(_Answer):
     reads: MountReadsAnswer
     hit_ratio: float | None
     stall_seconds: float
+    passthrough: str  # "on", or "off: " and why (``fuse.session.Passthrough``)
 
 
 class NodeMount(_Answer):

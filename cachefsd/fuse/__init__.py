@@ -1,2 +1,4 @@
-"""The FUSE edge: ``lowlevel`` binds libfuse 3's low-level API, ``session``
-serves a ``fs.FileSystem`` through it. The only package that loads libfuse."""
+"""The FUSE edge: ``protocol`` lays out the kernel's messages, ``device``
+mounts and registers backing files, ``passthrough`` decides which opens the
+kernel serves itself, and ``session`` answers a mount's requests with a
+``fs.FileSystem``. No libfuse: the protocol is spoken on /dev/fuse."""

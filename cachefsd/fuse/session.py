@@ -1,19 +1,29 @@
-"""The FUSE edge: a libfuse low-level session whose requests go to
-``fs.FileSystem``, one line each, and whose answers go back to the kernel.
+"""The FUSE edge: one mount's connection to the kernel, spoken on /dev/fuse
+directly (``protocol.py``), each request answered by ``fs.FileSystem`` in
+one line.
 
 Our errors become their errno through ``errors.errno_for`` here and only
 here; anything else is a bug, logged with its traceback and answered EIO.
-Every request is answered exactly once, whatever happens: a request left
+Every request that wants an answer gets exactly one: a request left
 unanswered hangs its caller for good.
 
-What the kernel is told, at INIT and in each answer, is what lets it serve
-warm reads without asking: an inode's attributes and pages are those of one
-object version, so the kernel opens files without an OPEN request (no-open
-support: it keeps each inode's pages across opens), caches entries and
-attributes for the metadata TTL, and gets a directory's entries with their
-attributes in one request (READDIRPLUS) so a loader's scan fills its
-dentries. A name whose version changed upstream is invalidated by a thread
-of its own (``_Notifier``).
+Workers: a pool of threads, each reading requests from the device and
+answering them; a read that waits on the network holds its thread until
+the block arrives, so their number bounds the reads in flight (``serve``).
+Each waits in its own epoll for the device (exclusively: one request wakes
+one worker) or for the session's end (every worker).
+
+What the kernel is told is what lets it serve warm reads without asking:
+an inode's attributes and pages are those of one object version, so
+entries and attributes are cached for the metadata TTL, a directory's
+entries come with their attributes (READDIRPLUS), and an open keeps the
+inode's pages. Where the kernel and our privileges allow it, a file whose
+content lies whole in one hot-tier file is opened in passthrough: the
+kernel reads that file itself, and the daemon sees no READ for it
+(``passthrough.py``; it is counted as read at its open). Without
+passthrough, the kernel opens files without asking at all (no-open
+support). A name whose version changed upstream is invalidated by a
+thread of its own (``_Notifier``).
 """
 
 from __future__ import annotations
@@ -21,105 +31,111 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import functools
 import logging
 import os
-import signal
+import select
+import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ParamSpec
+from typing import Protocol
 
-from cachefsd.buffers import address
 from cachefsd.cache.blocks import FileSpan
 from cachefsd.errors import CachefsdError, ObjectChanged, errno_for
 from cachefsd.fs import Attributes, FileSystem
-from cachefsd.fuse import lowlevel as ll
+from cachefsd.fuse import device, protocol
+from cachefsd.fuse.passthrough import Opens
+from cachefsd.fuse.protocol import Op, Request
 from cachefsd.reader import Piece, close_pieces
 
 log = logging.getLogger(__name__)
 
-# libfuse workers beyond those that may all be waiting on GETs (``serve``).
+# Workers beyond those that may all be waiting on GETs (``serve``).
 SPARE_WORKERS = 8
 # How long an unmount waits for the notifier's last notification.
 NOTIFIER_STOP_SECONDS = 5.0
-
-P = ParamSpec("P")
-
-_worker = threading.local()
-
-
-def _keep_thread_state() -> None:
-    """Give the calling libfuse worker thread a Python thread state for good.
-
-    libfuse's workers are C threads: for each callback ctypes creates a
-    thread state and deletes it on return, and with it the state's frame
-    stack, an mmap'd chunk whose munmap stops every other CPU to flush its
-    TLB: a third of the daemon's CPU on small files. One extra
-    ``PyGILState_Ensure``, never released, keeps the state (and this
-    thread-local) alive. libfuse >= 3.12 never retires its workers (at most
-    ``max_threads``, see ``serve``), so this holds at most that many states a
-    session; those of a session that ended (a mount detached from a daemon
-    that serves on) stay, some KiB each."""
-    if not getattr(_worker, "kept", False):
-        ctypes.pythonapi.PyGILState_Ensure()
-        _worker.kept = True
+# The handle of an open served through (RELEASE gives it back).
+_THROUGH = 1
+# Linux's CAP_SYS_ADMIN, which registering a backing file needs.
+_CAP_SYS_ADMIN = 21
+# What the filesystems under the cache directory may stack: an overlayfs
+# (a container's root) is one level.
+_OVERLAYFS_MAGIC = 0x794C7630
 
 
-def _answered(handler: Callable[P, None]) -> Callable[P, None]:
-    """Run a request handler whose first argument is the request; answer
-    it with the errno of whatever it raised."""
+class SessionEvents(Protocol):
+    """What the FUSE edge tells the metrics."""
 
-    @functools.wraps(handler)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
-        _keep_thread_state()
-        try:
-            handler(*args, **kwargs)
-        except CachefsdError as exc:
-            ll.lib.fuse_reply_err(args[1], errno_for(exc))
-        except Exception:
-            log.exception("unexpected error in %s", handler.__name__)
-            ll.lib.fuse_reply_err(args[1], errno.EIO)
-
-    return wrapper
+    def request_answered(self, operation: str) -> None: ...
+    def passthrough_state(self, on: bool) -> None: ...
 
 
-def _fill(target: ll.Stat, attributes: Attributes) -> None:
-    seconds = int(attributes.mtime)
-    nanoseconds = int((attributes.mtime - seconds) * 1e9)
-    target.st_ino = attributes.st_ino
-    target.st_mode = attributes.mode
-    target.st_nlink = attributes.nlink
-    target.st_uid = attributes.uid
-    target.st_gid = attributes.gid
-    target.st_size = attributes.size
-    target.st_blocks = -(-attributes.size // 512)
-    target.st_atime = target.st_mtime = target.st_ctime = seconds
-    target.st_atime_nsec = target.st_mtime_nsec = target.st_ctime_nsec = nanoseconds
+@dataclass(frozen=True, slots=True)
+class Passthrough:
+    """Whether a mount serves cached files through the kernel, and why not."""
+
+    on: bool
+    why_not: str = ""
+
+    def __str__(self) -> str:
+        return "on" if self.on else f"off: {self.why_not}"
 
 
-def _reply_pieces(request: int, pieces: list[Piece]) -> None:
-    """Send ``pieces`` as one reply: memory as it is, block files by their
-    descriptor, which libfuse reads in C before this returns. Then the
-    block files' pages are dropped: the kernel now holds these bytes in
-    the mounted file's own pages, and RAM should hold them once."""
-    vector = ll.bufvec_type(max(len(pieces), 1))()
-    vector.count = len(pieces)
-    for slot, piece in zip(vector.buf, pieces, strict=False):
-        if isinstance(piece, FileSpan):
-            slot.size, slot.fd, slot.pos = piece.length, piece.fd, piece.offset
-            slot.flags = ll.BUF_IS_FD | ll.BUF_FD_SEEK | ll.BUF_FD_RETRY
-        else:
-            slot.size, slot.mem, slot.fd = len(piece), address(piece), -1
+def _has_cap_sys_admin() -> bool:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
+    return False
+
+
+def _stack_depth(directory: Path) -> int:
+    """The max_stack_depth the backing files in ``directory`` need: one
+    more than their filesystem's, which is 1 on overlayfs."""
     try:
-        ll.lib.fuse_reply_data(request, ctypes.byref(vector), 0)
-    finally:
-        # Answered: nothing here may raise, or the request would be answered twice.
-        for piece in pieces:
-            if isinstance(piece, FileSpan):
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(piece.fd, piece.offset, piece.length, os.POSIX_FADV_DONTNEED)
-        close_pieces(pieces)
+        on_overlay = _statfs_type(directory) == _OVERLAYFS_MAGIC
+    except OSError:
+        on_overlay = True
+    return 2 if on_overlay else 1
+
+
+def _statfs_type(directory: Path) -> int:
+    """f_type of statfs(2), which ``os.statvfs`` does not give."""
+    buffer = ctypes.create_string_buffer(120)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.statfs(os.fsencode(directory), buffer) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(directory))
+    return int.from_bytes(buffer.raw[:8], "little")
+
+
+def _set_read_ahead(mountpoint: str, nbytes: int) -> None:
+    """Let the kernel read ahead ``nbytes`` of a file being read in order.
+
+    The kernel's default (128 KiB) makes it ask for 256 KiB at a time, so a
+    sequential reader costs one trip through Python per 256 KiB; with a
+    block's worth of read-ahead it asks for 1 MiB (the largest read we
+    allow). Needs root (sysfs); without it the default stays. Runs on its
+    own thread once the mount answers: the kernel sets read-ahead from our
+    answer to INIT, after we sent it."""
+    try:
+        device_number = os.stat(mountpoint).st_dev
+        Path(f"/sys/class/bdi/{os.major(device_number)}:{os.minor(device_number)}/read_ahead_kb").write_text(
+            f"{nbytes // 1024}\n"
+        )
+    except OSError as exc:
+        log.info("kernel read-ahead left at its default: %s", exc)
+
+
+def _attr(attributes: Attributes) -> protocol.Attr:
+    return protocol.Attr(
+        attributes.st_ino,
+        attributes.size,
+        attributes.mtime,
+        attributes.mode,
+        attributes.nlink,
+        attributes.uid,
+        attributes.gid,
+    )
 
 
 class _Notifier:
@@ -129,16 +145,16 @@ class _Notifier:
 
     _STOP = (0, "")
 
-    def __init__(self, fs: FileSystem, session: int) -> None:
+    def __init__(self, fs: FileSystem, send: Callable[[list[bytes | memoryview]], bool]) -> None:
         self._fs = fs
-        self._session = session
+        self._send = send
         self._thread = threading.Thread(target=self._run, name="cachefsd-notify", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        """Once the session loop has ended. Bounded: a notification can wait
+        """Once the workers have ended. Bounded: a notification can wait
         on a directory's lock held by a lookup no worker will answer now,
         and the thread, a daemon one, must not hold up the unmount."""
         self._fs.stale_entries.put(self._STOP)
@@ -150,34 +166,13 @@ class _Notifier:
 
     def invalidate(self, parent: int, name: str) -> None:
         """Tell the kernel to forget ``name`` in ``parent`` now. From a
-        request thread only where the kernel holds no directory lock (READ)."""
-        encoded = os.fsencode(name)
-        result = ll.lib.fuse_lowlevel_notify_inval_entry(self._session, parent, encoded, len(encoded))
-        if result < 0 and result != -errno.ENOENT:  # ENOENT: the kernel does not hold it (any more)
-            log.debug("could not invalidate %r in inode %d: %s", name, parent, os.strerror(-result))
-
-
-def _set_read_ahead(mountpoint: str, nbytes: int) -> None:
-    """Let the kernel read ahead ``nbytes`` of a file being read in order.
-
-    The kernel's default (128 KiB) makes it ask for 256 KiB at a time, so a
-    sequential reader costs one trip through Python per 256 KiB; with a
-    block's worth of read-ahead it asks for 1 MiB (libfuse's largest
-    request). Needs root (sysfs); without it the default stays. Runs on its
-    own thread once the mount answers: the kernel sets read-ahead from
-    libfuse's reply to INIT, after the init callback has returned."""
-    try:
-        device = os.stat(mountpoint).st_dev
-        Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb").write_text(
-            f"{nbytes // 1024}\n"
-        )
-    except OSError as exc:
-        log.info("kernel read-ahead left at its default: %s", exc)
+        request thread only where the kernel holds no directory lock (READ).
+        ENOENT: the kernel does not hold it (any more)."""
+        self._send([protocol.pack_inval_entry(parent, os.fsencode(name))])
 
 
 class Session:
-    """One mount's FUSE session: the operations table libfuse calls, and
-    what they answer with."""
+    """One mount's FUSE session: the requests it answers, and how."""
 
     def __init__(
         self,
@@ -186,46 +181,170 @@ class Session:
         metadata_ttl: float,
         read_ahead: int,
         on_ready: Callable[[], None],
+        events: SessionEvents,
+        backing_directory: Path | None,
     ) -> None:
+        """``backing_directory``: where the hot tier's files lie, for
+        passthrough; None when it is turned off."""
         self._fs = fs
         self._mountpoint = mountpoint
         self._ttl = metadata_ttl
         self._read_ahead = read_ahead
         self._on_ready = on_ready
-        self._no_open = False  # the kernel opens files without asking (set at INIT)
+        self._events = events
+        self._backing_directory = backing_directory
+        self.passthrough = Passthrough(False, "the kernel has not started the mount yet")
         self.mounted = False  # set once the kernel has initialised the mount
-        self._callbacks = {
-            "init": ll.INIT(self._init),
-            "lookup": ll.LOOKUP(self._lookup),
-            "forget": ll.FORGET(self._forget),
-            "forget_multi": ll.FORGET_MULTI(self._forget_multi),
-            "getattr": ll.INODE_FILE(self._getattr),
-            "open": ll.INODE_FILE(self._open),
-            "read": ll.READ(self._read),
-            "opendir": ll.INODE_FILE(self._opendir),
-            "readdirplus": ll.READ(self._readdirplus),
-            "releasedir": ll.INODE_FILE(self._releasedir),
-            "statfs": ll.STATFS(self._statfs),
+        self._no_open = False  # the kernel may open files without asking
+        # The connection and the opens of its files, while serving.
+        self._connection: device.Connection | None = None
+        self._opens: Opens | None = None
+        # Wakes every worker at the end; _wake_lock guards it (-1 once closed).
+        self._wake_lock = threading.Lock()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._stopping = False
+        self._notifier = _Notifier(fs, self._send)
+        self._handlers: dict[int, Callable[[Request, memoryview], None]] = {
+            Op.INIT: self._init,
+            Op.LOOKUP: self._lookup,
+            Op.FORGET: self._forget,
+            Op.BATCH_FORGET: self._batch_forget,
+            Op.GETATTR: self._getattr,
+            Op.OPEN: self._open,
+            Op.READ: self._read,
+            Op.RELEASE: self._release,
+            Op.OPENDIR: self._opendir,
+            Op.READDIRPLUS: self._readdirplus,
+            Op.RELEASEDIR: self._releasedir,
+            Op.STATFS: self._statfs,
+            Op.INTERRUPT: lambda request, body: None,  # answered by answering the request itself
+            Op.DESTROY: self._destroy,
         }
-        self._notifier: _Notifier | None = None  # while the session loop runs
-        # The session and the thread running its loop, while it runs
-        # (``stop``); guarded by ``_running_lock``.
-        self._running_lock = threading.Lock()
-        self._running: tuple[int, int] | None = None
-        self.operations = ll.Operations()
-        for name, callback in self._callbacks.items():
-            setattr(self.operations, name, ctypes.cast(callback, ctypes.c_void_p))
+        self._names = {int(op): op.name.lower() for op in Op}  # the metric's label values
 
-    def _init(self, userdata: int, conn_pointer: Any) -> None:
-        _keep_thread_state()
-        conn = conn_pointer.contents
-        self._no_open = bool(conn.capable & ll.CAP_NO_OPEN_SUPPORT)
-        wanted = ll.CAP_READDIRPLUS | ll.CAP_PARALLEL_DIROPS | ll.CAP_ASYNC_READ
-        conn.want |= wanted & conn.capable
-        # READDIRPLUS always, not when the kernel guesses a scan will stat;
-        # attributes never change under an inode, so no page invalidation on
-        # them either.
-        conn.want &= ~(ll.CAP_READDIRPLUS_AUTO | ll.CAP_AUTO_INVAL_DATA)
+    # -- serving ----------------------------------------------------------
+
+    def serve(self, fsname: str, allow_other: bool, cold_reads: int) -> None:
+        """Mount and serve until unmounted or ``stop``. Blocks the calling
+        thread (one a session: a daemon serves several mounts at once).
+
+        A read that waits on the network holds its worker until the block
+        arrives, so the workers bound how many reads are in flight:
+        ``cold_reads`` of them (the fetch concurrency), plus spares that
+        serve lookups and cached reads meanwhile."""
+        connection = self._connection = device.mount(self._mountpoint, _mount_options(fsname, allow_other))
+        self._opens = Opens(connection)
+        self._notifier.start()
+        workers = [
+            threading.Thread(target=self._work, name=f"cachefsd-fuse-{number}", daemon=True)
+            for number in range(cold_reads + SPARE_WORKERS)
+        ]
+        try:
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+        finally:
+            self.stop()
+            for worker in workers:
+                if worker.is_alive():
+                    worker.join()
+            self._notifier.stop()
+            # Closing the last descriptor ends the connection: files still
+            # open under the mount fail from now on, and the unmount cannot hang.
+            os.close(connection.fd)
+            with self._wake_lock:
+                os.close(self._wake)
+                self._wake = -1
+            device.unmount(self._mountpoint)
+        if not self.mounted:
+            raise CachefsdError(f"the FUSE session of {self._mountpoint} ended before the mount was ready")
+        log.info("FUSE session of %s ended", self._mountpoint)
+
+    def stop(self) -> None:
+        """End the session: every worker returns once its request is answered."""
+        self._stopping = True
+        with self._wake_lock:
+            if self._wake >= 0:
+                os.eventfd_write(self._wake, 1)
+
+    def _work(self) -> None:
+        assert self._connection is not None
+        fd = self._connection.fd
+        buffer = bytearray(protocol.REQUEST_BUFFER)
+        view = memoryview(buffer)
+        with select.epoll() as waiting:
+            waiting.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
+            waiting.register(self._wake, select.EPOLLIN)
+            while not self._stopping:
+                try:
+                    size = os.readv(fd, [buffer])
+                except BlockingIOError:
+                    waiting.poll()
+                    continue
+                except OSError as exc:
+                    if exc.errno == errno.ENOENT:  # interrupted before we read it
+                        continue
+                    if exc.errno != errno.ENODEV:
+                        log.error("reading /dev/fuse failed: %s", exc)
+                    self.stop()  # ENODEV: unmounted
+                    return
+                self._dispatch(view[:size])
+
+    def _dispatch(self, message: memoryview) -> None:
+        request = protocol.parse_header(message)
+        body = message[protocol.IN_HEADER.size :]
+        handler = self._handlers.get(request.opcode)
+        if handler is None:
+            self._send([protocol.error(request.unique, errno.ENOSYS)])
+            return
+        try:
+            handler(request, body)
+        except Exception as exc:
+            answer = errno_for(exc) if isinstance(exc, CachefsdError) else errno.EIO
+            if answer == errno.EIO and not isinstance(exc, CachefsdError):
+                log.exception("unexpected error in %s", self._names[request.opcode])
+            if request.opcode not in protocol.UNANSWERED:
+                self._send([protocol.error(request.unique, answer)])
+        else:
+            self._events.request_answered(self._names[request.opcode])
+
+    def _send(self, parts: list[bytes | memoryview]) -> bool:
+        """Write one answer (or notification); False if its request is gone
+        (interrupted, ENOENT) or the connection ended."""
+        assert self._connection is not None
+        try:
+            os.writev(self._connection.fd, parts)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.ENODEV, errno.EBADF):
+                log.warning("answering the kernel failed: %s", exc)
+            return False
+        return True
+
+    # -- requests ---------------------------------------------------------
+
+    def _init(self, request: Request, body: memoryview) -> None:
+        offer = protocol.parse_init(body)
+        if offer.major != protocol.MAJOR or offer.minor < protocol.MINIMUM_MINOR:
+            raise CachefsdError(
+                f"the kernel speaks FUSE {offer.major}.{offer.minor}: cachefsd needs 7.23 or later"
+            )
+        self._no_open = bool(offer.flags & protocol.NO_OPEN_SUPPORT)
+        wanted = protocol.ASYNC_READ | protocol.DO_READDIRPLUS | protocol.PARALLEL_DIROPS | protocol.MAX_PAGES
+        depth = 1
+        why_not = self._passthrough_refused(offer)
+        if not why_not:
+            assert self._backing_directory is not None
+            wanted |= protocol.PASSTHROUGH
+            depth = _stack_depth(self._backing_directory)
+        self._send(protocol.reply(request.unique, protocol.pack_init(offer, wanted, depth)))
+        if not why_not:
+            why_not = self._probe_passthrough()
+        self.passthrough = Passthrough(not why_not, why_not)
+        self._events.passthrough_state(self.passthrough.on)
+        log.info("%s: passthrough %s", self._mountpoint, self.passthrough)
         self.mounted = True
         threading.Thread(
             target=_set_read_ahead,
@@ -235,185 +354,169 @@ class Session:
         ).start()
         self._on_ready()
 
-    def _entry(self, attributes: Attributes) -> ll.EntryParam:
-        entry = ll.EntryParam(ino=attributes.inode, attr_timeout=self._ttl, entry_timeout=self._ttl)
-        _fill(entry.attr, attributes)
-        return entry
+    def _passthrough_refused(self, offer: protocol.InitOffer) -> str:
+        """Why passthrough cannot be asked for (empty: it can)."""
+        if self._backing_directory is None:
+            return "turned off (fuse.passthrough = false)"
+        if not offer.flags & protocol.PASSTHROUGH:
+            return (
+                f"the kernel (FUSE {offer.major}.{offer.minor}) does not offer it (Linux 6.9 or later does)"
+            )
+        if not _has_cap_sys_admin():
+            return "the daemon lacks CAP_SYS_ADMIN, which backing files need (run it as root)"
+        return ""
 
-    @_answered
-    def _lookup(self, request: int, parent: int, name: bytes) -> None:
-        attributes = self._fs.lookup(parent, os.fsdecode(name))
-        if ll.lib.fuse_reply_entry(request, ctypes.byref(self._entry(attributes))) != 0:
+    def _probe_passthrough(self) -> str:
+        """Register a file of the hot tier's filesystem as a backing file
+        and drop it: whether the kernel accepts the cache's files, known at
+        mount rather than at the first open."""
+        assert self._backing_directory is not None
+        assert self._connection is not None
+        try:
+            with tempfile.TemporaryFile(dir=self._backing_directory) as probe:
+                self._connection.unregister(self._connection.register(probe.fileno()))
+        except OSError as exc:
+            return f"the kernel refused a cache file as a backing file: {exc.strerror or exc}"
+        return ""
+
+    def _lookup(self, request: Request, body: memoryview) -> None:
+        name = bytes(body).split(b"\0", 1)[0]
+        attributes = self._fs.lookup(request.nodeid, os.fsdecode(name))
+        entry = protocol.pack_entry(attributes.inode, _attr(attributes), self._ttl)
+        if not self._send(protocol.reply(request.unique, entry)):
             self._fs.forget(attributes.inode, 1)  # interrupted: the kernel holds no reference
 
-    def _forget(self, request: int, ino: int, count: int) -> None:
-        self._forgotten(request, [(ino, count)])
+    def _forget(self, request: Request, body: memoryview) -> None:
+        (count,) = protocol.FORGET_IN.unpack_from(body)
+        self._fs.forget(request.nodeid, count)
 
-    def _forget_multi(self, request: int, count: int, forgets: Any) -> None:
-        self._forgotten(request, [(forgets[index].ino, forgets[index].nlookup) for index in range(count)])
+    def _batch_forget(self, request: Request, body: memoryview) -> None:
+        count, _ = protocol.BATCH_FORGET_IN.unpack_from(body)
+        for index in range(count):
+            offset = protocol.BATCH_FORGET_IN.size + index * protocol.FORGET_ONE.size
+            inode, references = protocol.FORGET_ONE.unpack_from(body, offset)
+            self._fs.forget(inode, references)
 
-    def _forgotten(self, request: int, references: list[tuple[int, int]]) -> None:
-        """FORGET has no answer, but libfuse must be told the request is
-        done with, whatever happens."""
-        _keep_thread_state()
-        try:
-            for ino, count in references:
-                self._fs.forget(ino, count)
-        finally:
-            ll.lib.fuse_reply_none(request)
+    def _getattr(self, request: Request, body: memoryview) -> None:
+        attributes = self._fs.getattr(request.nodeid)
+        self._send(protocol.reply(request.unique, protocol.pack_attr_out(_attr(attributes), self._ttl)))
 
-    @_answered
-    def _getattr(self, request: int, ino: int, fi: Any) -> None:
-        attributes = ll.Stat()
-        _fill(attributes, self._fs.getattr(ino))
-        ll.lib.fuse_reply_attr(request, ctypes.byref(attributes), self._ttl)
-
-    @_answered
-    def _open(self, request: int, ino: int, fi: Any) -> None:
-        """Answered once: ENOSYS tells a kernel with no-open support never
-        to send OPEN (nor RELEASE) again, and to keep the pages of an inode
-        across opens; one without it keeps them because we say so."""
-        if self._no_open:
-            ll.lib.fuse_reply_err(request, errno.ENOSYS)
+    def _open(self, request: Request, body: memoryview) -> None:
+        """With passthrough, by the rules of ``passthrough.Opens``; a cached
+        open keeps the inode's pages (they are of one version). Without it,
+        ENOSYS tells a kernel with no-open support never to send OPEN (nor
+        RELEASE) again, and to keep the pages of an inode across opens."""
+        if not self.passthrough.on:
+            if self._no_open:
+                self._send([protocol.error(request.unique, errno.ENOSYS)])
+            else:
+                self._send(protocol.reply(request.unique, protocol.pack_open(0, protocol.FOPEN_KEEP_CACHE)))
             return
-        fi.contents.keep_cache = 1
-        ll.lib.fuse_reply_open(request, fi)
+        assert self._opens is not None
+        inode, pid = request.nodeid, request.pid
+        through = self._opens.open(inode, lambda: self._fs.open_through(inode, pid))
+        if through is None:
+            answer = protocol.pack_open(0, protocol.FOPEN_KEEP_CACHE)
+        else:
+            answer = protocol.pack_open(_THROUGH, protocol.FOPEN_PASSTHROUGH, through.backing_id)
+        if not self._send(protocol.reply(request.unique, answer)):
+            self._opens.release(inode, through is not None)  # interrupted: nothing was opened
 
-    @_answered
-    def _read(self, request: int, ino: int, size: int, offset: int, fi: Any) -> None:
+    def _release(self, request: Request, body: memoryview) -> None:
+        assert self._opens is not None
+        fh, _, _, _ = protocol.RELEASE_IN.unpack_from(body)
+        self._opens.release(request.nodeid, fh == _THROUGH)
+        self._send(protocol.reply(request.unique))
+
+    def _read(self, request: Request, body: memoryview) -> None:
+        _, offset, size, _, _, _, _ = protocol.READ_IN.unpack_from(body)
         try:
-            pieces = self._fs.read(ino, size, offset, ll.lib.fuse_req_ctx(request).contents.pid)
+            pieces = self._fs.read(request.nodeid, size, offset, request.pid)
         except ObjectChanged:
             # The kernel forgets the name before it is told of the failure, so
             # an open right after it looks up the new version (SEMANTICS.md:
             # "at once"); the queued notice then finds nothing to forget.
-            entry = self._fs.entry_of(ino)
-            if entry is not None and self._notifier is not None:
+            entry = self._fs.entry_of(request.nodeid)
+            if entry is not None:
                 self._notifier.invalidate(*entry)
             raise
-        _reply_pieces(request, pieces)
+        self._reply_pieces(request.unique, pieces)
 
-    @_answered
-    def _opendir(self, request: int, ino: int, fi: Any) -> None:
-        fi.contents.fh = self._fs.opendir(ino, ll.lib.fuse_req_ctx(request).contents.pid)
-        if ll.lib.fuse_reply_open(request, fi) != 0:
-            self._fs.releasedir(fi.contents.fh)
+    def _reply_pieces(self, unique: int, pieces: list[Piece]) -> None:
+        """Send ``pieces`` as one answer: memory as it is, block files read
+        into memory here. Then the block files' pages are dropped: the
+        kernel now holds these bytes in the mounted file's own pages, and
+        RAM should hold them once."""
+        try:
+            parts: list[bytes | memoryview] = []
+            for piece in pieces:
+                if isinstance(piece, FileSpan):
+                    data = os.pread(piece.fd, piece.length, piece.offset)
+                    if len(data) != piece.length:
+                        raise CachefsdError(
+                            f"a cache file is shorter than its index says ({len(data)} bytes)"
+                        )
+                    parts.append(data)
+                else:
+                    parts.append(piece)
+        except BaseException:
+            close_pieces(pieces)
+            raise
+        self._send(protocol.reply(unique, *parts))
+        for piece in pieces:
+            if isinstance(piece, FileSpan):
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(piece.fd, piece.offset, piece.length, os.POSIX_FADV_DONTNEED)
+        close_pieces(pieces)
 
-    @_answered
-    def _readdirplus(self, request: int, ino: int, size: int, offset: int, fi: Any) -> None:
+    def _opendir(self, request: Request, body: memoryview) -> None:
+        handle = self._fs.opendir(request.nodeid, request.pid)
+        if not self._send(protocol.reply(request.unique, protocol.pack_open(handle, 0))):
+            self._fs.releasedir(handle)
+
+    def _readdirplus(self, request: Request, body: memoryview) -> None:
         """As many entries from ``offset`` as fit in ``size`` bytes, each
         with its attributes; each entry sent is a reference the kernel holds."""
-        handle = fi.contents.fh
+        handle, offset, size, _, _, _, _ = protocol.READ_IN.unpack_from(body)
         entries = self._fs.readdir(handle)
-        buffer = ctypes.create_string_buffer(size)
+        parts: list[bytes] = []
         used = 0
         sent: list[int] = []
         for index in range(offset, len(entries)):
             entry = entries[index]
             name = os.fsencode(entry.name)
-            needed = ll.lib.fuse_add_direntry_plus(request, None, 0, name, None, 0)
-            if used + needed > size:
+            if used + protocol.direntplus_size(name) > size:
                 break
             attributes = self._fs.remember(handle, entry)
             if entry.name not in (".", ".."):
                 sent.append(attributes.inode)
-            ll.lib.fuse_add_direntry_plus(
-                request,
-                ctypes.addressof(buffer) + used,
-                size - used,
-                name,
-                ctypes.byref(self._entry(attributes)),
-                index + 1,
-            )
-            used += needed
-        if ll.lib.fuse_reply_buf(request, buffer, used) != 0:
+            packed = protocol.pack_direntplus(attributes.inode, _attr(attributes), self._ttl, name, index + 1)
+            parts.append(packed)
+            used += len(packed)
+        if not self._send(protocol.reply(request.unique, b"".join(parts))):
             for inode in sent:  # interrupted: the kernel holds none of them
                 self._fs.forget(inode, 1)
 
-    @_answered
-    def _releasedir(self, request: int, ino: int, fi: Any) -> None:
-        self._fs.releasedir(fi.contents.fh)
-        ll.lib.fuse_reply_err(request, 0)
+    def _releasedir(self, request: Request, body: memoryview) -> None:
+        fh, _, _, _ = protocol.RELEASE_IN.unpack_from(body)
+        self._fs.releasedir(fh)
+        self._send(protocol.reply(request.unique))
 
-    @_answered
-    def _statfs(self, request: int, ino: int) -> None:
-        sizes = ll.StatVfs(**self._fs.statfs())
-        ll.lib.fuse_reply_statfs(request, ctypes.byref(sizes))
+    def _statfs(self, request: Request, body: memoryview) -> None:
+        sizes = self._fs.statfs()
+        answer = protocol.pack_statfs(
+            sizes["f_blocks"], sizes["f_bfree"], sizes["f_bavail"], sizes["f_bsize"], sizes["f_frsize"],
+            sizes["f_namemax"],
+        )  # fmt: skip
+        self._send(protocol.reply(request.unique, answer))
 
-    def serve(self, fsname: str, allow_other: bool, cold_reads: int) -> None:
-        """Mount and serve until unmounted or ``stop``. Blocks the calling
-        thread (one a session: a daemon serves several mounts at once).
-
-        A read that waits on the network holds its libfuse worker until the
-        block arrives, so the workers bound how many reads are in flight:
-        ``cold_reads`` of them (the fetch concurrency), plus spares that
-        serve lookups and cached reads meanwhile."""
-        argv = (ctypes.c_char_p * 4)(b"cachefsd", b"-o", _mount_options(fsname, allow_other), None)
-        args = ll.Args(3, argv, 0)
-        handle = ll.lib.fuse_session_new(
-            ctypes.byref(args), ctypes.byref(self.operations), ctypes.sizeof(ll.Operations), None
-        )
-        if not handle:
-            raise CachefsdError(f"libfuse could not start a session for {self._mountpoint}: invalid options")
-        try:
-            if ll.lib.fuse_session_mount(handle, os.fsencode(self._mountpoint)) != 0:
-                raise CachefsdError(
-                    f"the mount of {self._mountpoint} was refused (fusermount3 says why in the log)"
-                )
-            try:
-                self._loop(handle, cold_reads + SPARE_WORKERS)
-            finally:
-                ll.lib.fuse_session_unmount(handle)
-        finally:
-            ll.lib.fuse_session_destroy(handle)
-
-    def _loop(self, handle: int, workers: int) -> None:
-        notifier = self._notifier = _Notifier(self._fs, handle)
-        notifier.start()
-        config = ll.lib.fuse_loop_cfg_create()
-        ll.lib.fuse_loop_cfg_set_max_threads(config, workers)
-        ll.lib.fuse_loop_cfg_set_idle_threads(config, workers)
-        with self._running_lock:
-            self._running = (handle, threading.get_ident())
-        try:
-            result = ll.lib.fuse_session_loop_mt_312(handle, config)
-        finally:
-            with self._running_lock:
-                self._running = None
-            ll.lib.fuse_loop_cfg_destroy(config)
-            notifier.stop()
-        if not self.mounted:
-            raise CachefsdError(f"the FUSE session of {self._mountpoint} ended before the mount was ready")
-        log.info("FUSE session of %s ended (libfuse code %d)", self._mountpoint, result)
-
-    def stop(self) -> None:
-        """Ask the loop to end, as libfuse's signal handler does: the
-        session is marked exited and the thread waiting in the loop is
-        woken by ``WAKE_SIGNAL``; the mount is then detached lazily (files
-        still open under it get ENOTCONN). A wake-up that comes just before
-        the loop waits is lost: call again until ``serve`` has returned."""
-        with self._running_lock:
-            if self._running is None:
-                return
-            handle, thread = self._running
-            ll.lib.fuse_session_exit(handle)
-            signal.pthread_kill(thread, WAKE_SIGNAL)
+    def _destroy(self, request: Request, body: memoryview) -> None:
+        self._send(protocol.reply(request.unique))
+        self.stop()
 
 
-# Wakes a session's loop thread out of its wait (``Session.stop``). Not a
-# signal anyone sends a daemon for another purpose.
-WAKE_SIGNAL = signal.SIGUSR1
-
-
-def install_wake_handler() -> None:
-    """Give ``WAKE_SIGNAL`` a handler that does nothing (its default kills
-    the process): what matters is that it interrupts the loop's wait. Only
-    the main thread may set handlers."""
-    signal.signal(WAKE_SIGNAL, lambda signum, frame: None)
-
-
-def _mount_options(fsname: str, allow_other: bool) -> bytes:
+def _mount_options(fsname: str, allow_other: bool) -> str:
     options = ["ro", "default_permissions", f"fsname={fsname.replace(',', '_')}", "subtype=cachefsd"]
     if allow_other:
         options.append("allow_other")
-    return ",".join(options).encode()
+    return ",".join(options)

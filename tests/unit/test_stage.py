@@ -311,7 +311,7 @@ def mount_handlers(
             functools.partial(rig.index.resident_bytes_by_prefix, rig.store.cache_key), ["hot"]
         )
         activity = DaemonStats(
-            rig.metrics, rig.model, residency, state.source, state.mountpoint, node_facts
+            rig.metrics, rig.model, residency, state.source, state.mountpoint, node_facts, lambda: "on"
         ).snapshot
     return MountHandlers(rig.namespace, rig.reader, rig.view, rig.cache, state, activity, hint)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from pydantic import ValidationError
 from rich.console import Console
 
@@ -24,7 +24,7 @@ from cachefsd.cli.stats import render
 from cachefsd.cli.top import SPARK_CHARS, Keys, Throughput, sparkline
 from cachefsd.control.answers import AccessTotals, StatsAnswer
 from cachefsd.diagnose.ledger import JobReads
-from cachefsd.metrics import LATENCY_BUCKETS, Metrics
+from cachefsd.metrics import LATENCY_BUCKETS, Metrics, value_of
 from cachefsd.stats import (
     HIT_WINDOW_SECONDS,
     OTHER_PREFIX,
@@ -291,7 +291,9 @@ def test_snapshot_agrees_with_the_registry(index: Index) -> None:
     metrics.watch_residency("/mnt/data", "s3://bucket/data", residency.rows)
     model = FakeModel()
     metrics.watch_epoch(model.current, dict)
-    stats = DaemonStats(metrics, model, residency, "s3://bucket/data", "/mnt/data", node_facts, clock=clock)
+    stats = DaemonStats(
+        metrics, model, residency, "s3://bucket/data", "/mnt/data", node_facts, lambda: "on", clock=clock
+    )
     stats.sample()  # t=1000: nothing read yet
     metrics.read_done({"cold": 300}, 0.5, "python[1]", 0.0)
     clock.now += 70.0
@@ -349,7 +351,14 @@ def test_snapshot_lists_each_named_job_with_its_loader_meter() -> None:
     metrics = Metrics(CollectorRegistry())
     residency = Residency(lambda: [], ["hot"])
     stats = DaemonStats(
-        metrics, FakeModel(), residency, "s3://bucket/data", "/mnt/data", node_facts, clock=FakeClock()
+        metrics,
+        FakeModel(),
+        residency,
+        "s3://bucket/data",
+        "/mnt/data",
+        node_facts,
+        lambda: "on",
+        clock=FakeClock(),
     )
     metrics.read_done({"cold": 300}, 0.5, "python[1]", 0.6)
     metrics.read_done({"hot": 600, "memory": 100}, 0.0, "python[1]", 0.25)
@@ -372,7 +381,13 @@ def test_a_residency_computed_for_the_snapshot_is_not_negative_seconds_old(index
     """It is computed after the snapshot's clock was read: "as of 0 s ago", not "-0"."""
     residency = Residency(lambda: index.resident_bytes_by_prefix("s3://bucket/data"), ["hot"])
     stats = DaemonStats(
-        Metrics(CollectorRegistry()), FakeModel(), residency, "s3://bucket/data", "/mnt/data", node_facts
+        Metrics(CollectorRegistry()),
+        FakeModel(),
+        residency,
+        "s3://bucket/data",
+        "/mnt/data",
+        node_facts,
+        lambda: "on",
     )
     assert f"{stats.snapshot().residency.age_seconds:.0f}" == "0"
     index.close()
@@ -384,7 +399,13 @@ def test_stats_count_residency_afresh_after_a_scrape() -> None:
     rows: list[tuple[str, str, int]] = []
     residency = Residency(lambda: list(rows), ["hot"])
     stats = DaemonStats(
-        Metrics(CollectorRegistry()), FakeModel(), residency, "s3://bucket/data", "/mnt/data", node_facts
+        Metrics(CollectorRegistry()),
+        FakeModel(),
+        residency,
+        "s3://bucket/data",
+        "/mnt/data",
+        node_facts,
+        lambda: "on",
     )
     assert residency.current().prefixes == []  # the scrape
     rows.append(("train", "hot", 4096))
@@ -546,3 +567,17 @@ def test_the_access_models_own_stats_are_an_answer() -> None:
     access = AccessTotals.model_validate(model.stats())
     assert access.read_this_epoch_files == 1
     assert [(job.working_set_files, job.unread_files) for job in access.per_workload.values()] == [(2, 1)]
+
+
+def test_a_mount_gone_leaves_no_series_of_its_own() -> None:
+    metrics = Metrics(CollectorRegistry())
+    kept, gone = metrics.for_mount("/mnt/kept"), metrics.for_mount("/mnt/gone")
+    for events in (kept, gone):
+        events.request_answered("read")
+        events.passthrough_state(True)
+        events.read_done({"hot": 10}, 0.0, "python[1]", 0.0)
+    metrics.forget_mount("/mnt/gone")
+    exported = generate_latest(metrics.registry).decode()
+    assert 'mount="/mnt/gone"' not in exported
+    assert value_of(metrics.fuse_requests, mount="/mnt/kept", operation="read") == 1
+    assert value_of(metrics.passthrough, mount="/mnt/kept") == 1
