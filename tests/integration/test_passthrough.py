@@ -1,0 +1,189 @@
+"""FUSE passthrough on real mounts (root, Linux 6.9+): a file cached whole
+in the hot tier is opened on its cache file, and the kernel reads it itself.
+
+"The daemon sees no READ" is checked after the page cache is dropped, so a
+READ could not be saved by pages the kernel kept for the mounted file:
+``cachefsd_fuse_requests_total{operation="read"}`` must not move while the
+bytes come back right by ``read``, ``mmap`` and ``sendfile``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachefsd.testing.s3_server import S3TestServer
+from tests.integration.conftest import Mount, MountFactory, force_unmount, run_cli
+from tests.integration.datasets import KiB, new_bucket, put_objects
+from tests.integration.torture import metric
+from tests.polling import wait_until
+
+SAMPLE = 100 * KiB  # one block at the default block size: an image-sized file
+# Errors a reader may get from a mount whose daemon was killed.
+DEAD_MOUNT_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED, errno.EIO}
+POLL_SECONDS = 60.0
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def daemon_reads(mount: Mount) -> float:
+    """READ requests the daemon answered."""
+    return mount.metrics().get(
+        f"cachefsd_fuse_requests_total{{mount={mount.mountpoint},operation=read}}", 0.0
+    )
+
+
+def passthrough_state(mount: Mount) -> str:
+    result = run_cli("stats", str(mount.mountpoint), "--json")
+    assert result.returncode == 0, result.stderr
+    state: str = json.loads(result.stdout)["mount"]["passthrough"]
+    return state
+
+
+def by_read(path: Path) -> bytes:
+    with path.open("rb") as file:
+        return file.read()
+
+
+def by_mmap(path: Path) -> bytes:
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        return bytes(mapped)
+
+
+def by_sendfile(path: Path, scratch: Path) -> bytes:
+    size = path.stat().st_size
+    with path.open("rb") as source, scratch.open("w+b") as target:
+        sent = 0
+        while sent < size:
+            done = os.sendfile(target.fileno(), source.fileno(), sent, size - sent)
+            assert done > 0
+            sent += done
+        target.seek(0)
+        return target.read()
+
+
+@pytest.fixture(name="samples")
+def fixture_samples(s3_client: Any) -> tuple[str, dict[str, bytes]]:
+    bucket = new_bucket(s3_client, "through")
+    objects = {f"img-{number}.jpg": os.urandom(SAMPLE + number) for number in range(6)}
+    put_objects(s3_client, bucket, objects)
+    return bucket, objects
+
+
+def mount_samples(
+    mounter: MountFactory, s3_server: S3TestServer, bucket: str, *flags: str, **kwargs: Any
+) -> Mount:
+    return mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, *flags, **kwargs)
+
+
+def test_a_cached_file_is_read_by_the_kernel_by_read_mmap_and_sendfile(
+    tmp_path: Path, mounter: MountFactory, s3_server: S3TestServer, samples: tuple[str, dict[str, bytes]]
+) -> None:
+    bucket, objects = samples
+    mount = mount_samples(mounter, s3_server, bucket)
+    assert passthrough_state(mount) == "on"
+    assert metric(mount, "cachefsd_passthrough") == 1
+    for name, data in objects.items():
+        assert by_read(mount.path(name)) == data  # cold: the daemon reads it, and caches it whole
+    hot_before = mount.metrics()["cachefsd_served_bytes_total{tier=hot}"]
+    drop_page_cache()
+    reads = daemon_reads(mount)
+    for name, data in objects.items():
+        assert by_read(mount.path(name)) == data, name
+        assert by_mmap(mount.path(name)) == data, name
+        assert by_sendfile(mount.path(name), tmp_path / "sent") == data, name
+    assert daemon_reads(mount) == reads
+    # Each open counted as a read of the whole file from the hot tier.
+    hot_after = mount.metrics()["cachefsd_served_bytes_total{tier=hot}"]
+    assert hot_after - hot_before == 3 * sum(len(data) for data in objects.values())
+
+
+def test_a_file_open_from_its_cold_read_keeps_new_opens_off_passthrough_until_it_closes(
+    mounter: MountFactory, s3_server: S3TestServer, samples: tuple[str, dict[str, bytes]]
+) -> None:
+    """The kernel refuses a passthrough open of an inode with an open in
+    cached mode: a new open while the cold one is open is a cached one."""
+    bucket, objects = samples
+    mount = mount_samples(mounter, s3_server, bucket)
+    name, data = next(iter(objects.items()))
+    with mount.path(name).open("rb") as cold:
+        assert cold.read() == data
+        assert by_read(mount.path(name)) == data  # cached by now, but opened in cached mode
+        assert by_mmap(mount.path(name)) == data
+    drop_page_cache()
+    reads = daemon_reads(mount)
+    with mount.path(name).open("rb") as first, mount.path(name).open("rb") as second:
+        assert first.read() == data
+        assert second.read() == data  # the second passthrough open shares the first's backing file
+    assert daemon_reads(mount) == reads
+
+
+def test_passthrough_turned_off_serves_the_same_bytes_through_the_daemon(
+    mounter: MountFactory, s3_server: S3TestServer, samples: tuple[str, dict[str, bytes]]
+) -> None:
+    bucket, objects = samples
+    mount = mount_samples(mounter, s3_server, bucket, "-o", "nopassthrough")
+    assert passthrough_state(mount) == "off: turned off (fuse.passthrough = false)"
+    assert metric(mount, "cachefsd_passthrough") == 0
+    for name, data in objects.items():
+        assert by_read(mount.path(name)) == data
+    drop_page_cache()
+    reads = daemon_reads(mount)
+    for name, data in objects.items():
+        assert by_mmap(mount.path(name)) == data
+    assert daemon_reads(mount) >= reads + len(objects)
+
+
+def test_kill_9_during_passthrough_reads_leaves_a_cache_verify_finds_clean(
+    tmp_path: Path, mounter: MountFactory, s3_server: S3TestServer, samples: tuple[str, dict[str, bytes]]
+) -> None:
+    bucket, objects = samples
+    cache_dir = tmp_path / "cache"
+    mount = mount_samples(mounter, s3_server, bucket, cache_dir=cache_dir)
+    for name, data in objects.items():
+        assert by_read(mount.path(name)) == data
+    wrong: list[str] = []
+    rounds = [0]
+    stop = threading.Event()
+
+    def read_in_turn() -> None:
+        while not stop.is_set():
+            for name, data in objects.items():
+                try:
+                    if by_read(mount.path(name)) != data:
+                        wrong.append(name)
+                except OSError as exc:
+                    if exc.errno not in DEAD_MOUNT_ERRNOS:
+                        wrong.append(f"{name}: {exc}")
+            rounds[0] += 1
+
+    readers = [threading.Thread(target=read_in_turn) for _ in range(3)]
+    for reader in readers:
+        reader.start()
+    try:
+        wait_until(lambda: rounds[0] >= 20, "readers going round", POLL_SECONDS)
+        os.kill(mount.pid, signal.SIGKILL)
+        wait_until(lambda: not mount.alive, "the daemon gone", POLL_SECONDS)
+    finally:
+        stop.set()
+        for reader in readers:
+            reader.join(POLL_SECONDS)
+    assert wrong == []
+    force_unmount(mount.mountpoint)
+    again = mount_samples(mounter, s3_server, bucket, cache_dir=cache_dir)
+    for name, data in objects.items():
+        assert by_read(again.path(name)) == data
+    again.unmount()
+    result = run_cli("verify", "--cache-dir", str(cache_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
