@@ -39,6 +39,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
+from cachefsd.cache.blocks import WholeFile
 from cachefsd.errors import BadFileHandle, IsADirectory, NotADirectory, ObjectChanged, UnknownInode
 from cachefsd.jobs import CallerJobs
 from cachefsd.namespace.names import inode_number
@@ -82,6 +83,14 @@ class CacheDisk(Protocol):
 
     def usage(self) -> tuple[int, int]:
         """The cache's capacity and the bytes it holds."""
+        ...
+
+    def whole_file(self, info: ObjectInfo) -> WholeFile | None:
+        """A read-only descriptor (the caller closes it) of a verified file
+        holding exactly ``info``'s bytes from offset 0, for the kernel to
+        serve the object's reads from (FUSE passthrough), counted as a read
+        of it by the cache; None unless the object is cached whole in one
+        raw block file."""
         ...
 
 

@@ -45,6 +45,20 @@ class FileSpan:
         return FileSpan(self.fd, self.offset + start, end - start)
 
 
+@dataclass(frozen=True, slots=True)
+class WholeFile:
+    """A cached object whose whole content is one raw block file, for the
+    kernel to serve its reads from (FUSE passthrough): ``fd``, open
+    read-only, is a verified file that holds exactly the object's ``size``
+    bytes from offset 0; the receiver owns it and must close it. ``tier``
+    names the tier it lies in (reads the daemon no longer sees are counted
+    by tier)."""
+
+    fd: int
+    tier: str
+    size: int
+
+
 # A block's content: bytes (a bytearray as a fetch brings it), or where it
 # lies in a raw block file.
 Content = bytes | bytearray | FileSpan
