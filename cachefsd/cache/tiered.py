@@ -1,11 +1,10 @@
-"""The tiered block cache: hot (fast disk, each block's bare content in a
-file) and warm (larger disk, lz4 frames), or a single tier, over one index.
-It is the local level of the block cache (``blocks.BlockCache``): a raw
-block is served in place, as a span of its file, or for an object that is
-one block, as the whole file (``whole_file``, for FUSE passthrough); a
+"""The tiered block cache: hot (fast disk, each block's bare content in a file)
+and warm (larger disk, lz4 frames), or a single tier, over one index. It is
+the local level of the block cache (``blocks.BlockCache``): a raw block is
+served in place, as a span of its file, or for an object that is one block,
+as the whole file (``view.CacheView.whole_file``, for FUSE passthrough); a
 compressed one decoded (once for its concurrent readers), and a block of
-another object with the same content identity is adopted instead of
-fetched.
+another object with the same content identity is adopted instead of fetched.
 
 Movement: a new block enters the fastest tier whose policy makes room for
 it; a block evicted from a tier is demoted to the next one instead of being
@@ -15,16 +14,16 @@ epoch-aware policy means only in place of blocks already consumed this
 epoch. Identical content is stored once (blocks are named by their hash) and
 referenced from every (source, key, etag, block) that holds it.
 
-Crash safety: a block's file is written to a temp file and renamed into its tier
-before the index names it there; a moved block is written to its new tier,
-re-homed in the index, and only then deleted from the old one; an evicted
-block leaves the index before its file goes. ``maintenance.reconcile`` at
-start-up deletes temp files, files the index does not place in that tier, rows whose
-file is missing or of the wrong size, and unreferenced blocks. Every file
-is named by its content's hash and verified against it when read back (a
-raw one on its first read by this process, and again whenever the file
-changes), so nothing a ``kill -9`` or a power loss leaves behind can be
-served.
+Crash safety: a block's file is written to a temp file and renamed into its
+tier before the index names it there; a moved block is written to its new
+tier, re-homed in the index, and only then deleted from the old one; an
+evicted block leaves the index before its file goes.
+``maintenance.reconcile`` at start-up deletes temp files, files the index
+does not place in that tier, rows whose file is missing or of the wrong
+size, and unreferenced blocks. Every file is named by its content's hash and
+verified against it when read back (a raw one on its first read by this
+process, and again whenever the file changes), so nothing a ``kill -9`` or a
+power loss leaves behind can be served.
 
 The cache is advisory: a failing tier (disk full, I/O error, an index on a
 full disk) is logged, counted, and turned into a miss or a skipped
@@ -124,10 +123,10 @@ def _check_whole(content: memoryview, file_size: int, digest: str) -> int:
     """Verify a raw block file of ``file_size`` bytes, read as ``content``:
     all of it, not only the block's length. A file longer than its block,
     its block's bytes first, would pass the hash, and a kernel handed the
-    file (``whole_file``) would serve the rest: it takes end of file from
-    the file. Its length."""
+    file (``view.CacheView.whole_file``) would serve the rest: it takes end
+    of file from the file. Its length."""
     if len(content) != file_size:
-        raise CorruptBlock(f"the file is {file_size} bytes, {len(content)} read: longer than its block")
+        raise CorruptBlock(f"{len(content)} of the file's {file_size} bytes read: it is not its block")
     return check_content(content, digest)
 
 

@@ -159,3 +159,20 @@ def test_a_file_is_hashed_once_per_daemon_and_again_when_it_changes(
     copy.replace(path)  # the same bytes in another file: hashed again
     assert handed_over(restarted) == data
     assert _hashed(restarted) == 2 * len(data)
+
+
+def test_a_hot_file_longer_than_its_block_is_not_handed_over(make_rig: RigFactory) -> None:
+    """Its block's bytes first, it passes a hash of the block's length; the
+    kernel would serve the rest too, taking end of file from the file."""
+    data = os.urandom(BLOCK_SIZE)  # whole allocation units: a longer file's first read has its length
+    rig = make_rig({"f": data})
+    info = _cached(rig, "f")
+    digest = rig.view.digest(info, 0)
+    assert digest is not None
+    path = rig.cache.tiers[0].path_of(digest)
+    longer = path.with_name("longer")
+    longer.write_bytes(data + b"trailing bytes")
+    longer.replace(path)  # another file: checked again
+    assert rig.view.whole_file(info) is None
+    assert not path.exists()
+    assert sample(rig.metrics.registry, "cachefsd_cache_corrupt_blocks_total", tier="hot") == 1
