@@ -38,7 +38,6 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 from epoch_bench import ENDPOINT, environment
 from read_bench import Dataset, free_port, make_dataset
 
-from cachefsd.cache.codec import HEADER_SIZE
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.cli.supervise import unmount
 
@@ -97,7 +96,7 @@ def main() -> int:
             client.create_bucket(Bucket="bench")
             dataset = Dataset("data", args.files, args.kib << 10)
             relatives = make_dataset(dataset, work / "local", client, "bench")
-            capacity = int(args.cache_fraction * args.files * disk_bytes(HEADER_SIZE + (args.kib << 10)))
+            capacity = int(args.cache_fraction * args.files * disk_bytes(args.kib << 10))
             config = work / "cachefsd.toml"
             config.write_text(f'[cache]\npolicy = "{args.policy}"\n')
             print(

@@ -138,7 +138,7 @@ def data_path(
         clock=listing_clock,
         fresh_wait=fresh_wait,
     )
-    view = CacheView(store.cache_key, cache)
+    view = CacheView(store.cache_key, cache, settings.cache.block_size)
     prefetcher = Prefetcher(model, namespace, reader, view, settings.prefetch, metrics)
     fs = FileSystem(
         namespace,

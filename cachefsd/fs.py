@@ -86,9 +86,11 @@ class CacheDisk(Protocol):
         ...
 
     def whole_file(self, info: ObjectInfo) -> WholeFile | None:
-        """A cache file holding exactly the bytes of ``info`` from offset 0
-        (verified), open for the caller to close, its handover counted as a
-        read of it; None if there is none."""
+        """A read-only descriptor (the caller closes it) of a verified file
+        holding exactly ``info``'s bytes from offset 0, for the kernel to
+        serve the object's reads from (FUSE passthrough), counted as a read
+        of it by the cache; None unless the object is cached whole in one
+        raw block file."""
         ...
 
 

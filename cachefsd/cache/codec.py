@@ -1,4 +1,13 @@
-"""The on-disk format of one block: a fixed header, then the payload.
+"""The on-disk formats of one block, named by its content hash in every tier.
+
+In a raw tier (``Codec.RAW``) a block's file is its bare content: no
+header, as long as the block. The kernel can then be handed the file of an
+object that is one block (FUSE passthrough), and it takes the object's end
+from the file's. The name is the proof of identity: the content is hashed
+against it (``check_content``) before it is served.
+
+In a compressed tier (``Codec.LZ4``), and inside a shared tier's blob, a
+block is a frame, a fixed header then the payload:
 
     offset size field
     0      4    magic b"CFSB"
@@ -13,7 +22,10 @@ All integers are big-endian. The hash is the block's name too, so a frame
 proves its own identity: a torn write, a bit flip or a file renamed to the
 wrong name fails ``decode``. Any change to this layout must bump
 FORMAT_VERSION (a golden-bytes test enforces it); frames of another version
-are treated as corrupt and re-fetched, never misread.
+are treated as corrupt and re-fetched, never misread. Which of the two a
+tier's files are is recorded by the index's schema version
+(``index.SCHEMA_VERSION``): a cache written in another layout is set aside
+whole, never read as this one.
 """
 
 from __future__ import annotations
@@ -32,14 +44,16 @@ HEADER_SIZE = _HEADER.size
 
 
 class Codec(enum.IntEnum):
-    """How a tier stores a block's payload in its frame: as it is, or lz4-compressed."""
+    """How a tier stores a block (``encode_file``): as bare content, or in a
+    frame, lz4-compressed when that shrinks it. In a frame's header, how
+    its payload is stored: as it is, or lz4-compressed."""
 
     RAW = 0
     LZ4 = 1
 
 
 class CorruptBlock(Exception):
-    """A frame that does not decode to the content its header (or name) claims."""
+    """A block file that does not hold the content its name (or header) claims."""
 
 
 def content_hash(data: bytes | bytearray | memoryview) -> str:
@@ -49,8 +63,9 @@ def content_hash(data: bytes | bytearray | memoryview) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """A frame in its two parts, written with one ``writev``: joining them
-    would copy a whole block to prepend 40 bytes."""
+    """A block file's bytes in two parts, written with one ``writev``:
+    joining them would copy a whole block to prepend 40 bytes. The header
+    is empty for a raw tier's bare content."""
 
     header: bytes
     payload: bytes | bytearray
@@ -95,15 +110,12 @@ def _payload(frame: bytes | memoryview, expected_hash: str) -> tuple[int, int, m
     return codec, raw_length, payload
 
 
-def check_raw(frame: bytes | memoryview, expected_hash: str) -> int:
-    """Verify a raw frame where it lies, without copying its content (a
-    reader is then served from the file); the content's length."""
-    codec, raw_length, payload = _payload(frame, expected_hash)
-    if codec != Codec.RAW:
-        raise CorruptBlock(f"codec {codec} where a raw frame was expected")
-    if len(payload) != raw_length or content_hash(payload) != expected_hash:
+def check_content(content: bytes | bytearray | memoryview, expected_hash: str) -> int:
+    """Verify a raw tier's block, the bare content of its file, where it
+    lies (a reader is then served from the file, without a copy); its length."""
+    if content_hash(content) != expected_hash:
         raise CorruptBlock("content does not match its hash")
-    return raw_length
+    return len(content)
 
 
 def decode(frame: bytes, expected_hash: str) -> bytes:
@@ -121,3 +133,20 @@ def decode(frame: bytes, expected_hash: str) -> bytes:
     if len(data) != raw_length or content_hash(data) != expected_hash:
         raise CorruptBlock("content does not match its hash")
     return data
+
+
+def encode_file(data: bytes | bytearray, codec: Codec, digest: str) -> Frame:
+    """What a tier of ``codec`` writes as the file of block ``data``, whose
+    ``content_hash`` is ``digest``: a raw tier its bare content, a
+    compressed one its frame."""
+    if codec is Codec.RAW:
+        return Frame(b"", data)
+    return encode(data, codec, digest)
+
+
+def decode_file(contents: bytes, codec: Codec, digest: str) -> bytes:
+    """The verified content of the file of block ``digest`` in a tier of ``codec``."""
+    if codec is Codec.RAW:
+        check_content(contents, digest)
+        return contents
+    return decode(contents, digest)

@@ -34,8 +34,11 @@ from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 log = logging.getLogger(__name__)
 
 # An index of another version is set aside whole (the cache is advisory), so
-# no code reads an older one. 3: every saved listing carries its checksum.
-SCHEMA_VERSION = 3
+# no code reads an older one, nor the block files it names: they become
+# orphans, which start-up deletes. 3: every saved listing carries its
+# checksum. 4: a raw tier's block file is the block's bare content, no frame
+# header (codec.py), so an older hot tier's frames are never served as content.
+SCHEMA_VERSION = 4
 # The meta row naming the block size the references were made at.
 BLOCK_SIZE_META = "block_size"
 

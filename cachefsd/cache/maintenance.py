@@ -4,8 +4,8 @@ accounting agree at start-up (``reconcile``), and checking every block
 reconciles every cache it opens; ``directory.verify`` and ``directory.gc``
 are the commands.
 
-Crash safety rests on the order every change to the cache keeps (a frame
-written and renamed before the index names it, a row deleted before its
+Crash safety rests on the order every change to the cache keeps (a block
+file written and renamed before the index names it, a row deleted before its
 file, see ``tiered.py``): whatever a ``kill -9`` or a power loss leaves,
 ``reconcile`` deletes temp files, files the index does not place in that
 tier, rows whose file is missing or of the wrong size, and unreferenced
@@ -20,7 +20,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from cachefsd.cache.codec import CorruptBlock, decode
+from cachefsd.cache.codec import Codec, CorruptBlock, decode_file
 from cachefsd.cache.index import StoredBlock
 from cachefsd.cache.tier import Tier, disk_bytes
 from cachefsd.cache.tiered import TieredCache
@@ -121,7 +121,7 @@ def _judge_rows(
     for block in reversed(stored):  # most recent first: they are kept when a tier overflows
         tier = by_name.get(block.tier)
         file_size = None if tier is None else on_disk[tier.name].pop(block.hash, None)
-        intact = file_size is not None and disk_bytes(file_size) == block.disk_bytes
+        intact = tier is not None and file_size is not None and _of_its_size(tier, block, file_size)
         fits = tier is not None and used[tier.name] + block.disk_bytes <= tier.capacity
         if intact and fits and block.hash not in garbage:
             used[block.tier] += block.disk_bytes
@@ -140,16 +140,26 @@ def _judge_rows(
     return kept, damage, trimmed
 
 
+def _of_its_size(tier: Tier, block: StoredBlock, file_size: int) -> bool:
+    """Whether a block's file is as long as its row says: a raw tier's is
+    its content, byte for byte; a frame's is known to within its disk
+    bytes (the row does not keep a compressed payload's length)."""
+    if tier.codec is Codec.RAW and file_size != block.raw_bytes:
+        return False
+    return disk_bytes(file_size) == block.disk_bytes
+
+
 def verify_blocks(cache: TieredCache, repair: bool) -> VerifyReport:
-    """Check every block's frame and hash; with ``repair``, drop the bad
-    ones (they are fetched again on their next read)."""
+    """Check every block's file against its name (a raw tier's bare content
+    hashed, a compressed tier's frame decoded); with ``repair``, drop the
+    bad ones (they are fetched again on their next read)."""
     corrupt: list[str] = []
     missing: list[str] = []
     checked = 0
     for digest, tier in _stored(cache):
         checked += 1
         try:
-            decode(tier.read(digest), digest)
+            decode_file(tier.read(digest), tier.codec, digest)
         except FileNotFoundError:
             missing.append(digest)
         except (CorruptBlock, OSError):

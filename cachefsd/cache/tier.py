@@ -1,13 +1,15 @@
-"""One tier: a directory of block frames with a byte capacity and a codec.
+"""One tier: a directory of block files with a byte capacity and a codec.
 
-    <dir>/blocks/ab/abcdef...   one frame (codec.py) per content hash
-    <dir>/tmp/                  frames being written; garbage after a crash
+    <dir>/blocks/ab/abcdef...   one file per content hash (codec.py): the
+                                bare content in a raw tier, a frame in a
+                                compressed one
+    <dir>/tmp/                  files being written; garbage after a crash
 
 A tier only stores and accounts; what enters, leaves or moves is decided by
 ``tiered.TieredCache``, which serialises every operation that adds bytes.
 Capacity counts each file rounded up to the filesystem allocation unit, so
 ``used_bytes`` is bytes on disk; a tier makes room (``make_room``) before a
-frame is written and its victims' files are deleted before the new one is,
+file is written and its victims' files are deleted before the new one is,
 so the bound holds at every moment, not just between operations.
 
 Concurrency: ``_lock`` guards ``_sizes``, ``_used`` and the policy. File I/O
@@ -215,8 +217,9 @@ class Tier:
     # -- files ------------------------------------------------------------
 
     def write(self, digest: str, frame: Frame) -> os.stat_result:
-        """Write a frame under its name: a temp file, then a rename; the
-        file's status once in place. A write that fails leaves neither behind."""
+        """Write a block's file (``codec.encode_file``) under its name: a
+        temp file, then a rename; the file's status once in place. A write
+        that fails leaves neither behind."""
         temp = self._tmp_dir / f"{digest}.{secrets.token_hex(4)}"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -258,7 +261,7 @@ class Tier:
 
     @staticmethod
     def read_into(fd: int, buffer: bytearray) -> memoryview:
-        """The frame of an open block file, read into ``buffer`` (at least
+        """The bytes of an open block file, read into ``buffer`` (at least
         the file's size): no allocation, no page faults on a buffer already
         used, and one system call (a short read of a regular file is its
         end): each call into the kernel gives up the GIL, and getting it back

@@ -1,9 +1,10 @@
-"""The tiered block cache: hot (fast disk, raw frames) and warm (larger
-disk, lz4 frames), or a single tier, over one index. It is the local level
-of the block cache (``blocks.BlockCache``): a raw block is served in place,
-as a span of its file, a compressed one decoded (once for its concurrent
-readers), and a block of another object with the same content identity is
-adopted instead of fetched.
+"""The tiered block cache: hot (fast disk, each block's bare content in a file)
+and warm (larger disk, lz4 frames), or a single tier, over one index. It is
+the local level of the block cache (``blocks.BlockCache``): a raw block is
+served in place, as a span of its file, or for an object that is one block,
+as the whole file (``view.CacheView.whole_file``, for FUSE passthrough); a
+compressed one decoded (once for its concurrent readers), and a block of
+another object with the same content identity is adopted instead of fetched.
 
 Movement: a new block enters the fastest tier whose policy makes room for
 it; a block evicted from a tier is demoted to the next one instead of being
@@ -13,14 +14,16 @@ epoch-aware policy means only in place of blocks already consumed this
 epoch. Identical content is stored once (blocks are named by their hash) and
 referenced from every (source, key, etag, block) that holds it.
 
-Crash safety: a frame is written to a temp file and renamed into its tier
-before the index names it there; a moved block is written to its new tier,
-re-homed in the index, and only then deleted from the old one; an evicted
-block leaves the index before its file goes. ``maintenance.reconcile`` at
-start-up deletes temp files, files the index does not place in that tier, rows whose
-file is missing or of the wrong size, and unreferenced blocks. Every frame
-carries its hash and is verified when read back, so nothing a ``kill -9``
-or a power loss leaves behind can be served.
+Crash safety: a block's file is written to a temp file and renamed into its
+tier before the index names it there; a moved block is written to its new
+tier, re-homed in the index, and only then deleted from the old one; an
+evicted block leaves the index before its file goes.
+``maintenance.reconcile`` at start-up deletes temp files, files the index
+does not place in that tier, rows whose file is missing or of the wrong
+size, and unreferenced blocks. Every file is named by its content's hash and
+verified against it when read back (a raw one on its first read by this
+process, and again whenever the file changes), so nothing a ``kill -9`` or a
+power loss leaves behind can be served.
 
 The cache is advisory: a failing tier (disk full, I/O error, an index on a
 full disk) is logged, counted, and turned into a miss or a skipped
@@ -45,7 +48,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
 from cachefsd.cache.blocks import Block, BlockCache, FileSpan, Use, Version
-from cachefsd.cache.codec import HEADER_SIZE, Codec, CorruptBlock, check_raw, decode, encode
+from cachefsd.cache.codec import Codec, CorruptBlock, check_content, decode_file, encode_file
 from cachefsd.cache.index import BlockRef, Index, IndexDamaged, StoredBlock
 from cachefsd.cache.policy import PlannedUse
 from cachefsd.cache.tier import NoRoom, Tier, UnplaceableBlock, disk_bytes
@@ -63,11 +66,10 @@ _DISK_ERRORS = (OSError, sqlite3.Error)
 # checked again on its next read, which for small blocks (a file of a sample
 # each) costs little next to the read itself.
 CHECKED_FILES_REMEMBERED = 1 << 15
-# A frame buffer a FUSE thread keeps for checking raw blocks, at most: a
-# default block and its header. Larger blocks are checked in a buffer of
-# their own, freed after: kept, 64 MiB blocks held 704 MiB in 11 threads
-# for the daemon's life.
-KEPT_FRAME_BYTES = (4 << 20) + 4096
+# A buffer a FUSE thread keeps for checking raw blocks, at most: a default
+# block. Larger blocks are checked in a buffer of their own, freed after:
+# kept, 64 MiB blocks held 704 MiB in 11 threads for the daemon's life.
+KEPT_CHECK_BYTES = 4 << 20
 # A tier whose disk failed a write takes no blocks (and offers no room to
 # prefetch) for this long, then is tried again: a read-only or vanished
 # disk made prefetch fetch the same blocks over and over, 1.2 GB in 10 s,
@@ -107,7 +109,7 @@ class CacheEvents(Protocol):
 @dataclass(frozen=True, slots=True)
 class Placement:
     tier: str
-    raw: bool  # stored as a raw frame: servable from the file without copying
+    raw: bool  # stored as bare content: servable from the file without copying
 
 
 def _file_identity(stat: os.stat_result) -> tuple[int, int, int]:
@@ -115,6 +117,17 @@ def _file_identity(stat: os.stat_result) -> tuple[int, int, int]:
     inode, and its ctime, which every write, truncation or rename sets to
     now and no user can set back."""
     return stat.st_dev, stat.st_ino, stat.st_ctime_ns
+
+
+def _check_whole(content: memoryview, file_size: int, digest: str) -> int:
+    """Verify a raw block file of ``file_size`` bytes, read as ``content``:
+    all of it, not only the block's length. A file longer than its block,
+    its block's bytes first, would pass the hash, and a kernel handed the
+    file (``view.CacheView.whole_file``) would serve the rest: it takes end
+    of file from the file. Its length."""
+    if len(content) != file_size:
+        raise CorruptBlock(f"{len(content)} of the file's {file_size} bytes read: it is not its block")
+    return check_content(content, digest)
 
 
 class TieredCache(BlockCache):
@@ -135,8 +148,8 @@ class TieredCache(BlockCache):
         self._tuning = tuning
         self._clock = clock  # for the disk-error backoff
         self._planned = planned  # the plan the tiers' policies read, if any
-        # Per thread, a frame buffer for ``raw_hit``: checking a block costs
-        # no allocation (at most ``KEPT_FRAME_BYTES`` per FUSE thread).
+        # Per thread, a buffer for ``raw_hit``: checking a block costs no
+        # allocation (at most ``KEPT_CHECK_BYTES`` per FUSE thread).
         self._buffers = threading.local()
         # Raw blocks checked by this process -> the identity of the file
         # checked (``_file_identity``), the most recently served last.
@@ -222,7 +235,7 @@ class TieredCache(BlockCache):
         hit = self.raw_hit(digest)
         if hit is not None:
             tier, fd = hit
-            return Block(digest, FileSpan(fd, HEADER_SIZE, length), tier)
+            return Block(digest, FileSpan(fd, 0, length), tier)
         placement = self.placement(digest)
         if placement is None:
             return None
@@ -340,13 +353,13 @@ class TieredCache(BlockCache):
                 log.warning("cannot warm block %s in the %s tier: %s", digest, tier.name, exc)
 
     def raw_hit(self, digest: str) -> tuple[str, int] | None:
-        """For a read served straight from a raw block file (its content
-        follows the frame header, so libfuse can copy it without Python):
-        the tier's name and an open descriptor of the file, which the caller
-        closes, with the hit counted by its policy. The frame is verified
-        where it lies (no copy of its content) unless this very file was
-        already (``_checked_before``). None if the block is compressed,
-        absent, or found corrupt (then dropped, as by ``read``)."""
+        """For a read served straight from a raw block file (the block's
+        bare content, so libfuse can copy it without Python, or the kernel
+        read it itself): the tier's name and an open descriptor of the file,
+        which the caller closes, with the hit counted by its policy. The
+        content is verified where it lies (no copy of it) unless this very
+        file was already (``_checked_before``). None if the block is
+        compressed, absent, or found corrupt (then dropped, as by ``read``)."""
         tier = self._tier_holding(digest)
         if tier is None or tier.codec is not Codec.RAW:
             return None
@@ -364,20 +377,23 @@ class TieredCache(BlockCache):
     def _verified(self, tier: Tier, digest: str, fd: int) -> bool:
         """Whether block ``digest``, open as ``fd`` in ``tier``, may be
         served: checked by this process in this very file before, or now."""
-        identity = self._checked(tier, digest, lambda: _file_identity(os.fstat(fd)))
-        if identity is None:
+        status = self._checked(tier, digest, lambda: os.fstat(fd))
+        if status is None:
             return False
+        identity = _file_identity(status)
         if self._checked_before(digest, identity):
             return True
-        size = tier.size_of(digest)  # bytes on disk: at least the file's
+        size = tier.size_of(digest)  # bytes on disk: at least the file's, if it is the block's
         if size is None:  # evicted or moved since it was found: a miss
             return False
-        buffer = getattr(self._buffers, "frame", None)
+        buffer = getattr(self._buffers, "check", None)
         if buffer is None or len(buffer) < size:
             buffer = bytearray(size)
-            if size <= KEPT_FRAME_BYTES:
-                self._buffers.frame = buffer
-        length = self._checked(tier, digest, lambda: check_raw(tier.read_into(fd, buffer), digest))
+            if size <= KEPT_CHECK_BYTES:
+                self._buffers.check = buffer
+        length = self._checked(
+            tier, digest, lambda: _check_whole(tier.read_into(fd, buffer), status.st_size, digest)
+        )
         if length is None:
             return False
         self._events.tier_read(tier.name, length)
@@ -410,7 +426,7 @@ class TieredCache(BlockCache):
         tier = self._tier_holding(digest)
         if tier is None:
             return None
-        data = self._checked(tier, digest, lambda: decode(tier.read(digest), digest))
+        data = self._checked(tier, digest, lambda: decode_file(tier.read(digest), tier.codec, digest))
         if data is None and tier is not self._tier_holding(digest):  # moved meanwhile: look once more
             return self.read(digest)
         if data is None:
@@ -495,9 +511,9 @@ class TieredCache(BlockCache):
 
     def _place(self, position: int, digest: str, data: bytes | bytearray, ahead: bool = False) -> int:
         """Write ``data`` into tier ``position``, demoting or evicting what
-        its policy gives up for it; the frame's bytes on disk."""
+        its policy gives up for it; the file's bytes on disk."""
         tier = self._tiers[position]
-        frame = encode(data, tier.codec, digest)
+        frame = encode_file(data, tier.codec, digest)
         size = disk_bytes(frame.size)
         try:
             victims = tier.make_room(size, digest)
@@ -553,7 +569,7 @@ class TieredCache(BlockCache):
         if self._failing(target, digest):
             return False
         try:
-            data = decode(source.read(digest), digest)
+            data = decode_file(source.read(digest), source.codec, digest)
             self._place(position + 1, digest, data)
         except (NoRoom, CorruptBlock):
             return False

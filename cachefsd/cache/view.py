@@ -5,10 +5,11 @@ The prefetcher (``prefetch.prefetcher.CachedBlocks``), staging
 (``stage.Resident``) and the filesystem (``fs.CacheDisk``) each say in a
 protocol of their own what they ask of the cache: whether a block is
 cached and where, plans for its next read, loading it into RAM ahead of
-that read, and room. ``CacheView`` answers all of them over the one
-``TieredCache`` a node shares, naming a block as the read path does:
-(source, key, etag, index), so a version's blocks are never another's.
-It holds no state of its own; thread-safe as the cache is.
+that read, room, and the file of an object cached whole in one raw block
+file. ``CacheView`` answers all of them over the one ``TieredCache`` a
+node shares, naming a block as the read path does: (source, key, etag,
+index), so a version's blocks are never another's. It holds no state of
+its own; thread-safe as the cache is.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from cachefsd.store.base import ObjectInfo
 
 
 class CacheView:
-    """The blocks of ``source``'s objects in ``cache``."""
+    """The blocks of ``source``'s objects, cut at ``block_size``, in ``cache``."""
 
-    def __init__(self, source: str, cache: TieredCache) -> None:
+    def __init__(self, source: str, cache: TieredCache, block_size: int) -> None:
         self._source = source
         self._cache = cache
+        self._block_size = block_size
 
     def digest(self, info: ObjectInfo, index: int) -> str | None:
         """The content hash cached for block ``index`` of ``info``, or None."""
@@ -54,6 +56,22 @@ class CacheView:
         self._cache.warm(digest, hold)
         return True
 
+    def whole_file(self, info: ObjectInfo) -> WholeFile | None:
+        """The file of ``info`` when the object is one block (not empty) and
+        that block lies in a raw tier: its bare content, exactly the
+        object's bytes. Served as a read of the block is (``raw_hit``):
+        verified before its first handover by this process and whenever
+        the file changes, counted as a read by the tier's policy, dropped
+        if corrupt (then None)."""
+        if not 0 < info.size <= self._block_size:
+            return None
+        digest = self.digest(info, 0)
+        hit = None if digest is None else self._cache.raw_hit(digest)
+        if hit is None:
+            return None
+        tier, fd = hit
+        return WholeFile(fd, tier, info.size)
+
     def room(self, next_use: float | None = None, wanted: int | None = None) -> int:
         """Bytes the cache would keep of blocks fetched ahead now (planned to
         be read at ``next_use``, if known), counted until ``wanted`` bytes
@@ -64,6 +82,3 @@ class CacheView:
     def usage(self) -> tuple[int, int]:
         """The cache's capacity and the bytes it holds (all sources')."""
         return self._cache.capacity, self._cache.used_bytes
-
-    def whole_file(self, info: ObjectInfo) -> WholeFile | None:
-        return None

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from cachefsd.cache.codec import HEADER_SIZE, CorruptBlock, decode
+from cachefsd.cache.codec import Codec, CorruptBlock, decode_file
 from cachefsd.cache.lock import LOCK_WAIT_SECONDS
 from cachefsd.cache.tiered import disk_bytes
 from cachefsd.testing.s3_server import S3TestServer
@@ -173,16 +173,16 @@ def test_hanging_server_fails_uncached_reads_within_deadline_and_serves_cached(
 
 
 def _flip_payload_byte(block_file: Path) -> None:
-    frame = bytearray(block_file.read_bytes())
-    position = HEADER_SIZE + (len(frame) - HEADER_SIZE) // 2
-    frame[position] ^= 0xFF
+    content = bytearray(block_file.read_bytes())
+    content[len(content) // 2] ^= 0xFF
     with open(block_file, "r+b") as handle:  # in place: same size, so start-up keeps the row
-        handle.write(frame)
+        handle.write(content)
 
 
 def _truncate_tail(block_file: Path) -> None:
     """A torn write's last bytes: the file still fills the same allocation
-    units, so only the frame's own length and hash can tell."""
+    units, so only its exact length (which start-up checks against its row)
+    and its hash can tell."""
     size = block_file.stat().st_size
     assert disk_bytes(size - 8) == disk_bytes(size)
     os.truncate(block_file, size - 8)
@@ -221,9 +221,9 @@ def test_corrupt_block_on_disk_is_refetched_after_remount(
     assert mount.path("file.bin").read_bytes() == original
     # Exactly the bad block went back to the bucket; the three good ones came from disk.
     assert s3_server.get_object_count == 1
-    if corruption != "truncate_half":
-        # A frame that still has its recorded size is caught by its hash on read
-        # (a shorter file is already dropped by start-up's reconcile).
+    if corruption == "flip":
+        # A file that still has its recorded length is caught by its hash on
+        # read (a shorter one is already dropped by start-up's reconcile).
         assert metric(mount, "cachefsd_cache_corrupt_blocks_total") >= 1
     _drop_page_cache()
     assert mount.path("file.bin").read_bytes() == original
@@ -275,13 +275,14 @@ def _churning(mount: Mount) -> bool:
 
 def _check_cache_dir(cache_dir: Path, capacity: int) -> None:
     """The on-disk invariants after a clean unmount: no temp files, every
-    block file decodes to the content its name claims, capacity kept."""
+    block file (bare content: the single tier is raw) holds the content its
+    name claims, capacity kept."""
     assert list((cache_dir / "tmp").iterdir()) == []
     block_files = _block_files(cache_dir)
     assert block_files, "the cache holds no blocks at all"
     for block_file in block_files:
         try:
-            decode(block_file.read_bytes(), block_file.name)
+            decode_file(block_file.read_bytes(), Codec.RAW, block_file.name)
         except CorruptBlock as exc:
             pytest.fail(f"{block_file} does not decode: {exc}")
     on_disk = sum(disk_bytes(path.stat().st_size) for path in block_files)

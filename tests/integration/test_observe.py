@@ -26,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cachefsd.cache.codec import HEADER_SIZE
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.cli.top import SPARK_CHARS
 from cachefsd.testing.s3_server import S3TestServer
@@ -98,8 +97,8 @@ def test_metrics_count_what_the_reads_imply(
     assert _delta(first, before, "cachefsd_fetch_bytes_total{kind=demand}") == total
     assert _delta(first, before, "cachefsd_read_stall_seconds_total") > 0
     assert first["cachefsd_hit_ratio"] == 0.0
-    # Each block is one raw frame in the hot tier, in 4 KiB allocation units.
-    used = sum(disk_bytes(HEADER_SIZE + len(block)) for block in blocks)
+    # Each block is one file of its bare content in the hot tier, in 4 KiB allocation units.
+    used = sum(disk_bytes(len(block)) for block in blocks)
     assert first["cachefsd_tier_used_bytes{tier=hot}"] == used
     assert first["cachefsd_tier_blocks{tier=hot}"] == len(blocks)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from cachefsd.cache.codec import HEADER_SIZE, content_hash, decode
+from cachefsd.cache.codec import content_hash, decode
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.testing.s3_server import S3TestServer
 from tests.integration.conftest import Mount, MountFactory, force_unmount, free_port, run_cli
@@ -80,11 +80,6 @@ def _block_files(tier_dir: Path) -> list[Path]:
 def _disk_bytes(tier_dir: Path) -> int:
     """Bytes on disk of a tier's block files, as the daemon accounts them."""
     return sum(disk_bytes(path.stat().st_size) for path in _block_files(tier_dir))
-
-
-def _frame_disk_bytes(raw_length: int) -> int:
-    """Bytes on disk of one raw (uncompressed) frame holding ``raw_length`` bytes."""
-    return disk_bytes(HEADER_SIZE + raw_length)
 
 
 def _blocks_of(data: bytes) -> list[bytes]:
@@ -146,7 +141,14 @@ def test_blocks_demote_to_warm_promote_on_reuse_and_never_overflow_a_tier(
     all_blocks = sum(len(_blocks_of(body)) for body in objects.values())
     assert len(_block_files(hot)) + len(_block_files(warm)) == all_blocks
 
-    # Warm frames are lz4: the text blocks it holds take a fraction of their size.
+    # Hot files are the blocks' bare content, named by its hash (the kernel
+    # can be handed one as an object's file); warm frames are lz4: the text
+    # blocks it holds take a fraction of their size.
+    dataset_blocks = {block for body in objects.values() for block in _blocks_of(body)}
+    for block_file in _block_files(hot):
+        content = block_file.read_bytes()
+        assert content_hash(content) == block_file.name, block_file
+        assert content in dataset_blocks, block_file
     warm_text_raw = warm_text_disk = 0
     text_blocks = {block for body in text.values() for block in _blocks_of(body)}
     for block_file in _block_files(warm):
@@ -190,7 +192,7 @@ def test_same_objects_under_two_prefixes_are_cached_and_downloaded_once(
     put_objects(
         s3_client, bucket, {f"{prefix}/{name}": body for prefix in "ab" for name, body in files.items()}
     )
-    one_copy = sum(_frame_disk_bytes(len(block)) for body in files.values() for block in _blocks_of(body))
+    one_copy = sum(disk_bytes(len(block)) for body in files.values() for block in _blocks_of(body))
     mount = mounter(f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, "--block-size", "64K")
 
     s3_server.reset_counts()
@@ -287,11 +289,12 @@ def test_sigkill_under_tier_churn_leaves_a_cache_verify_finds_clean(
 
 
 def _flip_payload_byte(block_file: Path) -> None:
-    """In place, same size: only the frame's hash can tell."""
-    frame = bytearray(block_file.read_bytes())
-    frame[HEADER_SIZE + (len(frame) - HEADER_SIZE) // 2] ^= 0xFF
+    """In place, same size: only the block's hash can tell (the last byte is
+    content in a raw tier's file, payload in a warm tier's frame)."""
+    contents = bytearray(block_file.read_bytes())
+    contents[-1] ^= 0xFF
     with open(block_file, "r+b") as handle:
-        handle.write(frame)
+        handle.write(contents)
 
 
 def test_verify_reports_damaged_blocks_and_repair_drops_them(

@@ -25,9 +25,9 @@ from prometheus_client import CollectorRegistry
 
 from cachefsd.cache import tier as tier_module
 from cachefsd.cache.blocks import FileSpan, Use, Version
-from cachefsd.cache.codec import HEADER_SIZE, Codec, content_hash, decode, encode
+from cachefsd.cache.codec import Codec, content_hash, decode_file, encode, encode_file
 from cachefsd.cache.directory import TierSpec, gc, open_cache, verify
-from cachefsd.cache.index import BlockRef, Index, IndexDamaged
+from cachefsd.cache.index import SCHEMA_VERSION, BlockRef, Index, IndexDamaged
 from cachefsd.cache.maintenance import reconcile, verify_blocks
 from cachefsd.cache.policy import EpochAwarePolicy, LruPolicy, MinioPolicy, PlannedUse, ReadMarks
 from cachefsd.cache.replay import ReplayCache
@@ -97,7 +97,7 @@ def test_admitted_block_reads_back_from_owner_only_files(tmp_path: Path) -> None
     with tiered(tmp_path, 1 << 20) as (cache, _):
         admit(cache, ref("k"), b"x" * 5000)
         assert read(cache, ref("k")) == b"x" * 5000
-        assert cache.used_bytes == disk_bytes(40 + 5000) == on_disk(tmp_path)
+        assert cache.used_bytes == disk_bytes(5000) == on_disk(tmp_path)
         assert all(path.stat().st_mode & 0o077 == 0 for path in (tmp_path / "hot").rglob("*"))
 
 
@@ -107,7 +107,7 @@ def test_identical_content_is_stored_once(tmp_path: Path) -> None:
         refs = [BlockRef("s3://a", "x", "1", 0), BlockRef("s3://b", "other/y", "2", 3)]
         for each in refs:
             admit(cache, each, data)
-        assert on_disk(tmp_path) == disk_bytes(40 + 10_000)
+        assert on_disk(tmp_path) == disk_bytes(10_000)
         assert all(read(cache, each) == data for each in refs)
         assert sample(metrics.registry, "cachefsd_dedup_saved_bytes_total", where="disk") == 10_000
 
@@ -144,7 +144,7 @@ def test_corrupt_block_is_dropped_not_served(tmp_path: Path) -> None:
 
 def written(tier: Tier, data: bytes) -> str:
     digest = content_hash(data)
-    tier.write(digest, encode(data))
+    tier.write(digest, encode_file(data, tier.codec, digest))
     return digest
 
 
@@ -169,7 +169,7 @@ def test_a_held_warm_hands_its_descriptor_to_the_next_open(tmp_path: Path) -> No
     path.rename(away)
     fd = tier.open(digest)
     try:
-        assert decode(os.pread(fd, 1 << 20, 0), digest) == data
+        assert os.pread(fd, 1 << 20, 0) == data
     finally:
         os.close(fd)
     with pytest.raises(FileNotFoundError):
@@ -227,9 +227,9 @@ def test_a_capacity_larger_than_the_disk_is_bounded_by_its_free_space(tmp_path: 
 
 
 def test_a_full_hot_tier_demotes_to_warm_and_a_warm_hit_promotes(tmp_path: Path) -> None:
-    block = disk_bytes(40 + len(COMPRESSIBLE))
+    blocks = [COMPRESSIBLE + bytes([i]) for i in range(4)]
+    block = disk_bytes(len(blocks[0]))
     with tiered(tmp_path, hot=2 * block, warm=1 << 20) as (cache, metrics):
-        blocks = [COMPRESSIBLE + bytes([i]) for i in range(4)]
         for i, data in enumerate(blocks):
             admit(cache, ref(f"k{i}"), data)
         assert sample(metrics.registry, "cachefsd_cache_demotions_total") == 2
@@ -245,7 +245,7 @@ def test_a_full_hot_tier_demotes_to_warm_and_a_warm_hit_promotes(tmp_path: Path)
 
 
 def test_a_policy_that_keeps_everything_sends_newcomers_to_the_next_tier(tmp_path: Path) -> None:
-    block = disk_bytes(40 + 5000)
+    block = disk_bytes(5000)
     with tiered(tmp_path, hot=2 * block, warm=1 << 20, hot_policy="minio") as (cache, _):
         for i in range(4):
             admit(cache, ref(f"k{i}"), os.urandom(5000))
@@ -256,12 +256,12 @@ def test_a_policy_that_keeps_everything_sends_newcomers_to_the_next_tier(tmp_pat
 def test_room_is_free_space_plus_what_the_policy_would_give_up(tmp_path: Path) -> None:
     """What a prefetcher may fill: an LRU tier gives up everything, MinIO nothing."""
     block = os.urandom(8192)
-    frame = disk_bytes(encode(block, Codec.RAW).size)
-    for policy, expected in (("lru", 4 * frame), ("minio", 2 * frame)):
+    file_bytes = disk_bytes(len(block))
+    for policy, expected in (("lru", 4 * file_bytes), ("minio", 2 * file_bytes)):
         root = tmp_path / policy
         root.mkdir()
-        with tiered(root, hot=4 * frame, hot_policy=policy) as (cache, _):
-            assert cache.room() == 4 * frame
+        with tiered(root, hot=4 * file_bytes, hot_policy=policy) as (cache, _):
+            assert cache.room() == 4 * file_bytes
             admit(cache, ref("a"), block)
             admit(cache, ref("b"), os.urandom(8192))
             assert cache.room() == expected
@@ -271,9 +271,9 @@ def test_an_opened_cache_ranks_by_the_plan(tmp_path: Path) -> None:
     """``open_cache`` hands the plan to the epoch-aware policy: a block
     planned sooner evicts the one planned latest."""
     block = os.urandom(8192)
-    frame = disk_bytes(encode(block, Codec.RAW).size)
+    file_bytes = disk_bytes(len(block))
     (tmp_path / "hot").mkdir()
-    spec = TierSpec("hot", str(tmp_path / "hot"), 2 * frame, "raw")
+    spec = TierSpec("hot", str(tmp_path / "hot"), 2 * file_bytes, "raw")
     planned, epochs = PlannedUse(), WorkloadModel()
     metrics = Metrics(CollectorRegistry())
     with open_cache(tmp_path, [spec], "epoch-aware", epochs, metrics, planned=planned) as opened:
@@ -371,8 +371,8 @@ def test_a_block_being_demoted_or_promoted_is_never_a_miss(tmp_path: Path) -> No
     copy is written, and a promoted one out of the warm tier's: a reader in
     that window found it nowhere, and fetched it again from the bucket."""
     blocks = [os.urandom(64 << 10) for _ in range(24)]
-    frame = disk_bytes(encode(blocks[0], Codec.RAW).size)
-    with tiered(tmp_path, hot=2 * frame, warm=1 << 30) as (cache, metrics):
+    file_bytes = disk_bytes(len(blocks[0]))
+    with tiered(tmp_path, hot=2 * file_bytes, warm=1 << 30) as (cache, metrics):
         digests = [admit(cache, ref("k", index), data) for index, data in enumerate(blocks[:2])]
         misses: list[str] = []
         reads = 0
@@ -416,6 +416,45 @@ def test_a_damaged_index_is_set_aside_not_a_failed_mount(
         assert read(opened.cache, ref("k")) == data
     assert "index.sqlite is damaged (file is not a database)" in caplog.text
     assert (tmp_path / "index.sqlite.damaged").read_bytes().startswith(b"not a database")  # for a post-mortem
+
+
+def test_a_hot_tier_of_frames_from_the_previous_format_is_never_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before schema 4 a raw tier's file was a frame: the content after a
+    40-byte header. A mount sets such a cache aside with its index (its
+    files are orphans, deleted); and a frame under a current index is no
+    block file either (longer than its content): start-up drops it."""
+    (tmp_path / "hot").mkdir()
+    spec = TierSpec("hot", str(tmp_path / "hot"), 1 << 20, "raw")
+    data = os.urandom(5000)
+    digest = content_hash(data)
+
+    def mount() -> Any:
+        return open_cache(tmp_path, [spec], "lru", WorkloadModel(), Metrics(CollectorRegistry()))
+
+    def left_by_the_previous_format(schema: int) -> Path:
+        with mount() as opened:
+            opened.cache.admit(ref("k"), digest, data)
+            path = opened.cache.tiers[0].path_of(digest)
+        path.write_bytes(bytes(encode(data)))  # the frame, in 8 KiB on disk as the content is
+        database = sqlite3.connect(tmp_path / "index.sqlite", isolation_level=None)
+        database.execute("UPDATE meta SET value = ? WHERE name = 'schema_version'", (str(schema),))
+        database.close()
+        return path
+
+    path = left_by_the_previous_format(3)
+    with caplog.at_level(logging.WARNING), mount() as opened:
+        assert opened.cache.lookup(ref("k")) is None
+        assert opened.dropped.orphans == 1
+        assert not path.exists()
+    assert f"has schema 3, expected {SCHEMA_VERSION}; starting a new index" in caplog.text
+
+    path = left_by_the_previous_format(SCHEMA_VERSION)
+    with mount() as opened:
+        assert opened.dropped.corrupt == [digest]
+        assert opened.cache.lookup(ref("k")) is None
+        assert not path.exists()
 
 
 # A block reference twice: the primary key's index damaged, a flipped block
@@ -709,7 +748,7 @@ def test_reconcile_after_a_crash(tmp_path: Path) -> None:
     orphan = os.urandom(3000)
     orphan_path = tmp_path / "hot" / "blocks" / content_hash(orphan)[:2] / content_hash(orphan)
     orphan_path.parent.mkdir(exist_ok=True)
-    orphan_path.write_bytes(bytes(encode(orphan)))
+    orphan_path.write_bytes(orphan)
     (tmp_path / "hot" / "blocks" / content_hash(lost)[:2] / content_hash(lost)).unlink()
     half_moved = tmp_path / "warm" / "blocks" / content_hash(moved)[:2] / content_hash(moved)
     half_moved.parent.mkdir(parents=True, exist_ok=True)
@@ -763,7 +802,7 @@ def test_start_up_removes_only_our_own_misplaced_files(
     (tier / "tmp" / f"{'0' * 32}.00000000").mkdir()  # our name, cannot be unlinked: logged
     with caplog.at_level(logging.WARNING), tiered(tmp_path, 1 << 20) as (cache, _):
         assert read(cache, ref("k")) == data
-        assert cache.used_bytes == disk_bytes(encode(data).size)
+        assert cache.used_bytes == disk_bytes(len(data))
     assert not any(path.exists() for path in ours)
     assert all(path.read_bytes() == b"x" * 5000 for path in theirs)
     assert "cannot remove" in caplog.text
@@ -860,7 +899,7 @@ def test_verify_without_repair_reports_damage_and_changes_nothing(tmp_path: Path
     tier.path_of(digests[1]).unlink()
     orphan = os.urandom(3000)
     tier.path_of(content_hash(orphan)).parent.mkdir(exist_ok=True)
-    tier.path_of(content_hash(orphan)).write_bytes(bytes(encode(orphan)))
+    tier.path_of(content_hash(orphan)).write_bytes(orphan)
     (tmp_path / "hot" / "tmp" / f"{content_hash(orphan)}.0000abcd").write_bytes(b"partial")
     before = _snapshot(tmp_path)
 
@@ -935,14 +974,15 @@ def test_capacities_are_never_exceeded_and_reads_are_exact(
             for tier in cache.tiers:
                 for block in (root / tier.name / "blocks").rglob("*"):
                     if block.is_file():
-                        decode(block.read_bytes(), block.name)  # every frame on disk is whole and named right
+                        # every file on disk is whole and named right
+                        decode_file(block.read_bytes(), tier.codec, block.name)
 
 
 def test_a_read_ends_a_blocks_plan_and_a_refused_block_keeps_none(tmp_path: Path) -> None:
     block = os.urandom(8192)
-    frame = disk_bytes(encode(block, Codec.RAW).size)
+    file_bytes = disk_bytes(len(block))
     (tmp_path / "hot").mkdir()
-    spec = TierSpec("hot", str(tmp_path / "hot"), frame, "raw")
+    spec = TierSpec("hot", str(tmp_path / "hot"), file_bytes, "raw")
     planned = PlannedUse()
     metrics = Metrics(CollectorRegistry())
     with open_cache(tmp_path, [spec], "epoch-aware", WorkloadModel(), metrics, planned=planned) as opened:
@@ -996,9 +1036,11 @@ def test_a_block_adopted_by_a_marked_read_stays_due_for_the_other_job(tmp_path: 
             return 5
 
     marks = ReadMarks()
-    frame = disk_bytes(HEADER_SIZE + 4096)
+    file_bytes = disk_bytes(4096)
     index = Index(tmp_path / "index.sqlite")
-    hot = Tier("hot", tmp_path / "hot", 2 * frame, Codec.RAW, EpochAwarePolicy(Epoch5(), elsewhere=marks))
+    hot = Tier(
+        "hot", tmp_path / "hot", 2 * file_bytes, Codec.RAW, EpochAwarePolicy(Epoch5(), elsewhere=marks)
+    )
     cache = TieredCache([hot], index, Metrics(CollectorRegistry()))
     reconcile(cache)
     index.start_serving()

@@ -1,4 +1,5 @@
-"""The block frame: golden bytes pin the format; every kind of damage is caught."""
+"""A block's file: a raw tier's is its bare content, a compressed tier's a
+frame whose golden bytes pin the format; every kind of damage is caught."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from cachefsd.cache.codec import (
     HEADER_SIZE,
     Codec,
     CorruptBlock,
-    check_raw,
+    check_content,
     content_hash,
     decode,
+    decode_file,
     encode,
+    encode_file,
 )
 
 HELLO_HASH = content_hash(b"hello")
@@ -74,17 +77,37 @@ def test_damage_is_detected(damage: object) -> None:
     frame = bytes(encode(b"some block content" * 100, Codec.LZ4))
     with pytest.raises(CorruptBlock):
         decode(damage(frame), content_hash(b"some block content" * 100))  # type: ignore[operator]
-    raw = bytes(encode(b"some block content" * 100, Codec.RAW))
-    with pytest.raises(CorruptBlock):
-        check_raw(memoryview(damage(raw)), content_hash(b"some block content" * 100))  # type: ignore[operator]
 
 
-def test_a_raw_frame_is_checked_in_place() -> None:
+@given(st.binary(max_size=4096), st.sampled_from(list(Codec)))
+def test_a_tiers_file_round_trips_and_a_raw_tiers_is_the_bare_content(data: bytes, codec: Codec) -> None:
+    """A raw tier's file holds exactly the block's bytes from offset 0: the
+    kernel, handed it (FUSE passthrough), takes end of file from it."""
+    digest = content_hash(data)
+    contents = bytes(encode_file(data, codec, digest))
+    if codec is Codec.RAW:
+        assert contents == data
+    else:
+        assert contents == bytes(encode(data, codec, digest))
+    assert decode_file(contents, codec, digest) == data
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda c: c[:-1], id="truncated"),
+        pytest.param(lambda c: c[:-1] + bytes([c[-1] ^ 1]), id="flipped bit"),
+        pytest.param(lambda c: c + b"x", id="trailing bytes"),
+        pytest.param(lambda c: bytes(encode(c)), id="a frame of it"),
+    ],
+)
+def test_damage_to_a_raw_tiers_file_is_detected_in_place(damage: object) -> None:
     content = random.Random(3).randbytes(5000)
-    frame = bytearray(bytes(encode(content, Codec.RAW)))
-    assert check_raw(memoryview(frame), content_hash(content)) == len(content)
-    with pytest.raises(CorruptBlock, match="where a raw frame was expected"):
-        check_raw(bytes(encode(b"abc" * 1000, Codec.LZ4)), content_hash(b"abc" * 1000))
+    assert check_content(memoryview(bytearray(content)), content_hash(content)) == len(content)
+    with pytest.raises(CorruptBlock):
+        check_content(memoryview(damage(content)), content_hash(content))  # type: ignore[operator]
+    with pytest.raises(CorruptBlock):
+        decode_file(damage(content), Codec.RAW, content_hash(content))  # type: ignore[operator]
 
 
 def test_a_frame_under_the_wrong_name_is_rejected() -> None:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from cachefsd.cache.codec import HEADER_SIZE
 from cachefsd.cache.policy import EpochAwarePolicy, ReadMarks
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.errors import (
@@ -310,7 +309,7 @@ def test_a_block_another_job_is_still_to_read_outlives_one_nobody_needs(
     marks = ReadMarks()
     policy = EpochAwarePolicy(FirstEpoch(), elsewhere=marks if marked else None)
     files = {f"d/f{number}": os.urandom(BLOCK_SIZE) for number in range(3)}
-    rig = make_rig(files, capacity=2 * disk_bytes(HEADER_SIZE + BLOCK_SIZE), policy=policy, read_marks=marks)
+    rig = make_rig(files, capacity=2 * disk_bytes(BLOCK_SIZE), policy=policy, read_marks=marks)
     proc = tmp_path / "proc"
     for pid in (100, 200):  # job a: pid 100; job b: pid 200, each the leader of its group
         (proc / str(pid)).mkdir(parents=True)

@@ -82,17 +82,16 @@ def opened_level(kind: str, tmp_path: Path) -> Iterator[Level]:
         yield Level("memory", recent, metrics, None, lambda: recent.used_bytes, capacity)
     elif kind == "tiered":
         index = Index(tmp_path / "index.sqlite")
-        # Room on disk for the blocks and their frame headers.
-        hot = Tier("hot", tmp_path / "hot", capacity + CAPACITY_BLOCKS * 4096, Codec.RAW, LruPolicy())
+        hot = Tier("hot", tmp_path / "hot", capacity, Codec.RAW, LruPolicy())
         cache = TieredCache([hot], index, metrics)
         reconcile(cache)
         index.start_serving()
 
         def damage(digest: str) -> None:
             path = next((tmp_path / "hot").rglob(digest))
-            frame = bytearray(path.read_bytes())
-            frame[-1] ^= 1
-            path.write_bytes(bytes(frame))
+            content = bytearray(path.read_bytes())
+            content[-1] ^= 1
+            path.write_bytes(bytes(content))
 
         yield Level("hot", cache, metrics, damage, lambda: hot.used_bytes, hot.capacity)
         index.close()

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from cachefsd.cache.codec import Codec, content_hash, encode
+from cachefsd.cache.codec import content_hash
 from cachefsd.cache.policy import EpochAwarePolicy, MinioPolicy, PlannedUse
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.config import PrefetchSettings
@@ -193,11 +193,11 @@ def test_no_more_is_fetched_ahead_than_the_cache_would_keep(
     make_rig: RigFactory, dataset: dict[str, bytes]
 ) -> None:
     """Two blocks of room, a policy that gives up nothing, eight slots: two GETs, none wasted."""
-    frame = disk_bytes(encode(bytes(BLOCK_SIZE // 2), Codec.RAW).size)
-    rig = make_rig(dataset, capacity=2 * frame, policy=MinioPolicy())
+    block_file = disk_bytes(BLOCK_SIZE // 2)
+    rig = make_rig(dataset, capacity=2 * block_file, policy=MinioPolicy())
     with start(rig, PrefetchSettings(concurrency=8)) as prefetcher:
         prefetcher.hint(sorted(dataset))
-        wait_for(lambda: rig.cache.used_bytes == 2 * frame, "the cache to fill")
+        wait_for(lambda: rig.cache.used_bytes == 2 * block_file, "the cache to fill")
     assert rig.store.get_count == 2
     assert sample(rig.metrics.registry, "cachefsd_prefetch_wasted_bytes_total") == 0
 
@@ -209,8 +209,8 @@ def test_a_prefetched_block_the_cache_refuses_counts_issued_and_wasted(
     flight, and a policy that gives up nothing: the fetched block is refused.
     Its bytes crossed the network, so they count as issued and as wasted,
     and the dashboard's accuracy (used / issued) stays a fraction."""
-    frame = disk_bytes(encode(bytes(BLOCK_SIZE // 2), Codec.RAW).size)
-    rig = make_rig(dataset, capacity=frame, policy=MinioPolicy())
+    block_file = disk_bytes(BLOCK_SIZE // 2)
+    rig = make_rig(dataset, capacity=block_file, policy=MinioPolicy())
     first, second = sorted(dataset)[:2]
     info = rig.namespace.lookup("/" + second).info
     assert info is not None
@@ -240,9 +240,9 @@ def test_with_a_hint_a_full_cache_gives_up_what_is_read_last_for_what_is_read_fi
     still to be read; the first four evict them, latest first. One fetch at
     a time, so that each eviction can be seen."""
     model, planned = WorkloadModel(), PlannedUse()
-    frame = disk_bytes(encode(bytes(BLOCK_SIZE // 2), Codec.RAW).size)
+    block_file = disk_bytes(BLOCK_SIZE // 2)
     policy = EpochAwarePolicy(model, planned)
-    rig = make_rig(dataset, capacity=4 * frame, policy=policy, planned=planned)
+    rig = make_rig(dataset, capacity=4 * block_file, policy=policy, planned=planned)
     order = sorted(dataset)[:8]
     infos = [rig.namespace.lookup("/" + key).info for key in order]
     assert all(info is not None for info in infos)

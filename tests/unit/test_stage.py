@@ -19,7 +19,6 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from cachefsd.cache.codec import Codec, encode
 from cachefsd.cache.policy import LruPolicy, MinioPolicy
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.cli.stage import ProgressView, printable, summary_lines
@@ -229,8 +228,8 @@ def test_a_selection_larger_than_the_cache_is_reported_not_hidden(
     the first refusal, an evicting one churns; both end with six blocks
     reported as not staged."""
     objects = {f"shard-{index}": os.urandom(BLOCK_SIZE) for index in range(10)}
-    frame = disk_bytes(encode(bytes(BLOCK_SIZE), Codec.RAW).size)
-    rig = make_rig(objects, capacity=4 * frame, policy=policy())
+    block_file = disk_bytes(BLOCK_SIZE)
+    rig = make_rig(objects, capacity=4 * block_file, policy=policy())
     events: list[dict[str, Any]] = []
     summary = stage_files(
         rig.namespace, rig.reader, rig.view, ["hot"], StageRequest(), events.append, workers=1
