@@ -1,7 +1,7 @@
 """The event loop thread that owns all network I/O, and the bounded bridge
 that FUSE threads use to wait on it.
 
-FUSE calls arrive on libfuse's worker threads; they submit a coroutine and
+FUSE requests arrive on the session's worker threads; they submit a coroutine and
 block on its result. Every wait has a timeout: a FUSE thread that waited
 forever would wedge the mount, and with it every process touching it.
 """

@@ -1,5 +1,5 @@
 """Block-sized buffers: where their bytes are, for C code to read or fill
-(libfuse replies, copies made without the GIL), and an allocator that keeps
+(copies made without the GIL), and an allocator that keeps
 them (``reuse_block_buffers``)."""
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ def notify_systemd(state: str) -> None:
 
 
 def check_fuse_device(device: str = FUSE_DEVICE) -> None:
-    """libfuse opens /dev/fuse itself and, on EACCES, neither falls back to
-    fusermount3 nor says more than a bare error code."""
+    """Said before anything is created, in words a user acts on: without
+    the device, fusermount3 fails with a bare "No such file or directory"."""
     if not os.access(device, os.R_OK | os.W_OK):
         raise CachefsdError(
             f"cannot use {device} as uid {os.getuid()}: FUSE needs it present (apt-get install "
@@ -47,9 +47,9 @@ def check_fuse_device(device: str = FUSE_DEVICE) -> None:
 
 def check_allow_other(allow_other: bool, uid: int | None = None, fuse_conf: Path = FUSE_CONF) -> None:
     """fusermount3 lets a user's mount allow other users only when
-    ``fuse_conf`` has ``user_allow_other``; it says so on its stderr (the
-    daemon's log), and libfuse then returns a bare code ("unexpected
-    error: 4"). ``uid`` is the mounting user's (default: this process's)."""
+    ``fuse_conf`` has ``user_allow_other``; it says so in its own words,
+    which this check puts in cachefsd's: the setting to change. ``uid`` is
+    the mounting user's (default: this process's)."""
     if not allow_other or (os.geteuid() if uid is None else uid) == 0:
         return
     try:

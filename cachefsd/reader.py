@@ -101,7 +101,7 @@ def close_pieces(pieces: list[Piece]) -> None:
 
 def _piece_of(content: Content, lo: int, hi: int) -> Piece:
     """Bytes ``[lo, hi)`` of a block, as a piece: a span of its file, or
-    bytes (libfuse is handed bytes; a fetched block arrives as a bytearray)."""
+    bytes (the FUSE edge sends bytes; a fetched block arrives as a bytearray)."""
     if isinstance(content, FileSpan):
         return content.part(lo, hi)
     piece = content[lo:hi]

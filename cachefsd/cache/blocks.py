@@ -29,7 +29,7 @@ from cachefsd.store.base import ObjectInfo
 @dataclass(slots=True)  # not frozen: one is made on every read of a raw block, frozen ones cost 3x
 class FileSpan:
     """Bytes of a block that lie in a cached block file: the FUSE layer
-    hands the descriptor to libfuse, which copies (or splices) in C. The
+    reads them from the descriptor straight into its answer. The
     receiver owns ``fd`` and must close it. Measured like bytes; a part of
     it is the same descriptor, further in (``part``)."""
 

@@ -63,7 +63,7 @@ class RecentBlocks(BlockCache):
         return False
 
     def _keep(self, key: tuple[Version, int], block: Block) -> None:
-        """Keep ``block`` (its content bytes: libfuse is handed bytes),
+        """Keep ``block`` (its content bytes: the FUSE edge sends bytes),
         evicting the least recently read."""
         size = len(block.content)
         with self._lock:

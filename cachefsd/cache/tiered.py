@@ -354,8 +354,8 @@ class TieredCache(BlockCache):
 
     def raw_hit(self, digest: str) -> tuple[str, int] | None:
         """For a read served straight from a raw block file (the block's
-        bare content, so libfuse can copy it without Python, or the kernel
-        read it itself): the tier's name and an open descriptor of the file,
+        bare content, so the FUSE edge reads it as it lies, or the kernel
+        reads it itself): the tier's name and an open descriptor of the file,
         which the caller closes, with the hit counted by its policy. The
         content is verified where it lies (no copy of it) unless this very
         file was already (``_checked_before``). None if the block is

@@ -66,7 +66,7 @@ def directory_from_listing(prefix: str, listing: Listing) -> Directory:
 def inode_number(path: str) -> int:
     """The inode number of the file or directory at ``path`` (``/a/b``): a hash of the
     path, so that it stays the same when the kernel forgets the inode and
-    looks it up again (libfuse's own numbers then change: tools that key on
+    looks it up again (the kernel's node numbers then change: tools that key on
     device and inode saw a new file), and in directory listings. Never 0 or
     1, which some tools read as "no inode"; 63 bits, as signed 64-bit readers
     expect."""
