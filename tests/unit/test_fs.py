@@ -22,6 +22,7 @@ from cachefsd.errors import (
 )
 from cachefsd.fs import ROOT_INODE, FileSystem
 from cachefsd.jobs import UNKNOWN_JOB, CallerJobs
+from cachefsd.metrics import value_of
 from cachefsd.store.base import ObjectInfo
 from cachefsd.workload.model import WorkloadModel
 from tests.unit.conftest import BLOCK_SIZE, RigFactory, joined, looked_up, read_path
@@ -277,6 +278,32 @@ def test_a_read_at_the_start_of_a_file_is_its_open(make_rig: RigFactory) -> None
     joined(rig.fs.read(ino, BLOCK_SIZE, 0, os.getpid()))
     assert opened_this_epoch(rig.model, job) == ["f"]
     assert opened_this_epoch(rig.model, UNKNOWN_JOB) == []  # another job's epoch
+
+
+def test_an_open_through_the_cache_file_counts_as_a_read_of_the_whole_file(make_rig: RigFactory) -> None:
+    """Passthrough: the kernel reads the cache file itself and asks nothing
+    more, so the open is the file's open and its whole read, for the
+    workload model and the metrics; nothing is counted when there is no
+    file to hand over."""
+    sample, shard = os.urandom(BLOCK_SIZE // 2), os.urandom(2 * BLOCK_SIZE)
+    rig = make_rig({"sample": sample, "shard": shard})
+    job = rig.fs.jobs.of(os.getpid())
+    sample_inode = looked_up(rig.fs, "/sample").inode
+    assert rig.fs.open_through(sample_inode, os.getpid()) is None  # not cached yet
+    assert opened_this_epoch(rig.model, job) == []
+    joined(rig.fs.read(sample_inode, len(sample), 0, os.getpid()))  # cold: now cached whole
+    assert opened_this_epoch(rig.model, job) == ["sample"]
+    served = value_of(rig.metrics.served_bytes, tier="hot")
+    found = rig.fs.open_through(sample_inode, os.getpid())
+    assert found is not None
+    try:
+        assert os.pread(found.fd, len(sample) + 1, 0) == sample
+    finally:
+        os.close(found.fd)
+    assert value_of(rig.metrics.served_bytes, tier="hot") - served == len(sample)
+    shard_inode = looked_up(rig.fs, "/shard").inode
+    joined(rig.fs.read(shard_inode, len(shard), 0, os.getpid()))
+    assert rig.fs.open_through(shard_inode, os.getpid()) is None  # two block files: neither is the file
 
 
 def test_df_shows_the_cache_capacity_and_its_room(make_rig: RigFactory) -> None:
