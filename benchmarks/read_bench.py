@@ -394,10 +394,16 @@ class Epoch:
     cpu: Cpu | None  # the serving process's; None for the local disk
 
 
-def measure_epoch(readers: Readers, mounted: Mounted, relatives: list[str], seed: str) -> Epoch:
+def measure_epoch(
+    readers: Readers, mounted: Mounted, relatives: list[str], expected_bytes: int, seed: str
+) -> Epoch:
+    """One epoch over ``mounted``; a contender that reads other than
+    ``expected_bytes`` (the dataset's) has failed, however fast it was."""
     before = process_cpu(mounted.pid) if mounted.pid else None
     seconds, nbytes = readers.epoch(mounted.root, relatives, seed)
     cpu = None if mounted.pid is None or before is None else process_cpu(mounted.pid) - before
+    if nbytes != expected_bytes:
+        raise RuntimeError(f"an epoch read {nbytes:,} bytes of the dataset's {expected_bytes:,}")
     return Epoch(seconds, nbytes, len(relatives), cpu)
 
 
@@ -411,6 +417,7 @@ def run_contender(
     server_objects: Path,
 ) -> dict[str, Epoch]:
     """The contender's epochs, by case, on a fresh mount of its own."""
+    expected_bytes = sum((setup.local_root / relative).stat().st_size for relative in relatives)
     mounted = contender.start(setup)
     epochs: dict[str, Epoch] = {}
     try:
@@ -419,7 +426,7 @@ def run_contender(
                 read_into_memory(server_objects)
             elif case == DROPPED:
                 drop_page_cache()
-            epochs[case] = measure_epoch(readers, mounted, relatives, seed=f"{repeat}/{case}")
+            epochs[case] = measure_epoch(readers, mounted, relatives, expected_bytes, seed=f"{repeat}/{case}")
     finally:
         mounted.stop()
     return epochs

@@ -3,12 +3,14 @@ issue's targets judged, and the server's ranges; and its readers' epochs."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from benchmarks.epoch_bench import Mounted
 from benchmarks.read_bench import (
     CACHEFSD,
     COLD,
@@ -23,6 +25,7 @@ from benchmarks.read_bench import (
     Readers,
     Row,
     check_targets,
+    measure_epoch,
     per_core,
     summarize,
 )
@@ -151,15 +154,32 @@ def test_ranges_cover_an_object_in_whole_parts_only() -> None:
     assert aligned_ranges(128 << 10, 4 << 20) == ()
 
 
-def test_an_epoch_reads_every_file_once(tmp_path: Path) -> None:
-    sizes = {f"d/{index}.bin": index * 1000 for index in range(9)}
-    for relative, size in sizes.items():
-        (tmp_path / relative).parent.mkdir(exist_ok=True)
-        (tmp_path / relative).write_bytes(b"x" * size)
+@pytest.fixture(name="readers", scope="module")
+def fixture_readers() -> Iterator[Readers]:
     readers = Readers(2)
-    try:
-        seconds, nbytes = readers.epoch(tmp_path, list(sizes), seed="0")
-    finally:
-        readers.close()
-    assert nbytes == sum(sizes.values())
+    yield readers
+    readers.close()
+
+
+def write_files(root: Path, sizes: dict[str, int]) -> None:
+    for relative, size in sizes.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_bytes(b"x" * size)
+
+
+SIZES = {f"d/{index}.bin": index * 1000 for index in range(9)}
+
+
+def test_an_epoch_reads_every_file_once(tmp_path: Path, readers: Readers) -> None:
+    write_files(tmp_path, SIZES)
+    seconds, nbytes = readers.epoch(tmp_path, list(SIZES), seed="0")
+    assert nbytes == sum(SIZES.values())
     assert seconds > 0
+
+
+def test_an_epoch_that_reads_other_bytes_than_the_datasets_fails(tmp_path: Path, readers: Readers) -> None:
+    write_files(tmp_path, SIZES | {"d/8.bin": 10})  # one file cut short, as a broken mount would serve it
+    mounted = Mounted(root=tmp_path, stop=lambda: None)
+    with pytest.raises(RuntimeError, match="bytes of the dataset's"):
+        measure_epoch(readers, mounted, list(SIZES), sum(SIZES.values()), seed="0")
+    assert measure_epoch(readers, mounted, list(SIZES), sum(SIZES.values()) - 7990, seed="0").cpu is None
