@@ -6,7 +6,8 @@ The server is ``cachefsd.testing.file_s3`` in this process on 127.0.0.1: a
 ranged GET costs its bytes, as on S3 (moto charges a range what its whole
 object costs). Two datasets, each under its own prefix with mounts of its
 own: 2,000 images of 96-160 KiB and 16 shards of 32 MiB (``--small``: 300
-images and 4 shards, for a quick run). ``--workers`` reader processes (4)
+images and 4 shards, shorter ceilings and one repeat, for a quick run).
+``--workers`` reader processes (4)
 read every file once an epoch, each epoch in a new shuffled order, the same
 orders for every contender.
 
@@ -41,8 +42,8 @@ Contenders:
   passwd_file=...,ro,use_cache=DIR``; ``use_cache`` for the same reason.
 
 Both list with ListObjects v1 against an endpoint of provider Other unless
-told otherwise (rclone ``list_version = 2``, s3fs ``listobjectsv2``), and
-file_s3, like S3 today, is asked for v2 (v1 is answered 501).
+told otherwise; file_s3 answers v1 with 501, so they are told to use v2
+(rclone ``RCLONE_S3_LIST_VERSION=2``, s3fs ``-o listobjectsv2``).
 
 A contender whose program is missing (``apt-get install -y rclone s3fs``),
 or whose mount fails, is skipped with the reason printed. Every mount is
@@ -53,8 +54,11 @@ Reported, medians over the repeats: files/s and MB/s, the ratio to the
 local disk (warm) or to the server's ceiling (cold), each repeat paired
 with its own, and the CPU time of the serving process (the daemon, rclone
 or s3fs; ``/proc/PID/stat``, user + system) a file and a MiB; then issue
-30's targets, met or not, and what one daemon core serves.
+30's targets, met or not, and what one daemon core serves. An epoch that
+reads other than the dataset's bytes fails its contender. Needs root for
+``drop_caches`` (without it the dropped case is skipped) and FUSE.
 
+    # from the repository root, as root
     python -m benchmarks.read_bench [--repeats 3] [--workers 4] [--small] [--json FILE]
 """
 
@@ -67,6 +71,7 @@ import os
 import random
 import resource
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -255,8 +260,6 @@ def drop_page_cache() -> bool:
 
 
 def free_port() -> int:
-    import socket  # noqa: PLC0415 - only this helper needs it
-
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
