@@ -5,7 +5,7 @@ A moto S3 server in its own process on 127.0.0.1; ``--gets`` ranged GETs of
 ``--kib`` KiB with ``--in-flight`` at once, on uvloop, after one warm-up
 round; this process's CPU time (``time.process_time``) divided by the GETs.
 
-    .venv/bin/python benchmarks/client_bench.py [--gets 800] [--kib 128] [--in-flight 32] [--rounds 2]
+    .venv/bin/python -m benchmarks.client_bench [--gets 800] [--kib 128] [--in-flight 32] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
-from profile_daemon import s3_server
+from benchmarks.profile_daemon import s3_server
 
 BUCKET = "bench"
 OBJECTS = 64

@@ -743,7 +743,7 @@ def start_rclone(variant: Variant, ctx: Context, cache_bytes: int, run_dir: Path
         cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env=bench_env(), start_new_session=True,
     )  # fmt: skip
-    return _foreground_mount(proc, mountpoint, log_path)
+    return foreground_mount(proc, mountpoint, log_path)
 
 
 def start_s3fs(variant: Variant, ctx: Context, cache_bytes: int, run_dir: Path) -> Mounted:
@@ -786,7 +786,7 @@ def start_s3fs(variant: Variant, ctx: Context, cache_bytes: int, run_dir: Path) 
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=bench_env(), start_new_session=True
         )
-    mounted = _foreground_mount(proc, mountpoint, log_path)
+    mounted = foreground_mount(proc, mountpoint, log_path)
     # s3fs mounts before it has checked the bucket; fail here, not in epoch 1.
     try:
         os.listdir(mountpoint)
@@ -796,7 +796,7 @@ def start_s3fs(variant: Variant, ctx: Context, cache_bytes: int, run_dir: Path) 
     return mounted
 
 
-def _foreground_mount(proc: subprocess.Popen[Any], mountpoint: Path, log_path: Path) -> Mounted:
+def foreground_mount(proc: subprocess.Popen[Any], mountpoint: Path, log_path: Path) -> Mounted:
     def stop() -> None:
         fuse_unmount(mountpoint)
         try:

@@ -14,7 +14,7 @@ its bytes that did not wait on the store. Three cases, each on a fresh
 mount and cache: one job, two jobs, two jobs that hint each epoch's order.
 Needs root (network namespace, tc, FUSE).
 
-    .venv/bin/python benchmarks/jobs_bench.py [--files 3000] [--kib 128] [--epochs 4] [--cache-fraction 0.5]
+    .venv/bin/python -m benchmarks.jobs_bench [--files 3000] [--kib 128] [--epochs 4] [--cache-fraction 0.5]
         [--latency-ms 20] [--rate-mbit 400] [--compute-ms 10] [--policy epoch-aware|minio|lru|...]
 """
 
@@ -35,9 +35,8 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
-from epoch_bench import ENDPOINT, environment
-from read_bench import Dataset, free_port, make_dataset
-
+from benchmarks.epoch_bench import ENDPOINT, environment
+from benchmarks.read_bench import Dataset, free_port, make_dataset
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.cli.supervise import unmount
 

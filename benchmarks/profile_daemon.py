@@ -7,7 +7,7 @@ objects of ``--kib`` KiB, a fresh mount, and one epoch read by 4 processes:
 the cold one, or (``--dropped``) one after a cold epoch and a warm one, with
 the page cache dropped before it (root only), as for a dataset larger than RAM.
 
-    .venv/bin/python benchmarks/profile_daemon.py [--files 1000] [--kib 128] [--dropped] [--py-spy OUT]
+    .venv/bin/python -m benchmarks.profile_daemon [--files 1000] [--kib 128] [--dropped] [--py-spy OUT]
 
 The profile is py-spy's "raw" format (collapsed stacks), one line a stack.
 """
@@ -33,8 +33,7 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
-from read_bench import Dataset, drop_page_cache, epoch, free_port, make_dataset
-
+from benchmarks.read_bench import Dataset, Readers, drop_page_cache, free_port, make_dataset
 from cachefsd.cli.supervise import unmount
 from cachefsd.control.mounts import read_state
 
@@ -111,6 +110,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="cachefsd-profile-"))
     mountpoint = work / "mnt"
+    readers = Readers(4)
     with s3_server() as endpoint:
         try:
             client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
@@ -126,8 +126,8 @@ def main() -> int:
             state = read_state(mountpoint)
             assert state is not None
             if args.dropped:
-                epoch(mountpoint, relatives, 4, seed=0)
-                epoch(mountpoint, relatives, 4, seed=1)
+                readers.epoch(mountpoint, relatives, seed="0")
+                readers.epoch(mountpoint, relatives, seed="1")
                 drop_page_cache()
             spy = None
             if args.py_spy:
@@ -139,7 +139,7 @@ def main() -> int:
                 )
                 time.sleep(1)  # attached
             before = thread_cpu(state.pid)
-            seconds, nbytes = epoch(mountpoint, relatives, 4, seed=2)
+            seconds, nbytes = readers.epoch(mountpoint, relatives, seed="2")
             after = thread_cpu(state.pid)
             if spy is not None:
                 spy.send_signal(2)
@@ -147,6 +147,7 @@ def main() -> int:
         finally:
             if mountpoint.exists():
                 unmount(mountpoint)
+            readers.close()
             shutil.rmtree(work, ignore_errors=True)
 
     report(before, after, args.files, seconds, nbytes, args.dropped)

@@ -5,13 +5,13 @@
 
 moto reads and copies the whole object for every GET, so a range costs what
 the object costs; file_s3 sends a range's bytes with ``sendfile``. Clients
-are read_bench's ``server_ceiling``: 4 processes of 8 threads (boto3), so
-client CPU is not one GIL. Both servers run in this process, so its CPU
-time around a measurement is the server's (the clients' is their own):
-reported as cores busy and milliseconds a GET, it says whether the server
-or the machine was the limit. Servers and modes take turns, repeated; the
-medians are reported. Prints a table and writes
-``benchmarks/results/server_ceiling.json``.
+are ``server_ceiling``'s: 4 processes of 8 threads (boto3), so client CPU
+is not one GIL (``read_bench`` measures its server with the same clients).
+Both servers run in this process, so its CPU time around a measurement is
+the server's (the clients' is their own): reported as cores busy and
+milliseconds a GET, it says whether the server or the machine was the
+limit. Servers and modes take turns, repeated; the medians are reported.
+Prints a table and writes ``benchmarks/results/server_ceiling.json``.
 
     .venv/bin/python -m benchmarks.server_ceiling [--repeats 3] [--seconds 6]
 """
@@ -26,20 +26,35 @@ import shutil
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import boto3
 
-from benchmarks.read_bench import CEILING_PROCESSES, CEILING_THREADS, RESULTS, server_ceiling
 from cachefsd.testing.file_s3 import FileS3Server
 from cachefsd.testing.s3_server import S3TestServer
 
+RESULTS = Path(__file__).parent / "results"
+# The clients: this many processes of this many threads, so that client
+# CPU (boto3 reading every body into Python) is not one GIL's worth.
+CEILING_PROCESSES = 4
+CEILING_THREADS = 8
 # Shards as a training job reads them, fetched as parts the size real S3
 # clients use (Mountpoint starts at 8 MiB; cachefsd's blocks are 4 MiB).
 OBJECTS = 8
 OBJECT_BYTES = 32 << 20
 PART_BYTES = 4 << 20
-RANGES = tuple(f"bytes={start}-{start + PART_BYTES - 1}" for start in range(0, OBJECT_BYTES, PART_BYTES))
+
+
+def aligned_ranges(object_bytes: int, part_bytes: int = PART_BYTES) -> tuple[str, ...]:
+    """``Range`` headers of every whole part of an object of ``object_bytes``."""
+    return tuple(
+        f"bytes={start}-{start + part_bytes - 1}"
+        for start in range(0, object_bytes - part_bytes + 1, part_bytes)
+    )
+
+
+RANGES = aligned_ranges(OBJECT_BYTES)
 # Long enough that the clients' start (a process and boto3 each) is a small
 # part of a run; 2 servers x 2 modes x 3 repeats stay under two minutes.
 DEFAULT_SECONDS = 6.0
@@ -47,10 +62,65 @@ MODES = {"whole": (), "ranged 4 MiB": RANGES}
 MEASURES = ("MBps", "gets_per_s", "server_cores", "server_cpu_ms_per_get")
 
 
+def _get_for(
+    endpoint: str, keys: list[str], ranges: tuple[str, ...], seconds: float, slot: int
+) -> tuple[int, int]:
+    """GETs and bytes that ``CEILING_THREADS`` threads of one process get in
+    ``seconds``: of a random key, whole or (with ``ranges``) a random one of
+    those ``Range`` headers."""
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    deadline = time.monotonic() + seconds
+
+    def loop(thread: int) -> tuple[int, int]:
+        rng = random.Random(slot * CEILING_THREADS + thread)
+        gets = nbytes = 0
+        while time.monotonic() < deadline:
+            request = {"Bucket": "bench", "Key": rng.choice(keys)}
+            if ranges:
+                request["Range"] = rng.choice(ranges)
+            nbytes += len(client.get_object(**request)["Body"].read())
+            gets += 1
+        return gets, nbytes
+
+    with ThreadPoolExecutor(CEILING_THREADS) as pool:
+        counts = list(pool.map(loop, range(CEILING_THREADS)))
+    return sum(gets for gets, _ in counts), sum(nbytes for _, nbytes in counts)
+
+
+def server_ceiling(
+    endpoint: str, keys: list[str], ranges: tuple[str, ...], seconds: float
+) -> dict[str, float]:
+    """GETs/s and MB/s the server gives many clients at once, of whole
+    objects or of ``ranges`` (``Range`` headers) of them, in bucket ``bench``."""
+    started = time.perf_counter()
+    with ProcessPoolExecutor(CEILING_PROCESSES) as pool:
+        futures = [
+            pool.submit(_get_for, endpoint, keys, ranges, seconds, slot) for slot in range(CEILING_PROCESSES)
+        ]
+        counts = [future.result() for future in futures]
+    elapsed = time.perf_counter() - started
+    gets, nbytes = sum(got for got, _ in counts), sum(size for _, size in counts)
+    return {"gets_per_s": gets / elapsed, "MBps": nbytes / elapsed / 1e6}
+
+
 def _cpu_seconds() -> float:
     """User and system CPU time of this process (its server threads) so far."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def in_process_ceiling(
+    endpoint: str, keys: list[str], ranges: tuple[str, ...], seconds: float
+) -> dict[str, float]:
+    """``server_ceiling`` of a server that runs in this process (and nothing
+    else does meanwhile), with its CPU: cores busy and milliseconds a GET,
+    which say whether the server or the machine was the limit."""
+    before, started = _cpu_seconds(), time.perf_counter()
+    got = server_ceiling(endpoint, keys, ranges, seconds)
+    cpu, elapsed = _cpu_seconds() - before, time.perf_counter() - started
+    got["server_cores"] = cpu / elapsed
+    got["server_cpu_ms_per_get"] = cpu / (got["gets_per_s"] * elapsed) * 1e3
+    return got
 
 
 def main() -> int:
@@ -79,11 +149,7 @@ def main() -> int:
         for repeat in range(args.repeats):
             for name, server in servers.items():
                 for mode, ranges in MODES.items():
-                    before, started = _cpu_seconds(), time.perf_counter()
-                    got = server_ceiling(server.endpoint_url, list(objects), ranges, args.seconds)
-                    cpu, elapsed = _cpu_seconds() - before, time.perf_counter() - started
-                    got["server_cores"] = cpu / elapsed
-                    got["server_cpu_ms_per_get"] = cpu / (got["gets_per_s"] * elapsed) * 1e3
+                    got = in_process_ceiling(server.endpoint_url, list(objects), ranges, args.seconds)
                     runs.setdefault((name, mode), []).append(got)
                     print(
                         f"run {repeat + 1}  {name:<8} {mode:<13} "

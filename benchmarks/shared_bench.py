@@ -14,7 +14,7 @@ node 2 starts once node 1's writes to the shared tier are done. Reported,
 each node sent to the origin and to the shared tier (from its metrics).
 Needs root (network namespace, tc, FUSE).
 
-    .venv/bin/python benchmarks/shared_bench.py [--files 2000] [--kib 128] [--workers 8]
+    .venv/bin/python -m benchmarks.shared_bench [--files 2000] [--kib 128] [--workers 8]
         [--latency-ms 20] [--rate-mbit 400] [--shared-latency-ms 1] [--repeats 3]
 """
 
@@ -37,9 +37,8 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
-from epoch_bench import ENDPOINT, environment, metric_delta, scrape
-from read_bench import Dataset, free_port, make_dataset
-
+from benchmarks.epoch_bench import ENDPOINT, environment, metric_delta, scrape
+from benchmarks.read_bench import Dataset, free_port, make_dataset
 from cachefsd.cli.supervise import unmount
 from cachefsd.testing.epochs import read_epoch
 from cachefsd.testing.s3_server import S3TestServer
