@@ -30,7 +30,10 @@ Each repeat (``--repeats``, 3), for each dataset:
 Contenders:
 
 - ``local``: the dataset as plain files on the same disk;
-- ``cachefsd``: ``python -m cachefsd mount`` with its defaults;
+- ``cachefsd``: ``python -m cachefsd mount`` with its defaults (passthrough
+  where the kernel and root allow it);
+- ``cachefsd-np``: the same with ``-o nopassthrough``, the daemon serving
+  every read and the kernel opening files without asking;
 - ``rclone``: ``rclone mount :s3:bench/PREFIX`` (provider Other, the
   endpoint and keys from the environment), ``--read-only --vfs-cache-mode
   full``: what a user picks for training data read every epoch, because
@@ -136,6 +139,8 @@ CASE_TITLES = {
     KEPT: "warm, page cache kept",
 }
 LOCAL, CACHEFSD, RCLONE, S3FS = "local", "cachefsd", "rclone", "s3fs"
+# cachefsd mounted with -o nopassthrough: what passthrough buys or costs, in the same run.
+CACHEFSD_DAEMON_READS = "cachefsd-np"
 
 
 # -- datasets and epochs (also used by profile_daemon, jobs_bench, shared_bench) --
@@ -289,10 +294,11 @@ def start_local(setup: Setup) -> Mounted:
     return Mounted(root=setup.local_root, stop=lambda: None)
 
 
-def start_cachefsd(setup: Setup) -> Mounted:
+def start_cachefsd(setup: Setup, *options: str) -> Mounted:
     mountpoint = setup.run_dir / "mnt"
     mountpoint.mkdir()
     command = [sys.executable, "-m", "cachefsd", "mount", f"s3://{BUCKET}/{setup.prefix}", str(mountpoint)]
+    command += options
     command += ["--endpoint-url", setup.endpoint, "--cache-dir", str(setup.run_dir / "cache")]
     command += ["--metrics-addr", f"127.0.0.1:{free_port()}"]
     pid: int | None = None
@@ -381,6 +387,7 @@ class Contender:
 CONTENDERS = (
     Contender(LOCAL, start_local),
     Contender(CACHEFSD, start_cachefsd),
+    Contender(CACHEFSD_DAEMON_READS, lambda setup: start_cachefsd(setup, "-o", "nopassthrough")),
     Contender(RCLONE, start_rclone, "rclone", "apt-get install -y rclone"),
     Contender(S3FS, start_s3fs, "s3fs", "apt-get install -y s3fs"),
 )
