@@ -88,6 +88,10 @@ NOTIFY_INVAL_ENTRY_OUT = struct.Struct("<QII")  # parent, namelen, flags
 MAX_PAGES_COUNT = 256
 PAGE_SIZE = 4096
 MAX_READ = MAX_PAGES_COUNT * PAGE_SIZE
+# Read-ahead READs the kernel keeps in flight at once (max_background, its
+# default, said explicitly), and from how many it slows new ones down.
+BACKGROUND_REQUESTS = 12
+CONGESTION_THRESHOLD = 9
 # The largest write we accept (none: the mounts are read-only), which sizes
 # the buffer a request is read into.
 MAX_WRITE = 128 << 10
@@ -204,7 +208,7 @@ def pack_init(offer: InitOffer, wanted: int, max_stack_depth: int) -> bytes:
     depth = max_stack_depth if flags & PASSTHROUGH else 0
     return INIT_OUT.pack(
         MAJOR, min(offer.minor, MINOR), offer.max_readahead, flags & 0xFFFFFFFF,
-        0, 0, MAX_WRITE, 1, MAX_PAGES_COUNT, 0, flags >> 32, depth,
+        BACKGROUND_REQUESTS, CONGESTION_THRESHOLD, MAX_WRITE, 1, MAX_PAGES_COUNT, 0, flags >> 32, depth,
     )  # fmt: skip
 
 

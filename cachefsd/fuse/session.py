@@ -229,15 +229,19 @@ class Session:
         thread (one a session: a daemon serves several mounts at once).
 
         A read that waits on the network holds its worker until the block
-        arrives, so the workers bound how many reads are in flight:
-        ``cold_reads`` of them (the fetch concurrency), plus spares that
-        serve lookups and cached reads meanwhile."""
+        arrives, so the workers bound how many reads are in flight: as many
+        as the kernel sends at once in read-ahead, or ``cold_reads`` (the
+        fetch concurrency) if fewer, plus spares that serve lookups, opens
+        and cached reads meanwhile. No more: every worker is one more
+        thread to take the GIL at each of its system calls, and 40 idle
+        ones doubled the daemon's CPU an open (prefetch fetches ahead on
+        threads of its own)."""
         connection = self._connection = device.mount(self._mountpoint, _mount_options(fsname, allow_other))
         self._opens = Opens(connection)
         self._notifier.start()
         workers = [
             threading.Thread(target=self._work, name=f"cachefsd-fuse-{number}", daemon=True)
-            for number in range(cold_reads + SPARE_WORKERS)
+            for number in range(min(cold_reads, protocol.BACKGROUND_REQUESTS) + SPARE_WORKERS)
         ]
         try:
             for worker in workers:
