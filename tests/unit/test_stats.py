@@ -377,10 +377,9 @@ def test_snapshot_lists_each_named_job_with_its_loader_meter() -> None:
     assert metrics.job_reads_so_far("nobody[2]") == JobReads()  # it would get a series at its first read
 
 
-def test_a_residency_computed_for_the_snapshot_is_not_negative_seconds_old(index: Index) -> None:
-    """It is computed after the snapshot's clock was read: "as of 0 s ago", not "-0"."""
-    residency = Residency(lambda: index.resident_bytes_by_prefix("s3://bucket/data"), ["hot"])
-    stats = DaemonStats(
+def stats_of(residency: Residency) -> DaemonStats:
+    """The stats of a mount of ``s3://bucket/data`` on ``/mnt/data`` with fresh metrics."""
+    return DaemonStats(
         Metrics(CollectorRegistry()),
         FakeModel(),
         residency,
@@ -389,6 +388,12 @@ def test_a_residency_computed_for_the_snapshot_is_not_negative_seconds_old(index
         node_facts,
         lambda: "on",
     )
+
+
+def test_a_residency_computed_for_the_snapshot_is_not_negative_seconds_old(index: Index) -> None:
+    """It is computed after the snapshot's clock was read: "as of 0 s ago", not "-0"."""
+    residency = Residency(lambda: index.resident_bytes_by_prefix("s3://bucket/data"), ["hot"])
+    stats = stats_of(residency)
     assert f"{stats.snapshot().residency.age_seconds:.0f}" == "0"
     index.close()
 
@@ -398,15 +403,7 @@ def test_stats_count_residency_afresh_after_a_scrape() -> None:
     stats`` say nothing is cached beside a full tier."""
     rows: list[tuple[str, str, int]] = []
     residency = Residency(lambda: list(rows), ["hot"])
-    stats = DaemonStats(
-        Metrics(CollectorRegistry()),
-        FakeModel(),
-        residency,
-        "s3://bucket/data",
-        "/mnt/data",
-        node_facts,
-        lambda: "on",
-    )
+    stats = stats_of(residency)
     assert residency.current().prefixes == []  # the scrape
     rows.append(("train", "hot", 4096))
     assert served(stats)["residency"]["prefixes"] == [
