@@ -288,6 +288,7 @@ class Setup:
     prefix: str  # the dataset's prefix in the bucket
     local_root: Path  # the same files on local disk
     run_dir: Path  # empty; the contender's mountpoint, cache and log go here
+    cachefsd_flags: tuple[str, ...]  # what every cachefsd mount of the run is also given
 
 
 def start_local(setup: Setup) -> Mounted:
@@ -298,7 +299,7 @@ def start_cachefsd(setup: Setup, *options: str) -> Mounted:
     mountpoint = setup.run_dir / "mnt"
     mountpoint.mkdir()
     command = [sys.executable, "-m", "cachefsd", "mount", f"s3://{BUCKET}/{setup.prefix}", str(mountpoint)]
-    command += options
+    command += [*setup.cachefsd_flags, *options]
     command += ["--endpoint-url", setup.endpoint, "--cache-dir", str(setup.run_dir / "cache")]
     command += ["--metrics-addr", f"127.0.0.1:{free_port()}"]
     pid: int | None = None
@@ -751,6 +752,7 @@ class Plan:
     ceiling_seconds: float
     warm_cases: tuple[str, ...]
     contenders: list[Contender]
+    cachefsd_flags: tuple[str, ...] = ()
 
 
 def bench_dataset(
@@ -791,7 +793,9 @@ def bench_dataset(
             continue
         run_dir = work / f"{contender.name}-{dataset.name}-{repeat}"
         run_dir.mkdir()
-        setup = Setup(server.endpoint_url, dataset.name, work / "local" / dataset.name, run_dir)
+        setup = Setup(
+            server.endpoint_url, dataset.name, work / "local" / dataset.name, run_dir, plan.cachefsd_flags
+        )
         cases = plan.warm_cases if contender.name == LOCAL else (COLD, *plan.warm_cases)
         try:
             epochs = run_contender(contender, setup, readers, relatives, repeat, cases, objects)
@@ -881,6 +885,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--small", action="store_true", help="a quick run: 300 images, 4 shards, shorter ceilings, 1 repeat"
     )
+    parser.add_argument(
+        "--block-size", help="cachefsd's block size (default its own, 4M): 32M makes a shard one block"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     return parser.parse_args(argv)
 
@@ -900,6 +907,7 @@ def main(argv: list[str] | None = None) -> int:
         ceiling_seconds=SMALL_CEILING_SECONDS if args.small else CEILING_SECONDS,
         warm_cases=(DROPPED, KEPT) if can_drop else (KEPT,),
         contenders=contenders,
+        cachefsd_flags=("--block-size", args.block_size) if args.block_size else (),
     )
     results = Results(failed=skipped)
     work = Path(tempfile.mkdtemp(prefix="read-bench-"))
