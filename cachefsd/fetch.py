@@ -116,7 +116,7 @@ class Fetcher:
             return data
 
         try:
-            return await self._request(f"GET {key}", attempt, kind, len, self._settings.deadline)
+            return await self._request(key, attempt, kind, len, self._settings.deadline)
         except ObjectNotFound as exc:
             # The version the read is pinned to went with its object: to
             # a reader, the object changed (EIO, and the listing that
