@@ -11,7 +11,9 @@ each, repeated, alternating:
   4 MiB ranged GETs (``get_ranges_async``), one shard at a time;
 - the daemon: a fresh mount with an empty cache, every file read once by
   ``--workers`` reader processes, the daemon's user and system CPU from
-  ``/proc/PID/stat`` around the pass.
+  ``/proc/PID/stat`` around the pass;
+- the machine: CPU a MiB of writing a new file beside the cache
+  (``write_cpu``), what caching a cold byte costs the kernel here.
 
 The server runs in this process's threads, so neither side pays for it.
 With ``--py-spy DIR`` the first cold pass of each dataset is profiled
@@ -19,7 +21,7 @@ With ``--py-spy DIR`` the first cold pass of each dataset is profiled
 frames and only samples holding the GIL). Prints CPU per object and per MiB
 (medians and spread) and writes ``benchmarks/results/cold_bench.json``.
 
-    .venv/bin/python -m benchmarks.cold_bench [--repeats 3] [--workers 4] [--py-spy DIR]
+    .venv/bin/python -m benchmarks.cold_bench [--repeats 3] [--workers 4] [--py-spy DIR] [--dataset D]
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ PART_BYTES = 4 << 20
 # in flight.
 IN_FLIGHT = 16
 PY_SPY_ATTACH_SECONDS = 1.0
+# Enough to average over many page allocations, small beside a dataset.
+WRITE_PROBE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,24 @@ def obstore_cpu(endpoint: str, mode: str, keys: list[str]) -> tuple[float, int]:
     return time.process_time() - before, nbytes
 
 
+def write_cpu(directory: Path) -> float:
+    """CPU seconds a MiB of writing ``WRITE_PROBE_BYTES`` to a new file in
+    ``directory``, as a cache tier writes a cold block: on a VM that backs
+    guest memory lazily, a page the guest takes afresh faults in the host,
+    which made this 2 ms a MiB here against 0.25 after the same memory
+    had been touched, a cost the daemon pays for every cold byte it caches
+    (and obstore alone for each new buffer)."""
+    probe = directory / "write-probe"
+    block = os.urandom(PART_BYTES)
+    before = time.process_time()
+    with probe.open("wb", buffering=0) as file:
+        for _ in range(WRITE_PROBE_BYTES // PART_BYTES):
+            file.write(block)
+    used = time.process_time() - before
+    probe.unlink()
+    return used / (WRITE_PROBE_BYTES / MIB)
+
+
 def daemon_cpu(
     endpoint: str, dataset: Dataset, work: Path, workers: int, seed: int, profile: Path | None
 ) -> tuple[float, float, int]:
@@ -196,6 +218,7 @@ def main() -> int:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--dataset", choices=("small", "shards"), help="only this dataset")
     parser.add_argument(
         "--py-spy", type=Path, help="directory for py-spy profiles of the first daemon passes"
     )
@@ -215,6 +238,8 @@ def main() -> int:
         spawn = multiprocessing.get_context("spawn")
         for repeat in range(args.repeats):
             for dataset in datasets.values():
+                if args.dataset not in (None, dataset.name):
+                    continue
                 keys = [f"{dataset.name}/{key}" for key in dataset.keys]
                 per = len(keys) if dataset.name == "small" else dataset.nbytes / MIB
                 unit = "ms/object" if dataset.name == "small" else "ms/MiB"
@@ -236,6 +261,7 @@ def main() -> int:
                 )
                 assert nbytes == dataset.nbytes
                 runs.setdefault((dataset.name, "daemon"), []).append(cpu / per * 1e3)
+                runs.setdefault(("machine", "write ms/MiB"), []).append(write_cpu(work) * 1e3)
                 print(
                     f"run {repeat + 1} {dataset.name:<7} daemon         {cpu / per * 1e3:7.3f} {unit}"
                     f"  ({nbytes / seconds / 1e6:.0f} MB/s, {len(keys) / seconds:.0f} files/s)",
@@ -245,7 +271,7 @@ def main() -> int:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\nmedians (min-max) of {args.repeats} runs; small: ms a file, shards: ms a MiB")
+    print(f"\nmedians (min-max) of {args.repeats} runs; small: ms a file, shards and machine: ms a MiB")
     for (name, who), values in runs.items():
         print(f"{name:<7} {who:<15} {_spread(values)}")
     RESULTS.mkdir(exist_ok=True)
