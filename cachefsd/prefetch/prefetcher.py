@@ -11,8 +11,10 @@ use first.
 
 Budget, whatever the number of open files, counted by the accounts
 (``accounts.py``: blocks ahead, blocks and GETs in flight, failed blocks):
-- at most ``concurrency`` prefetch GETs at once, and they queue behind every
-  demand read in the fetcher (``fetch.PrioritySlots``);
+- at most ``concurrency`` prefetch runs at once, each up to
+  ``reader.RUN_GETS_IN_FLIGHT`` block GETs, which queue behind every demand
+  read in the fetcher (``fetch.PrioritySlots``): with every request slot
+  taken by prefetches, a demand read waits for the first GET to end;
 - at most the reach (``reach.py``: AIMD between
   ``PrefetchTuning.min_reach_bytes`` and ``lookahead``) fetched ahead and
   not yet read;
