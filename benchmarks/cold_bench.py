@@ -261,6 +261,7 @@ def main() -> int:
                 )
                 assert nbytes == dataset.nbytes
                 runs.setdefault((dataset.name, "daemon"), []).append(cpu / per * 1e3)
+                runs.setdefault((dataset.name, "daemon MB/s"), []).append(nbytes / seconds / 1e6)
                 runs.setdefault(("machine", "write ms/MiB"), []).append(write_cpu(work) * 1e3)
                 print(
                     f"run {repeat + 1} {dataset.name:<7} daemon         {cpu / per * 1e3:7.3f} {unit}"
@@ -271,7 +272,7 @@ def main() -> int:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\nmedians (min-max) of {args.repeats} runs; small: ms a file, shards and machine: ms a MiB")
+    print(f"\nmedians (min-max) of {args.repeats} runs; CPU: small ms a file, shards and machine ms a MiB")
     for (name, who), values in runs.items():
         print(f"{name:<7} {who:<15} {_spread(values)}")
     RESULTS.mkdir(exist_ok=True)
