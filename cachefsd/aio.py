@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import threading
-from collections.abc import AsyncGenerator, Coroutine, Generator
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import uvloop
@@ -45,19 +44,29 @@ class LoopThread:
         return self._loop
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run ``coroutine`` on the loop and wait at most ``timeout`` seconds.
+        """Run ``coroutine`` on the loop and wait at most ``timeout`` seconds
+        (``submit``, then ``result``)."""
+        return self.result(self.submit(coroutine), timeout)
 
-        On timeout the coroutine is cancelled and ``DeadlineExceeded`` raised.
-        Once the loop is stopping (the daemon is exiting), ``DaemonStopping`` at
-        once, for a request already waiting as for a new one: a prefetch
-        thread would otherwise wait out its timeout, and hold up the exit,
-        on a loop that answers nothing."""
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coroutine`` on the loop, without waiting: its future, for
+        ``result`` (cancelling it cancels the coroutine). Once the loop is
+        stopping (the daemon is exiting), ``DaemonStopping`` at once, for a
+        request already waiting as for a new one: a prefetch thread would
+        otherwise wait out its timeout, and hold up the exit, on a loop
+        that answers nothing."""
         with self._lock:
             if self._stopped:
                 coroutine.close()
                 raise DaemonStopping(_STOPPING)
             future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
             self._pending.add(future)
+        future.add_done_callback(self._settled)
+        return future
+
+    def result(self, future: concurrent.futures.Future[T], timeout: float) -> T:
+        """The result of a ``submit``, waited for at most ``timeout`` seconds:
+        past it the coroutine is cancelled and ``DeadlineExceeded`` raised."""
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -65,31 +74,10 @@ class LoopThread:
             raise DeadlineExceeded(f"no answer within {timeout:g}s") from None
         except concurrent.futures.CancelledError:
             raise DaemonStopping(_STOPPING) from None
-        finally:
-            with self._lock:
-                self._pending.discard(future)
 
-    def iterate(self, stream: AsyncGenerator[T, None], timeout: float) -> Generator[T, None, None]:
-        """The items of ``stream`` (an async generator run on the loop), for
-        a thread that is not the loop's; each waits at most ``timeout``
-        seconds, as ``run``. The stream is closed when the caller stops
-        early, so that its request and connection are released."""
-
-        async def next_item() -> tuple[bool, T | None]:
-            try:
-                return True, await anext(stream)
-            except StopAsyncIteration:
-                return False, None
-
-        try:
-            while True:
-                more, item = self.run(next_item(), timeout)
-                if not more:
-                    return
-                yield item  # type: ignore[misc]  # not None: the stream gave it
-        finally:
-            with contextlib.suppress(DaemonStopping):  # the loop is stopping: nothing to release
-                self.run(stream.aclose(), timeout)
+    def _settled(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(future)
 
     def stop(self) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ import heapq
 import itertools
 import random
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Literal, Protocol, TypeVar
 
 from cachefsd.config import FetchSettings
@@ -96,64 +96,32 @@ class Fetcher:
     def deadline(self) -> float:
         return self._settings.deadline
 
-    async def stream_range(
-        self, key: str, start: int, end: int, etag: str, piece: int, kind: FetchKind = "demand"
-    ) -> AsyncGenerator[bytes | bytearray, None]:
-        """Bytes ``[start, end)`` of version ``etag`` of ``key``, exactly,
-        as pieces of ``piece`` bytes (the last one shorter), or a
-        ``StoreError``.
+    async def get_range(
+        self, key: str, start: int, end: int, etag: str, kind: FetchKind = "demand"
+    ) -> bytes | bytearray:
+        """Bytes ``[start, end)`` of version ``etag`` of ``key``, exactly
+        (a block at most), or a ``StoreError``.
 
-        Each piece must come within the deadline of the one before it (or of
-        the request): a long range on a slow link is never cut for its
-        length (cutting a 32 MiB run at a fixed time failed every attempt
-        below 3.2 MB/s a connection, and a read that joined it with it). A
-        stalled connection is dropped after ``attempt_timeout`` by the
-        store's own read timeout (S3, GCS), and the request is retried from
-        the first byte not received yet, with backoff, until a deadline
-        passes with no piece. The consumer's time between pieces is not
-        counted, and it holds a request slot."""
-        self._slots = self._slots or PrioritySlots(self._settings.concurrency)  # of the running loop
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._settings.deadline
-        attempts = 0
-        cause: Exception | None = None
-        position = start
-        while True:
-            started, received = time.monotonic(), 0
-            try:
-                await asyncio.wait_for(self._slots.acquire(_PRIORITY[kind]), deadline - loop.time())
-                try:
-                    pieces = self._store.stream_range(key, position, end, etag, piece)
-                    try:
-                        while position < end:
-                            data = await asyncio.wait_for(anext(pieces, b""), deadline - loop.time())
-                            if not data:
-                                raise StoreError(
-                                    f"short read of {key}: {position - start} of {end - start} bytes"
-                                )
-                            position, received = position + len(data), received + len(data)
-                            try:
-                                yield data
-                            except GeneratorExit:  # the consumer stopped early: still a request
-                                self._events.fetch_done(kind, time.monotonic() - started, received)
-                                raise
-                            deadline = loop.time() + self._settings.deadline
-                    finally:
-                        await pieces.aclose()
-                finally:
-                    self._slots.release()
-                self._events.fetch_done(kind, time.monotonic() - started, received)
-                return
-            except ObjectNotFound as exc:
-                # The version the read is pinned to went with its object: to
-                # a reader, the object changed (EIO, and the listing that
-                # showed it is dropped), not "no such file" from read().
-                self._events.fetch_failed(kind)
-                raise ObjectChanged(f"{key} was deleted; the read was pinned to version {etag}") from exc
-            except (StoreError, TimeoutError) as exc:
-                cause = self._worth_retrying(exc, kind, cause)
-            attempts += 1
-            await self._back_off(key, kind, attempts, cause, deadline)
+        Attempts are not cut at ``attempt_timeout``: a block on a slow link
+        may take longer (cutting a GET at a fixed time fails every attempt
+        below the rate it implies). A stalled connection is dropped after
+        ``attempt_timeout`` by the store's own read timeout (S3, GCS), and
+        the GET is retried with backoff until the deadline, which bounds
+        the whole request."""
+
+        async def attempt() -> bytes | bytearray:
+            data = await self._store.get_range(key, start, end, etag)
+            if len(data) < end - start:
+                raise StoreError(f"short read of {key}: {len(data)} of {end - start} bytes")
+            return data
+
+        try:
+            return await self._request(key, attempt, kind, len, self._settings.deadline)
+        except ObjectNotFound as exc:
+            # The version the read is pinned to went with its object: to
+            # a reader, the object changed (EIO, and the listing that
+            # showed it is dropped), not "no such file" from read().
+            raise ObjectChanged(f"{key} was deleted; the read was pinned to version {etag}") from exc
 
     async def call(
         self,
@@ -166,6 +134,17 @@ class Fetcher:
         until the deadline; each attempt cut at ``attempt_timeout`` (a
         listing or a HEAD, whose answers are small). ``what`` names the
         request in errors; ``measure`` says how many bytes a result brought."""
+        return await self._request(what, attempt, kind, measure, self._settings.attempt_timeout)
+
+    async def _request(
+        self,
+        what: str,
+        attempt: Callable[[], Awaitable[T]],
+        kind: FetchKind,
+        measure: Callable[[T], int],
+        attempt_seconds: float,
+    ) -> T:
+        """``call``, with each attempt cut at ``attempt_seconds`` (or at the deadline, if sooner)."""
         self._slots = self._slots or PrioritySlots(self._settings.concurrency)  # of the running loop
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._settings.deadline
@@ -176,7 +155,7 @@ class Fetcher:
             started = time.monotonic()
             try:
                 limited = self._limited(attempt, _PRIORITY[kind])
-                result = await asyncio.wait_for(limited, min(self._settings.attempt_timeout, remaining))
+                result = await asyncio.wait_for(limited, min(attempt_seconds, remaining))
                 self._events.fetch_done(kind, time.monotonic() - started, measure(result))
                 return result
             except (StoreError, TimeoutError) as exc:

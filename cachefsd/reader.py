@@ -23,8 +23,8 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -54,15 +54,17 @@ GIVEN_UP_SECONDS = 2.0
 # that a handle still pinned to one fails its uncached reads at once: each
 # was a GET answered 412 and a warning, 156 a second from one reader.
 GONE_VERSIONS_REMEMBERED = 4096
-# Consecutive blocks of a file fetched ahead (prefetch, stage) with one GET,
-# at most: a stream through a large file costs a request per 128 MiB, not
-# per block (a round trip each, and on moto a read of the whole object each:
-# 32 MiB runs read a 256 MB object at 142 MB/s there, 128 MiB ones at 202).
-# A run is read block by block as it arrives (``Fetcher.stream_range``), so
-# it never is whole in RAM, a reader waiting for its first block does not
-# wait for its last, and a slow link only needs each block within the
-# fetch deadline, not the whole run.
+# Consecutive blocks of a file fetched ahead (prefetch, stage) by one call,
+# at most: what one worker claims at once, so that a stream through a large
+# file is a call per 128 MiB, not per block.
 RUN_BYTES = 128 << 20
+# A run's blocks are each a ranged GET (as every fast S3 client reads a
+# large object: parts in parallel; a range costs S3 what its bytes cost), at
+# most this many at once a run, 32 MiB at the default block size. Each is
+# one buffer handed over whole, so a run is never whole in RAM, a reader
+# waiting for its first block does not wait for its last, and a slow link
+# needs each block within the fetch deadline, not the whole run.
+RUN_GETS_IN_FLIGHT = 8
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +130,7 @@ class ClaimedRun:
         self._fetch = fetch
 
     def fetch(self) -> set[int]:
-        """Fetch the claimed blocks with one GET; the indices fetched."""
+        """Fetch the claimed blocks (a GET each, several at once); the indices fetched."""
         fetched: set[int] = set()
 
         def call(refs: list[BlockRef], settle: Settle) -> None:
@@ -149,8 +151,8 @@ class ClaimedRun:
 
 
 class BlockReader:
-    """Byte ranges of one object version as blocks: from the block cache, or one GET shared by every
-    reader."""
+    """Byte ranges of one object version as blocks: from the block cache, or a GET a block shared by
+    every reader."""
 
     def __init__(
         self,
@@ -320,13 +322,12 @@ class BlockReader:
     ) -> set[int]:
         """Bring consecutive blocks ``indices`` of ``info`` into the cache
         before anyone reads them (prefetch, stage), planned to be read at
-        ``next_use`` if known, with one GET for those not cached: a stream
-        through a large file costs a request per run, not per block (a
-        request costs a round trip, and on moto a read of the whole object).
-        Returns the indices this call fetched: not those cached, nor those
-        whose GET another caller (a demand read) had started. A demand read
-        of any of them meanwhile waits for this GET, until its block has
-        come, and the GET never waits in line before one (kind "prefetch")."""
+        ``next_use`` if known, those not cached with a GET each,
+        ``RUN_GETS_IN_FLIGHT`` at once. Returns the indices this call
+        fetched: not those cached, nor those whose GET another caller (a
+        demand read) had started. A demand read of any of them meanwhile
+        waits for this run's GET of it, and the GETs never wait in line
+        before one (kind "prefetch")."""
         return self.claim_run_ahead(info, indices, tier, next_use).fetch()
 
     def claim_run_ahead(
@@ -341,9 +342,10 @@ class BlockReader:
         """``fetch_run_ahead`` in two steps: the blocks are claimed now (a
         read of one waits for this run from now on), and fetched when the
         returned run's ``fetch`` is called, on any thread. ``proceed(index)``,
-        asked before each block after the first, may stop the GET there: a
-        reader waiting on a later block then fetches it itself. ``kind``
-        "demand" when a reader waits on the run's first block."""
+        asked before the GET of each block after the first, may stop the
+        run there: a reader waiting on a later block then fetches it
+        itself. ``kind`` "demand" when a reader waits on the run's first
+        block."""
         version = self.version(info)
         wanted = {version.ref(index): index for index in indices if not self._cache.cached(version, index)}
         claimed = self._in_flight.claim(list(wanted))
@@ -363,12 +365,10 @@ class BlockReader:
         proceed: Callable[[int], bool] | None = None,
     ) -> None:
         """Fetch ``blocks`` (ref -> index): those a remote level of the
-        cache holds from there, the others with one GET of the range from
-        the first to the last, block by block as it arrives (blocks between
-        that others lead are read through and left to them), each put into
-        the cache as ``use`` says (its hash computed once, here), then
-        handed to ``settle``. Stops early when ``proceed`` says no to the
-        next block."""
+        cache holds from there, the others from the origin (``_arrivals``),
+        each put into the cache as ``use`` says (its hash computed once,
+        here), then handed to ``settle``. Stops early when ``proceed`` says
+        no to the next block."""
         found = self._cache.find_remote(version, sorted(blocks.values()), use)
         left: dict[int, BlockRef] = {}
         for ref, index in blocks.items():
@@ -379,21 +379,45 @@ class BlockReader:
                 settle(ref, block)
         if not left:
             return
-        first, last = min(left), max(left)
-        start = block_bounds(first, version.size, self._block_size)[0]
-        end = block_bounds(last, version.size, self._block_size)[1]
-        stream = self._fetcher.stream_range(version.key, start, end, version.etag, self._block_size, use.kind)
-        pieces = self._io.iterate(stream, self._fetcher.deadline + BRIDGE_MARGIN_SECONDS)
-        # Stopping early ends the GET; what came is kept.
-        with self._cache.filling(version, use) as put, contextlib.closing(pieces):
-            for index, content in enumerate(pieces, first):
-                wanted = left.get(index)
-                if wanted is not None:
-                    digest = content_hash(content)
-                    put(index, digest, content)
-                    settle(wanted, Block(digest, content, "cold"))
-                if index < last and proceed is not None and not proceed(index + 1):
-                    return
+        arrivals = self._arrivals(version, sorted(left), use.kind, proceed)
+        with self._cache.filling(version, use) as put, contextlib.closing(arrivals):
+            for index, content in arrivals:
+                digest = content_hash(content)
+                put(index, digest, content)
+                settle(left[index], Block(digest, content, "cold"))
+
+    def _arrivals(
+        self, version: Version, indices: list[int], kind: FetchKind, proceed: Callable[[int], bool] | None
+    ) -> Generator[tuple[int, bytes | bytearray], None, None]:
+        """Blocks ``indices`` (ascending) of ``version``, in order, each a
+        GET, up to ``RUN_GETS_IN_FLIGHT`` at once; ``proceed(index)``, asked
+        before each GET but the first, once the blocks before it are handed
+        over (it may wait for a reader of them), stops the run there.
+        Closing it cancels the GETs under way."""
+        timeout = self._fetcher.deadline + BRIDGE_MARGIN_SECONDS
+        pending: deque[tuple[int, Future[bytes | bytearray]]] = deque()
+        unasked = iter(indices)
+
+        def request(index: int) -> None:
+            start, end = block_bounds(index, version.size, self._block_size)
+            coroutine = self._fetcher.get_range(version.key, start, end, version.etag, kind)
+            pending.append((index, self._io.submit(coroutine)))
+
+        try:
+            request(next(unasked))
+            going_on = True
+            while pending:
+                index, future = pending.popleft()
+                yield index, self._io.result(future, timeout)
+                while going_on and len(pending) < RUN_GETS_IN_FLIGHT:
+                    following = next(unasked, None)
+                    if following is None or (proceed is not None and not proceed(following)):
+                        going_on = False
+                    else:
+                        request(following)
+        finally:
+            for _, future in pending:
+                future.cancel()
 
     def release_version(self, info: ObjectInfo) -> None:
         """Free the cached blocks of a version that no longer exists."""

@@ -3,8 +3,8 @@
 ``cachefsd stage TARGET`` selects files by walking the namespace from a
 path (listing directories in parallel), keeps those whose mount-relative
 path matches ``--include``, and brings every block of them into the cache
-with a pool of workers calling ``BlockReader.fetch_run_ahead`` (a GET per
-run of consecutive blocks, up to ``blocks.RUN_BYTES``; kind
+with a pool of workers calling ``BlockReader.fetch_run_ahead`` (runs of
+consecutive blocks, up to ``reader.RUN_BYTES``, a GET a block; kind
 "prefetch": demand reads of a training job running meanwhile still go
 first). A block already cached is counted and skipped before it reaches a
 worker, so a rerun after an interruption only fetches what is missing.
@@ -118,7 +118,7 @@ class Blocks(Protocol):
         ...
 
     def fetch_run_ahead(self, info: ObjectInfo, indices: range, tier: str | None = None) -> set[int]:
-        """Cache consecutive blocks ``indices`` with one GET; those this
+        """Cache consecutive blocks ``indices`` (a GET each); those this
         call fetched. Raises on failure."""
         ...
 
@@ -379,7 +379,7 @@ class _FileProgress:
 
 @dataclass(slots=True)
 class _BlockRun:
-    """Consecutive blocks (index, bytes) of one file, fetched with one GET."""
+    """Consecutive blocks (index, bytes) of one file, fetched by one call."""
 
     state: _FileProgress
     blocks: list[tuple[int, int]]

@@ -35,7 +35,7 @@ class Accounts:
         self.ahead_bytes = 0
         self._in_flight: dict[BlockRef, int] = {}  # block -> its bytes
         self.in_flight_bytes = 0
-        self.gets = 0  # runs submitted and not over: the concurrency is in GETs
+        self.gets = 0  # runs submitted and not over: the concurrency is in runs
         # Blocks read while their prefetch was still in flight: the reader
         # joined the GET, so the prefetch is used (late) and plans nothing.
         self._joined: set[BlockRef] = set()

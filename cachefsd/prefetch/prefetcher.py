@@ -11,8 +11,10 @@ use first.
 
 Budget, whatever the number of open files, counted by the accounts
 (``accounts.py``: blocks ahead, blocks and GETs in flight, failed blocks):
-- at most ``concurrency`` prefetch GETs at once, and they queue behind every
-  demand read in the fetcher (``fetch.PrioritySlots``);
+- at most ``concurrency`` prefetch runs at once, each up to
+  ``reader.RUN_GETS_IN_FLIGHT`` block GETs, which queue behind every demand
+  read in the fetcher (``fetch.PrioritySlots``): with every request slot
+  taken by prefetches, a demand read waits for the first GET to end;
 - at most the reach (``reach.py``: AIMD between
   ``PrefetchTuning.min_reach_bytes`` and ``lookahead``) fetched ahead and
   not yet read;
@@ -82,7 +84,7 @@ from cachefsd.workload.model import Prediction, WorkloadModel
 
 log = logging.getLogger(__name__)
 
-# Consecutive blocks of one file fetched with one GET: (index, ref, bytes) each.
+# Consecutive blocks of one file fetched by one call: (index, ref, bytes) each.
 Run = list[tuple[int, BlockRef, int]]
 
 
@@ -119,7 +121,7 @@ class Fetches(Protocol):
     def fetch_run_ahead(
         self, info: ObjectInfo, indices: range, tier: str | None = None, next_use: float | None = None
     ) -> set[int]:
-        """Bring the blocks into the cache with one GET; those this call fetched."""
+        """Bring the blocks into the cache (a GET each, several at once); those this call fetched."""
         ...
 
 
@@ -571,7 +573,7 @@ class Prefetcher:
         head: HeadRun | None = None,
         claim: ClaimedRun | None = None,
     ) -> None:
-        """Fetch a run of consecutive blocks with one GET, then account for
+        """Fetch a run of consecutive blocks (a GET each, several at once), then account for
         each block as it turned out. A file's first run (``head``) comes
         with its blocks already ``claim``ed."""
         first, last = run[0][0], run[-1][0]

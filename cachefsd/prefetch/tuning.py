@@ -42,10 +42,9 @@ class PrefetchTuning:
     warm_ahead_bytes: int = 32 << 20
     # A first read at a large file's start begins the file's first run at
     # once, with its own block first (``head.py``): most readers that start
-    # there read on (a tar shard, a video, cp), and one GET for the read and
-    # the run saves a request's round trip (on moto, a read of the whole
-    # object) over a demand GET followed by a run once a second read has
-    # shown the stream. Until a read past the first block comes, the run
+    # there read on (a tar shard, a video, cp), and starting the run with the
+    # read's block saves a request's round trip over a demand GET followed
+    # by a run once a second read has shown the stream. Until a read past the first block comes, the run
     # reads no further than this (or one block, if larger): a reader that
     # only peeked at a header costs that much.
     head_free_bytes: int = 16 << 20

@@ -12,7 +12,6 @@ the backend's own exception as ``__cause__``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -102,21 +101,12 @@ class ObjectStore(Protocol):
         ...
 
     async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes | bytearray:
-        """Bytes ``[start, end)`` of the version ``etag`` of ``key`` (a
-        bytearray where the body is read into one buffer, see ``s3.py``).
+        """Bytes ``[start, end)`` of the version ``etag`` of ``key``, in one
+        buffer: the reader asks for a block at a time (at most 64 MiB).
 
         Raises ``ObjectChanged`` when the object's current version is not
         ``etag``: a store never returns bytes of another version. May return
         fewer bytes only when ``end`` is past the end of the object."""
-        ...
-
-    def stream_range(
-        self, key: str, start: int, end: int, etag: str, piece: int
-    ) -> AsyncGenerator[bytes | bytearray, None]:
-        """The same bytes as ``get_range``, as consecutive pieces of
-        ``piece`` bytes (the last one shorter) as they arrive: a long range
-        is never whole in memory, and its first blocks can be used before
-        its last arrive. Ends early only at the end of the object."""
         ...
 
     async def get_object(self, key: str) -> bytes:
@@ -150,34 +140,3 @@ def redact_url(url: str) -> str:
         port = ""
     prefix = f"{scheme}://" if separator else ""
     return f"{prefix}{host}{port}{parts.path.rstrip('/')}"
-
-
-async def gathered(pieces: AsyncIterator[bytes | bytearray]) -> bytes | bytearray:
-    """A stream's pieces as one buffer (the piece itself when there is one:
-    no copy)."""
-    got = [piece async for piece in pieces]
-    return got[0] if len(got) == 1 else b"".join(got)
-
-
-# A store whose client cannot stream a response (GCS's, a local file, the
-# in-memory fake) serves a long range as GETs of at most this many bytes,
-# cut into pieces: what one of its ranges holds in RAM at once.
-UNSTREAMED_SPAN_BYTES = 8 << 20
-
-
-async def pieces_of(
-    store: ObjectStore, key: str, start: int, end: int, etag: str, piece: int
-) -> AsyncGenerator[bytes | bytearray, None]:
-    """``stream_range`` for a store without streaming of its own, from its
-    ``get_range``."""
-    if end <= start:
-        await store.get_range(key, start, end, etag)  # the version is still checked
-        return
-    span = max(piece, UNSTREAMED_SPAN_BYTES // piece * piece)
-    for first in range(start, end, span):
-        last = min(first + span, end)
-        data = await store.get_range(key, first, last, etag)
-        for offset in range(0, len(data), piece):
-            yield data[offset : offset + piece]
-        if len(data) < last - first:
-            return  # the end of the object

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from cachefsd.errors import StoreError
@@ -26,9 +25,9 @@ class Faults:
     # Every call waits until the test sets it (or the call is cancelled): a
     # store that hangs exactly as long as the test needs, whatever the timeouts.
     gate: threading.Event | None = None
-    piece_latency_seconds: float = 0.0  # a slow link: the wait before each piece of a stream but the first
-    piece_gate: threading.Event | None = None  # as ``gate``, before each piece of a stream but the first
-    cut_after_pieces: int = 0  # the next stream breaks (a StoreError) after this many pieces
+    # GETs of ranges that start before this offset pass the gate: a link
+    # that sends an object's first blocks, then stalls.
+    gate_from: int = 0
 
 
 async def _passed(gate: threading.Event | None) -> None:
@@ -44,7 +43,7 @@ class FaultyStore:
         self._inner = inner
         self.faults = faults or Faults()
         self.calls = 0
-        self.streams: list[tuple[int, int]] = []  # the range each stream asked for
+        self.gets: list[tuple[str, int, int]] = []  # the key and range each ``get_range`` asked for
         self._gets_now = 0
         self.most_concurrent_gets = 0  # the most GETs that were in flight at once
 
@@ -60,13 +59,14 @@ class FaultyStore:
     def content_etags(self) -> bool:
         return self._inner.content_etags
 
-    async def _inject(self) -> None:
+    async def _inject(self, gated: bool = True) -> None:
         self.calls += 1
         if self.faults.latency_seconds:
             await asyncio.sleep(self.faults.latency_seconds)
         if self.faults.hang:
             await asyncio.Event().wait()
-        await _passed(self.faults.gate)
+        if gated:
+            await _passed(self.faults.gate)
         if self.faults.failures_left > 0:
             self.faults.failures_left -= 1
             raise self.faults.error("injected fault")
@@ -84,8 +84,14 @@ class FaultyStore:
         return await self._inner.head(key)
 
     async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes | bytearray:
-        await self._inject()
-        return await self._inner.get_range(key, start, end, etag)
+        self._gets_now += 1  # the event loop's thread only: no lock
+        self.most_concurrent_gets = max(self.most_concurrent_gets, self._gets_now)
+        try:
+            await self._inject(gated=start >= self.faults.gate_from)
+            self.gets.append((key, start, end))
+            return await self._inner.get_range(key, start, end, etag)
+        finally:
+            self._gets_now -= 1
 
     async def get_object(self, key: str) -> bytes:
         await self._inject()
@@ -94,28 +100,6 @@ class FaultyStore:
     async def put_object(self, key: str, data: bytes) -> None:
         await self._inject()
         await self._inner.put_object(key, data)
-
-    async def stream_range(
-        self, key: str, start: int, end: int, etag: str, piece: int
-    ) -> AsyncGenerator[bytes | bytearray, None]:
-        self._gets_now += 1  # the event loop's thread only: no lock
-        self.most_concurrent_gets = max(self.most_concurrent_gets, self._gets_now)
-        try:
-            await self._inject()
-            self.streams.append((start, end))
-            cut, self.faults.cut_after_pieces = self.faults.cut_after_pieces, 0
-            sent = 0
-            async for data in self._inner.stream_range(key, start, end, etag, piece):
-                if cut and sent == cut:
-                    raise self.faults.error("injected fault: the connection broke mid-body")
-                if sent and self.faults.piece_latency_seconds:
-                    await asyncio.sleep(self.faults.piece_latency_seconds)
-                if sent:
-                    await _passed(self.faults.piece_gate)
-                yield data
-                sent += 1
-        finally:
-            self._gets_now -= 1
 
     async def close(self) -> None:
         await self._inner.close()

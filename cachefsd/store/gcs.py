@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -43,7 +43,7 @@ from google.cloud.storage import exceptions as storage_exceptions
 from requests.adapters import HTTPAdapter
 
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
-from cachefsd.store.base import Listing, ListingPage, ObjectInfo, pieces_of, redact_url
+from cachefsd.store.base import Listing, ListingPage, ObjectInfo, redact_url
 
 _T = TypeVar("_T")
 
@@ -321,11 +321,6 @@ class GcsStore:
             bucket.blob(full_key).upload_from_string(data, timeout=self._attempt_timeout, retry=None)
 
         await self._run(self._target(key), call)
-
-    def stream_range(
-        self, key: str, start: int, end: int, etag: str, piece: int
-    ) -> AsyncGenerator[bytes | bytearray, None]:
-        return pieces_of(self, key, start, end, etag, piece)
 
     async def close(self) -> None:
         client, session = self._client, self._session

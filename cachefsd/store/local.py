@@ -7,11 +7,10 @@ import asyncio
 import os
 import stat
 import uuid
-from collections.abc import AsyncGenerator
 from pathlib import Path
 
 from cachefsd.errors import ObjectChanged, ObjectNotFound, StoreError
-from cachefsd.store.base import Listing, ListingPage, ObjectInfo, pieces_of
+from cachefsd.store.base import Listing, ListingPage, ObjectInfo
 
 
 def _etag(st: os.stat_result) -> str:
@@ -164,11 +163,6 @@ class LocalStore:
         except OSError as exc:
             temp.unlink(missing_ok=True)
             raise StoreError(f"cannot write {key}: {exc.strerror}") from exc
-
-    def stream_range(
-        self, key: str, start: int, end: int, etag: str, piece: int
-    ) -> AsyncGenerator[bytes | bytearray, None]:
-        return pieces_of(self, key, start, end, etag, piece)
 
     async def close(self) -> None:
         return None

@@ -5,10 +5,9 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import AsyncGenerator
 
 from cachefsd.errors import ObjectChanged, ObjectNotFound
-from cachefsd.store.base import Listing, ListingPage, ObjectInfo, pieces_of
+from cachefsd.store.base import Listing, ListingPage, ObjectInfo
 from cachefsd.store.listing import one_level
 
 
@@ -101,11 +100,6 @@ class MemoryStore:
 
     async def put_object(self, key: str, data: bytes) -> None:
         self.put(key, data)
-
-    def stream_range(
-        self, key: str, start: int, end: int, etag: str, piece: int
-    ) -> AsyncGenerator[bytes | bytearray, None]:
-        return pieces_of(self, key, start, end, etag, piece)
 
     async def close(self) -> None:
         return None

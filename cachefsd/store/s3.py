@@ -36,12 +36,11 @@ user info.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import datetime
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -66,10 +65,9 @@ from obstore.exceptions import BaseError as ObstoreError
 from obstore.exceptions import NotFoundError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 from obstore.store import S3Store as ObstoreS3
 
-from cachefsd.buffers import address
 from cachefsd.config import StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
-from cachefsd.store.base import Credentials, Listing, ListingPage, ObjectInfo, gathered, redact_url
+from cachefsd.store.base import Credentials, Listing, ListingPage, ObjectInfo, redact_url
 
 if TYPE_CHECKING:
     from obstore import GetResult
@@ -454,18 +452,13 @@ class S3Store:
         )
 
     async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes | bytearray:
-        return await gathered(self.stream_range(key, start, end, etag, max(1, end - start)))
-
-    async def stream_range(
-        self, key: str, start: int, end: int, etag: str, piece: int
-    ) -> AsyncGenerator[bytes | bytearray, None]:
         if end <= start:
             # "bytes=5-4" is not a range: S3 would send the whole object.
             # Answer from HEAD so a missing or changed object still raises.
             info = await self.head(key)
             if info.etag != _strip_quotes(etag):
                 raise ObjectChanged(f"{self._target(key)}: etag is now {info.etag}, read pinned to {etag}")
-            return
+            return b""
         full_key = self._root + key
         if not full_key:
             raise ObjectNotFound(self._target(key))
@@ -481,15 +474,14 @@ class S3Store:
                 self._nonconforming = True
             else:
                 if response is None:
-                    return
+                    return b""
                 try:
-                    async for buffer in _cut(response.stream(min_chunk_size=piece), piece, end - start):
-                        yield buffer
+                    # The body in one buffer, gathered by obstore outside the
+                    # GIL; one copy into bytes, which the cache and libfuse take.
+                    return bytes(await response.bytes_async())
                 except _DATA_ERRORS as exc:
                     raise _translate_data(exc, target=self._target(key), endpoint=self._endpoint) from exc
-                return
-        async for read in self._stream_through_botocore(full_key, start, end, etag, piece):
-            yield read
+        return await self._get_through_botocore(full_key, start, end, etag)
 
     async def _obstore_get(self, full_key: str, start: int, end: int, etag: str) -> GetResult | None:
         """The response to a GET of ``[start, end)`` of version ``etag``,
@@ -512,10 +504,10 @@ class S3Store:
             raise ObjectChanged(f"{target}: endpoint returned etag {got}, read pinned to {etag}")
         return response
 
-    async def _stream_through_botocore(
-        self, full_key: str, start: int, end: int, etag: str, piece: int
-    ) -> AsyncGenerator[bytes | bytearray, None]:
-        """``stream_range`` through aiobotocore, for an endpoint whose replies
+    async def _get_through_botocore(
+        self, full_key: str, start: int, end: int, etag: str
+    ) -> bytes | bytearray:
+        """``get_range`` through aiobotocore, for an endpoint whose replies
         obstore refuses (a chunked body with no Content-Length, a whole
         object sent for a range), read exactly all the same."""
         key = full_key[len(self._root) :]
@@ -532,7 +524,7 @@ class S3Store:
             if status == _RANGE_NOT_SATISFIABLE:
                 # The range starts at or past the end (or the object is
                 # empty). S3 evaluates If-Match first, so the version matched.
-                return
+                return b""
             raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
         except _S3_ERRORS as exc:
             raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
@@ -545,15 +537,7 @@ class S3Store:
             try:
                 if "ContentRange" not in response:
                     await _skip(body, start)  # an endpoint that ignores Range sends the whole object
-                position = start
-                while position < end:
-                    size = min(piece, end - position)
-                    data = await _read_body(body, size)
-                    if data:
-                        yield data
-                    position += len(data)
-                    if len(data) < size:
-                        return  # the body ended: the end of the object
+                return await _read_body(body, end - start)
             except _S3_ERRORS as exc:
                 raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
 
@@ -582,32 +566,6 @@ class S3Store:
         stack, self._exit_stack, self._client = self._exit_stack, None, None
         if stack is not None:
             await stack.aclose()
-
-
-async def _cut(chunks: AsyncIterator[bytes], piece: int, length: int) -> AsyncGenerator[bytearray, None]:
-    """A body of at most ``length`` bytes, in chunks (buffers of any size), as
-    pieces of exactly ``piece`` bytes, the last one shorter: each byte is
-    copied once, into a buffer of its piece's size (a small object's range
-    is far shorter than a block)."""
-    remaining = length
-    buffer, filled = bytearray(min(piece, remaining)), 0
-    async for chunk in chunks:
-        # ctypes lets go of the GIL for the copy (megabytes each): the FUSE
-        # threads serve the cached reads meanwhile.
-        source, offset = address(chunk), 0
-        while offset < len(chunk):
-            taken = min(len(buffer) - filled, len(chunk) - offset)
-            ctypes.memmove(address(buffer) + filled, source + offset, taken)
-            filled, offset = filled + taken, offset + taken
-            if filled == len(buffer):
-                yield buffer
-                remaining -= filled
-                if not remaining:
-                    return
-                buffer, filled = bytearray(min(piece, remaining)), 0
-    if filled:
-        del buffer[filled:]  # the body ended early: the end of the object
-        yield buffer
 
 
 async def _read_body(body: Any, length: int) -> bytearray:

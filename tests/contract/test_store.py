@@ -323,30 +323,6 @@ def test_get_range_returns_exact_bytes(backend: Backend) -> None:
         assert got == data[start:end], f"range [{start}, {end})"
 
 
-@pytest.mark.parametrize("piece", [1000, 4096, 1 << 20])
-def test_stream_range_gives_the_same_bytes_in_pieces(backend: Backend, piece: int) -> None:
-    """Each piece ``piece`` bytes, the last one shorter; a range past the
-    end ends where the object does; a changed version raises."""
-    data = backend.seed[DEEP_KEY]
-
-    async def body(store: ObjectStore) -> list[list[bytes]]:
-        info = await store.head(DEEP_KEY)
-        streams = []
-        for start, end in _ranges(len(data)):
-            streams.append(
-                [bytes(got) async for got in store.stream_range(DEEP_KEY, start, end, info.etag, piece)]
-            )
-        with pytest.raises(ObjectChanged):
-            async for _ in store.stream_range(DEEP_KEY, 0, 10, info.etag + "0", piece):
-                pass
-        return streams
-
-    for (start, end), pieces in zip(_ranges(len(data)), run(backend, body), strict=True):
-        assert b"".join(pieces) == data[start:end], f"range [{start}, {end})"
-        assert all(len(got) == piece for got in pieces[:-1]), f"range [{start}, {end})"
-        assert all(0 < len(got) <= piece for got in pieces), f"range [{start}, {end})"
-
-
 @pytest.mark.parametrize("key", ["empty.bin", SPACES_KEY, UNICODE_KEY, LONG_NAME, "x/y"])
 def test_get_range_of_awkward_keys(backend: Backend, key: str) -> None:
     data = backend.seed[key]
@@ -564,7 +540,7 @@ def test_s3_reads_what_odd_endpoints_send(endpoint: str, monkeypatch: pytest.Mon
         await response.write_eof()
         return response
 
-    async def body() -> tuple[bytes | bytearray, list[bytes]]:
+    async def body() -> bytes | bytearray:
         app = web.Application()
         app.router.add_get("/{tail:.*}", get)
         runner = web.AppRunner(app)
@@ -575,19 +551,12 @@ def test_s3_reads_what_odd_endpoints_send(endpoint: str, monkeypatch: pytest.Mon
             "bkt", "", StoreSettings(endpoint_url=f"http://127.0.0.1:{port}"), ATTEMPT_TIMEOUT_SECONDS
         )
         try:
-            whole = await store.get_range("k", 4096, 4096 + 70_000, "abc")
-            pieces = [
-                bytes(piece) async for piece in store.stream_range("k", 4096, 4096 + 70_000, "abc", 16384)
-            ]
-            return whole, pieces
+            return await store.get_range("k", 4096, 4096 + 70_000, "abc")
         finally:
             await store.close()
             await runner.cleanup()
 
-    whole, pieces = _run_alone(body)
-    assert whole == data[4096 : 4096 + 70_000]
-    assert b"".join(pieces) == whole
-    assert [len(piece) for piece in pieces] == [16384] * 4 + [70_000 - 4 * 16384]
+    assert _run_alone(body) == data[4096 : 4096 + 70_000]
 
 
 def _no_credentials_in_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ from cachefsd.aio import LoopThread
 from cachefsd.config import FetchSettings
 from cachefsd.errors import AccessDenied, DaemonStopping, DeadlineExceeded, ObjectChanged, StoreError
 from cachefsd.fetch import Fetcher, PrioritySlots
-from cachefsd.store.base import gathered
 from cachefsd.store.faulty import Faults, FaultyStore
 from cachefsd.store.memory import MemoryStore
 from tests.unit.conftest import FAST_FETCH
@@ -44,8 +43,8 @@ def etag(store: MemoryStore, io: LoopThread) -> str:
 
 
 def fetch(io: LoopThread, fetcher: Fetcher, start: int, end: int, version: str, timeout: float) -> bytes:
-    """Bytes ``[start, end)`` of "k" through ``fetcher``, in one piece."""
-    return bytes(io.run(gathered(fetcher.stream_range("k", start, end, version, end - start)), timeout))
+    """Bytes ``[start, end)`` of "k" through ``fetcher``."""
+    return bytes(io.run(fetcher.get_range("k", start, end, version), timeout))
 
 
 def test_transient_errors_are_retried(io: LoopThread) -> None:
@@ -162,57 +161,21 @@ def test_waiting_demand_requests_go_before_waiting_prefetches(io: LoopThread) ->
     assert io.run(scenario(), 5) == ["demand", "prefetch-0", "prefetch-1", "prefetch-2"]
 
 
-def _streamed(io: LoopThread, fetcher: Fetcher, store: MemoryStore, piece: int) -> list[bytes]:
-    version = etag(store, io)
-
-    async def pieces() -> list[bytes]:
-        return [bytes(data) async for data in fetcher.stream_range("k", 0, 10, version, piece)]
-
-    return io.run(pieces(), 10)
-
-
-def test_a_broken_stream_resumes_where_it_broke(io: LoopThread) -> None:
-    store = MemoryStore({"k": b"0123456789"})
-    faulty = FaultyStore(store, Faults(cut_after_pieces=2))
-    events = Events()
-    fetcher = Fetcher(faulty, FAST_FETCH, events)
-    assert _streamed(io, fetcher, store, 3) == [b"012", b"345", b"678", b"9"]
-    assert faulty.streams == [(0, 10), (6, 10)]  # the second request asks for the bytes not received yet
-    assert events.retries == 1
-
-
-def test_a_slow_stream_is_not_cut_while_its_pieces_come(io: LoopThread) -> None:
-    """Each piece must come within the deadline, not the whole range: a
-    128 MiB run at 2 MB/s takes a minute. A listing or a HEAD, whose answer
+def test_a_slow_get_is_not_cut_at_the_attempt_timeout(io: LoopThread) -> None:
+    """A block must come within the deadline, not the attempt timeout: a
+    4 MiB block at 0.2 MB/s takes 20 s. A listing or a HEAD, whose answer
     is small, is still cut at the attempt timeout."""
     store = MemoryStore({"k": b"0123456789"})
-    slow = Faults(piece_latency_seconds=FAST_FETCH.deadline / 3)
+    slow = Faults(latency_seconds=FAST_FETCH.attempt_timeout * 2)
+    assert slow.latency_seconds < FAST_FETCH.deadline
     faulty = FaultyStore(store, slow)
     events = Events()
     fetcher = Fetcher(faulty, FAST_FETCH, events)
-    assert b"".join(_streamed(io, fetcher, store, 2)) == b"0123456789"  # 5 pieces: 4/3 of a deadline
+    assert fetch(io, fetcher, 0, 10, etag(store, io), 10) == b"0123456789"
     assert events.retries == 0
-    slow.piece_latency_seconds, slow.latency_seconds = 0.0, FAST_FETCH.attempt_timeout * 2
     with pytest.raises(DeadlineExceeded):
         io.run(fetcher.call("head k", lambda: faulty.head("k"), "metadata"), 10)
     assert events.retries > 0
-
-
-def test_a_stream_stopped_early_still_counts_as_a_request(io: LoopThread) -> None:
-    """A file's first run stops after its free blocks for a reader that only
-    peeked at a header: its GET went uncounted in the fetch metrics."""
-    fetcher, store, events = setup(Faults())
-    version = etag(store, io)
-
-    async def first_piece() -> bytes:
-        stream = fetcher.stream_range("k", 0, 10, version, 3)
-        try:
-            return bytes(await anext(stream))
-        finally:
-            await stream.aclose()
-
-    assert io.run(first_piece(), 10) == b"012"
-    assert events.done == 1
 
 
 def test_a_stopped_loop_releases_its_descriptors() -> None:

@@ -140,25 +140,29 @@ def test_only_the_most_recently_served_checks_are_remembered(make_rig: RigFactor
 
 
 def test_a_read_that_joins_a_run_gets_its_block_before_the_run_ends(make_rig: RigFactory) -> None:
-    """A run is read block by block as it arrives: its first block is
-    served while the rest is held back on the way."""
+    """A run's blocks are a GET each, several at once, handed over in
+    order as they come: its first block is served while the rest are held
+    back on the way."""
     data = os.urandom(4 * BLOCK_SIZE)
     rig = make_rig({"f": data})
     info = rig.namespace.lookup("/f").info
     assert info is not None
-    rest = rig.faulty.faults.piece_gate = threading.Event()  # a link that sends the first piece only
+    rest = rig.faulty.faults.gate = threading.Event()
+    rig.faulty.faults.gate_from = BLOCK_SIZE  # a link that sends the first block only
     fetched: list[set[int]] = []
+    calls = rig.faulty.calls
     run = threading.Thread(target=lambda: fetched.append(rig.reader.fetch_run_ahead(info, range(4))))
     run.start()
     try:
-        wait_until(lambda: rig.faulty.streams, "the run's GET to start", 10.0)
+        wait_until(lambda: rig.faulty.calls - calls == 4, "the run's four GETs to start", 10.0)
         assert joined(rig.reader.read(info, 0, 10)) == data[:10]
         assert rig.reader.fetching(info, 3)  # its last block still to come
     finally:
         rest.set()
     run.join(10)
     assert fetched == [{0, 1, 2, 3}]
-    assert [start for start, _ in rig.faulty.streams] == [0]  # one GET
+    assert sorted(start for _, start, _ in rig.faulty.gets) == [index * BLOCK_SIZE for index in range(4)]
+    assert rig.faulty.most_concurrent_gets == 3  # those after the first, at once
     assert joined(rig.reader.read(info, 0, len(data))) == data
 
 
