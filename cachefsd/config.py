@@ -368,7 +368,7 @@ class Settings(_Section):
         if self.prefetch.concurrency >= self.fetch.concurrency:
             raise ValueError(
                 f"prefetch.concurrency ({self.prefetch.concurrency}) must be below fetch.concurrency "
-                f"({self.fetch.concurrency}) so demand reads always find a free connection"
+                f"({self.fetch.concurrency}): prefetch runs must leave demand reads connections to wait for"
             )
         return self
 
