@@ -45,7 +45,7 @@ from cachefsd.cache.blocks import FileSpan
 from cachefsd.errors import CachefsdError, ObjectChanged, errno_for
 from cachefsd.fs import Attributes, FileSystem
 from cachefsd.fuse import device, protocol
-from cachefsd.fuse.passthrough import Opens
+from cachefsd.fuse.passthrough import JUDGED_OPENS, Opens, OpenSizes
 from cachefsd.fuse.protocol import Op, Request
 from cachefsd.reader import Piece, close_pieces
 
@@ -199,6 +199,7 @@ class Session:
         # The connection and the opens of its files, while serving.
         self._connection: device.Connection | None = None
         self._opens: Opens | None = None
+        self._open_sizes = OpenSizes(protocol.MAX_READ)
         # Wakes every worker at the end; _wake_lock guards it (-1 once closed).
         self._wake_lock = threading.Lock()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -410,6 +411,9 @@ class Session:
         open keeps the inode's pages (they are of one version). Without it,
         ENOSYS tells a kernel with no-open support never to send OPEN (nor
         RELEASE) again, and to keep the pages of an inode across opens."""
+        inode, pid = request.nodeid, request.pid
+        if self.passthrough.on and self._no_open:
+            self._judge(self._fs.getattr(inode).size)
         if not self.passthrough.on:
             if self._no_open:
                 self._send([protocol.error(request.unique, errno.ENOSYS)])
@@ -417,7 +421,6 @@ class Session:
                 self._send(protocol.reply(request.unique, protocol.pack_open(0, protocol.FOPEN_KEEP_CACHE)))
             return
         assert self._opens is not None
-        inode, pid = request.nodeid, request.pid
         through = self._opens.open(inode, lambda: self._fs.open_through(inode, pid))
         if through is None:
             answer = protocol.pack_open(0, protocol.FOPEN_KEEP_CACHE)
@@ -425,6 +428,19 @@ class Session:
             answer = protocol.pack_open(_THROUGH, protocol.FOPEN_PASSTHROUGH, through.backing_id)
         if not self._send(protocol.reply(request.unique, answer)):
             self._opens.release(inode, through is not None)  # interrupted: nothing was opened
+
+    def _judge(self, size: int) -> None:
+        """Give up OPEN requests for good where the mount's files are too
+        small for passthrough to pay (``passthrough.OpenSizes``)."""
+        if self._open_sizes.opened(size) is False:
+            read = protocol.MAX_READ >> 20
+            self.passthrough = Passthrough(
+                False,
+                f"most of the first {JUDGED_OPENS} files opened are of one read ({read} MiB) or less: "
+                "the kernel opens them without asking, which costs fewer requests",
+            )
+            self._events.passthrough_state(False)
+            log.info("%s: passthrough %s", self._mountpoint, self.passthrough)
 
     def _release(self, request: Request, body: memoryview) -> None:
         assert self._opens is not None

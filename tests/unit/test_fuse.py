@@ -11,7 +11,7 @@ import pytest
 
 from cachefsd.cache.blocks import WholeFile
 from cachefsd.fuse import protocol
-from cachefsd.fuse.passthrough import Opens, Through
+from cachefsd.fuse.passthrough import JUDGED_OPENS, Opens, OpenSizes, Through
 
 ATTR = protocol.Attr(ino=77, size=1000, mtime=1.5, mode=0o100444, nlink=1, uid=10, gid=20)
 
@@ -180,3 +180,17 @@ def test_concurrent_opens_and_releases_keep_the_counts(cache_file: Path) -> None
         thread.join(timeout=30)
     assert not errors
     assert backing.open_ids == set()  # every id closed once, none left open
+
+
+def test_a_mount_of_small_files_gives_up_open_requests_once_judged() -> None:
+    sizes = OpenSizes(read_size=1 << 20)
+    verdicts = [sizes.opened(100 << 10) for _ in range(JUDGED_OPENS)]
+    assert verdicts[:-1] == [None] * (JUDGED_OPENS - 1)
+    assert verdicts[-1] is False  # images: no-open costs fewer requests
+    assert sizes.opened(32 << 20) is None  # judged once, for good
+
+
+def test_a_mount_of_files_larger_than_a_read_keeps_open_requests() -> None:
+    sizes = OpenSizes(read_size=1 << 20)
+    verdicts = [sizes.opened((32 << 20) if number % 2 else (1 << 20)) for number in range(JUDGED_OPENS)]
+    assert verdicts[-1] is True  # half of them larger than a read: passthrough saves requests
