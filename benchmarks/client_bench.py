@@ -33,15 +33,20 @@ BUCKET = "bench"
 OBJECTS = 64
 
 
-async def with_obstore(endpoint: str, etags: list[str], gets: int, size: int, in_flight: int) -> None:
-    store = S3Store(
-        BUCKET,
+def obstore_client(endpoint: str, bucket: str = BUCKET) -> S3Store:
+    """obstore's S3 client of ``bucket`` on a plain-HTTP test endpoint."""
+    return S3Store(
+        bucket,
         endpoint=endpoint,
         region="us-east-1",
         access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
         secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
         client_options={"allow_http": True},
     )
+
+
+async def with_obstore(endpoint: str, etags: list[str], gets: int, size: int, in_flight: int) -> None:
+    store = obstore_client(endpoint)
     slots = asyncio.Semaphore(in_flight)
 
     async def one(index: int) -> None:

@@ -48,7 +48,9 @@ import uvloop
 from obstore import get_async, get_ranges_async
 from obstore.store import S3Store
 
-from benchmarks.read_bench import RESULTS, cpu_seconds, epoch, free_port
+from benchmarks.client_bench import obstore_client
+from benchmarks.epoch_bench import RESULTS
+from benchmarks.read_bench import Readers, free_port, process_cpu
 from cachefsd.cli.supervise import unmount
 from cachefsd.control.mounts import read_state
 from cachefsd.testing.file_s3 import FileS3Server
@@ -95,17 +97,6 @@ def upload(endpoint: str) -> dict[str, Dataset]:
     return datasets
 
 
-def _client(endpoint: str) -> S3Store:
-    return S3Store(
-        BUCKET,
-        endpoint=endpoint,
-        region="us-east-1",
-        access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
-        secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
-        client_options={"allow_http": True},
-    )
-
-
 async def _whole(store: S3Store, keys: list[str]) -> int:
     slots = asyncio.Semaphore(IN_FLIGHT)
 
@@ -132,7 +123,7 @@ MODES: dict[str, Callable[[S3Store, list[str]], Awaitable[int]]] = {"whole": _wh
 def obstore_cpu(endpoint: str, mode: str, keys: list[str]) -> tuple[float, int]:
     """CPU seconds and bytes of GETs of ``keys`` in ``mode``, in this (a
     fresh) process, after one warm-up GET."""
-    store = _client(endpoint)
+    store = obstore_client(endpoint, BUCKET)
     uvloop.run(MODES[mode](store, keys[:1]))
     before = time.process_time()
     nbytes = uvloop.run(MODES[mode](store, keys))
@@ -158,7 +149,7 @@ def write_cpu(directory: Path) -> float:
 
 
 def daemon_cpu(
-    endpoint: str, dataset: Dataset, work: Path, workers: int, seed: int, profile: Path | None
+    endpoint: str, dataset: Dataset, work: Path, readers: Readers, seed: int, profile: Path | None
 ) -> tuple[float, float, int]:
     """Daemon CPU seconds, wall seconds and bytes of one cold pass over a
     fresh mount of ``dataset``."""
@@ -197,9 +188,9 @@ def daemon_cpu(
                 stderr=subprocess.DEVNULL,
             )
             time.sleep(PY_SPY_ATTACH_SECONDS)  # py-spy has no "attached" signal
-        before = cpu_seconds(state.pid)
-        seconds, nbytes = epoch(mountpoint, dataset.keys, workers, seed)
-        used = cpu_seconds(state.pid) - before
+        before = process_cpu(state.pid)
+        seconds, nbytes = readers.epoch(mountpoint, dataset.keys, str(seed))
+        used = (process_cpu(state.pid) - before).total
     finally:
         if spy is not None:
             spy.send_signal(2)
@@ -228,6 +219,7 @@ def main() -> int:
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
     work = Path(tempfile.mkdtemp(prefix="cachefsd-cold-"))
+    readers = Readers(args.workers)  # forked before the server's threads start
     server = FileS3Server(work / "file-s3")
     # ms of CPU, by (dataset, who) -> one value a repeat
     runs: dict[tuple[str, str], list[float]] = {}
@@ -257,7 +249,7 @@ def main() -> int:
                     args.py_spy.mkdir(parents=True, exist_ok=True)
                     profile = args.py_spy / f"{dataset.name}.txt"
                 cpu, seconds, nbytes = daemon_cpu(
-                    server.endpoint_url, dataset, work / dataset.name, args.workers, repeat, profile
+                    server.endpoint_url, dataset, work / dataset.name, readers, repeat, profile
                 )
                 assert nbytes == dataset.nbytes
                 runs.setdefault((dataset.name, "daemon"), []).append(cpu / per * 1e3)
@@ -270,6 +262,7 @@ def main() -> int:
                 )
     finally:
         server.stop()
+        readers.close()
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"\nmedians (min-max) of {args.repeats} runs; CPU: small ms a file, shards and machine ms a MiB")

@@ -11,6 +11,8 @@ import pty
 import re
 import sqlite3
 import termios
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -347,19 +349,26 @@ def test_snapshot_agrees_with_the_registry(index: Index) -> None:
     index.close()
 
 
-def test_snapshot_lists_each_named_job_with_its_loader_meter() -> None:
-    metrics = Metrics(CollectorRegistry())
-    residency = Residency(lambda: [], ["hot"])
-    stats = DaemonStats(
-        metrics,
+def stats_of(
+    residency: Residency, metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic
+) -> DaemonStats:
+    """The stats of a mount of ``s3://bucket/data`` on ``/mnt/data``."""
+    return DaemonStats(
+        metrics or Metrics(CollectorRegistry()),
         FakeModel(),
         residency,
         "s3://bucket/data",
         "/mnt/data",
         node_facts,
         lambda: "on",
-        clock=FakeClock(),
+        clock,
     )
+
+
+def test_snapshot_lists_each_named_job_with_its_loader_meter() -> None:
+    metrics = Metrics(CollectorRegistry())
+    residency = Residency(lambda: [], ["hot"])
+    stats = stats_of(residency, metrics, FakeClock())
     metrics.read_done({"cold": 300}, 0.5, "python[1]", 0.6)
     metrics.read_done({"hot": 600, "memory": 100}, 0.0, "python[1]", 0.25)
     metrics.meter_reported("python[1]", 10, 1.0, 4.0)
@@ -375,19 +384,6 @@ def test_snapshot_lists_each_named_job_with_its_loader_meter() -> None:
     }
     assert metrics.job_reads_so_far("python[1]") == JobReads(pytest.approx(0.85), 0.5, 700.0, 300.0)
     assert metrics.job_reads_so_far("nobody[2]") == JobReads()  # it would get a series at its first read
-
-
-def stats_of(residency: Residency) -> DaemonStats:
-    """The stats of a mount of ``s3://bucket/data`` on ``/mnt/data`` with fresh metrics."""
-    return DaemonStats(
-        Metrics(CollectorRegistry()),
-        FakeModel(),
-        residency,
-        "s3://bucket/data",
-        "/mnt/data",
-        node_facts,
-        lambda: "on",
-    )
 
 
 def test_a_residency_computed_for_the_snapshot_is_not_negative_seconds_old(index: Index) -> None:
