@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from cachefsd.fuse.passthrough import JUDGED_OPENS
 from cachefsd.testing.s3_server import S3TestServer
 from tests.integration.conftest import Mount, MountFactory, force_unmount, run_cli
 from tests.integration.datasets import KiB, new_bucket, put_objects
@@ -37,11 +38,10 @@ def drop_page_cache() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def daemon_reads(mount: Mount) -> float:
-    """READ requests the daemon answered."""
-    return mount.metrics().get(
-        f"cachefsd_fuse_requests_total{{mount={mount.mountpoint},operation=read}}", 0.0
-    )
+def answered(mount: Mount, operation: str = "read") -> float:
+    """Requests of ``operation`` the daemon answered."""
+    series = f"cachefsd_fuse_requests_total{{mount={mount.mountpoint},operation={operation}}}"
+    return mount.metrics().get(series, 0.0)
 
 
 def passthrough_state(mount: Mount) -> str:
@@ -98,12 +98,12 @@ def test_a_cached_file_is_read_by_the_kernel_by_read_mmap_and_sendfile(
         assert by_read(mount.path(name)) == data  # cold: the daemon reads it, and caches it whole
     hot_before = mount.metrics()["cachefsd_served_bytes_total{tier=hot}"]
     drop_page_cache()
-    reads = daemon_reads(mount)
+    reads = answered(mount)
     for name, data in objects.items():
         assert by_read(mount.path(name)) == data, name
         assert by_mmap(mount.path(name)) == data, name
         assert by_sendfile(mount.path(name), tmp_path / "sent") == data, name
-    assert daemon_reads(mount) == reads
+    assert answered(mount) == reads
     # Each open counted as a read of the whole file from the hot tier.
     hot_after = mount.metrics()["cachefsd_served_bytes_total{tier=hot}"]
     assert hot_after - hot_before == 3 * sum(len(data) for data in objects.values())
@@ -122,11 +122,11 @@ def test_a_file_open_from_its_cold_read_keeps_new_opens_off_passthrough_until_it
         assert by_read(mount.path(name)) == data  # cached by now, but opened in cached mode
         assert by_mmap(mount.path(name)) == data
     drop_page_cache()
-    reads = daemon_reads(mount)
+    reads = answered(mount)
     with mount.path(name).open("rb") as first, mount.path(name).open("rb") as second:
         assert first.read() == data
         assert second.read() == data  # the second passthrough open shares the first's backing file
-    assert daemon_reads(mount) == reads
+    assert answered(mount) == reads
 
 
 def test_passthrough_turned_off_serves_the_same_bytes_through_the_daemon(
@@ -139,10 +139,10 @@ def test_passthrough_turned_off_serves_the_same_bytes_through_the_daemon(
     for name, data in objects.items():
         assert by_read(mount.path(name)) == data
     drop_page_cache()
-    reads = daemon_reads(mount)
+    reads = answered(mount)
     for name, data in objects.items():
         assert by_mmap(mount.path(name)) == data
-    assert daemon_reads(mount) > reads  # the daemon served them (a page the drop left needs no READ)
+    assert answered(mount) > reads  # the daemon served them (a page the drop left needs no READ)
 
 
 def test_kill_9_during_passthrough_reads_leaves_a_cache_verify_finds_clean(
@@ -187,3 +187,24 @@ def test_kill_9_during_passthrough_reads_leaves_a_cache_verify_finds_clean(
     again.unmount()
     result = run_cli("verify", "--cache-dir", str(cache_dir))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_mount_of_small_files_gives_up_open_requests_after_judging_its_first_opens(
+    s3_client: Any, mounter: MountFactory, s3_server: S3TestServer
+) -> None:
+    """An OPEN and a RELEASE cost more than the one READ a file of one read
+    saves: once the first opens show small files, the kernel opens them
+    without asking, and keeps their pages across opens."""
+    bucket = new_bucket(s3_client, "small")
+    objects = {f"img-{number:03d}.jpg": os.urandom(4 * KiB) for number in range(JUDGED_OPENS + 8)}
+    put_objects(s3_client, bucket, objects)
+    mount = mount_samples(mounter, s3_server, bucket)
+    names = sorted(objects)
+    for name in names[:JUDGED_OPENS]:
+        assert by_read(mount.path(name)) == objects[name]
+    assert passthrough_state(mount).startswith(f"off: most of the first {JUDGED_OPENS} files opened")
+    assert metric(mount, "cachefsd_passthrough") == 0
+    opens = answered(mount, "open")
+    for name in names:
+        assert by_read(mount.path(name)) == objects[name]
+    assert answered(mount, "open") == opens
