@@ -200,9 +200,9 @@ class Session:
         self._connection: device.Connection | None = None
         self._opens: Opens | None = None
         self._open_sizes = OpenSizes(protocol.MAX_READ)
-        # Wakes every worker at the end; _wake_lock guards it (-1 once closed).
+        # Wakes every worker at the end, while serving (else -1); guarded by _wake_lock.
         self._wake_lock = threading.Lock()
-        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake = -1
         self._stopping = False
         self._notifier = _Notifier(fs, self._send)
         self._handlers: dict[int, Callable[[Request, memoryview], None]] = {
@@ -239,6 +239,8 @@ class Session:
         threads of its own)."""
         connection = self._connection = device.mount(self._mountpoint, _mount_options(fsname, allow_other))
         self._opens = Opens(connection)
+        with self._wake_lock:
+            self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._notifier.start()
         workers = [
             threading.Thread(target=self._work, name=f"cachefsd-fuse-{number}", daemon=True)
@@ -306,10 +308,10 @@ class Session:
         try:
             handler(request, body)
         except Exception as exc:
-            answer = errno_for(exc) if isinstance(exc, CachefsdError) else errno.EIO
-            if answer == errno.EIO and not isinstance(exc, CachefsdError):
+            if not isinstance(exc, CachefsdError):
                 log.exception("unexpected error in %s", self._names[request.opcode])
             if request.opcode not in protocol.UNANSWERED:
+                answer = errno_for(exc) if isinstance(exc, CachefsdError) else errno.EIO
                 self._send([protocol.error(request.unique, answer)])
         else:
             self._events.request_answered(self._names[request.opcode])
