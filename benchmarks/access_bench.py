@@ -180,7 +180,8 @@ def in_child(target: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any
     child = ctx.Process(target=_child, args=(target, args, results), daemon=True)
     child.start()
     try:
-        return results.get(timeout=PATTERN_SECONDS)
+        result: dict[str, Any] = results.get(timeout=PATTERN_SECONDS)
+        return result
     except queue.Empty:
         return {"error": f"no result within {PATTERN_SECONDS:g}s"}
     finally:

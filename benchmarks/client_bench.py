@@ -14,7 +14,8 @@ import argparse
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING
 
 import boto3
 import uvloop
@@ -22,6 +23,9 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from obstore import get_async
 from obstore.store import S3Store
+
+if TYPE_CHECKING:
+    from obstore import GetOptions  # a TypedDict of the stubs only
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
@@ -51,7 +55,7 @@ async def with_obstore(endpoint: str, etags: list[str], gets: int, size: int, in
 
     async def one(index: int) -> None:
         async with slots:
-            options = {"range": (0, size), "if_match": f'"{etags[index % OBJECTS]}"'}
+            options: GetOptions = {"range": (0, size), "if_match": f'"{etags[index % OBJECTS]}"'}
             response = await get_async(store, f"k{index % OBJECTS}", options=options)
             assert len(await response.bytes_async()) == size
 
@@ -79,7 +83,7 @@ async def with_aiobotocore(endpoint: str, etags: list[str], gets: int, size: int
         await asyncio.gather(*(one(index) for index in range(gets)))
 
 
-CLIENTS: dict[str, Callable[[str, list[str], int, int, int], Awaitable[None]]] = {
+CLIENTS: dict[str, Callable[[str, list[str], int, int, int], Coroutine[None, None, None]]] = {
     "obstore": with_obstore,
     "aiobotocore": with_aiobotocore,
 }

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +117,10 @@ async def _parts(store: S3Store, keys: list[str]) -> int:
     return total
 
 
-MODES: dict[str, Callable[[S3Store, list[str]], Awaitable[int]]] = {"whole": _whole, "parts": _parts}
+MODES: dict[str, Callable[[S3Store, list[str]], Coroutine[None, None, int]]] = {
+    "whole": _whole,
+    "parts": _parts,
+}
 
 
 def obstore_cpu(endpoint: str, mode: str, keys: list[str]) -> tuple[float, int]:

@@ -183,7 +183,8 @@ def run(cmd: Sequence[str], timeout: float = COMMAND_SECONDS, check: bool = True
     if check and result.returncode != 0:
         detail = (result.stderr or result.stdout).strip().splitlines()
         raise RuntimeError(f"{' '.join(cmd[:4])}...: exit {result.returncode}: {' | '.join(detail[-3:])}")
-    return result.stdout
+    stdout: str = result.stdout
+    return stdout
 
 
 def bench_env() -> dict[str, str]:

@@ -15,7 +15,6 @@ The profile is py-spy's "raw" format (collapsed stacks), one line a stack.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import select
 import shutil
@@ -81,7 +80,7 @@ def report(
     nbytes: int,
     dropped: bool,
 ) -> None:
-    used: collections.Counter[str] = collections.Counter()
+    used: dict[str, float] = {}
     user = system = 0.0
     for tid, (name, after_user, after_system) in after.items():
         _, before_user, before_system = before.get(tid, (name, 0.0, 0.0))
@@ -94,7 +93,7 @@ def report(
     print(f"daemon CPU: {total / files * 1e6:.0f} us a file, {total / mib * 1e3:.2f} ms a MiB", end=" ")
     print(f"(user {user / files * 1e6:.0f} us, system {system / files * 1e6:.0f} us a file)")
     print("busiest threads (seconds):")
-    for thread, seconds_used in used.most_common(8):
+    for thread, seconds_used in sorted(used.items(), key=lambda item: item[1], reverse=True)[:8]:
         print(f"  {thread:<28} {seconds_used:6.2f}")
 
 
