@@ -65,6 +65,14 @@ def force_unmount(mountpoint: Path) -> None:
             )
 
 
+def drop_page_cache() -> None:
+    """Drop the kernel's pages, dentries and inodes, so the next read and
+    lookup through a mount reaches the daemon, or the cache file a
+    passthrough open reads (needs root, as in CI)."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
 @dataclass
 class Mount:
     mountpoint: Path

@@ -34,7 +34,7 @@ from cachefsd.cache.codec import Codec, CorruptBlock, decode_file
 from cachefsd.cache.lock import LOCK_WAIT_SECONDS
 from cachefsd.cache.tiered import disk_bytes
 from cachefsd.testing.s3_server import S3TestServer
-from tests.integration.conftest import Mount, MountFactory, force_unmount, run_cli
+from tests.integration.conftest import Mount, MountFactory, drop_page_cache, force_unmount, run_cli
 from tests.integration.torture import KILL_ROUNDS, assert_reads_right, kill_round, metric, write_manifest
 
 KiB = 1 << 10
@@ -47,13 +47,6 @@ EIO_MARGIN_SECONDS = 7.0
 # A read served from the daemon's cache never touches the network; on a dead
 # or hanging bucket it must still be quick (far below the deadline).
 CACHED_READ_SECONDS = 2.0
-
-
-def _drop_page_cache() -> None:
-    """Drop the kernel's page, dentry and inode caches, so the next read of a
-    file through the mount reaches the daemon (needs root, as in CI)."""
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def _new_bucket(s3_client: Any, objects: dict[str, bytes]) -> str:
@@ -122,7 +115,7 @@ def test_stopped_server_serves_cached_files_fails_others_with_eio_then_recovers(
         assert mount.path(key).read_bytes() == objects[key]
 
     outage_server.stop()
-    _drop_page_cache()
+    drop_page_cache()
     for key in ("data/a.bin", "data/b.bin"):
         data, elapsed = _timed_read(mount.path(key))
         assert data == objects[key], f"{key}: cached bytes differ with the bucket down"
@@ -160,7 +153,7 @@ def test_hanging_server_fails_uncached_reads_within_deadline_and_serves_cached(
     log = (mount.cache_dir / "cachefsd.log").read_text()
     assert "read of uncached.bin block 0 failed: uncached.bin: gave up after" in log, log
 
-    _drop_page_cache()
+    drop_page_cache()
     data, elapsed = _timed_read(mount.path("cached.bin"))
     assert data == objects["cached.bin"]
     assert elapsed < CACHED_READ_SECONDS, f"a cached read took {elapsed:.1f}s while the bucket hangs"
@@ -225,7 +218,7 @@ def test_corrupt_block_on_disk_is_refetched_after_remount(
         # A file that still has its recorded length is caught by its hash on
         # read (a shorter one is already dropped by start-up's reconcile).
         assert metric(mount, "cachefsd_cache_corrupt_blocks_total") >= 1
-    _drop_page_cache()
+    drop_page_cache()
     assert mount.path("file.bin").read_bytes() == original
 
 
@@ -250,7 +243,7 @@ def test_corrupt_block_while_mounted_is_never_served(tmp_path: Path, mounter: Mo
     _truncate_tail(truncated)
     for name, body in filler.items():
         assert mount.path(name).read_bytes() == body
-    _drop_page_cache()
+    drop_page_cache()
     assert mount.path("target.bin").read_bytes() == original
     assert metric(mount, "cachefsd_cache_corrupt_blocks_total") >= 2
     assert mount.alive

@@ -29,7 +29,7 @@ from typing import Any
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.cli.top import SPARK_CHARS
 from cachefsd.testing.s3_server import S3TestServer
-from tests.integration.conftest import Mount, MountFactory, run_cli
+from tests.integration.conftest import Mount, MountFactory, drop_page_cache, run_cli
 from tests.integration.datasets import new_bucket, put_objects
 
 KiB = 1 << 10
@@ -53,13 +53,6 @@ def _mount(mounter: MountFactory, s3_server: S3TestServer, bucket: str) -> Mount
     return mounter(
         f"s3://{bucket}", "--endpoint-url", s3_server.endpoint_url, "--block-size", "64K", "--no-prefetch"
     )
-
-
-def _drop_page_cache() -> None:
-    """Drop the kernel's page cache, so the next read of a file through the
-    mount reaches the daemon (needs root, as in CI)."""
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def _blocks(data: bytes) -> list[bytes]:
@@ -102,7 +95,7 @@ def test_metrics_count_what_the_reads_imply(
     assert first["cachefsd_tier_used_bytes{tier=hot}"] == used
     assert first["cachefsd_tier_blocks{tier=hot}"] == len(blocks)
 
-    _drop_page_cache()
+    drop_page_cache()
     _read_all(mount, objects)
     again = mount.metrics()
     # Re-read past the page cache: all of it from the hot tier, none from the bucket.

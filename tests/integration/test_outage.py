@@ -33,7 +33,7 @@ import pytest
 
 from cachefsd.config import FetchSettings
 from tests.conftest import TEST_REGION
-from tests.integration.conftest import MountFactory, run_cli, wait_dead
+from tests.integration.conftest import MountFactory, drop_page_cache, run_cli, wait_dead
 from tests.net import free_port
 from tests.polling import wait_until
 
@@ -117,13 +117,6 @@ def _dataset() -> dict[str, bytes]:
     return objects
 
 
-def _drop_page_cache() -> None:
-    """Drop the kernel's pages, dentries and inodes, so every read and
-    lookup reaches the daemon (needs root, as in CI)."""
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
 def _walk(root: Path) -> set[str]:
     return {
         str(Path(directory, name).relative_to(root))
@@ -169,7 +162,7 @@ def test_an_outage_serves_cached_files_at_once_fails_the_rest_in_one_deadline_an
     else:
         server.kill()
     _past_the_ttl()
-    _drop_page_cache()
+    drop_page_cache()
 
     for key in cached:
         data, seconds = _timed(mount.path(key).read_bytes)
@@ -228,7 +221,7 @@ def test_unmount_during_an_outage_is_not_held_up_by_the_store(
     assert mount.path(keys[0]).read_bytes() == objects[keys[0]]
     server.signal(signal.SIGSTOP)
     _past_the_ttl()
-    _drop_page_cache()
+    drop_page_cache()
     assert _walk(mount.mountpoint) == set(keys)  # and a refresh starts, which hangs
     wait_until(
         lambda: mount.metrics().get("cachefsd_fetch_retries_total{kind=metadata}", 0.0) >= 1,

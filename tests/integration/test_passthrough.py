@@ -22,7 +22,7 @@ import pytest
 
 from cachefsd.fuse.passthrough import JUDGED_OPENS
 from cachefsd.testing.s3_server import S3TestServer
-from tests.integration.conftest import Mount, MountFactory, force_unmount, run_cli
+from tests.integration.conftest import Mount, MountFactory, drop_page_cache, force_unmount, run_cli
 from tests.integration.datasets import KiB, new_bucket, put_objects
 from tests.integration.torture import metric
 from tests.polling import wait_until
@@ -31,11 +31,6 @@ SAMPLE = 100 * KiB  # one block at the default block size: an image-sized file
 # Errors a reader may get from a mount whose daemon was killed.
 DEAD_MOUNT_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED, errno.EIO}
 POLL_SECONDS = 60.0
-
-
-def drop_page_cache() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def answered(mount: Mount, operation: str = "read") -> float:

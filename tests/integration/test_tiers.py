@@ -28,7 +28,7 @@ import pytest
 from cachefsd.cache.codec import content_hash, decode
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.testing.s3_server import S3TestServer
-from tests.integration.conftest import Mount, MountFactory, force_unmount, free_port, run_cli
+from tests.integration.conftest import Mount, MountFactory, drop_page_cache, force_unmount, free_port, run_cli
 from tests.integration.datasets import new_bucket, put_objects
 from tests.integration.torture import (
     KILL_ROUNDS,
@@ -44,13 +44,6 @@ MiB = 1 << 20
 BLOCK_SIZE = 64 * KiB
 # verify and gc on a cache in use must answer at once, not after a lock wait.
 FAIL_FAST_SECONDS = 10.0
-
-
-def _drop_page_cache() -> None:
-    """Drop the kernel's page, dentry and inode caches, so the next read
-    through a mount reaches the daemon (needs root, as in CI)."""
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def _tier_flags(
@@ -165,7 +158,7 @@ def test_blocks_demote_to_warm_promote_on_reuse_and_never_overflow_a_tier(
     # Pass 2 with a new daemon on the same tiers: its 64 MiB buffer of decoded
     # blocks would otherwise answer every read of this small dataset, and the
     # tiers would never see the pass (dropping the page cache is not enough).
-    _drop_page_cache()
+    drop_page_cache()
     s3_server.reset_counts()
     mount = mounter(f"s3://{bucket}", *flags, cache_dir=cache_dir)
     _read_all(mount, objects)
