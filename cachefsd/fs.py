@@ -252,8 +252,6 @@ class FileSystem:
         more, so this counts as process ``pid``'s read of the whole file,
         for everyone ``read`` tells."""
         info = self._file(inode).info
-        if info.size > self._reader.block_size:  # in several block files: none holds it whole
-            return None
         job = self.jobs.of(pid)
         again = self._access.wanted_elsewhere(info, job)
         with self._marked(info, 0, info.size, again):

@@ -55,6 +55,12 @@ class OpenSizes:
         self._large = 0
         self._judged = 0
 
+    @property
+    def judging(self) -> bool:
+        """Whether opens still count towards the verdict."""
+        with self._lock:
+            return self._judged < JUDGED_OPENS
+
     def opened(self, size: int) -> bool | None:
         """Count an open of a file of ``size`` bytes: None until the mount
         is judged, then whether its files are worth an OPEN (once)."""

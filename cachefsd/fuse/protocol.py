@@ -73,7 +73,6 @@ INIT_OUT = struct.Struct("<IIIIHHIIHHII24x")
 ATTR = struct.Struct("<QQQQQQIIIIIIIIII")
 ENTRY_OUT = struct.Struct("<QQQQII")  # then an ATTR
 ATTR_OUT = struct.Struct("<QII")  # then an ATTR
-OPEN_IN = struct.Struct("<II")  # flags, open_flags
 OPEN_OUT = struct.Struct("<QIi")  # fh, open_flags, backing_id
 READ_IN = struct.Struct("<QQIIQII")  # fh, offset, size, read_flags, lock_owner, flags, padding
 RELEASE_IN = struct.Struct("<QIIQ")  # fh, flags, release_flags, lock_owner
@@ -102,17 +101,18 @@ REQUEST_BUFFER = MAX_WRITE + PAGE_SIZE
 
 @dataclass(frozen=True, slots=True)
 class Request:
+    """What every request says: its operation, its number (its answer's),
+    the inode it is about, and the process that asked (whose job it reads for)."""
+
     opcode: int
     unique: int
     nodeid: int
-    uid: int
-    gid: int
     pid: int
 
 
 def parse_header(buffer: memoryview) -> Request:
-    _, opcode, unique, nodeid, uid, gid, pid, _, _ = IN_HEADER.unpack_from(buffer)
-    return Request(opcode, unique, nodeid, uid, gid, pid)
+    _, opcode, unique, nodeid, _, _, pid, _, _ = IN_HEADER.unpack_from(buffer)
+    return Request(opcode, unique, nodeid, pid)
 
 
 def reply(unique: int, *body: bytes | memoryview) -> list[bytes | memoryview]:

@@ -414,7 +414,7 @@ class Session:
         ENOSYS tells a kernel with no-open support never to send OPEN (nor
         RELEASE) again, and to keep the pages of an inode across opens."""
         inode, pid = request.nodeid, request.pid
-        if self.passthrough.on and self._no_open:
+        if self.passthrough.on and self._no_open and self._open_sizes.judging:
             self._judge(self._fs.getattr(inode).size)
         if not self.passthrough.on:
             if self._no_open:

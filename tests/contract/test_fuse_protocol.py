@@ -80,7 +80,6 @@ LAYOUTS: dict[str, tuple[struct.Struct, tuple[str, ...]]] = {
         ("nodeid", "generation", "entry_valid", "attr_valid", "entry_valid_nsec", "attr_valid_nsec", "attr"),
     ),
     "fuse_attr_out": (protocol.ATTR_OUT, ("attr_valid", "attr_valid_nsec", "dummy", "attr")),
-    "fuse_open_in": (protocol.OPEN_IN, ("flags", "open_flags")),
     "fuse_open_out": (protocol.OPEN_OUT, ("fh", "open_flags", "padding")),
     "fuse_read_in": (
         protocol.READ_IN,

@@ -187,6 +187,7 @@ def test_a_mount_of_small_files_gives_up_open_requests_once_judged() -> None:
     verdicts = [sizes.opened(100 << 10) for _ in range(JUDGED_OPENS)]
     assert verdicts[:-1] == [None] * (JUDGED_OPENS - 1)
     assert verdicts[-1] is False  # images: no-open costs fewer requests
+    assert not sizes.judging
     assert sizes.opened(32 << 20) is None  # judged once, for good
 
 
