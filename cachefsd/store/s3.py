@@ -477,7 +477,7 @@ class S3Store:
                     return b""
                 try:
                     # The body in one buffer, gathered by obstore outside the
-                    # GIL; one copy into bytes, which the cache and libfuse take.
+                    # GIL; one copy into bytes, which the cache and the FUSE edge take.
                     return bytes(await response.bytes_async())
                 except _DATA_ERRORS as exc:
                     raise _translate_data(exc, target=self._target(key), endpoint=self._endpoint) from exc
