@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import uvloop
 
+from cachefsd import turns
 from cachefsd.errors import DaemonStopping, DeadlineExceeded
 
 T = TypeVar("T")
@@ -66,7 +67,9 @@ class LoopThread:
 
     def result(self, future: concurrent.futures.Future[T], timeout: float) -> T:
         """The result of a ``submit``, waited for at most ``timeout`` seconds:
-        past it the coroutine is cancelled and ``DeadlineExceeded`` raised."""
+        past it the coroutine is cancelled and ``DeadlineExceeded`` raised.
+        A serving thread gives its turn up first (``turns``)."""
+        turns.give_up()
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:

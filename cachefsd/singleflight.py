@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Generic, TypeVar
 
+from cachefsd import turns
 from cachefsd.errors import DeadlineExceeded
 
 K = TypeVar("K", bound=Hashable)
@@ -53,6 +54,7 @@ class SingleFlight(Generic[K, V]):
             if leads:
                 self._settle({key: future}, lambda settle: settle(key, call()))
                 return future.result()
+            turns.give_up()  # the leader may be waiting on the network
             try:
                 return future.result(timeout)
             except FutureTimeout:

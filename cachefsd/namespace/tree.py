@@ -46,6 +46,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+from cachefsd import turns
 from cachefsd.aio import LoopThread
 from cachefsd.cache.index import Index
 from cachefsd.errors import DaemonStopping, DeadlineExceeded, NotADirectory, ObjectNotFound, StoreError
@@ -254,6 +255,7 @@ class Namespace:
             ).start()
         if not answering or refreshed is None:
             return stale
+        turns.give_up()
         try:
             return refreshed.result(self._fresh_wait)
         except FutureTimeout:

@@ -79,6 +79,11 @@ class RequestCounter:
         with self._lock:
             return self._counts[kind]
 
+    def in_flight(self, kind: str) -> int:
+        """Requests of ``kind`` being answered now."""
+        with self._lock:
+            return self._in_flight[kind]
+
     def peak_in_flight(self, kind: str) -> int:
         """The most requests of ``kind`` answered at once since the last reset."""
         with self._lock:
@@ -188,6 +193,11 @@ class CountedServer:
     @property
     def request_count(self) -> int:
         return self.counter.count(TOTAL)
+
+    def in_flight(self, kind: str) -> int:
+        """Requests of ``kind`` being answered now."""
+        with self._lock:
+            return self._in_flight[kind]
 
     def peak_in_flight(self, kind: str) -> int:
         """The most requests of ``kind`` answered at once since the last reset."""

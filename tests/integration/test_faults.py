@@ -13,6 +13,7 @@ really come from the daemon. Every wait is a bounded poll, never a sleep.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import functools
@@ -33,9 +34,11 @@ import pytest
 from cachefsd.cache.codec import Codec, CorruptBlock, decode_file
 from cachefsd.cache.lock import LOCK_WAIT_SECONDS
 from cachefsd.cache.tiered import disk_bytes
+from cachefsd.fuse.session import SERVING_WORKERS
 from cachefsd.testing.s3_server import S3TestServer
 from tests.integration.conftest import Mount, MountFactory, drop_page_cache, force_unmount, run_cli
 from tests.integration.torture import KILL_ROUNDS, assert_reads_right, kill_round, metric, write_manifest
+from tests.polling import wait_until
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -160,6 +163,36 @@ def test_hanging_server_fails_uncached_reads_within_deadline_and_serves_cached(
 
     outage_server.latency_seconds = 0.0
     assert mount.path("uncached.bin").read_bytes() == objects["uncached.bin"]
+
+
+def test_reads_waiting_on_a_hanging_server_leave_the_cached_ones_served(
+    outage_server: S3TestServer, s3_client: Any, mounter: MountFactory
+) -> None:
+    """More reads wait on the bucket than the workers that serve at a time
+    (``SERVING_WORKERS``): each hands its turn on, so none of them holds up
+    a cached read."""
+    waiting = SERVING_WORKERS + 2
+    objects = {f"uncached-{n}.bin": os.urandom(100 * KiB) for n in range(waiting)}
+    objects["cached.bin"] = os.urandom(200 * KiB)
+    bucket = _new_bucket(s3_client, objects)
+    mount = _mount_for_outage(mounter, outage_server, bucket)
+    assert mount.path("cached.bin").read_bytes() == objects["cached.bin"]
+    drop_page_cache()
+
+    outage_server.latency_seconds = FETCH_DEADLINE_SECONDS + EIO_MARGIN_SECONDS + 5
+    with concurrent.futures.ThreadPoolExecutor(waiting) as pool:
+        failed = [pool.submit(_read_expecting_eio, mount.path(f"uncached-{n}.bin")) for n in range(waiting)]
+        wait_until(
+            lambda: outage_server.counter.in_flight("get_object") >= waiting,
+            f"{waiting} GETs waiting on the server at once",
+            FETCH_DEADLINE_SECONDS,
+        )
+        data, elapsed = _timed_read(mount.path("cached.bin"))
+        assert data == objects["cached.bin"]
+        assert elapsed < CACHED_READ_SECONDS, f"a cached read took {elapsed:.1f}s behind {waiting} hung reads"
+        for read in failed:
+            assert read.result() < FETCH_DEADLINE_SECONDS + EIO_MARGIN_SECONDS
+    assert mount.alive
 
 
 # -- block files rot on disk -----------------------------------------------------------------
