@@ -16,7 +16,8 @@ def test_a_turn_is_handed_over_once_by_the_thread_that_holds_it() -> None:
     thread = threading.Thread(target=lambda: (turns.give_up(), other.append(turns.holds())))
     thread.start()
     thread.join()
-    assert other == [False] and handed == [], "another thread gave up a turn it never held"
+    assert other == [False]
+    assert handed == [], "another thread gave up a turn it never held"
 
     turns.give_up()
     turns.give_up()
