@@ -194,11 +194,6 @@ class CountedServer:
     def request_count(self) -> int:
         return self.counter.count(TOTAL)
 
-    def in_flight(self, kind: str) -> int:
-        """Requests of ``kind`` being answered now."""
-        with self._lock:
-            return self._in_flight[kind]
-
     def peak_in_flight(self, kind: str) -> int:
         """The most requests of ``kind`` answered at once since the last reset."""
         return self.counter.peak_in_flight(kind)
