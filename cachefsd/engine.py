@@ -32,6 +32,7 @@ from cachefsd.cache.recent import RecentBlocks
 from cachefsd.cache.shared import SharedCache, open_shared
 from cachefsd.cache.tiered import TieredCache
 from cachefsd.cache.view import CacheView
+from cachefsd.cache.whole import WholeFiles
 from cachefsd.config import CacheSettings, FetchSettings, Settings, StoreSettings, human_bytes
 from cachefsd.diagnose.ledger import MeterLedger
 from cachefsd.errors import CachefsdError
@@ -100,6 +101,7 @@ def data_path(
     model: WorkloadModel,
     settings: Settings,
     read_marks: ReadMarks,
+    whole_files: WholeFiles,
     reads: ReadEvents | None = None,
     listing_clock: Callable[[], float] = time.time,
     fresh_wait: float = FRESH_WAIT_SECONDS,
@@ -110,7 +112,8 @@ def data_path(
     (``metrics`` when None), ``listing_clock`` and ``fresh_wait`` are the
     namespace's (tests pass their own); ``shared`` the node's shared tier;
     ``read_marks`` where reads mark the blocks another job is still to
-    read, for the cache's policy. The mount's block cache: its own recent
+    read, for the cache's policy; ``whole_files`` makes the whole files of
+    objects read to their end (the caller starts and stops it). The mount's block cache: its own recent
     blocks in RAM, then the node's local tiers, then the shared tier."""
     fetcher = Fetcher(store, settings.fetch, metrics)
     dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
@@ -138,7 +141,7 @@ def data_path(
         clock=listing_clock,
         fresh_wait=fresh_wait,
     )
-    view = CacheView(store.cache_key, cache, settings.cache.block_size)
+    view = CacheView(store.cache_key, cache, settings.cache.block_size, whole_files)
     prefetcher = Prefetcher(model, namespace, reader, view, settings.prefetch, metrics)
     fs = FileSystem(
         namespace,
@@ -276,6 +279,7 @@ class Node:
         model ticks the node's clock until the block ends."""
         model = WorkloadModel()
         events = self.metrics.for_mount(str(settings.mountpoint))
+        whole_files = WholeFiles(self.cache.assemble_whole)
         reader, view, namespace, prefetcher, fs = data_path(
             store,
             self.cache,
@@ -285,9 +289,11 @@ class Node:
             model,
             settings,
             self.read_marks,
+            whole_files,
             events,
             shared=self._shared,
         )
+        whole_files.start()
         self.epochs.add(model)
         try:
             yield Engine(
@@ -304,6 +310,7 @@ class Node:
                 events,
             )
         finally:
+            whole_files.stop()
             self.epochs.remove(model)
             self.metrics.forget_mount(str(settings.mountpoint))
 

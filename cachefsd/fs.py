@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cachefsd.cache.blocks import WholeFile
+from cachefsd.cache.whole import ends_file
 from cachefsd.errors import BadFileHandle, IsADirectory, NotADirectory, ObjectChanged, UnknownInode
 from cachefsd.jobs import CallerJobs
 from cachefsd.namespace.names import inode_number
@@ -76,9 +77,14 @@ class CacheDisk(Protocol):
         """The content hash cached for block ``index`` of ``info``; None if it is not cached."""
         ...
 
-    def warm(self, info: ObjectInfo, index: int, hold: bool = False) -> bool:
-        """Start loading cached block ``index`` of ``info`` into RAM ahead of
-        its read (``hold``: the read is due next); False if it is not cached."""
+    def warm_file(self, info: ObjectInfo) -> None:
+        """Start loading the file ``whole_file`` would hand over for
+        ``info``, if it is cached, ahead of the open (and read) that follows."""
+        ...
+
+    def read_to_end(self, info: ObjectInfo) -> None:
+        """A read reached the end of ``info``: the cache may now make the
+        file ``whole_file`` hands over for it (in the background)."""
         ...
 
     def usage(self) -> tuple[int, int]:
@@ -90,7 +96,7 @@ class CacheDisk(Protocol):
         holding exactly ``info``'s bytes from offset 0, for the kernel to
         serve the object's reads from (FUSE passthrough), counted as a read
         of it by the cache; None unless the object is cached whole in one
-        raw block file."""
+        raw file (its one block, or its whole file)."""
         ...
 
 
@@ -186,14 +192,12 @@ class FileSystem:
         info = self._namespace.lookup(path).info
         if info is not None:
             self._reader.listed(info)
-            if 0 < info.size <= self._reader.block_size:
-                # A sample file: a lookup is how the kernel opens it, and
-                # unless it still holds its pages, its READ follows. Loading
-                # its block from the cache disk now overlaps that disk read
-                # with the round trip; when the pages are held, it costs a
-                # few system calls on a block file already in RAM. A larger
-                # file's first read may not be at offset 0 (a footer).
-                self._cache.warm(info, 0, hold=True)
+            # A lookup is how the kernel opens a file, and unless it still
+            # holds its pages, its READ (or its own read of the file handed
+            # over) follows. Loading that file from the cache disk now
+            # overlaps the disk read with the round trip; when the pages
+            # are held, it costs a few system calls on a file already in RAM.
+            self._cache.warm_file(info)
         return self._remember(parent, name, info)
 
     def forget(self, inode: int, count: int) -> None:
@@ -243,6 +247,8 @@ class FileSystem:
             raise
         if again:
             self._access.read_by_one_of_many(info, offset, size, job)
+        if ends_file(offset, size, info.size):
+            self._cache.read_to_end(info)
         return pieces
 
     def open_through(self, inode: int, pid: int) -> WholeFile | None:

@@ -400,6 +400,12 @@ class Metrics:
         self.evictions = Counter(
             "cachefsd_cache_evictions", "Blocks evicted from a tier to nothing", ["tier"], registry=registry
         )
+        self.whole_files = Counter(
+            "cachefsd_whole_files",
+            "Whole files made of an object's cached blocks, for the kernel to read itself",
+            ["tier"],
+            registry=registry,
+        )
         self.promotions = Counter(
             "cachefsd_cache_promotions", "Blocks moved up to the hot tier on a hit", registry=registry
         )
@@ -655,6 +661,7 @@ class Metrics:
                 self.evictions,
                 self.corrupt_blocks,
                 self.cache_errors,
+                self.whole_files,
             ):
                 per_tier.labels(tier)
         self.tier_used.labels(tier).set(used_bytes)
@@ -672,6 +679,9 @@ class Metrics:
 
     def block_corrupt(self, tier: str) -> None:
         self.corrupt_blocks.labels(tier).inc()
+
+    def whole_file_made(self, tier: str) -> None:
+        self.whole_files.labels(tier).inc()
 
     # SharedEvents
     def shared_written(self, ok: bool) -> None:

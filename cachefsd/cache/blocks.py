@@ -47,7 +47,8 @@ class FileSpan:
 
 @dataclass(frozen=True, slots=True)
 class WholeFile:
-    """A cached object whose whole content is one raw block file, for the
+    """A cached object whose whole content is one raw file (its one block,
+    or its whole file, ``index.WHOLE``), for the
     kernel to serve its reads from (FUSE passthrough): ``fd``, open
     read-only, is a verified file that holds exactly the object's ``size``
     bytes from offset 0; the receiver owns it and must close it. ``tier``

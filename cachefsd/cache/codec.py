@@ -61,6 +61,12 @@ def content_hash(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def content_hasher() -> xxhash.xxh3_128:
+    """Hashes content fed in parts: its ``hexdigest()`` is ``content_hash``
+    of the parts joined (a whole file, made of blocks)."""
+    return xxhash.xxh3_128()
+
+
 @dataclass(frozen=True, slots=True)
 class Frame:
     """A block file's bytes in two parts, written with one ``writev``:

@@ -77,6 +77,15 @@ CREATE TABLE IF NOT EXISTS listings (
 """
 
 
+# The block number under which a version's whole file is recorded
+# (``tiered.TieredCache.assemble_whole``): one raw file of all its bytes,
+# made of its blocks, for the kernel to read itself (FUSE passthrough). No
+# block has a negative number, so code that walks a version's blocks (0, 1,
+# ...) never meets it, and the row is told from a block's by its number
+# alone: its file is dropped, never demoted, when evicted (``is_whole``).
+WHOLE = -1
+
+
 class BlockRef(NamedTuple):
     """Block ``block`` of one version of one object of one source. A tuple:
     one is made and hashed on every read, at a third of a frozen
@@ -176,6 +185,11 @@ def _integer(value: object, what: str) -> int:
     return value
 
 
+def _block_number(value: object) -> int:
+    """A reference's block number: a block's, or ``WHOLE``."""
+    return WHOLE if value == WHOLE and type(value) is int else _integer(value, "a block number")
+
+
 def _block_name(digest: object) -> str:
     if not isinstance(digest, str) or not _HASH.fullmatch(digest):
         raise IndexDamaged(f"block name {digest!r}")
@@ -232,7 +246,7 @@ class Index:
         for source, key, etag, block, digest in self._db.execute(
             "SELECT source, key, etag, block, hash FROM block_refs"
         ):
-            ref = BlockRef(source, key, etag, _integer(block, "a block number"))
+            ref = BlockRef(source, key, etag, _block_number(block))
             # A key sqlite holds once: twice, a flipped block number made one
             # block's row name another's, whose bytes it then served.
             if not (type(source) is str and type(key) is str and type(etag) is str) or ref in self._refs:
@@ -292,6 +306,12 @@ class Index:
 
     def lookup(self, ref: BlockRef) -> str | None:
         return self._refs.get(ref)  # without the lock: see the module's docstring
+
+    def is_whole(self, digest: str) -> bool:
+        """Whether ``digest`` is a whole file (``WHOLE``), not a block. From
+        the references, as the index holds them, so it holds after a restart."""
+        with self._lock:
+            return any(ref.block == WHOLE for ref in self._refs_by_hash.get(digest, ()))
 
     def check_integrity(self) -> None:
         """sqlite's own full check (slow: ``verify`` only). Damage in an
@@ -381,9 +401,12 @@ class Index:
         block is larger, and the first block of an object of several is
         full. Whatever size filled the cache, references that pass are
         right (single-block objects no larger than the new size are the
-        same block at both sizes)."""
+        same block at both sizes). A whole file (``WHOLE``) is an object's
+        bytes at any block size."""
         too_large = self._db.execute(
-            "SELECT 1 FROM blocks WHERE raw_bytes > ? LIMIT 1", (block_size,)
+            "SELECT 1 FROM blocks WHERE raw_bytes > ? AND hash NOT IN "
+            "(SELECT hash FROM block_refs WHERE block = ?) LIMIT 1",
+            (block_size, WHOLE),
         ).fetchone()
         short_first = self._db.execute(
             "SELECT 1 FROM block_refs AS first JOIN blocks ON blocks.hash = first.hash "
@@ -426,11 +449,11 @@ class Index:
     @_noting_damage
     def release_version(self, source: str, key: str, etag: str, block_count: int) -> list[str]:
         """Drop the references of one version of ``key`` (it changed or was
-        deleted); return the hashes nothing references any more, for the
+        deleted), its whole file's too; return the hashes nothing references any more, for the
         caller to delete."""
         with self._lock, self._db:
             self._db.execute("BEGIN")
-            candidates = (BlockRef(source, key, etag, block) for block in range(block_count))
+            candidates = (BlockRef(source, key, etag, block) for block in (WHOLE, *range(block_count)))
             stale = [ref for ref in candidates if ref in self._refs]
             if not stale:
                 return []

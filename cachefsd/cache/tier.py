@@ -218,10 +218,9 @@ class Tier:
 
     def write(self, digest: str, frame: Frame) -> os.stat_result:
         """Write a block's file (``codec.encode_file``) under its name: a
-        temp file, then a rename; the file's status once in place. A write
-        that fails leaves neither behind."""
-        temp = self._tmp_dir / f"{digest}.{secrets.token_hex(4)}"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        temp file, then a rename (``place``); the file's status once in
+        place. A write that fails leaves neither behind."""
+        temp, fd = self.temp_file()
         try:
             parts = [memoryview(part) for part in (frame.header, frame.payload) if part]
             while parts:
@@ -230,22 +229,33 @@ class Tier:
                     written -= len(parts.pop(0))
                 if parts:
                     parts[0] = parts[0][written:]
+            return self.place(temp, fd, digest)
         except OSError:
-            os.close(fd)
             temp.unlink(missing_ok=True)
             raise
+        finally:
+            os.close(fd)
+
+    def temp_file(self) -> tuple[Path, int]:
+        """A new temp file, open for writing: its path and descriptor, for
+        ``place``. Named at random (a whole file's hash is known only once
+        it is written); start-up deletes one left behind."""
+        temp = self._tmp_dir / f"{secrets.token_hex(16)}.{secrets.token_hex(4)}"
+        return temp, os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+
+    def place(self, temp: Path, fd: int, digest: str) -> os.stat_result:
+        """Rename temp file ``temp`` (``temp_file``), written whole through
+        ``fd``, to block ``digest``'s name; the file's status once in place.
+        The caller closes ``fd``, and deletes ``temp`` if this fails."""
         final = self.path_of(digest)
         try:
             final.parent.mkdir(mode=0o700, exist_ok=True)
             os.replace(temp, final)
             return os.fstat(fd)  # after the rename, which sets the ctime
         except OSError as exc:
-            temp.unlink(missing_ok=True)
             if exc.errno in _BLOCKED_NAME:
                 raise UnplaceableBlock(exc.errno, exc.strerror, str(final)) from exc
             raise
-        finally:
-            os.close(fd)
 
     def read(self, digest: str) -> bytes:
         with open(self.path_of(digest), "rb") as block_file:
@@ -269,9 +279,10 @@ class Tier:
         view = memoryview(buffer)
         return view[: os.preadv(fd, [view], 0)]
 
-    def warm(self, digest: str, hold: bool = False) -> None:
+    def warm(self, digest: str, hold: bool = False, offset: int = 0, length: int = 0) -> None:
         """Start reading block ``digest`` into the page cache (no wait): a
-        read soon after finds it in RAM. A block gone meanwhile is skipped.
+        read soon after finds it in RAM; only ``length`` bytes from
+        ``offset`` when given (a block's part of a whole file). A block gone meanwhile is skipped.
         With ``hold``, the read is due next: its ``open`` gets this
         descriptor instead of walking the cache's directories again (a
         compressed block is read by path and decoded: nothing to hold)."""
@@ -283,7 +294,7 @@ class Tier:
         except FileNotFoundError:
             return
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
         except OSError:
             os.close(fd)
             raise
@@ -353,8 +364,8 @@ class Tier:
 
 
 # The names of our files: a block is named by its hash (``codec.content_hash``,
-# 32 hex digits) in the shard of its first two; a temp file by the hash and a
-# random suffix (``Tier.write``).
+# 32 hex digits) in the shard of its first two; a temp file as a hash with a
+# random suffix (``Tier.temp_file``).
 _BLOCK_NAME = re.compile(r"[0-9a-f]{32}")
 _SHARD_NAME = re.compile(r"[0-9a-f]{2}")
 _TEMP_NAME = re.compile(r"[0-9a-f]{32}\.[0-9a-f]{8}")

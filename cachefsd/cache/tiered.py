@@ -45,11 +45,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, Protocol, TypeVar
 
 from cachefsd.cache.blocks import Block, BlockCache, FileSpan, Use, Version
-from cachefsd.cache.codec import Codec, CorruptBlock, check_content, decode_file, encode_file
-from cachefsd.cache.index import BlockRef, Index, IndexDamaged, StoredBlock
+from cachefsd.cache.codec import Codec, CorruptBlock, check_content, content_hasher, decode_file, encode_file
+from cachefsd.cache.index import WHOLE, BlockRef, Index, IndexDamaged, StoredBlock
 from cachefsd.cache.policy import PlannedUse
 from cachefsd.cache.tier import NoRoom, Tier, UnplaceableBlock, disk_bytes
 from cachefsd.singleflight import SingleFlight
@@ -104,6 +105,7 @@ class CacheEvents(Protocol):
     def block_corrupt(self, tier: str) -> None: ...
     def cache_error(self, tier: str) -> None: ...
     def dedup_saved(self, where: DedupWhere, nbytes: int) -> None: ...
+    def whole_file_made(self, tier: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,14 +343,15 @@ class TieredCache(BlockCache):
             self._planned.consumed(digest)
         tier.accessed(digest)
 
-    def warm(self, digest: str, hold: bool = False) -> None:
-        """Have block ``digest`` read from disk into RAM ahead of its read;
-        not a read itself, so the policies do not see it. ``hold`` as in
-        ``Tier.warm``: the read is due next."""
+    def warm(self, digest: str, hold: bool = False, offset: int = 0, length: int = 0) -> None:
+        """Have block ``digest`` (``length`` bytes of it from ``offset``, if
+        given) read from disk into RAM ahead of its read; not a read itself,
+        so the policies do not see it. ``hold`` as in ``Tier.warm``: the
+        read is due next."""
         tier = self._tier_holding(digest)
         if tier is not None:
             try:
-                tier.warm(digest, hold)
+                tier.warm(digest, hold, offset, length)
             except OSError as exc:
                 log.warning("cannot warm block %s in the %s tier: %s", digest, tier.name, exc)
 
@@ -360,19 +363,28 @@ class TieredCache(BlockCache):
         content is verified where it lies (no copy of it) unless this very
         file was already (``_checked_before``). None if the block is
         compressed, absent, or found corrupt (then dropped, as by ``read``)."""
+        opened = self._open_raw(digest)
+        if opened is None:
+            return None
+        tier, fd = opened
+        self._read_from(tier, digest)
+        return tier.name, fd
+
+    def _open_raw(self, digest: str) -> tuple[Tier, int] | None:
+        """``raw_hit`` but for counting the read: the tier and a verified
+        descriptor of raw block ``digest``'s file."""
         tier = self._tier_holding(digest)
         if tier is None or tier.codec is not Codec.RAW:
             return None
         fd = self._checked(tier, digest, lambda: tier.open(digest))
         if fd is None and tier is not self._tier_holding(digest):  # moved meanwhile: look once more
-            return self.raw_hit(digest)
+            return self._open_raw(digest)
         if fd is None:
             return None
         if not self._verified(tier, digest, fd):
             os.close(fd)
             return None
-        self._read_from(tier, digest)
-        return tier.name, fd
+        return tier, fd
 
     def _verified(self, tier: Tier, digest: str, fd: int) -> bool:
         """Whether block ``digest``, open as ``fd`` in ``tier``, may be
@@ -515,19 +527,119 @@ class TieredCache(BlockCache):
         tier = self._tiers[position]
         frame = encode_file(data, tier.codec, digest)
         size = disk_bytes(frame.size)
+        # A failed write leaves nothing behind.
+        self._admit_file(position, digest, size, lambda: tier.write(digest, frame), ahead)
+        return size
+
+    def _admit_file(
+        self, position: int, digest: str, size: int, write: Callable[[], os.stat_result], ahead: bool
+    ) -> None:
+        """Make room in tier ``position`` for ``size`` bytes of ``digest``,
+        demoting or evicting what its policy gives up for it, then put its
+        file in place (``write()``, which returns the file's status) and
+        account for it; ``NoRoom`` if the policy refuses."""
+        tier = self._tiers[position]
         try:
             victims = tier.make_room(size, digest)
         except NoRoom as refused:
             self._give_up(position, refused.victims)
             raise
         self._give_up(position, victims)
-        written = tier.write(digest, frame)  # a failed write leaves nothing behind
+        written = write()
         tier.add(digest, size, ahead)
         if tier.codec is Codec.RAW:
             # Written from verified bytes by this process: checked, until
             # the file is written to or replaced (``_checked_before``).
             self._remember_checked(digest, _file_identity(written))
-        return size
+
+    # -- whole files ----------------------------------------------------
+
+    def assemble_whole(self, version: Version, abandoned: Callable[[], bool]) -> bool:
+        """Make ``version``'s whole file (``index.WHOLE``): one raw file of
+        exactly its bytes from offset 0, for the kernel to read itself
+        (FUSE passthrough) when the object is larger than a block. It is
+        made of the version's block files, each verified as a read's is
+        (not counted as read: nobody read it), written to a temp file and
+        hashed on the way, then admitted to the fastest raw tier holding
+        any of them as a fetched block is, ahead of its read: its first
+        read is the next epoch's. Whether the version has a whole file now.
+
+        None is made, and nothing left behind, if a block is not cached in
+        a raw tier or is corrupt, the tier has no room, its disk fails, or
+        ``abandoned()`` turns true (the daemon stops). ``_move_lock`` is
+        held only to admit the written file: until then it lies in the
+        tier's tmp, beyond its capacity by its size."""
+        ref = version.ref(WHOLE)
+        if self.lookup(ref) is not None:
+            return True
+        blocks = [self.lookup(version.ref(index)) for index in range(-(-version.size // version.block_size))]
+        holders = [None if digest is None else self._tier_holding(digest) for digest in blocks]
+        if not all(tier is not None and tier.codec is Codec.RAW for tier in holders):
+            return False
+        position, target = next((i, tier) for i, tier in enumerate(self._tiers) if tier in holders)
+        temp, fd = target.temp_file()
+        try:
+            digest = self._write_whole(fd, version, blocks, abandoned)
+            if digest is None:
+                return False
+            return self._admit_whole(
+                position, ref, version.size, digest, partial(target.place, temp, fd, digest)
+            )
+        except _DISK_ERRORS as exc:
+            log.warning("%s tier: cannot make the whole file of %s: %s", target.name, ref.key, exc)
+            self._events.cache_error(target.name)
+            return False
+        finally:
+            os.close(fd)
+            temp.unlink(missing_ok=True)  # gone once placed
+
+    def _write_whole(
+        self, fd: int, version: Version, blocks: list[str | None], abandoned: Callable[[], bool]
+    ) -> str | None:
+        """Write ``version``'s blocks (their hashes, in order) through
+        ``fd``; the hash of all the bytes written, or None if a block could
+        not be read whole and verified."""
+        hasher = content_hasher()
+        buffer = bytearray(version.block_size)
+        for index, digest in enumerate(blocks):
+            opened = None if digest is None or abandoned() else self._open_raw(digest)
+            if opened is None:
+                return None
+            tier, block_fd = opened
+            try:
+                content = tier.read_into(block_fd, buffer)
+            finally:
+                os.close(block_fd)
+            if len(content) != version.length(index):
+                return None
+            hasher.update(content)
+            while content:
+                content = content[os.write(fd, content) :]
+        return hasher.hexdigest()
+
+    def _admit_whole(
+        self, position: int, ref: BlockRef, size: int, digest: str, place: Callable[[], os.stat_result]
+    ) -> bool:
+        """Admit a whole file of ``size`` bytes, written and hashed as
+        ``digest``, to tier ``position`` (``place()`` renames it into place)
+        and record it as ``ref``; whether ``ref`` has it now."""
+        with self._move_lock:
+            holder = self._tier_holding(digest)
+            if holder is not None:  # the same bytes, cached for another version
+                stored = StoredBlock(digest, holder.name, holder.size_of(digest) or 0, size, time.time())
+                self._record(ref, stored, None)
+                return True
+            target = self._tiers[position]
+            if self._failing(target, digest):
+                return False
+            try:
+                self._admit_file(position, digest, disk_bytes(size), place, ahead=True)
+            except NoRoom:
+                return False
+            self._record(ref, StoredBlock(digest, target.name, disk_bytes(size), size, time.time()), None)
+        self._events.whole_file_made(target.name)
+        self.report_usage()
+        return True
 
     def _forget_checked(self, digest: str) -> None:
         """Block ``digest``'s file is gone from where it was checked: its
@@ -537,12 +649,15 @@ class TieredCache(BlockCache):
 
     def _give_up(self, position: int, victims: list[str]) -> None:
         """Blocks tier ``position`` no longer holds: demote each to the next
-        tier, or drop it from the last."""
+        tier, or drop it from the last. A whole file is dropped wherever it
+        is: its blocks hold the same bytes, and the slower tiers serve
+        blocks, not files the kernel reads itself."""
         tier = self._tiers[position]
         self._moving.update(dict.fromkeys(victims, tier))
         for digest in victims:
             try:
-                if position + 1 < len(self._tiers) and self._demote(digest, position):
+                demotable = position + 1 < len(self._tiers) and not self._index.is_whole(digest)
+                if demotable and self._demote(digest, position):
                     continue
                 self.drop(digest, tier)
             finally:

@@ -5,31 +5,49 @@ The prefetcher (``prefetch.prefetcher.CachedBlocks``), staging
 (``stage.Resident``) and the filesystem (``fs.CacheDisk``) each say in a
 protocol of their own what they ask of the cache: whether a block is
 cached and where, plans for its next read, loading it into RAM ahead of
-that read, room, and the file of an object cached whole in one raw block
-file. ``CacheView`` answers all of them over the one ``TieredCache`` a
+that read, room, and the file of an object cached whole in one raw file.
+``CacheView`` answers all of them over the one ``TieredCache`` a
 node shares, naming a block as the read path does: (source, key, etag,
 index), so a version's blocks are never another's. It holds no state of
 its own; thread-safe as the cache is.
+
+That one raw file is the object's only block, or, for an object larger
+than a block, its whole file (``index.WHOLE``): made of its blocks in the
+background (``whole.WholeFiles``) once a read reached its end, and from
+then on what the view names for each of its blocks. The prefetcher plans
+and warms the whole file, which passthrough opens read, not the blocks,
+which nothing reads any more and which the policy may then evict first.
 """
 
 from __future__ import annotations
 
-from cachefsd.cache.blocks import WholeFile, block_ref
+from cachefsd.cache.blocks import Version, WholeFile, block_ref
+from cachefsd.cache.index import WHOLE
 from cachefsd.cache.tiered import TieredCache
+from cachefsd.cache.whole import WholeFiles, worth_whole_file
 from cachefsd.store.base import ObjectInfo
 
 
 class CacheView:
-    """The blocks of ``source``'s objects, cut at ``block_size``, in ``cache``."""
+    """The blocks of ``source``'s objects, cut at ``block_size``, in
+    ``cache``; the whole files of the larger ones made by ``whole_files``."""
 
-    def __init__(self, source: str, cache: TieredCache, block_size: int) -> None:
+    def __init__(self, source: str, cache: TieredCache, block_size: int, whole_files: WholeFiles) -> None:
         self._source = source
         self._cache = cache
         self._block_size = block_size
+        self._whole_files = whole_files
 
     def digest(self, info: ObjectInfo, index: int) -> str | None:
-        """The content hash cached for block ``index`` of ``info``, or None."""
-        return self._cache.lookup(block_ref(self._source, info, index))
+        """The content hash cached for block ``index`` of ``info``, or None:
+        its whole file's when it has one (which holds that block's bytes)."""
+        return self._whole_digest(info) or self._cache.lookup(block_ref(self._source, info, index))
+
+    def _whole_digest(self, info: ObjectInfo) -> str | None:
+        """The content hash of ``info``'s whole file, or None."""
+        if not worth_whole_file(info.size, self._block_size):
+            return None
+        return self._cache.lookup(block_ref(self._source, info, WHOLE))
 
     def residency(self, info: ObjectInfo, index: int) -> str | None:
         """The tier holding block ``index`` of ``info``, or None."""
@@ -48,24 +66,54 @@ class CacheView:
 
     def warm(self, info: ObjectInfo, index: int, hold: bool = False) -> bool:
         """Start loading cached block ``index`` of ``info`` from the cache
-        disk into the page cache; False if it is not cached. With ``hold``
-        its read is due next and reuses the descriptor (``Tier.warm``)."""
+        disk into the page cache (its part of the whole file, if there is
+        one); False if it is not cached. With ``hold`` its read is due next
+        and reuses the descriptor (``Tier.warm``)."""
+        whole = self._whole_digest(info)
+        if whole is not None:
+            offset = index * self._block_size
+            self._cache.warm(whole, hold, offset, min(self._block_size, info.size - offset))
+            return True
         digest = self.digest(info, index)
         if digest is None:
             return False
         self._cache.warm(digest, hold)
         return True
 
+    def warm_file(self, info: ObjectInfo) -> None:
+        """Start loading the file ``whole_file`` would hand over for
+        ``info`` (a lookup is how the kernel opens it), if it is cached, its
+        descriptor held for that open: the object's one block, or its whole
+        file. A larger object's block files are not: its first read may
+        not be at offset 0 (a footer)."""
+        if 0 < info.size <= self._block_size:
+            self.warm(info, 0, hold=True)
+            return
+        whole = self._whole_digest(info)
+        if whole is not None:
+            self._cache.warm(whole, hold=True)
+
+    def read_to_end(self, info: ObjectInfo) -> None:
+        """A read reached the end of ``info``: if it is larger than a block
+        and has no whole file, have one made (in the background), which
+        ``whole_file`` then hands over."""
+        if worth_whole_file(info.size, self._block_size) and self._whole_digest(info) is None:
+            version = Version(self._source, info.key, info.etag, info.size, self._block_size, False)
+            self._whole_files.want(version)
+
     def whole_file(self, info: ObjectInfo) -> WholeFile | None:
-        """The file of ``info`` when the object is one block (not empty) and
-        that block lies in a raw tier: its bare content, exactly the
-        object's bytes. Served as a read of the block is (``raw_hit``):
-        verified before its first handover by this process and whenever
-        the file changes, counted as a read by the tier's policy, dropped
-        if corrupt (then None)."""
-        if not 0 < info.size <= self._block_size:
+        """The file of exactly ``info``'s bytes in a raw tier, if there is
+        one: its one block's (not empty), or its whole file (``WHOLE``).
+        Served as a read of a block is (``raw_hit``): verified before its
+        first handover by this process and whenever the file changes,
+        counted as a read by the tier's policy, dropped if corrupt (then
+        None)."""
+        if info.size == 0:
             return None
-        digest = self.digest(info, 0)
+        if worth_whole_file(info.size, self._block_size):
+            digest = self._whole_digest(info)
+        else:  # never block 0 of a larger object: the kernel would end the file there
+            digest = self._cache.lookup(block_ref(self._source, info, 0))
         hit = None if digest is None else self._cache.raw_hit(digest)
         if hit is None:
             return None

@@ -23,6 +23,7 @@ from cachefsd.cache.shared import SharedCache
 from cachefsd.cache.tier import Tier
 from cachefsd.cache.tiered import CacheTuning, TieredCache
 from cachefsd.cache.view import CacheView
+from cachefsd.cache.whole import WholeFiles
 from cachefsd.config import FetchSettings, Settings
 from cachefsd.engine import data_path
 from cachefsd.fs import ROOT_INODE, Attributes, FileSystem
@@ -128,6 +129,7 @@ class Rig:
     clock: Clock
     cache_dir: Path
     model: WorkloadModel
+    whole_files: WholeFiles  # not started: a test that wants whole files starts it
     shared: SharedCache | None = None
 
 
@@ -160,7 +162,8 @@ def build_rig(
 ) -> Rig:
     """The whole read path over a ``MemoryStore``, its cache in ``cache_dir``,
     its I/O on ``io``, with a shared tier in ``shared_store`` if given; the
-    caller closes ``rig.index`` (and ``rig.shared``). ``read_marks``:
+    caller closes ``rig.index`` (and ``rig.shared``, and stops
+    ``rig.whole_files`` if it started them). ``read_marks``:
     where reads mark blocks other jobs are still to read, if ``policy`` was
     given them. For tests that cannot take fixtures (hypothesis state
     machines); others use ``make_rig``."""
@@ -190,6 +193,7 @@ def build_rig(
     shared = None
     if shared_store is not None:
         shared = SharedCache(shared_store, io, BLOCK_SIZE, metrics, SharedFetches(metrics), time.monotonic)
+    whole_files = WholeFiles(cache.assemble_whole)
     reader, view, namespace, _, fs = data_path(
         faulty,
         cache,
@@ -199,12 +203,26 @@ def build_rig(
         model,
         settings,
         read_marks or ReadMarks(),
+        whole_files,
         listing_clock=clock,
         fresh_wait=fresh_wait,
         shared=shared,
     )
     return Rig(
-        store, faulty, index, cache, metrics, reader, view, namespace, fs, clock, cache_dir, model, shared
+        store,
+        faulty,
+        index,
+        cache,
+        metrics,
+        reader,
+        view,
+        namespace,
+        fs,
+        clock,
+        cache_dir,
+        model,
+        whole_files,
+        shared,
     )
 
 
@@ -222,6 +240,7 @@ def fixture_make_rig(tmp_path: Path, io: LoopThread) -> Iterator[RigFactory]:
 
     yield make
     for rig in rigs:
+        rig.whole_files.stop()
         if rig.shared is not None:
             rig.shared.close()
         rig.index.close()

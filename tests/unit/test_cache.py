@@ -483,7 +483,7 @@ CREATE INDEX block_refs_by_hash ON block_refs(hash);
         "UPDATE blocks SET last_used = 'x'",
         "UPDATE block_refs SET etag = x'07'",
         "UPDATE blocks SET hash = 'not/a/hash'",
-        "UPDATE block_refs SET block = -1",
+        "UPDATE block_refs SET block = -2",  # -1 is a whole file's (index.WHOLE)
         "UPDATE meta SET value = 'two' WHERE name = 'schema_version'",
         "UPDATE meta SET value = '4M' WHERE name = 'block_size'",  # read by a mount, not by verify
         _DUPLICATE_REFERENCE,
