@@ -28,6 +28,7 @@ from tests.integration.torture import metric
 from tests.polling import wait_until
 
 SAMPLE = 100 * KiB  # one block at the default block size: an image-sized file
+SMALL_BLOCK = 64 * KiB  # the smallest block size: a file of several blocks stays small
 # Errors a reader may get from a mount whose daemon was killed.
 DEAD_MOUNT_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED, errno.EIO}
 POLL_SECONDS = 60.0
@@ -121,6 +122,30 @@ def test_a_file_open_from_its_cold_read_keeps_new_opens_off_passthrough_until_it
     with mount.path(name).open("rb") as first, mount.path(name).open("rb") as second:
         assert first.read() == data
         assert second.read() == data  # the second passthrough open shares the first's backing file
+    assert answered(mount) == reads
+
+
+def test_a_file_of_several_blocks_read_to_its_end_is_then_read_by_the_kernel_from_its_whole_file(
+    mounter: MountFactory, s3_server: S3TestServer, s3_client: Any
+) -> None:
+    """A shard larger than a block: its cold read goes through the daemon,
+    and having reached the end has the blocks made one whole file, which
+    the next open hands the kernel."""
+    bucket = new_bucket(s3_client, "shards")
+    data = os.urandom(3 * SMALL_BLOCK - 1000)  # three blocks, the last one short
+    put_objects(s3_client, bucket, {"shard.tar": data})
+    mount = mount_samples(mounter, s3_server, bucket, "--block-size", str(SMALL_BLOCK))
+    path = mount.path("shard.tar")
+    reads = answered(mount)
+    assert by_read(path) == data
+    assert answered(mount) > reads  # cold: the daemon served it
+    wait_until(
+        lambda: metric(mount, "cachefsd_whole_files_total") == 1, "the whole file is made", POLL_SECONDS
+    )
+    drop_page_cache()
+    reads = answered(mount)
+    assert by_read(path) == data
+    assert by_mmap(path) == data
     assert answered(mount) == reads
 
 
