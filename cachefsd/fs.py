@@ -169,6 +169,10 @@ class FileSystem:
         self.jobs = jobs  # who a request's pid reads for
         self._reader = reader
         self._cache = cache
+        # Whether opens may be handed a cache file (FUSE passthrough is
+        # on), set by the FUSE edge: only then is a whole file made for a
+        # file read to its end, as only such an open reads it.
+        self.passthrough = False
         self._uid = uid
         self._gid = gid
         self._mounted_at = time.time()
@@ -247,7 +251,7 @@ class FileSystem:
             raise
         if again:
             self._access.read_by_one_of_many(info, offset, size, job)
-        if ends_file(offset, size, info.size):
+        if self.passthrough and ends_file(offset, size, info.size):
             self._cache.read_to_end(info)
         return pieces
 

@@ -365,9 +365,7 @@ class Session:
         self._send(protocol.reply(request.unique, protocol.pack_init(offer, wanted, depth)))
         if not why_not:
             why_not = self._probe_passthrough()
-        self.passthrough = Passthrough(not why_not, why_not)
-        self._events.passthrough_state(self.passthrough.on)
-        log.info("%s: passthrough %s", self._mountpoint, self.passthrough)
+        self._set_passthrough(Passthrough(not why_not, why_not))
         self.mounted = True
         threading.Thread(
             target=_set_read_ahead,
@@ -452,13 +450,21 @@ class Session:
         small for passthrough to pay (``passthrough.OpenSizes``)."""
         if self._open_sizes.opened(size) is False:
             read = protocol.MAX_READ >> 20
-            self.passthrough = Passthrough(
-                False,
-                f"most of the first {JUDGED_OPENS} files opened are of one read ({read} MiB) or less: "
-                "the kernel opens them without asking, which costs fewer requests",
+            self._set_passthrough(
+                Passthrough(
+                    False,
+                    f"most of the first {JUDGED_OPENS} files opened are of one read ({read} MiB) or less: "
+                    "the kernel opens them without asking, which costs fewer requests",
+                )
             )
-            self._events.passthrough_state(False)
-            log.info("%s: passthrough %s", self._mountpoint, self.passthrough)
+
+    def _set_passthrough(self, passthrough: Passthrough) -> None:
+        """Passthrough is now ``passthrough``: the metrics, the log and the
+        filesystem (which makes whole files only for it) are told."""
+        self.passthrough = passthrough
+        self._fs.passthrough = passthrough.on
+        self._events.passthrough_state(passthrough.on)
+        log.info("%s: passthrough %s", self._mountpoint, passthrough)
 
     def _release(self, request: Request, body: memoryview) -> None:
         assert self._opens is not None

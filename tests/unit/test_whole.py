@@ -203,16 +203,25 @@ def test_releasing_a_version_releases_its_whole_file(make_rig: RigFactory) -> No
     assert rig.cache.used_bytes == 0
 
 
-def test_a_read_to_the_end_has_the_whole_file_made_for_the_next_open(make_rig: RigFactory) -> None:
-    data = os.urandom(SHARD)
-    rig = make_rig({"shard": data})
-    rig.whole_files.start()
-    inode = rig.fs.lookup(ROOT_INODE, "shard").inode
-    assert rig.fs.open_through(inode, pid=os.getpid()) is None  # nothing cached yet
+def _read_to_the_end(rig: Rig, inode: int) -> bytes:
     read = b""
     while len(read) < SHARD:
         read += joined(rig.fs.read(inode, 4096 * 32, len(read), pid=os.getpid()))
-    assert read == data
+    return read
+
+
+def test_a_read_to_the_end_has_the_whole_file_made_for_the_next_open(make_rig: RigFactory) -> None:
+    data = os.urandom(SHARD)
+    rig = make_rig({"shard": data})
+    rig.fs.passthrough = True  # as the FUSE edge sets it
+    inode = rig.fs.lookup(ROOT_INODE, "shard").inode
+    info = rig.namespace.lookup("/shard").info
+    assert info is not None
+    assert rig.fs.open_through(inode, pid=os.getpid()) is None  # nothing cached yet
+    assert _read_to_the_end(rig, inode) == data
+    version = Version(rig.reader.version(info).source, "shard", info.etag, SHARD, BLOCK_SIZE, False)
+    assert not rig.whole_files.want(version)  # queued by the read
+    rig.whole_files.start()
     wait_until(
         lambda: sample(rig.metrics.registry, "cachefsd_whole_files_total", tier="hot") == 1,
         "the whole file is made",
@@ -224,6 +233,18 @@ def test_a_read_to_the_end_has_the_whole_file_made_for_the_next_open(make_rig: R
         assert os.pread(found.fd, SHARD + 1, 0) == data
     finally:
         os.close(found.fd)
+
+
+def test_no_whole_file_is_made_without_passthrough(make_rig: RigFactory) -> None:
+    """Only a passthrough open reads one: made anyway, it would only take room."""
+    data = os.urandom(SHARD)
+    rig = make_rig({"shard": data})
+    inode = rig.fs.lookup(ROOT_INODE, "shard").inode
+    info = rig.namespace.lookup("/shard").info
+    assert info is not None
+    assert _read_to_the_end(rig, inode) == data
+    version = Version(rig.reader.version(info).source, "shard", info.etag, SHARD, BLOCK_SIZE, False)
+    assert rig.whole_files.want(version)  # the read did not queue it
 
 
 def test_whole_files_are_made_one_version_at_a_time_each_once_and_stop_promptly() -> None:
