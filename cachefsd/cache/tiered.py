@@ -6,6 +6,14 @@ as the whole file (``view.CacheView.whole_file``, for FUSE passthrough); a
 compressed one decoded (once for its concurrent readers), and a block of
 another object with the same content identity is adopted instead of fetched.
 
+Whole files: an object larger than a block whose blocks all lie in raw
+tiers may be given one raw file of all its bytes (``assemble_whole``),
+for passthrough too. It is an entry of its tier like a block (named by
+its content's hash, verified as one, admitted by the tier's policy),
+recorded under block number ``index.WHOLE``; evicted, it is dropped, never
+demoted (its blocks hold the same bytes), and the lz4 and shared tiers
+never hold one.
+
 Movement: a new block enters the fastest tier whose policy makes room for
 it; a block evicted from a tier is demoted to the next one instead of being
 dropped, and leaves the last tier for good. A hit in a slower tier promotes
@@ -15,9 +23,12 @@ epoch. Identical content is stored once (blocks are named by their hash) and
 referenced from every (source, key, etag, block) that holds it.
 
 Crash safety: a block's file is written to a temp file and renamed into its
-tier before the index names it there; a moved block is written to its new
+tier before the index names it there (a whole file too: assembled in the
+tier's tmp, renamed, then recorded); a moved block is written to its new
 tier, re-homed in the index, and only then deleted from the old one; an
-evicted block leaves the index before its file goes.
+evicted block leaves the index before its file goes. Whether a victim is a
+whole file is read from its references in the index (``Index.is_whole``),
+so it holds after a restart with no state of its own.
 ``maintenance.reconcile`` at start-up deletes temp files, files the index
 does not place in that tier, rows whose file is missing or of the wrong
 size, and unreferenced blocks. Every file is named by its content's hash and
@@ -32,7 +43,8 @@ admission, never into a failed read.
 Concurrency: ``_move_lock`` serialises everything that adds bytes to a tier
 (admission, promotion, demotion), so a tier's victims are gone before its
 newcomer is written and capacities hold at every moment. Reads take no lock
-but the tiers' own. Lock order: ``_move_lock``, a tier's lock, the index's.
+but the tiers' own; nor does ``assemble_whole`` while it reads and writes,
+only to admit the file it wrote. Lock order: ``_move_lock``, a tier's lock, the index's.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ an inode's attributes and pages are those of one object version, so
 entries and attributes are cached for the metadata TTL, a directory's
 entries come with their attributes (READDIRPLUS), and an open keeps the
 inode's pages. Where the kernel and our privileges allow it, a file whose
-content lies whole in one hot-tier file is opened in passthrough: the
+content lies whole in one hot-tier file (its one block, or the whole file
+made of its blocks, ``cache.whole``) is opened in passthrough: the
 kernel reads that file itself, and the daemon sees no READ for it
 (``passthrough.py``; it is counted as read at its open). Without
 passthrough, the kernel opens files without asking at all (no-open
