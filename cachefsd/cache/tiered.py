@@ -635,23 +635,26 @@ class TieredCache(BlockCache):
         """Admit a whole file of ``size`` bytes, written and hashed as
         ``digest``, to tier ``position`` (``place()`` renames it into place)
         and record it as ``ref``; whether ``ref`` has it now."""
+        target = self._tiers[position]
         with self._move_lock:
             holder = self._tier_holding(digest)
             if holder is not None:  # the same bytes, cached for another version
                 stored = StoredBlock(digest, holder.name, holder.size_of(digest) or 0, size, time.time())
                 self._record(ref, stored, None)
-                return True
-            target = self._tiers[position]
+                return self.lookup(ref) is not None
             if self._failing(target, digest):
                 return False
             try:
                 self._admit_file(position, digest, disk_bytes(size), place, ahead=True)
             except NoRoom:
-                return False
-            self._record(ref, StoredBlock(digest, target.name, disk_bytes(size), size, time.time()), None)
-        self._events.whole_file_made(target.name)
-        self.report_usage()
-        return True
+                made = False
+            else:
+                self._record(ref, StoredBlock(digest, target.name, disk_bytes(size), size, time.time()), None)
+                made = self.lookup(ref) is not None  # not if the index could not be written
+        self.report_usage()  # victims were given up, even for a refusal
+        if made:
+            self._events.whole_file_made(target.name)
+        return made
 
     def _forget_checked(self, digest: str) -> None:
         """Block ``digest``'s file is gone from where it was checked: its
