@@ -1,6 +1,4 @@
-"""Block-sized buffers: where their bytes are, for C code to read or fill
-(copies made without the GIL), and an allocator that keeps
-them (``reuse_block_buffers``)."""
+"""Block-sized buffers from an allocator that keeps them (``reuse_block_buffers``)."""
 
 from __future__ import annotations
 
@@ -10,16 +8,6 @@ import ctypes
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8
 # The largest mmap threshold glibc accepts on 64-bit machines.
 _MMAP_THRESHOLD_MAX = 32 << 20
-
-
-def address(buffer: bytes | bytearray) -> int:
-    """Where ``buffer``'s bytes are, valid while it lives (and, for a
-    bytearray, is not resized)."""
-    if isinstance(buffer, bytes):
-        where = ctypes.cast(ctypes.c_char_p(buffer), ctypes.c_void_p).value
-    else:
-        where = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
-    return where or 0
 
 
 def reuse_block_buffers() -> None:

@@ -214,7 +214,6 @@ class Session:
         self._wake = -1
         self._stopping = False
         self._turns = threading.Semaphore(SERVING_WORKERS)  # turns at serving (``turns``)
-        self._workers_own = threading.local()  # each worker's buffers
         self._notifier = _Notifier(fs, self._send)
         self._handlers: dict[int, Callable[[Request, memoryview], None]] = {
             Op.INIT: self._init,
@@ -489,21 +488,18 @@ class Session:
 
     def _reply_pieces(self, unique: int, pieces: list[Piece]) -> None:
         """Send ``pieces`` as one answer: memory as it is, block files read
-        into the worker's own buffer (a fresh one a READ would be mapped,
-        zero-filled and unmapped by malloc every time, at its sizes). Then
-        the block files' pages are dropped: the kernel now holds these
-        bytes in the mounted file's own pages, and RAM should hold them once."""
-        buffer = self._read_buffer()
+        into memory here. Then the block files' pages are dropped: the
+        kernel now holds these bytes in the mounted file's own pages, and
+        RAM should hold them once."""
         try:
             parts: list[bytes | memoryview] = []
-            used = 0
             for piece in pieces:
                 if isinstance(piece, FileSpan):
-                    data = buffer[used : used + piece.length]
-                    read = os.preadv(piece.fd, [data], piece.offset)
-                    if read != piece.length:
-                        raise CachefsdError(f"a cache file is shorter than its index says ({read} bytes)")
-                    used += read
+                    data = os.pread(piece.fd, piece.length, piece.offset)
+                    if len(data) != piece.length:
+                        raise CachefsdError(
+                            f"a cache file is shorter than its index says ({len(data)} bytes)"
+                        )
                     parts.append(data)
                 else:
                     parts.append(piece)
@@ -516,14 +512,6 @@ class Session:
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(piece.fd, piece.offset, piece.length, os.POSIX_FADV_DONTNEED)
         close_pieces(pieces)
-
-    def _read_buffer(self) -> memoryview:
-        """The calling worker's buffer for the file bytes of one READ (at
-        most ``MAX_READ``), made at its first."""
-        buffer: memoryview | None = getattr(self._workers_own, "read_buffer", None)
-        if buffer is None:
-            buffer = self._workers_own.read_buffer = memoryview(bytearray(protocol.MAX_READ))
-        return buffer
 
     def _opendir(self, request: Request, body: memoryview) -> None:
         handle = self._fs.opendir(request.nodeid, request.pid)

@@ -14,6 +14,7 @@ from benchmarks.epoch_bench import Mounted
 from benchmarks.read_bench import (
     CACHEFSD,
     COLD,
+    CONTENDERS,
     DROPPED,
     KEPT,
     LOCAL,
@@ -25,6 +26,7 @@ from benchmarks.read_bench import (
     Readers,
     Row,
     check_targets,
+    in_turn,
     measure_epoch,
     per_core,
     summarize,
@@ -143,6 +145,17 @@ def test_one_core_serves_the_inverse_of_the_cpu_a_file_and_a_mib() -> None:
     lines = per_core(rows)
     assert "warm, page cache dropped: 2,000 files/s, 0.52 GB/s of shards" in lines
     assert "warm, page cache kept: no limit, no limit of shards" in lines
+
+
+def test_each_repeat_starts_its_mounts_at_another_one_after_the_local_disk() -> None:
+    contenders = list(CONTENDERS)
+    firsts = set()
+    for repeat in range(len(contenders) - 1):
+        order = in_turn(contenders, repeat)
+        assert order[0].name == LOCAL
+        assert sorted(c.name for c in order) == sorted(c.name for c in contenders)
+        firsts.add(order[1].name)
+    assert len(firsts) == len(contenders) - 1
 
 
 def test_ranges_cover_an_object_in_whole_parts_only() -> None:
