@@ -138,6 +138,13 @@ class Opens:
         opens.through += 1
         return opens.backing
 
+    def passing_through(self) -> bool:
+        """Whether any inode has a passthrough open: until none has, a mount
+        that gave passthrough up must still answer OPEN (``session``), as
+        a new open of such an inode must be a passthrough one too."""
+        with self._lock:
+            return any(opens.backing is not None for opens in self._inodes.values())
+
     def release(self, inode: int, through: bool) -> None:
         """An open of ``inode`` was released (``through``: a passthrough one)."""
         with self._lock:

@@ -430,20 +430,25 @@ class Session:
         inode, pid = request.nodeid, request.pid
         if self.passthrough.on and self._no_open and self._open_sizes.judging:
             self._judge(self._fs.getattr(inode).size)
-        if not self.passthrough.on:
+        # Passthrough given up (``_judge``) while files are open in it: OPEN
+        # is answered by the rules until they are all released, handing
+        # over no new file. An ENOSYS now would have the kernel open such a
+        # file's inode in cached mode without asking, which fails (EIO).
+        opens = self._opens
+        if opens is None or not (self.passthrough.on or opens.passing_through()):
             if self._no_open:
                 self._send([protocol.error(request.unique, errno.ENOSYS)])
             else:
                 self._send(protocol.reply(request.unique, protocol.pack_open(0, protocol.FOPEN_KEEP_CACHE)))
             return
-        assert self._opens is not None
-        through = self._opens.open(inode, lambda: self._fs.open_through(inode, pid))
+        on = self.passthrough.on
+        through = opens.open(inode, lambda: self._fs.open_through(inode, pid) if on else None)
         if through is None:
             answer = protocol.pack_open(0, protocol.FOPEN_KEEP_CACHE)
         else:
             answer = protocol.pack_open(_THROUGH, protocol.FOPEN_PASSTHROUGH, through.backing_id)
         if not self._send(protocol.reply(request.unique, answer)):
-            self._opens.release(inode, through is not None)  # interrupted: nothing was opened
+            opens.release(inode, through is not None)  # interrupted: nothing was opened
 
     def _judge(self, size: int) -> None:
         """Give up OPEN requests for good where the mount's files are too

@@ -228,3 +228,32 @@ def test_a_mount_of_small_files_gives_up_open_requests_after_judging_its_first_o
     for name in names:
         assert by_read(mount.path(name)) == objects[name]
     assert answered(mount, "open") == opens
+
+
+def test_a_file_open_in_passthrough_when_it_is_given_up_opens_again_until_it_closes(
+    s3_client: Any, mounter: MountFactory, s3_server: S3TestServer
+) -> None:
+    """The kernel fails a cached open of an inode open in passthrough: a
+    mount that gives passthrough up still answers OPEN, by the rules, until
+    its last passthrough file closes, and only then stops being asked."""
+    bucket = new_bucket(s3_client, "given-up")
+    shard = os.urandom(3 * SMALL_BLOCK - 1000)
+    images = {f"img-{number:03d}.jpg": os.urandom(4 * KiB) for number in range(JUDGED_OPENS)}
+    put_objects(s3_client, bucket, {"shard.tar": shard, **images})
+    mount = mount_samples(mounter, s3_server, bucket, "--block-size", str(SMALL_BLOCK))
+    path = mount.path("shard.tar")
+    assert by_read(path) == shard
+    wait_until(
+        lambda: metric(mount, "cachefsd_whole_files_total") == 1, "the whole file is made", POLL_SECONDS
+    )
+    with path.open("rb") as held:  # in passthrough, and counted among the judged opens
+        for name in sorted(images)[: JUDGED_OPENS - 1]:
+            assert by_read(mount.path(name)) == images[name]
+        assert passthrough_state(mount).startswith("off: most of the first")
+        assert by_read(path) == shard  # a second open of the inode held in passthrough
+        assert held.read() == shard
+    opens = answered(mount, "open")
+    assert by_read(mount.path("img-000.jpg")) == images["img-000.jpg"]  # asked once more: ENOSYS
+    assert by_read(mount.path("img-001.jpg")) == images["img-001.jpg"]
+    assert by_read(path) == shard
+    assert answered(mount, "open") == opens + 1

@@ -145,6 +145,18 @@ def test_an_inode_in_passthrough_stays_there_when_its_file_left_the_cache(cache_
     assert opens.open(7, lambda: None) == Through(1, "hot")  # evicted: the id still holds the file
 
 
+def test_opens_say_whether_any_inode_is_in_passthrough(cache_file: Path) -> None:
+    """A mount that gives passthrough up answers OPEN until none is."""
+    opens = Opens(Backing())
+    assert not opens.passing_through()
+    assert opens.open(7, lambda: None) is None
+    assert not opens.passing_through()  # a cached open only
+    assert opens.open(8, lambda: whole(cache_file)) == Through(1, "hot")
+    assert opens.passing_through()
+    opens.release(8, through=True)
+    assert not opens.passing_through()
+
+
 def test_a_refused_backing_file_makes_a_cached_open_and_leaks_no_descriptor(cache_file: Path) -> None:
     opens = Opens(Backing(refuse=True))
     handed: list[int] = []
