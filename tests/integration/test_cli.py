@@ -598,7 +598,9 @@ def test_a_failed_mount_or_a_size_without_its_unit_leaves_the_cache_as_it_was(
     source.mkdir()
     (source / "f.bin").write_bytes(os.urandom(1_000_000))
     cache = tmp_path / "cache"
-    mount = mounter(str(source), "--block-size", "64K", cache_dir=cache)
+    # Without passthrough, so the file read to its end gets no whole file
+    # (``cache.whole``) beside its blocks.
+    mount = mounter(str(source), "-o", "nopassthrough", "--block-size", "64K", cache_dir=cache)
     assert mount.path("f.bin").read_bytes() == (source / "f.bin").read_bytes()
     mount.unmount()
     blocks = _block_files(cache)

@@ -225,6 +225,12 @@ CORRUPTIONS: dict[str, Callable[[Path], None]] = {
 }
 
 
+# The corruption tests corrupt block files, without passthrough: then a
+# file read to its end gets no whole file (``cache.whole``), made in the
+# background beside its blocks and served instead of them.
+NO_WHOLE_FILES = ("-o", "nopassthrough")
+
+
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
 def test_corrupt_block_on_disk_is_refetched_after_remount(
     corruption: str, s3_server: S3TestServer, s3_client: Any, mounter: MountFactory
@@ -232,7 +238,7 @@ def test_corrupt_block_on_disk_is_refetched_after_remount(
     # Random bytes: four distinct blocks, so no block file is shared (dedup).
     original = os.urandom(1 * MiB)
     bucket = _new_bucket(s3_client, {"file.bin": original})
-    flags = ("--endpoint-url", s3_server.endpoint_url, "--block-size", "256K")
+    flags = (*NO_WHOLE_FILES, "--endpoint-url", s3_server.endpoint_url, "--block-size", "256K")
     mount = mounter(f"s3://{bucket}", *flags)
     assert mount.path("file.bin").read_bytes() == original
     mount.unmount()
@@ -266,7 +272,7 @@ def test_corrupt_block_while_mounted_is_never_served(tmp_path: Path, mounter: Mo
     filler = {f"filler-{i}.bin": os.urandom(8 * MiB) for i in range(10)}
     for name, body in filler.items():
         (source / name).write_bytes(body)
-    mount = mounter(str(source), "--block-size", "256K")
+    mount = mounter(str(source), *NO_WHOLE_FILES, "--block-size", "256K")
     assert mount.path("target.bin").read_bytes() == original
     target_blocks = set(_block_files(mount.cache_dir))
     assert len(target_blocks) == 4

@@ -274,3 +274,17 @@ def test_whole_files_are_made_one_version_at_a_time_each_once_and_stop_promptly(
     assert started == versions[:1]  # the queued ones were dropped
     assert abandoned_seen == [True]
     assert not whole_files.want(versions[3])
+
+
+def test_a_corrupt_whole_file_is_not_handed_over_and_is_dropped(make_rig: RigFactory) -> None:
+    data = os.urandom(SHARD)
+    rig = make_rig({"shard": data})
+    info = _cached(rig, "shard")
+    assert rig.cache.assemble_whole(rig.reader.version(info), _never)
+    path = rig.cache.tiers[0].path_of(content_hash(data))
+    path.write_bytes(bytes(SHARD))  # its length, not its bytes: a new ctime, so checked again
+    assert _handed_over(rig, info) is None
+    assert _whole(rig, info) is None
+    assert not path.exists()
+    assert rig.view.digest(info, 0) == rig.cache.lookup(rig.reader.ref(info, 0))  # the blocks again
+    assert sample(rig.metrics.registry, "cachefsd_cache_corrupt_blocks_total", tier="hot") == 1
