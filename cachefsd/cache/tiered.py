@@ -61,7 +61,7 @@ from functools import partial
 from typing import Literal, Protocol, TypeVar
 
 from cachefsd.cache.blocks import Block, BlockCache, FileSpan, Use, Version
-from cachefsd.cache.codec import Codec, CorruptBlock, check_content, content_hasher, decode_file, encode_file
+from cachefsd.cache.codec import Codec, CorruptBlock, content_hasher, decode_file, encode_file
 from cachefsd.cache.index import WHOLE, BlockRef, Index, IndexDamaged, StoredBlock
 from cachefsd.cache.policy import PlannedUse
 from cachefsd.cache.tier import NoRoom, Tier, UnplaceableBlock, disk_bytes
@@ -79,10 +79,12 @@ _DISK_ERRORS = (OSError, sqlite3.Error)
 # checked again on its next read, which for small blocks (a file of a sample
 # each) costs little next to the read itself.
 CHECKED_FILES_REMEMBERED = 1 << 15
-# A buffer a FUSE thread keeps for checking raw blocks, at most: a default
-# block. Larger blocks are checked in a buffer of their own, freed after:
-# kept, 64 MiB blocks held 704 MiB in 11 threads for the daemon's life.
-KEPT_CHECK_BYTES = 4 << 20
+# The buffer a thread keeps for checking raw files: a default block, read
+# and hashed in one system call. A larger file (a larger block, a whole
+# file of any size) is read through it a part at a time: a buffer of each
+# file's size held 704 MiB in 11 threads for the daemon's life at 64 MiB
+# blocks, and a whole file may be many GiB.
+CHECK_BUFFER_BYTES = 4 << 20
 # A tier whose disk failed a write takes no blocks (and offers no room to
 # prefetch) for this long, then is tried again: a read-only or vanished
 # disk made prefetch fetch the same blocks over and over, 1.2 GB in 10 s,
@@ -133,15 +135,27 @@ def _file_identity(stat: os.stat_result) -> tuple[int, int, int]:
     return stat.st_dev, stat.st_ino, stat.st_ctime_ns
 
 
-def _check_whole(content: memoryview, file_size: int, digest: str) -> int:
-    """Verify a raw block file of ``file_size`` bytes, read as ``content``:
-    all of it, not only the block's length. A file longer than its block,
-    its block's bytes first, would pass the hash, and a kernel handed the
-    file (``view.CacheView.whole_file``) would serve the rest: it takes end
-    of file from the file. Its length."""
-    if len(content) != file_size:
-        raise CorruptBlock(f"{len(content)} of the file's {file_size} bytes read: it is not its block")
-    return check_content(content, digest)
+def _check_file(fd: int, buffer: bytearray, file_size: int, digest: str) -> int:
+    """Verify a raw file of ``file_size`` bytes open as ``fd`` (a block's,
+    or a whole file's), read through ``buffer`` a part at a time: all of
+    it, not only the block's length. A file longer than its block, its
+    block's bytes first, would pass the hash, and a kernel handed the file
+    (``view.CacheView.whole_file``) would serve the rest: it takes end of
+    file from the file. Its length."""
+    hasher = content_hasher()
+    view = memoryview(buffer)
+    length = 0
+    while length < file_size:
+        read = os.preadv(fd, [view], length)
+        if read == 0:
+            break
+        hasher.update(view[:read])
+        length += read
+    if length != file_size:
+        raise CorruptBlock(f"{length} of the file's {file_size} bytes read: it is not its block")
+    if hasher.hexdigest() != digest:
+        raise CorruptBlock("content does not match its hash")
+    return length
 
 
 class TieredCache(BlockCache):
@@ -162,8 +176,8 @@ class TieredCache(BlockCache):
         self._tuning = tuning
         self._clock = clock  # for the disk-error backoff
         self._planned = planned  # the plan the tiers' policies read, if any
-        # Per thread, a buffer for ``raw_hit``: checking a block costs no
-        # allocation (at most ``KEPT_CHECK_BYTES`` per FUSE thread).
+        # Per thread, a buffer for ``raw_hit``: checking a file costs no
+        # allocation (``CHECK_BUFFER_BYTES`` per FUSE thread).
         self._buffers = threading.local()
         # Raw blocks checked by this process -> the identity of the file
         # checked (``_file_identity``), the most recently served last.
@@ -407,17 +421,12 @@ class TieredCache(BlockCache):
         identity = _file_identity(status)
         if self._checked_before(digest, identity):
             return True
-        size = tier.size_of(digest)  # bytes on disk: at least the file's, if it is the block's
-        if size is None:  # evicted or moved since it was found: a miss
+        if not tier.holds(digest):  # evicted or moved since it was found: a miss
             return False
         buffer = getattr(self._buffers, "check", None)
-        if buffer is None or len(buffer) < size:
-            buffer = bytearray(size)
-            if size <= KEPT_CHECK_BYTES:
-                self._buffers.check = buffer
-        length = self._checked(
-            tier, digest, lambda: _check_whole(tier.read_into(fd, buffer), status.st_size, digest)
-        )
+        if buffer is None:
+            buffer = self._buffers.check = bytearray(CHECK_BUFFER_BYTES)
+        length = self._checked(tier, digest, lambda: _check_file(fd, buffer, status.st_size, digest))
         if length is None:
             return False
         self._events.tier_read(tier.name, length)

@@ -32,7 +32,7 @@ from cachefsd.cache.maintenance import reconcile, verify_blocks
 from cachefsd.cache.policy import EpochAwarePolicy, LruPolicy, MinioPolicy, PlannedUse, ReadMarks
 from cachefsd.cache.replay import ReplayCache
 from cachefsd.cache.tier import HELD_DESCRIPTORS, NoRoom, Tier, disk_bytes, victims_for
-from cachefsd.cache.tiered import CacheTuning, TieredCache
+from cachefsd.cache.tiered import CHECK_BUFFER_BYTES, CacheTuning, TieredCache
 from cachefsd.errors import CachefsdError, ConfigError
 from cachefsd.metrics import Metrics
 from cachefsd.workload.model import WorkloadModel
@@ -635,7 +635,8 @@ def test_an_unwritable_tier_falls_through_to_the_next(tmp_path: Path) -> None:
 
 def test_checking_a_large_block_keeps_no_buffer_of_its_size(tmp_path: Path) -> None:
     """Each FUSE thread kept a buffer the size of the largest block it had
-    checked, for the daemon's life: 704 MiB in 11 threads at 64 MiB blocks."""
+    checked, for the daemon's life: 704 MiB in 11 threads at 64 MiB blocks.
+    A file is read through one buffer of a default block, a part at a time."""
     data = os.urandom(16 << 20)
     with tiered(tmp_path, hot=64 << 20) as (cache, _):
         digest = admit(cache, ref("big"), data)
@@ -648,7 +649,20 @@ def test_checking_a_large_block_keeps_no_buffer_of_its_size(tmp_path: Path) -> N
             tracemalloc.stop()
         assert hit is not None
         os.close(hit[1])
-        assert held < 1 << 20
+        assert held < CHECK_BUFFER_BYTES + (1 << 20)
+
+
+def test_damage_past_the_first_part_a_check_reads_is_found(tmp_path: Path) -> None:
+    data = os.urandom(2 * CHECK_BUFFER_BYTES + 5)
+    with tiered(tmp_path, hot=64 << 20) as (cache, _):
+        digest = admit(cache, ref("big"), data)
+        path = cache.tiers[0].path_of(digest)
+    with open(path, "r+b") as block_file:  # in place: same size, same row
+        block_file.seek(len(data) - 1)
+        block_file.write(bytes([data[-1] ^ 0xFF]))
+    with tiered(tmp_path, hot=64 << 20) as (cache, _):  # a new daemon: nothing checked yet
+        assert cache.raw_hit(digest) is None
+        assert cache.lookup(ref("big")) is None
 
 
 def test_a_tier_whose_disk_fails_is_left_alone_for_a_while(
