@@ -30,7 +30,7 @@ from cachefsd.fs import ROOT_INODE, Attributes, FileSystem
 from cachefsd.metrics import Metrics, SharedFetches
 from cachefsd.namespace.tree import Namespace
 from cachefsd.reader import BlockReader, Piece, close_pieces
-from cachefsd.store.base import ObjectStore
+from cachefsd.store.base import ObjectInfo, ObjectStore
 from cachefsd.store.faulty import FaultyStore
 from cachefsd.store.memory import MemoryStore
 from cachefsd.workload.model import WorkloadModel
@@ -46,7 +46,7 @@ DAEMON_CACHE_TUNING = CacheTuning()
 
 def joined(pieces: list[Piece]) -> bytes:
     """The bytes a reader would get: memory pieces as they are, file pieces
-    read from their descriptor (which is then closed, as libfuse's caller does)."""
+    read from their descriptor (which is then closed, as the FUSE edge does)."""
     try:
         return b"".join(
             os.pread(piece.fd, piece.length, piece.offset) if isinstance(piece, FileSpan) else piece
@@ -73,6 +73,15 @@ def read_path(fs: FileSystem, path: str, size: int, offset: int = 0) -> bytes:
         return joined(fs.read(ino, size, offset, os.getpid()))
     finally:
         fs.forget(ino, 1)
+
+
+def cached(rig: Rig, key: str) -> ObjectInfo:
+    """``key``'s version, every block of it brought into the cache."""
+    info = rig.namespace.lookup(f"/{key}").info
+    assert info is not None
+    blocks = range(-(-info.size // BLOCK_SIZE))
+    assert rig.reader.fetch_run_ahead(info, blocks) == set(blocks)
+    return info
 
 
 def read_concurrently(rig: Rig, gate: threading.Event, monkeypatch: pytest.MonkeyPatch) -> list[bytes]:

@@ -9,9 +9,8 @@ from pathlib import Path
 
 from cachefsd.cache.codec import Codec
 from cachefsd.cache.policy import PlannedUse
-from cachefsd.store.base import ObjectInfo
 from tests.metrics import sample
-from tests.unit.conftest import BLOCK_SIZE, Rig, RigFactory, joined
+from tests.unit.conftest import BLOCK_SIZE, Rig, RigFactory, cached, joined
 
 
 def test_the_view_finds_a_versions_blocks_and_plans_and_warms_only_cached_ones(make_rig: RigFactory) -> None:
@@ -39,15 +38,6 @@ def test_the_view_finds_a_versions_blocks_and_plans_and_warms_only_cached_ones(m
     assert rig.view.room() == rig.cache.room()
 
 
-def _cached(rig: Rig, key: str) -> ObjectInfo:
-    """``key``'s version, every block of it brought into the cache."""
-    info = rig.namespace.lookup(f"/{key}").info
-    assert info is not None
-    blocks = range(-(-info.size // BLOCK_SIZE))
-    assert rig.reader.fetch_run_ahead(info, blocks) == set(blocks)
-    return info
-
-
 def _hashed(rig: Rig) -> float:
     """Bytes the hot tier read back to verify (``tier_read``)."""
     return rig.metrics.registry.get_sample_value("cachefsd_tier_read_bytes_total", {"tier": "hot"}) or 0.0
@@ -58,7 +48,7 @@ def test_a_hot_tiers_files_are_the_blocks_bare_content(make_rig: RigFactory) -> 
     passthrough), takes end of file from it."""
     data = os.urandom(2 * BLOCK_SIZE + 1000)
     rig = make_rig({"f": data})
-    info = _cached(rig, "f")
+    info = cached(rig, "f")
     for index in range(3):
         digest = rig.view.digest(info, index)
         assert digest is not None
@@ -75,7 +65,7 @@ def test_an_object_of_one_hot_block_is_handed_over_as_its_file(make_rig: RigFact
         {**objects, "two": os.urandom(BLOCK_SIZE + 1), "uncached": b"u", "empty": b""}, planned=planned
     )
     for key, data in objects.items():
-        info = _cached(rig, key)
+        info = cached(rig, key)
         digest = rig.view.plan(info, 0, 5.0)
         assert digest is not None
         whole = rig.view.whole_file(info)
@@ -89,7 +79,7 @@ def test_an_object_of_one_hot_block_is_handed_over_as_its_file(make_rig: RigFact
             os.close(whole.fd)
         assert planned.next_use(digest) is None  # a read of the block, as its policy counts it
         assert rig.view.whole_file(dataclasses.replace(info, etag="another version")) is None
-    two = _cached(rig, "two")
+    two = cached(rig, "two")
     assert rig.view.residency(two, 0) == rig.view.residency(two, 1) == "hot"
     assert rig.view.whole_file(two) is None  # two blocks: no one file holds it
     for key in ("uncached", "empty"):
@@ -100,7 +90,7 @@ def test_an_object_of_one_hot_block_is_handed_over_as_its_file(make_rig: RigFact
 
 def test_a_compressed_tiers_block_is_not_handed_over(make_rig: RigFactory) -> None:
     rig = make_rig({"f": b"compressible " * 1000}, codec=Codec.LZ4)
-    info = _cached(rig, "f")
+    info = cached(rig, "f")
     assert rig.view.residency(info, 0) == "hot"
     assert rig.view.whole_file(info) is None
 
@@ -108,7 +98,7 @@ def test_a_compressed_tiers_block_is_not_handed_over(make_rig: RigFactory) -> No
 def test_a_corrupt_hot_file_is_not_handed_over_and_is_dropped(make_rig: RigFactory, tmp_path: Path) -> None:
     data = os.urandom(5000)
     rig = make_rig({"f": data}, cache_dir=tmp_path / "cache")
-    digest = rig.view.digest(_cached(rig, "f"), 0)
+    digest = rig.view.digest(cached(rig, "f"), 0)
     assert digest is not None
     path = rig.cache.tiers[0].path_of(digest)
     with open(path, "r+b") as block_file:  # in place: same size, the file as start-up finds it
@@ -133,7 +123,7 @@ def test_a_file_is_hashed_once_per_daemon_and_again_when_it_changes(
     is handed over without being read again."""
     data = os.urandom(5000)
     rig = make_rig({"f": data}, cache_dir=tmp_path / "cache")
-    info = _cached(rig, "f")
+    info = cached(rig, "f")
 
     def handed_over(rig: Rig) -> bytes:
         whole = rig.view.whole_file(info)
@@ -166,7 +156,7 @@ def test_a_hot_file_longer_than_its_block_is_not_handed_over(make_rig: RigFactor
     kernel would serve the rest too, taking end of file from the file."""
     data = os.urandom(BLOCK_SIZE)  # whole allocation units: a longer file's first read has its length
     rig = make_rig({"f": data})
-    info = _cached(rig, "f")
+    info = cached(rig, "f")
     digest = rig.view.digest(info, 0)
     assert digest is not None
     path = rig.cache.tiers[0].path_of(digest)

@@ -18,7 +18,7 @@ from cachefsd.fs import ROOT_INODE
 from cachefsd.store.base import ObjectInfo
 from tests.metrics import sample
 from tests.polling import wait_until
-from tests.unit.conftest import BLOCK_SIZE, Rig, RigFactory, joined
+from tests.unit.conftest import BLOCK_SIZE, Rig, RigFactory, cached, joined
 from tests.unit.test_cache import admit, tiered
 
 SHARD = 3 * BLOCK_SIZE - 1000  # three blocks, the last one short
@@ -26,15 +26,6 @@ SHARD = 3 * BLOCK_SIZE - 1000  # three blocks, the last one short
 
 def _never() -> bool:
     return False
-
-
-def _cached(rig: Rig, key: str) -> ObjectInfo:
-    """``key``'s version, every block of it brought into the cache."""
-    info = rig.namespace.lookup(f"/{key}").info
-    assert info is not None
-    blocks = range(-(-info.size // BLOCK_SIZE))
-    assert rig.reader.fetch_run_ahead(info, blocks) == set(blocks)
-    return info
 
 
 def _whole(rig: Rig, info: ObjectInfo) -> str | None:
@@ -69,7 +60,7 @@ def test_the_trigger_is_a_read_that_reaches_the_end_of_a_file_of_several_blocks(
 def test_a_whole_file_holds_exactly_the_objects_bytes_and_is_handed_over(make_rig: RigFactory) -> None:
     data = os.urandom(SHARD)
     rig = make_rig({"shard": data})
-    info = _cached(rig, "shard")
+    info = cached(rig, "shard")
     assert _handed_over(rig, info) is None  # blocks only: never block 0 as the file
     assert rig.cache.assemble_whole(rig.reader.version(info), _never)
     digest = _whole(rig, info)
@@ -93,7 +84,7 @@ def test_no_whole_file_of_a_missing_or_corrupt_block_and_nothing_left_behind(
     assert partly is not None
     assert rig.reader.fetch_run_ahead(partly, [0, 1]) == {0, 1}
     assert not rig.cache.assemble_whole(rig.reader.version(partly), _never)
-    corrupt = _cached(rig, "corrupt")
+    corrupt = cached(rig, "corrupt")
     block = rig.view.digest(corrupt, 1)
     assert block is not None
     path = rig.cache.tiers[0].path_of(block)
@@ -112,7 +103,7 @@ def test_no_whole_file_of_a_missing_or_corrupt_block_and_nothing_left_behind(
 
 def test_no_whole_file_once_abandoned(make_rig: RigFactory) -> None:
     rig = make_rig({"shard": os.urandom(SHARD)})
-    info = _cached(rig, "shard")
+    info = cached(rig, "shard")
     assert not rig.cache.assemble_whole(rig.reader.version(info), lambda: True)
     assert _whole(rig, info) is None
     assert not _temp_files(rig)
@@ -125,14 +116,14 @@ def test_a_whole_file_is_admitted_by_the_tiers_policy(make_rig: RigFactory, tmp_
     data = os.urandom(SHARD)
     capacity = disk_bytes(SHARD) + 3 * 4096
     rig = make_rig({"shard": data}, cache_dir=tmp_path / "lru", capacity=capacity)
-    info = _cached(rig, "shard")
+    info = cached(rig, "shard")
     assert rig.cache.assemble_whole(rig.reader.version(info), _never)
     assert _handed_over(rig, info) == data
     assert rig.cache.used_bytes <= rig.cache.capacity
     assert rig.view.digest(info, 0) == content_hash(data)
     assert rig.cache.lookup(rig.reader.ref(info, 0)) is None  # evicted for it
     keeping = make_rig({"shard": data}, cache_dir=tmp_path / "minio", capacity=capacity, policy=MinioPolicy())
-    info = _cached(keeping, "shard")
+    info = cached(keeping, "shard")
     assert not keeping.cache.assemble_whole(keeping.reader.version(info), _never)
     assert _whole(keeping, info) is None
     assert keeping.cache.lookup(keeping.reader.ref(info, 0)) is not None
@@ -183,7 +174,7 @@ def test_the_block_size_check_ignores_whole_files(tmp_path: Path) -> None:
 def test_a_reopened_cache_still_hands_the_whole_file_over(make_rig: RigFactory, tmp_path: Path) -> None:
     data = os.urandom(SHARD)
     first = make_rig({"shard": data}, cache_dir=tmp_path / "cache")
-    info = _cached(first, "shard")
+    info = cached(first, "shard")
     assert first.cache.assemble_whole(first.reader.version(info), _never)
     first.index.close()
     again = make_rig({"shard": data}, cache_dir=tmp_path / "cache")  # reconciled: kept, as it was
@@ -194,7 +185,7 @@ def test_a_reopened_cache_still_hands_the_whole_file_over(make_rig: RigFactory, 
 def test_releasing_a_version_releases_its_whole_file(make_rig: RigFactory) -> None:
     data = os.urandom(SHARD)
     rig = make_rig({"shard": data})
-    info = _cached(rig, "shard")
+    info = cached(rig, "shard")
     assert rig.cache.assemble_whole(rig.reader.version(info), _never)
     path = rig.cache.tiers[0].path_of(content_hash(data))
     rig.cache.forget(rig.reader.version(info))
@@ -279,7 +270,7 @@ def test_whole_files_are_made_one_version_at_a_time_each_once_and_stop_promptly(
 def test_a_corrupt_whole_file_is_not_handed_over_and_is_dropped(make_rig: RigFactory) -> None:
     data = os.urandom(SHARD)
     rig = make_rig({"shard": data})
-    info = _cached(rig, "shard")
+    info = cached(rig, "shard")
     assert rig.cache.assemble_whole(rig.reader.version(info), _never)
     path = rig.cache.tiers[0].path_of(content_hash(data))
     path.write_bytes(bytes(SHARD))  # its length, not its bytes: a new ctime, so checked again
