@@ -37,6 +37,7 @@ from tests.integration.torture import (
     metric,
     write_manifest,
 )
+from tests.polling import wait_until
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -45,6 +46,8 @@ BLOCK_SIZE = 64 * KiB
 # These tests count and check block files: without passthrough, a file read
 # to its end gets no whole file (``cache.whole``), a file of its own.
 NO_WHOLE_FILES = ("-o", "nopassthrough")
+# How long whole files may take to be made on a loaded machine.
+POLL_SECONDS = 60.0
 # verify and gc on a cache in use must answer at once, not after a lock wait.
 FAIL_FAST_SECONDS = 10.0
 
@@ -469,6 +472,13 @@ def test_single_tier_cache_dir_reports_as_the_hot_tier(tmp_path: Path, mounter: 
         (source / name).write_bytes(body)
     mount = mounter(str(source), "--block-size", "64K", "--cache-size", "4M")
     _read_all(mount, objects)
+    # Each file, read to its end, gets a whole file in the background: the
+    # tier's files are compared with its metrics once they are all made.
+    wait_until(
+        lambda: metric(mount, "cachefsd_whole_files_total") == len(objects),
+        "the whole files are made",
+        POLL_SECONDS,
+    )
     metrics = mount.metrics()
     assert metrics["cachefsd_tier_capacity_bytes{tier=hot}"] == 4 * MiB
     assert metrics["cachefsd_tier_used_bytes{tier=hot}"] == _disk_bytes(mount.cache_dir) > 0
