@@ -600,6 +600,12 @@ class TieredCache(BlockCache):
         position, target = next((i, tier) for i, tier in enumerate(self._tiers) if tier in holders)
         temp, fd = target.temp_file()
         try:
+            # Its room on disk taken at once, in as few pieces as the disk
+            # has: written a block at a time with others' writes between, a
+            # file could come out in so many pieces that the filesystem
+            # needed a block of its own to map them, beyond what the tier
+            # accounts for it (``disk_bytes``); and a full disk fails here.
+            os.posix_fallocate(fd, 0, version.size)
             digest = self._write_whole(fd, version, blocks, abandoned)
             if digest is None:
                 return False

@@ -27,6 +27,7 @@ from typing import Any
 import boto3
 import pytest
 
+from cachefsd.cache.tier import disk_bytes
 from cachefsd.testing.counting import GET_OBJECT, HEAD_OBJECT, LIST, OTHER, PUT_OBJECT
 from cachefsd.testing.s3_server import S3TestServer
 from tests.conftest import TEST_REGION
@@ -796,13 +797,16 @@ def test_metrics_count_cold_reads_and_cache_usage(s3_client: Any, mount_bucket: 
 
 
 def _blocks_on_disk(cache_dir: Path) -> int:
-    """Bytes of the cache's files on disk now. One evicted while they are
-    counted is gone (whole files are made in the background, evicting)."""
+    """Bytes of the cache's files now, in whole allocation units: what the
+    cache may hold. Not ``st_blocks``, which also counts the blocks a
+    filesystem takes to map a file in many pieces (its metadata, not the
+    cache's bytes). One evicted while they are counted is gone (whole
+    files are made in the background, evicting)."""
     total = 0
     for directory, _, files in os.walk(cache_dir / "blocks"):
         for name in files:
             with contextlib.suppress(FileNotFoundError):
-                total += (Path(directory) / name).stat().st_blocks * 512
+                total += disk_bytes((Path(directory) / name).stat().st_size)
     return total
 
 
