@@ -28,6 +28,13 @@ def _never() -> bool:
     return False
 
 
+def _made_whole(rig: Rig) -> ObjectInfo:
+    """The version of ``shard``, its blocks cached and its whole file made."""
+    info = cached(rig, "shard")
+    assert rig.cache.assemble_whole(rig.reader.version(info), _never)
+    return info
+
+
 def _whole(rig: Rig, info: ObjectInfo) -> str | None:
     return rig.cache.lookup(rig.reader.ref(info, WHOLE))
 
@@ -116,8 +123,7 @@ def test_a_whole_file_is_admitted_by_the_tiers_policy(make_rig: RigFactory, tmp_
     data = os.urandom(SHARD)
     capacity = disk_bytes(SHARD) + 3 * 4096
     rig = make_rig({"shard": data}, cache_dir=tmp_path / "lru", capacity=capacity)
-    info = cached(rig, "shard")
-    assert rig.cache.assemble_whole(rig.reader.version(info), _never)
+    info = _made_whole(rig)
     assert _handed_over(rig, info) == data
     assert rig.cache.used_bytes <= rig.cache.capacity
     assert rig.view.digest(info, 0) == content_hash(data)
@@ -174,8 +180,7 @@ def test_the_block_size_check_ignores_whole_files(tmp_path: Path) -> None:
 def test_a_reopened_cache_still_hands_the_whole_file_over(make_rig: RigFactory, tmp_path: Path) -> None:
     data = os.urandom(SHARD)
     first = make_rig({"shard": data}, cache_dir=tmp_path / "cache")
-    info = cached(first, "shard")
-    assert first.cache.assemble_whole(first.reader.version(info), _never)
+    info = _made_whole(first)
     first.index.close()
     again = make_rig({"shard": data}, cache_dir=tmp_path / "cache")  # reconciled: kept, as it was
     assert _handed_over(again, info) == data
@@ -185,8 +190,7 @@ def test_a_reopened_cache_still_hands_the_whole_file_over(make_rig: RigFactory, 
 def test_releasing_a_version_releases_its_whole_file(make_rig: RigFactory) -> None:
     data = os.urandom(SHARD)
     rig = make_rig({"shard": data})
-    info = cached(rig, "shard")
-    assert rig.cache.assemble_whole(rig.reader.version(info), _never)
+    info = _made_whole(rig)
     path = rig.cache.tiers[0].path_of(content_hash(data))
     rig.cache.forget(rig.reader.version(info))
     assert _whole(rig, info) is None
@@ -270,8 +274,7 @@ def test_whole_files_are_made_one_version_at_a_time_each_once_and_stop_promptly(
 def test_a_corrupt_whole_file_is_not_handed_over_and_is_dropped(make_rig: RigFactory) -> None:
     data = os.urandom(SHARD)
     rig = make_rig({"shard": data})
-    info = cached(rig, "shard")
-    assert rig.cache.assemble_whole(rig.reader.version(info), _never)
+    info = _made_whole(rig)
     path = rig.cache.tiers[0].path_of(content_hash(data))
     path.write_bytes(bytes(SHARD))  # its length, not its bytes: a new ctime, so checked again
     assert _handed_over(rig, info) is None
