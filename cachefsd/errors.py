@@ -49,6 +49,23 @@ class DeadlineExceeded(StoreError):
     retryable = False
 
 
+class UploadCorrupted(StoreError):
+    """The bytes a store holds after an upload are not the file's: its
+    etag is not the one the file's bytes give. Retryable: the next upload
+    replaces them."""
+
+
+class SourceChanged(StoreError):
+    """The file being uploaded changed (size, mtime or inode) while it was
+    read: the upload was abandoned. Retryable once the file stops changing."""
+
+
+class SourceUnreadable(StoreError):
+    """The file to upload cannot be opened or read: nothing was uploaded."""
+
+    retryable = False
+
+
 class DaemonStopping(StoreError):
     """The daemon is exiting: no request reaches the store any more."""
 

@@ -13,6 +13,7 @@ the backend's own exception as ``__cause__``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -117,6 +118,27 @@ class ObjectStore(Protocol):
     async def put_object(self, key: str, data: bytes) -> None:
         """Store ``data`` as ``key``, replacing any object there; readers
         see the old content or the new, never a part."""
+        ...
+
+    async def put_file(self, key: str, path: Path) -> ObjectInfo:
+        """Upload the file at ``path`` as ``key``, replacing any object
+        there, whole or not at all: readers see the old object or the whole
+        new one, and a failed upload leaves nothing behind (no object, no
+        unfinished multipart upload). The new version's ``ObjectInfo`` as
+        ``head`` shows it. The bytes the store holds are checked against the
+        file's (``UploadCorrupted``); ``SourceChanged`` when the file changes
+        while it is read, ``SourceUnreadable`` when it cannot be read."""
+        ...
+
+    async def delete(self, key: str) -> None:
+        """Remove ``key``; an absent key is not an error."""
+        ...
+
+    async def copy(self, source: str, target: str) -> ObjectInfo:
+        """Copy ``source`` to ``target`` inside the store (no bytes pass
+        through this process where the store can copy itself), replacing
+        any object there, whole or not at all; the new version's
+        ``ObjectInfo``. ``ObjectNotFound`` if ``source`` is absent."""
         ...
 
     async def close(self) -> None:

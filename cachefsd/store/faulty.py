@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from cachefsd.errors import StoreError
 from cachefsd.store.base import ListingPage, ObjectInfo, ObjectStore
@@ -100,6 +101,18 @@ class FaultyStore:
     async def put_object(self, key: str, data: bytes) -> None:
         await self._inject()
         await self._inner.put_object(key, data)
+
+    async def put_file(self, key: str, path: Path) -> ObjectInfo:
+        await self._inject()
+        return await self._inner.put_file(key, path)
+
+    async def delete(self, key: str) -> None:
+        await self._inject()
+        await self._inner.delete(key)
+
+    async def copy(self, source: str, target: str) -> ObjectInfo:
+        await self._inject()
+        return await self._inner.copy(source, target)
 
     async def close(self) -> None:
         await self._inner.close()

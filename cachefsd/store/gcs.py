@@ -27,10 +27,12 @@ reports no generation (gcp-storage-emulator) has it read back after the GET.
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import google.auth
 import requests
@@ -42,8 +44,12 @@ from google.cloud import storage
 from google.cloud.storage import exceptions as storage_exceptions
 from requests.adapters import HTTPAdapter
 
-from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
+from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError, UploadCorrupted
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo, redact_url
+from cachefsd.store.source import SourceFile
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 _T = TypeVar("_T")
 
@@ -109,6 +115,36 @@ def _translate(exc: BaseException, *, target: str) -> StoreError:
 def _mtime(blob: storage.Blob) -> float:
     updated = blob.updated
     return updated.timestamp() if updated is not None else 0.0
+
+
+def _info(key: str, blob: storage.Blob) -> ObjectInfo:
+    return ObjectInfo(key=key, size=int(blob.size or 0), etag=str(blob.generation), mtime=_mtime(blob))
+
+
+class _SourceReader(io.RawIOBase):
+    """A ``SourceFile`` as the file object the client uploads from, which
+    checks the file unchanged when its last byte is read: before the last
+    request of the upload, which is the one that publishes the object."""
+
+    def __init__(self, source: SourceFile) -> None:
+        super().__init__()
+        self._source = source
+        self._offset = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        view = memoryview(buffer).cast("B")
+        size = min(len(view), self._source.size - self._offset)
+        view[:size] = self._source.read(self._offset, size)
+        self._offset += size
+        if self._offset == self._source.size:
+            self._source.check_unchanged()
+        return size
+
+    def tell(self) -> int:
+        return self._offset
 
 
 class GcsStore:
@@ -245,7 +281,7 @@ class GcsStore:
         blob = await self._run(self._target(key), call)
         if blob is None:
             raise ObjectNotFound(self._target(key))
-        return ObjectInfo(key=key, size=int(blob.size or 0), etag=str(blob.generation), mtime=_mtime(blob))
+        return _info(key, blob)
 
     async def _require_version(self, key: str, etag: str) -> None:
         info = await self.head(key)
@@ -321,6 +357,68 @@ class GcsStore:
             bucket.blob(full_key).upload_from_string(data, timeout=self._attempt_timeout, retry=None)
 
         await self._run(self._target(key), call)
+
+    def _object_key(self, key: str) -> str:
+        """The object name a write of ``key`` goes to; a key naming no object is refused."""
+        if not key or key.endswith("/"):
+            raise StoreError(f"{self._target(key)}: not an object name")
+        return self._root + key
+
+    async def put_file(self, key: str, path: Path) -> ObjectInfo:
+        """One request up to the client's multipart limit (8 MiB), a
+        resumable upload in sequential chunks above; GCS publishes the
+        object only when the last request succeeds. The client sends the
+        file's checksum (CRC32C, or MD5 without the C extension) and the
+        service refuses an object whose bytes do not match it, or the client
+        compares the service's after a resumable upload (``UploadCorrupted``)."""
+        full_key = self._object_key(key)
+        bucket = await self._get_bucket()
+        source = await asyncio.to_thread(SourceFile, path)
+
+        def call() -> ObjectInfo:
+            blob = bucket.blob(full_key)
+            blob.upload_from_file(
+                _SourceReader(source), size=source.size, timeout=self._attempt_timeout, retry=None
+            )
+            return _info(key, blob)
+
+        try:
+            return await self._run(self._target(key), call)
+        except StoreError as exc:
+            if isinstance(exc.__cause__, storage_exceptions.DataCorruption):
+                raise UploadCorrupted(f"{self._target(key)}: the stored checksum is not the file's") from exc
+            raise
+        finally:
+            source.close()
+
+    async def delete(self, key: str) -> None:
+        full_key = self._object_key(key)
+        bucket = await self._get_bucket()
+
+        def call() -> None:
+            try:
+                bucket.blob(full_key).delete(timeout=self._attempt_timeout, retry=None)
+            except api_exceptions.NotFound:
+                return
+
+        await self._run(self._target(key), call)
+
+    async def copy(self, source: str, target: str) -> ObjectInfo:
+        """The rewrite API: GCS copies, in as many calls as it asks for (one
+        within a location, several across locations or storage classes)."""
+        full_target = self._object_key(target)
+        bucket = await self._get_bucket()
+
+        def call() -> ObjectInfo:
+            origin = bucket.blob(self._root + source)
+            copied = bucket.blob(full_target)
+            token: str | None = None
+            while True:
+                token, _, _ = copied.rewrite(origin, token=token, timeout=self._attempt_timeout, retry=None)
+                if token is None:
+                    return _info(target, copied)
+
+        return await self._run(self._target(target), call)
 
     async def close(self) -> None:
         client, session = self._client, self._session

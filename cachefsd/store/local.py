@@ -7,10 +7,15 @@ import asyncio
 import os
 import stat
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-from cachefsd.errors import ObjectChanged, ObjectNotFound, StoreError
+from cachefsd.errors import ObjectChanged, ObjectNotFound, SourceChanged, StoreError
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo
+from cachefsd.store.source import SourceFile
+
+# sendfile(2) copies at most this much a call (Linux's own cap, 2 GiB less a page).
+_SENDFILE_MAX_BYTES = 0x7FFFF000
 
 
 def _etag(st: os.stat_result) -> str:
@@ -148,21 +153,105 @@ class LocalStore:
             raise StoreError(f"cannot read {key}: {exc.strerror}") from exc
 
     async def put_object(self, key: str, data: bytes) -> None:
-        await asyncio.to_thread(self._put_object, key, data)
+        await asyncio.to_thread(self._write, key, lambda fd: _write_all(fd, data))
 
-    def _put_object(self, key: str, data: bytes) -> None:
-        """A temp file renamed over ``key``: a reader sees a whole file."""
+    async def put_file(self, key: str, path: Path) -> ObjectInfo:
+        return await asyncio.to_thread(self._put_file, key, path)
+
+    def _put_file(self, key: str, path: Path) -> ObjectInfo:
+        source = SourceFile(path)
+        try:
+
+            def copy(fd: int) -> None:
+                _copy_all(source, fd, path)
+                source.check_unchanged()
+
+            return self._write(key, copy)
+        finally:
+            source.close()
+
+    async def delete(self, key: str) -> None:
+        await asyncio.to_thread(self._delete, key)
+
+    def _delete(self, key: str) -> None:
+        try:
+            path = self._path(key)
+        except ObjectNotFound:
+            return  # no key outside the root names an object of this store
+        try:
+            if stat.S_ISREG(os.stat(path).st_mode):
+                path.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StoreError(f"cannot delete {key}: {exc.strerror}") from exc
+
+    async def copy(self, source: str, target: str) -> ObjectInfo:
+        """A copy of the file (sendfile(2), in the kernel), renamed into place."""
+        if not stat.S_ISREG((await asyncio.to_thread(self._stat, source)).st_mode):
+            raise ObjectNotFound(source)
+        return await self.put_file(target, self._path(source))
+
+    def _stat(self, key: str) -> os.stat_result:
+        try:
+            return os.stat(self._path(key))
+        except OSError as exc:
+            raise ObjectNotFound(key) from exc
+
+    def _write(self, key: str, fill: Callable[[int], None]) -> ObjectInfo:
+        """A temporary file in the target's directory, filled by ``fill``,
+        flushed to disk and renamed over ``key``: a reader sees the old file
+        or the whole new one, and after a crash the directory holds one of
+        them (and perhaps a temporary file), never a part."""
         if not key or key.endswith("/"):
             raise StoreError(f"cannot write {key!r}: not a file name")
         path = self._path(key)
         temp = path.with_name(f".{path.name[:200]}.{uuid.uuid4().hex}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            temp.write_bytes(data)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                fill(fd)
+                os.fsync(fd)
+                info = _info(key, os.fstat(fd))  # rename keeps the inode and mtime
+            finally:
+                os.close(fd)
             os.replace(temp, path)
+            _fsync_directory(path.parent)
         except OSError as exc:
             temp.unlink(missing_ok=True)
             raise StoreError(f"cannot write {key}: {exc.strerror}") from exc
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        return info
 
     async def close(self) -> None:
         return None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _copy_all(source: SourceFile, fd: int, path: Path) -> None:
+    """All of ``source`` (its size when opened) into ``fd``, in the kernel."""
+    offset = 0
+    while offset < source.size:
+        sent = os.sendfile(fd, source.fd, offset, min(source.size - offset, _SENDFILE_MAX_BYTES))
+        if sent == 0:
+            break
+        offset += sent
+    if offset != source.size:
+        raise SourceChanged(f"{path} shrank while it was uploaded")
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

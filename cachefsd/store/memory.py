@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import threading
 import time
+from pathlib import Path
 
 from cachefsd.errors import ObjectChanged, ObjectNotFound
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo
 from cachefsd.store.listing import one_level
+from cachefsd.store.source import SourceFile
 
 
 class MemoryStore:
@@ -51,7 +54,8 @@ class MemoryStore:
             self._objects[key] = (info, bytes(data))
         return info
 
-    def delete(self, key: str) -> None:
+    def remove(self, key: str) -> None:
+        """Remove ``key``, which must exist: a test's change behind the daemon's back."""
         with self._lock:
             del self._objects[key]
 
@@ -101,5 +105,25 @@ class MemoryStore:
     async def put_object(self, key: str, data: bytes) -> None:
         self.put(key, data)
 
+    async def put_file(self, key: str, path: Path) -> ObjectInfo:
+        return self.put(key, await asyncio.to_thread(_read_whole, path))
+
+    async def delete(self, key: str) -> None:
+        with self._lock:
+            self._objects.pop(key, None)
+
+    async def copy(self, source: str, target: str) -> ObjectInfo:
+        return self.put(target, await self.get_object(source))
+
     async def close(self) -> None:
         return None
+
+
+def _read_whole(path: Path) -> bytes:
+    source = SourceFile(path)
+    try:
+        data = source.read(0, source.size)
+        source.check_unchanged()
+        return data
+    finally:
+        source.close()

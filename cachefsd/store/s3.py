@@ -40,8 +40,10 @@ import datetime
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -60,17 +62,18 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.utils import parse_timestamp
-from obstore import get_async, put_async
+from obstore import delete_async, get_async, put_async
 from obstore.exceptions import BaseError as ObstoreError
 from obstore.exceptions import NotFoundError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 from obstore.store import S3Store as ObstoreS3
 
 from cachefsd.config import StoreSettings
-from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
+from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError, UploadCorrupted
 from cachefsd.store.base import Credentials, Listing, ListingPage, ObjectInfo, redact_url
+from cachefsd.store.source import SourceFile, multipart_etag
 
 if TYPE_CHECKING:
-    from obstore import GetResult
+    from obstore import GetResult, PutResult
     from obstore.store import ClientConfig, S3Credential
 
 log = logging.getLogger(__name__)
@@ -123,6 +126,52 @@ _HTTP_STATUS = re.compile(r"status code: (\d{3})")
 # expiring ones, such as a role's, itself): well within the first.
 _CREDENTIALS_LIFETIME_SECONDS = 300.0
 _CREDENTIALS_REFRESH_SECONDS = 60.0
+
+_MIB = 1 << 20
+# S3's limits on multipart uploads: parts a upload, and the largest object
+# one CopyObject may copy.
+_MAX_PARTS = 10_000
+_MAX_SINGLE_COPY_BYTES = 5 << 30
+# Server-side encryption whose etags are not the content's MD5 (SSE-KMS,
+# its dual-layer form; SSE-C is told by its own header).
+_OPAQUE_ETAG_ENCRYPTION = ("aws:kms", "aws:kms:dsse")
+
+
+@dataclass(frozen=True, slots=True)
+class UploadTuning:
+    """How ``S3Store`` sends files and copies objects. Tests inject small
+    sizes, so that a multipart upload or copy needs only a few MiB."""
+
+    # Mountpoint's part size: large enough that a part's request overhead
+    # (a round trip, a signature) is lost in its transfer time, small enough
+    # that a multi-GiB file is hundreds of parts in flight together; S3
+    # refuses parts under 5 MiB (but the last). Files up to one part go in
+    # one PUT. The etag check computes the multipart etag from this size.
+    part_size: int = 8 * _MIB
+    # Parts in flight a upload: an S3 connection carries 50-100 MB/s, so
+    # 16 fill a 10 Gb/s link; 16 parts of 8 MiB are 128 MiB of memory.
+    parts_in_flight: int = 16
+    # Objects above this are copied in parts (UploadPartCopy), S3 copying
+    # each: its limit for one CopyObject.
+    single_copy_limit: int = _MAX_SINGLE_COPY_BYTES
+    # A part of a copy is copied by S3 in well under a request's timeout;
+    # 5 GiB + 1 is then 81 parts.
+    copy_part_size: int = 64 * _MIB
+
+
+def part_size_for(size: int, minimum: int) -> int:
+    """The part size for an object of ``size`` bytes: ``minimum``, or a
+    whole number of MiB above it when the object would otherwise need more
+    parts than S3 allows."""
+    if size <= minimum * _MAX_PARTS:
+        return minimum
+    return -(-size // (_MAX_PARTS * _MIB)) * _MIB
+
+
+def part_ranges(size: int, part_size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each part of an object of ``size`` bytes."""
+    return [(start, min(start + part_size, size)) for start in range(0, size, part_size)]
+
 
 _NO_CREDENTIALS = (
     "no usable AWS credentials: set them through the standard chain "
@@ -242,6 +291,7 @@ class S3Store:
         settings: StoreSettings,
         attempt_timeout: float,
         credentials: Credentials | None = None,
+        upload: UploadTuning = UploadTuning(),
     ) -> None:
         """Signed with ``credentials`` when given, else with those of
         botocore's chain (environment, profiles, roles)."""
@@ -251,6 +301,7 @@ class S3Store:
         self._root = f"{self._prefix}/" if self._prefix else ""
         self._settings = settings
         self._attempt_timeout = attempt_timeout
+        self._upload = upload
         # Owned by the event loop thread; _client_lock serialises the first use.
         self._session: AioSession = get_session()
         self._session.get_component("response_parser_factory").set_parser_defaults(
@@ -436,20 +487,18 @@ class S3Store:
         return ListingPage(Listing(objects=objects, prefixes=prefixes), next_token)
 
     async def head(self, key: str) -> ObjectInfo:
+        return _head_info(key, await self._head_object(key))
+
+    async def _head_object(self, key: str) -> dict[str, Any]:
         full_key = self._root + key
         if not full_key:
             raise ObjectNotFound(self._target(key))
         client = await self._get_client()
         try:
-            response = await client.head_object(Bucket=self._bucket, Key=full_key)
+            response: dict[str, Any] = await client.head_object(Bucket=self._bucket, Key=full_key)
         except _S3_ERRORS as exc:
             raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
-        return ObjectInfo(
-            key=key,
-            size=int(response["ContentLength"]),
-            etag=_strip_quotes(response["ETag"]),
-            mtime=response["LastModified"].timestamp(),
-        )
+        return response
 
     async def get_range(self, key: str, start: int, end: int, etag: str) -> bytes | bytearray:
         if end <= start:
@@ -562,10 +611,214 @@ class S3Store:
         except _DATA_ERRORS as exc:
             raise _translate_data(exc, target=self._target(key), endpoint=self._endpoint) from exc
 
+    def _object_key(self, key: str) -> str:
+        """The bucket key a write of ``key`` goes to; a key naming no object is refused."""
+        if not key or key.endswith("/"):
+            raise StoreError(f"{self._target(key)}: not an object name")
+        return self._root + key
+
+    async def put_file(self, key: str, path: Path) -> ObjectInfo:
+        """One PUT up to ``part_size``, a multipart upload above (see the module docstring)."""
+        full_key = self._object_key(key)
+        target = self._target(key)
+        source = await asyncio.to_thread(SourceFile, path)
+        try:
+            data = await self._data_client()
+            part_size = part_size_for(source.size, self._upload.part_size)
+            if source.size <= part_size:
+                body, md5 = await asyncio.to_thread(source.read_with_md5, 0, source.size)
+                await asyncio.to_thread(source.check_unchanged)
+                expected = md5.hex()
+                result = await self._put(target, put_async(data, full_key, body, use_multipart=False))
+            else:
+                parts = _Parts(source, part_size)
+                try:
+                    result = await self._put(
+                        target,
+                        put_async(
+                            data,
+                            full_key,
+                            parts,
+                            chunk_size=part_size,
+                            max_concurrency=self._upload.parts_in_flight,
+                        ),
+                    )
+                except BaseException:
+                    await self._abort_unfinished_uploads(full_key)
+                    raise
+                expected = multipart_etag(parts.md5s)
+        finally:
+            source.close()
+        written = _strip_quotes(result.get("e_tag") or "")
+        response = await self._head_object(key)
+        current = _head_info(key, response)
+        written = written or current.etag
+        if written != expected and not _etag_is_opaque(response):
+            raise UploadCorrupted(
+                f"{target}: the store holds etag {written}, the file's bytes give {expected}; upload it again"
+            )
+        if current.etag != written:  # replaced again since: ours is no longer there to HEAD
+            return ObjectInfo(key=key, size=source.size, etag=written, mtime=time.time())
+        return current
+
+    async def _put(self, target: str, put: Awaitable[PutResult]) -> PutResult:
+        try:
+            return await put
+        except _DATA_ERRORS as exc:
+            raise _translate_data(exc, target=target, endpoint=self._endpoint) from exc
+
+    async def _abort_unfinished_uploads(self, full_key: str) -> None:
+        """Abort every unfinished multipart upload of ``full_key``. obstore
+        (object_store 0.14) aborts its upload when reading the file or an
+        early part fails, but not when one of the last parts fails or the
+        call is cancelled, and it does not say its upload's id: so every
+        upload of the key goes, another writer's of the same key too (whose
+        completion then fails, and which it uploads again). Best effort: a
+        failure here is logged, and the upload's own failure is raised."""
+        client = await self._get_client()
+        try:
+            listing = await client.list_multipart_uploads(Bucket=self._bucket, Prefix=full_key)
+            for upload in listing.get("Uploads", ()):
+                if upload["Key"] == full_key:
+                    await client.abort_multipart_upload(
+                        Bucket=self._bucket, Key=full_key, UploadId=upload["UploadId"]
+                    )
+        except _S3_ERRORS as exc:
+            error = _translate(exc, target=f"s3://{self._bucket}/{full_key}", endpoint=self._endpoint)
+            log.warning("could not abort the unfinished upload of %s: %s", full_key, error)
+
+    async def delete(self, key: str) -> None:
+        full_key = self._object_key(key)
+        data = await self._data_client()
+        try:
+            await delete_async(data, full_key)
+        except (NotFoundError, FileNotFoundError):
+            return
+        except _DATA_ERRORS as exc:
+            raise _translate_data(exc, target=self._target(key), endpoint=self._endpoint) from exc
+
+    async def copy(self, source: str, target: str) -> ObjectInfo:
+        """CopyObject, pinned to the source's version; in parts above
+        ``single_copy_limit`` (S3 copies each, no byte passes through here)."""
+        full_target = self._object_key(target)
+        origin = await self.head(source)
+        client = await self._get_client()
+        copy_source = {"Bucket": self._bucket, "Key": self._root + source}
+        if_match = f'"{origin.etag}"'
+        try:
+            if origin.size <= self._upload.single_copy_limit:
+                response = await client.copy_object(
+                    Bucket=self._bucket, Key=full_target, CopySource=copy_source, CopySourceIfMatch=if_match
+                )
+                written = _strip_quotes(response["CopyObjectResult"]["ETag"])
+            else:
+                written = await self._copy_in_parts(full_target, copy_source, if_match, origin.size)
+        except _S3_ERRORS as exc:
+            raise _translate(exc, target=self._target(target), endpoint=self._endpoint) from exc
+        current = await self.head(target)
+        if current.etag != written:  # replaced again since
+            return ObjectInfo(key=target, size=origin.size, etag=written, mtime=time.time())
+        return current
+
+    async def _copy_in_parts(
+        self, full_target: str, copy_source: dict[str, str], if_match: str, size: int
+    ) -> str:
+        """A multipart upload of ``full_target`` whose parts S3 copies from
+        ``copy_source``; aborted on any failure. The new etag."""
+        client = await self._get_client()
+        upload = await client.create_multipart_upload(Bucket=self._bucket, Key=full_target)
+        upload_id = upload["UploadId"]
+        slots = asyncio.Semaphore(self._upload.parts_in_flight)
+
+        async def copy_part(number: int, start: int, end: int) -> dict[str, Any]:
+            async with slots:
+                response = await client.upload_part_copy(
+                    Bucket=self._bucket,
+                    Key=full_target,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    CopySource=copy_source,
+                    CopySourceRange=f"bytes={start}-{end - 1}",
+                    CopySourceIfMatch=if_match,
+                )
+                return {"PartNumber": number, "ETag": response["CopyPartResult"]["ETag"]}
+
+        try:
+            async with asyncio.TaskGroup() as group:  # one part's failure cancels the others
+                tasks = [
+                    group.create_task(copy_part(number, start, end))
+                    for number, (start, end) in enumerate(
+                        part_ranges(size, part_size_for(size, self._upload.copy_part_size)), start=1
+                    )
+                ]
+            response = await client.complete_multipart_upload(
+                Bucket=self._bucket,
+                Key=full_target,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [task.result() for task in tasks]},
+            )
+        except BaseException:
+            await self._abort_upload(full_target, upload_id)
+            raise
+        return _strip_quotes(response["ETag"])
+
+    async def _abort_upload(self, full_key: str, upload_id: str) -> None:
+        """Best effort: a failure is logged; the caller raises its own."""
+        client = await self._get_client()
+        try:
+            await client.abort_multipart_upload(Bucket=self._bucket, Key=full_key, UploadId=upload_id)
+        except _S3_ERRORS as exc:
+            error = _translate(exc, target=f"s3://{self._bucket}/{full_key}", endpoint=self._endpoint)
+            log.warning("could not abort the unfinished upload of %s: %s", full_key, error)
+
     async def close(self) -> None:
         stack, self._exit_stack, self._client = self._exit_stack, None, None
         if stack is not None:
             await stack.aclose()
+
+
+class _Parts:
+    """A file's parts for obstore's multipart upload, each read (and its MD5
+    taken) in a thread, ``part_size`` bytes but the last, so obstore's parts
+    are these and the etag they make is known; after the last, the file is
+    checked unchanged before obstore completes the upload."""
+
+    def __init__(self, source: SourceFile, part_size: int) -> None:
+        self._source = source
+        self._part_size = part_size
+        self._offset = 0
+        self.md5s: list[bytes] = []
+
+    def __aiter__(self) -> _Parts:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._offset >= self._source.size:
+            await asyncio.to_thread(self._source.check_unchanged)
+            raise StopAsyncIteration
+        size = min(self._part_size, self._source.size - self._offset)
+        data, md5 = await asyncio.to_thread(self._source.read_with_md5, self._offset, size)
+        self.md5s.append(md5)
+        self._offset += size
+        return data
+
+
+def _head_info(key: str, response: Mapping[str, Any]) -> ObjectInfo:
+    return ObjectInfo(
+        key=key,
+        size=int(response["ContentLength"]),
+        etag=_strip_quotes(response["ETag"]),
+        mtime=response["LastModified"].timestamp(),
+    )
+
+
+def _etag_is_opaque(response: Mapping[str, Any]) -> bool:
+    """Whether the object's etag is not its MD5 (nor a multipart etag of
+    MD5s): SSE-KMS and SSE-C. S3 has then checked each request's body
+    against its signed SHA-256 (obstore signs payloads), the check left."""
+    return (
+        response.get("ServerSideEncryption") in _OPAQUE_ETAG_ENCRYPTION or "SSECustomerAlgorithm" in response
+    )
 
 
 async def _read_body(body: Any, length: int) -> bytearray:

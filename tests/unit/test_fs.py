@@ -118,7 +118,7 @@ def test_a_version_nobody_holds_is_released_when_it_is_gone(make_rig: RigFactory
     data = os.urandom(2 * BLOCK_SIZE)
     rig = make_rig({"f": data, "g": b"g"}, ttl=5)
     assert read_path(rig.fs, "/f", len(data)) == data
-    rig.store.delete("f")
+    rig.store.remove("f")
     rig.clock.now += 10
     rig.fs.opendir(ROOT_INODE, os.getpid())  # the refresh that finds it gone
     assert rig.index.blocks() == []
@@ -133,7 +133,7 @@ def test_a_version_gone_and_listed_again_keeps_its_blocks(make_rig: RigFactory) 
     rig = make_rig({"f": data, "g": b"g"}, ttl=5)
     ino = looked_up(rig.fs, "/f").inode
     assert joined(rig.fs.read(ino, len(data), 0, os.getpid())) == data
-    rig.store.delete("f")
+    rig.store.remove("f")
     rig.clock.now += 10
     rig.fs.opendir(ROOT_INODE, os.getpid())  # the refresh that finds it gone
     rig.store.put("f", data)
@@ -171,7 +171,7 @@ def test_reading_a_deleted_object_fails_as_changed_and_drops_the_listing(make_ri
     rig = make_rig({"f": data, "g": b"g"})
     ino = looked_up(rig.fs, "/f").inode
     assert joined(rig.fs.read(ino, BLOCK_SIZE, 0, os.getpid())) == data[:BLOCK_SIZE]
-    rig.store.delete("f")
+    rig.store.remove("f")
     with pytest.raises(ObjectChanged):  # EIO, as for an overwrite; not ENOENT from read()
         rig.fs.read(ino, BLOCK_SIZE, BLOCK_SIZE, os.getpid())
     assert (

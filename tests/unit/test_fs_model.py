@@ -160,7 +160,7 @@ class FileSystemAgainstAModel(RuleBasedStateMachine):
 
     def _write(self, key: str, content: bytes | None) -> None:
         if content is None:
-            self.rig.store.delete(key)
+            self.rig.store.remove(key)
             del self.bucket[key]
         else:
             self.rig.store.put(key, content)

@@ -80,7 +80,7 @@ def test_a_remount_sees_what_changed_while_nothing_was_mounted(make_rig: RigFact
     rig = make_rig({"d/f": b"1", "d/gone": b"2"})
     old = rig.namespace.lookup("/d/f").info
     rig.store.put("d/f", b"new version")
-    rig.store.delete("d/gone")
+    rig.store.remove("d/gone")
     rig.store.put("d/added", b"3")
     again = make_rig(store=rig.store, cache_dir=rig.cache_dir)
     again.clock.now = rig.clock.now + 1  # well within the TTL of the saved listing

@@ -265,7 +265,7 @@ def test_include_and_path_select_a_subset(make_rig: RigFactory) -> None:
 def test_a_failed_file_is_named_and_the_rest_is_staged(make_rig: RigFactory) -> None:
     rig = make_rig(OBJECTS)
     rig.namespace.listdir("/train")  # listed, then deleted: the stage's view is stale
-    rig.store.delete("train/a.tar")
+    rig.store.remove("train/a.tar")
     summary, events = run(rig)
     failures = [event for event in events if event["event"] == "failure"]
     assert len(failures) == 1
@@ -354,7 +354,7 @@ def test_progress_view_shows_progress_and_keeps_failures(
 ) -> None:
     rig = make_rig(OBJECTS)
     rig.namespace.listdir("/val")
-    rig.store.delete("val/d.tar")
+    rig.store.remove("val/d.tar")
     stream = io.StringIO()
     view = ProgressView(stream, interactive=interactive)
     stage_files(rig.namespace, rig.reader, rig.view, ["hot"], StageRequest(check=check), view)
