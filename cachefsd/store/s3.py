@@ -62,7 +62,7 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.utils import parse_timestamp
-from obstore import delete_async, get_async, put_async
+from obstore import get_async, put_async
 from obstore.exceptions import BaseError as ObstoreError
 from obstore.exceptions import NotFoundError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 from obstore.store import S3Store as ObstoreS3
@@ -688,14 +688,18 @@ class S3Store:
             log.warning("could not abort the unfinished upload of %s: %s", full_key, error)
 
     async def delete(self, key: str) -> None:
+        """DeleteObject (obstore sends a bulk DeleteObjects, which not every
+        S3-compatible endpoint speaks); S3 answers 204 for an absent key too."""
         full_key = self._object_key(key)
-        data = await self._data_client()
+        client = await self._get_client()
         try:
-            await delete_async(data, full_key)
-        except (NotFoundError, FileNotFoundError):
-            return
-        except _DATA_ERRORS as exc:
-            raise _translate_data(exc, target=self._target(key), endpoint=self._endpoint) from exc
+            await client.delete_object(Bucket=self._bucket, Key=full_key)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "NoSuchKey":  # some S3-compatible stores
+                return
+            raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
+        except _S3_ERRORS as exc:
+            raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
 
     async def copy(self, source: str, target: str) -> ObjectInfo:
         """CopyObject, pinned to the source's version; in parts above

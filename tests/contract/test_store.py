@@ -45,7 +45,7 @@ from google.auth import exceptions as auth_exceptions
 from google.cloud import storage
 
 from cachefsd.config import FetchSettings, StoreSettings
-from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError
+from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, SourceUnreadable, StoreError
 from cachefsd.store import gcs as gcs_module
 from cachefsd.store import s3 as s3_module
 from cachefsd.store.base import Credentials, Listing, ObjectInfo, ObjectStore
@@ -54,7 +54,7 @@ from cachefsd.store.gcs import GcsStore
 from cachefsd.store.listing import merged, one_level
 from cachefsd.store.local import LocalStore
 from cachefsd.store.memory import MemoryStore
-from cachefsd.store.s3 import S3Store
+from cachefsd.store.s3 import S3Store, UploadTuning
 from cachefsd.testing.file_s3 import FileS3Server
 from cachefsd.testing.s3_server import S3TestServer
 
@@ -399,6 +399,142 @@ def test_a_faulty_store_injects_into_whole_object_calls() -> None:
         return await store.get_object("k")
 
     assert asyncio.run(body()) == b"x"
+    assert store.calls == 4
+
+
+# S3Store's default part size: a file one byte over it is a two-part upload.
+PART_SIZE = UploadTuning().part_size
+# What the file-backed endpoint does not speak (see its module docstring).
+NO_MULTIPART = "the file-backed S3 endpoint speaks no multipart uploads or copies"
+
+
+def _scratch_key() -> str:
+    return f"scratch/{uuid.uuid4().hex}.bin"
+
+
+async def _listed(store: ObjectStore, key: str) -> ObjectInfo:
+    listing = await list_one(store, key[: key.rfind("/") + 1])
+    return next(info for info in listing.objects if info.key == key)
+
+
+@pytest.mark.parametrize("size", [0, 1000, PART_SIZE + 1], ids=["empty", "small", "two-parts"])
+def test_put_file_round_trips(backend: Backend, size: int, tmp_path: Path) -> None:
+    """The returned version is the one ``head`` and the listing show, and
+    reads return the file's bytes."""
+    if size > PART_SIZE and backend.name == "s3-file":
+        pytest.skip(NO_MULTIPART)
+    data = random.Random(size).randbytes(size)
+    path = tmp_path / "upload.bin"
+    path.write_bytes(data)
+    key = _scratch_key()
+
+    async def body(store: ObjectStore) -> tuple[ObjectInfo, ObjectInfo, ObjectInfo, bytes]:
+        written = await store.put_file(key, path)
+        return written, await store.head(key), await _listed(store, key), await store.get_object(key)
+
+    written, headed, listed, stored = run(backend, body)
+
+    assert written == headed
+    assert (listed.key, listed.size, listed.etag) == (key, size, written.etag)
+    assert stored == data
+
+
+def test_put_file_replaces_an_object(backend: Backend, tmp_path: Path) -> None:
+    key = _scratch_key()
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.write_bytes(b"first version")
+    second.write_bytes(b"second version, longer")
+
+    async def body(store: ObjectStore) -> tuple[ObjectInfo, ObjectInfo, bytes]:
+        old = await store.put_file(key, first)
+        new = await store.put_file(key, second)
+        return old, new, await store.get_object(key)
+
+    old, new, stored = run(backend, body)
+
+    assert new.etag != old.etag
+    assert new.size == len(b"second version, longer")
+    assert stored == b"second version, longer"
+
+
+def test_put_file_of_a_missing_file_uploads_nothing(backend: Backend, tmp_path: Path) -> None:
+    key = _scratch_key()
+
+    async def body(store: ObjectStore) -> None:
+        with pytest.raises(SourceUnreadable) as caught:
+            await store.put_file(key, tmp_path / "missing")
+        assert not caught.value.retryable
+        with pytest.raises(ObjectNotFound):
+            await store.head(key)
+
+    run(backend, body)
+
+
+def test_delete_removes_and_absent_is_not_an_error(backend: Backend) -> None:
+    key = _scratch_key()
+    backend.put(key, b"doomed")
+
+    async def body(store: ObjectStore) -> None:
+        await store.delete(key)
+        with pytest.raises(ObjectNotFound):
+            await store.head(key)
+        await store.delete(key)
+        await store.delete("missing/never-there.bin")
+
+    run(backend, body)
+
+
+def test_copy_makes_a_new_object_with_the_same_bytes(backend: Backend) -> None:
+    if backend.name == "s3-file":
+        pytest.skip(NO_MULTIPART)
+    target = _scratch_key()
+    backend.put(target, b"to be replaced")
+
+    async def body(store: ObjectStore) -> tuple[ObjectInfo, ObjectInfo, bytes, bytes]:
+        copied = await store.copy(DEEP_KEY, target)
+        return (
+            copied,
+            await store.head(target),
+            await store.get_object(target),
+            await store.get_object(DEEP_KEY),
+        )
+
+    copied, headed, stored, source = run(backend, body)
+
+    assert copied == headed
+    assert (copied.key, copied.size) == (target, len(backend.seed[DEEP_KEY]))
+    assert stored == source == backend.seed[DEEP_KEY]
+
+
+def test_copy_of_a_missing_object_raises_object_not_found(backend: Backend) -> None:
+    if backend.name == "s3-file":
+        pytest.skip(NO_MULTIPART)
+    target = _scratch_key()
+
+    async def body(store: ObjectStore) -> None:
+        with pytest.raises(ObjectNotFound):
+            await store.copy("missing/nothing.bin", target)
+        with pytest.raises(ObjectNotFound):
+            await store.head(target)
+
+    run(backend, body)
+
+
+def test_a_faulty_store_injects_into_writes(tmp_path: Path) -> None:
+    path = tmp_path / "upload.bin"
+    path.write_bytes(b"bytes")
+    store = FaultyStore(MemoryStore({"k": b"x"}), Faults(failures_left=3, error=AccessDenied))
+
+    async def body() -> ObjectInfo:
+        with pytest.raises(AccessDenied):
+            await store.put_file("new", path)
+        with pytest.raises(AccessDenied):
+            await store.delete("k")
+        with pytest.raises(AccessDenied):
+            await store.copy("k", "copied")
+        return await store.put_file("new", path)
+
+    assert asyncio.run(body()).size == len(b"bytes")
     assert store.calls == 4
 
 
