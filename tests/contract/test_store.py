@@ -944,3 +944,41 @@ def test_local_does_not_list_symlinks_leaving_the_root(local_root: Path) -> None
 
     assert [info.key for info in listing.objects] == ["inside.txt"]
     assert listing.prefixes == ()
+
+
+@pytest.mark.parametrize(
+    "key", ["../outside.bin", "a/../../outside.bin", "/tmp/outside.bin", "escape-dir/outside.bin"]
+)
+def test_local_writes_stay_inside_the_root(local_root: Path, tmp_path: Path, key: str) -> None:
+    upload = tmp_path / "upload.bin"
+    upload.write_bytes(b"upload")
+    store = LocalStore(local_root)
+
+    async def body() -> None:
+        with pytest.raises(ObjectNotFound):
+            await store.put_file(key, upload)
+        with pytest.raises(ObjectNotFound):
+            await store.copy("inside.txt", key)
+        await store.delete(key)  # names no object of the store: nothing to delete
+        await store.delete("escape")  # a link out of the root: its target stays
+
+    _run_alone(body)
+
+    assert not (tmp_path / "outside.bin").exists()
+    assert (tmp_path / "secret.txt").read_bytes() == b"outside the root"
+
+
+def test_local_put_file_makes_directories_and_leaves_no_temporary_file(
+    local_root: Path, tmp_path: Path
+) -> None:
+    upload = tmp_path / "upload.bin"
+    upload.write_bytes(b"upload")
+    store = LocalStore(local_root)
+
+    async def body() -> ObjectInfo:
+        return await store.put_file("new/deeper/file.bin", upload)
+
+    written = _run_alone(body)
+
+    assert written == _run_alone(lambda: store.head("new/deeper/file.bin"))
+    assert os.listdir(local_root / "new" / "deeper") == ["file.bin"]
