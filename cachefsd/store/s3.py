@@ -16,6 +16,8 @@ Both clients are created on first use inside the daemon's event loop
 ``close()``. Every call is a single attempt: the fetcher owns retries,
 backoff and the total deadline, so both clients' own retries are switched
 off (they would multiply the fetcher's and could outlive its deadline).
+The exception is ``put_file``, whose own obstore client retries a failed
+part: its caller retries whole files, and a part is much less to send.
 
 A read is pinned to a version: ``GetObject`` carries ``If-Match`` with the
 etag the namespace saw, S3 answers 412 when the object was replaced, and the
@@ -164,6 +166,11 @@ _MIB = 1 << 20
 # one CopyObject may copy.
 _MAX_PARTS = 10_000
 _MAX_SINGLE_COPY_BYTES = 5 << 30
+# How often ``put_file`` retries a failed request (a part), first after
+# this pause and then after twice the last: 0.1, 0.2, 0.4 s, as S3 asks
+# of clients it answers 503 SlowDown.
+_UPLOAD_RETRIES = 3
+_UPLOAD_FIRST_BACKOFF_SECONDS = 0.1
 # Parts of a file read and hashed at once, ahead of obstore asking for
 # them: one MD5 runs at about 560 MiB/s on one core, so four keep ahead of
 # a 10 Gb/s link (and hold four parts more in memory).
@@ -355,6 +362,7 @@ class S3Store:
         self._bucket_region: str | None = None  # AWS's answer to ``check``
         # The data client, made from the listing client's endpoint, region and credentials.
         self._data: ObstoreS3 | None = None
+        self._uploads: ObstoreS3 | None = None  # put_file's, which retries parts
         self._credentials: S3Credential | None = None
         self._credentials_taken = float("-inf")
         self._nonconforming = False  # the endpoint's replies are read through botocore
@@ -437,41 +445,64 @@ class S3Store:
         return bool(page.get("Contents"))
 
     async def _data_client(self) -> ObstoreS3:
-        """The obstore client, made on first use; its credentials are
-        botocore's, taken again every ``_CREDENTIALS_REFRESH_SECONDS``."""
-        client = await self._get_client()
+        """The obstore client for reads and small writes, made on first use:
+        one attempt a request, since the fetcher owns retries."""
+        await self._take_credentials()
+        if self._data is None:
+            self._data = await self._obstore(retries=0, first_backoff=0.0)
+        return self._data
+
+    async def _upload_client(self) -> ObstoreS3:
+        """The obstore client for ``put_file``, which retries a failed part
+        (or the request that creates or completes the upload) on its own,
+        after a growing pause: a multi-GiB upload is hundreds of requests,
+        and S3 answers some of them 503 SlowDown or 500 as a matter of
+        course; failing the whole upload would send every part again."""
+        await self._take_credentials()
+        if self._uploads is None:
+            self._uploads = await self._obstore(
+                retries=_UPLOAD_RETRIES, first_backoff=_UPLOAD_FIRST_BACKOFF_SECONDS
+            )
+        return self._uploads
+
+    async def _take_credentials(self) -> None:
+        """botocore's credentials for obstore, taken again every ``_CREDENTIALS_REFRESH_SECONDS``."""
+        await self._get_client()
         now = time.monotonic()
         if now - self._credentials_taken >= _CREDENTIALS_REFRESH_SECONDS:
             self._credentials = await self._frozen_credentials()
             self._credentials_taken = now
-        if self._data is None:
-            options: ClientConfig = {
-                "connect_timeout": datetime.timedelta(seconds=self._settings.connect_timeout),
-                # A stalled connection is dropped after this long without a byte.
-                "read_timeout": datetime.timedelta(seconds=self._attempt_timeout),
-                "pool_max_idle_per_host": str(self._settings.max_connections),
-            }
-            endpoint: dict[str, Any] = {}
-            if self._settings.endpoint_url is not None:
-                endpoint = {"endpoint": self._resolved_endpoint, "virtual_hosted_style_request": False}
-                options["allow_http"] = urlsplit(self._settings.endpoint_url).scheme == "http"
-            self._data = ObstoreS3(
-                self._bucket,
-                region=self._bucket_region or client.meta.region_name,
-                client_options=options,
-                retry_config={
-                    "max_retries": 0,
-                    "retry_timeout": datetime.timedelta(seconds=self._attempt_timeout),
-                    "backoff": {
-                        "init_backoff": datetime.timedelta(0),
-                        "max_backoff": datetime.timedelta(0),
-                        "base": 2,
-                    },
+
+    async def _obstore(self, retries: int, first_backoff: float) -> ObstoreS3:
+        """An obstore client on the listing client's endpoint, region and
+        credentials, retrying a request ``retries`` times."""
+        client = await self._get_client()
+        options: ClientConfig = {
+            "connect_timeout": datetime.timedelta(seconds=self._settings.connect_timeout),
+            # A stalled connection is dropped after this long without a byte.
+            "read_timeout": datetime.timedelta(seconds=self._attempt_timeout),
+            "pool_max_idle_per_host": str(self._settings.max_connections),
+        }
+        endpoint: dict[str, Any] = {}
+        if self._settings.endpoint_url is not None:
+            endpoint = {"endpoint": self._resolved_endpoint, "virtual_hosted_style_request": False}
+            options["allow_http"] = urlsplit(self._settings.endpoint_url).scheme == "http"
+        return ObstoreS3(
+            self._bucket,
+            region=self._bucket_region or client.meta.region_name,
+            client_options=options,
+            retry_config={
+                "max_retries": retries,
+                "retry_timeout": datetime.timedelta(seconds=self._attempt_timeout * (retries + 1)),
+                "backoff": {
+                    "init_backoff": datetime.timedelta(seconds=first_backoff),
+                    "max_backoff": datetime.timedelta(seconds=first_backoff * 2**retries),
+                    "base": 2,
                 },
-                credential_provider=self._current_credentials,
-                **endpoint,
-            )
-        return self._data
+            },
+            credential_provider=self._current_credentials,
+            **endpoint,
+        )
 
     def _current_credentials(self) -> S3Credential:
         """For obstore, from its own threads: what ``_data_client`` took last."""
@@ -659,7 +690,7 @@ class S3Store:
         target = self._target(key)
         source = await asyncio.to_thread(SourceFile, path)
         try:
-            data = await self._data_client()
+            data = await self._upload_client()
             part_size = part_size_for(source.size, self._upload.part_size)
             if source.size <= part_size:
                 body, md5 = await asyncio.to_thread(source.read_with_md5, 0, source.size)

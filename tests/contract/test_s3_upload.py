@@ -139,8 +139,8 @@ def _file(tmp_path: Path, size: int) -> Path:
 def test_a_refused_part_leaves_the_old_object_and_no_upload(
     s3_server: S3TestServer, s3_client: Any, bucket: str, tmp_path: Path, failing_part: int
 ) -> None:
-    """The first part, and the last (which obstore awaits while completing
-    and then leaves its upload unaborted)."""
+    """Refused at every attempt: the first part, and the last (which
+    obstore awaits while it completes the upload)."""
     path = _file(tmp_path, THREE_PARTS)
 
     async def refuse_one_part(request: web.Request, body: bytes) -> Decision:
@@ -155,6 +155,30 @@ def test_a_refused_part_leaves_the_old_object_and_no_upload(
 
     assert s3_client.get_object(Bucket=bucket, Key="p/old")["Body"].read() == b"the previous version"
     assert _upload_ids(s3_client, bucket) == []
+
+
+def test_a_part_refused_once_is_sent_again(
+    s3_server: S3TestServer, s3_client: Any, bucket: str, tmp_path: Path
+) -> None:
+    """S3 answers some requests 503 SlowDown as a matter of course: a part
+    is retried, not the whole upload."""
+    path = _file(tmp_path, THREE_PARTS)
+    refused: list[str] = []
+
+    async def refuse_part_two_once(request: web.Request, body: bytes) -> Decision:
+        if _is_part(request, 2) and not refused:
+            refused.append(request.raw_path)
+            return _internal_error()
+        return body
+
+    async def upload(store: S3Store) -> Any:
+        return await store.put_file("old", path)
+
+    written = _through_proxy(s3_server, bucket, refuse_part_two_once, upload)
+
+    assert len(refused) == 1
+    assert written.etag.endswith("-3")
+    assert s3_client.get_object(Bucket=bucket, Key="p/old")["Body"].read() == path.read_bytes()
 
 
 def test_a_cancelled_upload_leaves_the_old_object_and_no_upload(
