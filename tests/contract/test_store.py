@@ -638,6 +638,38 @@ def test_s3_unreachable_endpoint_is_a_retryable_error(monkeypatch: pytest.Monkey
     assert caught.value.__cause__ is not None
 
 
+@pytest.mark.parametrize("call", ["put_file", "delete", "copy"])
+def test_s3_writes_to_an_unreachable_endpoint_fail_retryably(
+    call: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = f"secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    upload = tmp_path / "upload.bin"
+    upload.write_bytes(b"upload")
+    port = _closed_port()
+    settings = StoreSettings(endpoint_url=f"http://127.0.0.1:{port}", region="us-east-1", connect_timeout=2.0)
+    store = S3Store("bkt", "", settings, ATTEMPT_TIMEOUT_SECONDS)
+    calls: dict[str, Callable[[], Awaitable[object]]] = {
+        "put_file": lambda: store.put_file("k", upload),
+        "delete": lambda: store.delete("k"),
+        "copy": lambda: store.copy("k", "k2"),
+    }
+
+    async def body() -> None:
+        try:
+            await calls[call]()
+        finally:
+            await store.close()
+
+    with pytest.raises(StoreError) as caught:
+        _run_alone(body)
+
+    assert type(caught.value) is StoreError
+    assert caught.value.retryable
+    assert f"127.0.0.1:{port}" in str(caught.value)
+    assert secret not in _full_text(caught.value)
+
+
 def test_gcs_unreachable_endpoint_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """By its URL without the credentials it may carry, in the message as in the cache key."""
     port = _closed_port()
