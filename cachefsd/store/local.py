@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from cachefsd.errors import ObjectChanged, ObjectNotFound, SourceChanged, StoreError
+from cachefsd.errors import ObjectChanged, ObjectNotFound, SourceChanged, SourceUnreadable, StoreError
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo
 from cachefsd.store.source import SourceFile
 
@@ -187,16 +187,17 @@ class LocalStore:
             raise StoreError(f"cannot delete {key}: {exc.strerror}") from exc
 
     async def copy(self, source: str, target: str) -> ObjectInfo:
-        """A copy of the file (sendfile(2), in the kernel), renamed into place."""
-        if not stat.S_ISREG((await asyncio.to_thread(self._stat, source)).st_mode):
-            raise ObjectNotFound(source)
-        return await self.put_file(target, self._path(source))
+        return await asyncio.to_thread(self._copy, source, target)
 
-    def _stat(self, key: str) -> os.stat_result:
+    def _copy(self, source: str, target: str) -> ObjectInfo:
+        """A copy of the file (sendfile(2), in the kernel), renamed into place."""
+        path = self._path(source)
         try:
-            return os.stat(self._path(key))
-        except OSError as exc:
-            raise ObjectNotFound(key) from exc
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise ObjectNotFound(source)
+            return self._put_file(target, path)
+        except (OSError, SourceUnreadable) as exc:  # gone before or as it was opened
+            raise ObjectNotFound(source) from exc
 
     def _write(self, key: str, fill: Callable[[int], None]) -> ObjectInfo:
         """A temporary file in the target's directory, filled by ``fill``,
