@@ -18,12 +18,20 @@ connection, any signature accepted):
   max-keys, start-after, continuation-token and ``encoding-type=url``; keys
   in UTF-8 byte order, at most 1,000 entries (keys and common prefixes) a
   page;
-- S3's XML error bodies (NoSuchKey, NoSuchBucket, PreconditionFailed,
-  InvalidRange, ...). Anything else (multipart uploads, copies, ListObjects
-  v1, subresources such as ``?acl``) is answered 501 NotImplemented.
+- multipart uploads (``POST ?uploads``, ``PUT ?partNumber&uploadId``,
+  ``POST ?uploadId`` with the parts' list, ``DELETE ?uploadId``; parts
+  under 5 MiB but the last refused at completion as S3 does), CopyObject
+  and UploadPartCopy (``x-amz-copy-source``, with ``-range`` and
+  ``-if-match``); unfinished uploads live in memory, and their parts go at
+  the next start;
+- S3's XML error bodies (NoSuchKey, NoSuchBucket, NoSuchUpload,
+  PreconditionFailed, InvalidRange, ...). Anything else (ListObjects v1,
+  ListMultipartUploads, subresources such as ``?acl``) is answered 501
+  NotImplemented.
 
-The etag is the MD5 of the content, computed while a PUT is written, as S3
-does for a single-part upload; Last-Modified has whole seconds, so HEAD and
+The etag is the MD5 of the content, computed while a PUT (or a copy) is
+written, as S3 does for a single-part upload, and the MD5 of the parts'
+MD5s and ``-N`` for a multipart one; Last-Modified has whole seconds, so HEAD and
 the listing agree.
 
 Layout under ``root``: ``index.sqlite`` (buckets, and for each object its
@@ -39,11 +47,14 @@ are removed at start. Objects survive ``stop()``/``start()`` and a new
 server on the same root.
 
 Concurrency: ``start``/``stop`` are called from one controlling thread. The
-index (one sqlite connection) and the set of open connections are shared
-by the per-connection threads and guarded by ``_Index._lock`` and
-``FileS3Server._lock`` (the counters by their own), never two at once; a GET looks its object up and
+index (one sqlite connection), the unfinished uploads and the set of open
+connections are shared by the per-connection threads and guarded by
+``_Index._lock``, ``_Uploads._lock`` and ``FileS3Server._lock`` (the
+counters by their own), never two at once; a GET looks its object up and
 opens the file under the index lock, so a concurrent PUT or DELETE cannot
-unlink it in between. ``latency_seconds`` is a plain float read without a
+unlink it in between. A completion takes its upload out of the registry
+before it joins the parts, so a second completion or an abort meanwhile
+finds none. ``latency_seconds`` is a plain float read without a
 lock (a torn read is impossible in CPython and a stale one is harmless).
 """
 
@@ -54,6 +65,7 @@ import base64
 import binascii
 import email.utils
 import hashlib
+import os
 import re
 import sqlite3
 import threading
@@ -64,6 +76,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import parse_qs, quote_plus, unquote, urlsplit
+from xml.etree import ElementTree
 from xml.sax.saxutils import escape
 
 from cachefsd.testing.counting import (
@@ -83,6 +96,9 @@ _COPY_CHUNK = 1 << 20
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 _S3_NAMESPACE = "http://s3.amazonaws.com/doc/2006-03-01/"
+# S3's smallest part, but the last, and its most parts an upload.
+MIN_PART_BYTES = 5 << 20
+MAX_PART_NUMBER = 10_000
 _XML_DECLARATION = '<?xml version="1.0" encoding="UTF-8"?>\n'
 
 _SCHEMA = """
@@ -258,6 +274,73 @@ class _Index:
         return ListedPage([], [], None)
 
 
+@dataclass
+class _Upload:
+    """An unfinished multipart upload: its object and its parts so far,
+    each a file in the objects directory with its size and MD5."""
+
+    bucket: str
+    key: str
+    parts: dict[int, tuple[str, int, bytes]]
+
+
+class _Uploads:
+    """Unfinished multipart uploads by id, in memory (an upload does not
+    survive a restart: its part files are removed at the next start)."""
+
+    def __init__(self, objects: Path) -> None:
+        self._objects = objects
+        self._lock = threading.Lock()
+        self._uploads: dict[str, _Upload] = {}
+
+    def create(self, bucket: str, key: str) -> str:
+        upload_id = uuid.uuid4().hex
+        with self._lock:
+            self._uploads[upload_id] = _Upload(bucket, key, {})
+        return upload_id
+
+    def _get_locked(self, upload_id: str, bucket: str, key: str) -> _Upload:
+        upload = self._uploads.get(upload_id)
+        if upload is None or (upload.bucket, upload.key) != (bucket, key):
+            raise S3Error(404, "NoSuchUpload", "The specified upload does not exist.")
+        return upload
+
+    def check(self, upload_id: str, bucket: str, key: str) -> None:
+        with self._lock:
+            self._get_locked(upload_id, bucket, key)
+
+    def add_part(
+        self, upload_id: str, bucket: str, key: str, number: int, part: tuple[str, int, bytes]
+    ) -> None:
+        """Make file ``part[0]`` part ``number`` (replacing one sent before)."""
+        with self._lock:
+            try:
+                upload = self._get_locked(upload_id, bucket, key)
+            except S3Error:
+                (self._objects / part[0]).unlink()
+                raise
+            old = upload.parts.get(number)
+            upload.parts[number] = part
+        if old is not None:
+            (self._objects / old[0]).unlink()
+
+    def take(self, upload_id: str, bucket: str, key: str) -> _Upload:
+        """Remove the upload and hand its parts over (completion, abort)."""
+        with self._lock:
+            upload = self._get_locked(upload_id, bucket, key)
+            del self._uploads[upload_id]
+            return upload
+
+    def restore(self, upload_id: str, upload: _Upload) -> None:
+        """Put back an upload whose completion was refused."""
+        with self._lock:
+            self._uploads[upload_id] = upload
+
+    def discard(self, upload: _Upload) -> None:
+        for name, _, _ in upload.parts.values():
+            (self._objects / name).unlink(missing_ok=True)
+
+
 def _bad_key(key: str) -> bool:
     """Keys no file under a mount could have: S3 takes them, this server refuses them."""
     return (
@@ -266,6 +349,34 @@ def _bad_key(key: str) -> bool:
         or any(part in (".", "..") for part in key.split("/"))
         or len(key.encode()) > MAX_KEY_BYTES
     )
+
+
+def _append(out: int, path: Path, size: int) -> None:
+    """The ``size`` bytes of file ``path`` onto ``out``, in the kernel."""
+    with open(path, "rb") as part:
+        sent = 0
+        while sent < size:
+            copied = os.sendfile(out, part.fileno(), sent, size - sent)
+            if not copied:
+                raise OSError(f"{path} ended early")
+            sent += copied
+
+
+def _check_parts(upload: _Upload, listed: list[tuple[int, str]]) -> None:
+    """S3's rules for the parts a completion lists: at least one, in
+    ascending order, each uploaded with that etag, each but the last at
+    least ``MIN_PART_BYTES``."""
+    if not listed:
+        raise S3Error(400, "MalformedXML", "The XML you provided was not well-formed.")
+    numbers = [number for number, _ in listed]
+    if numbers != sorted(set(numbers)):
+        raise S3Error(400, "InvalidPartOrder", "The list of parts was not in ascending order.")
+    for number, etag in listed:
+        part = upload.parts.get(number)
+        if part is None or part[2].hex() != etag:
+            raise S3Error(400, "InvalidPart", "One or more of the specified parts could not be found.")
+    if any(upload.parts[number][1] < MIN_PART_BYTES for number, _ in listed[:-1]):
+        raise S3Error(400, "EntityTooSmall", "Your proposed upload is smaller than the minimum allowed size")
 
 
 def _etag_matches(header: str, etag: str) -> bool:
@@ -400,7 +511,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if self.headers.get("Transfer-Encoding"):
                     self.close_connection = True
                     raise S3Error(411, "MissingContentLength", "You must provide the Content-Length header.")
-                if not (self.command == "PUT" and key):
+                if not (self.command in ("PUT", "POST") and key):
                     self._drain()
                 if not path and split.path not in ("", "/"):
                     raise S3Error(400, "InvalidURI", "Couldn't parse the specified URI.")
@@ -454,18 +565,29 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(200, {"Content-Type": "application/xml"}, body)
 
     def _object(self, bucket: str, key: str, query: dict[str, str]) -> None:
-        if self.command == "PUT" and (query or "x-amz-copy-source" in self.headers):
-            self.close_connection = True  # the body is not read
         if _bad_key(key):
-            self.close_connection = True
+            self.close_connection = True  # the body is not read
             raise S3Error(400, "InvalidArgument", "This server refuses keys that could not be file names.")
-        if query:
+        copying = "x-amz-copy-source" in self.headers
+        if self.command == "POST" and "uploads" in query:
+            self._drain()
+            self._create_upload(bucket, key)
+        elif self.command == "POST" and "uploadId" in query:
+            self._complete_upload(bucket, key, query["uploadId"])
+        elif self.command == "PUT" and "uploadId" in query:
+            self._put_part(bucket, key, query)
+        elif self.command == "DELETE" and "uploadId" in query:
+            self.server.owner.uploads.discard(self.server.owner.uploads.take(query["uploadId"], bucket, key))
+            self._reply(204, {})
+        elif query or self.command == "POST":
+            self.close_connection = True  # the body is not read
             raise _not_implemented(f"{self.command} on an object with {sorted(query)}")
-        if self.command in ("GET", "HEAD"):
+        elif self.command in ("GET", "HEAD"):
             self._get(bucket, key)
+        elif self.command == "PUT" and copying:
+            self._drain()
+            self._copy_object(bucket, key)
         elif self.command == "PUT":
-            if "x-amz-copy-source" in self.headers:
-                raise _not_implemented("CopyObject")
             self._put(bucket, key)
         elif self.command == "DELETE":
             self.server.owner.index.delete(bucket, key)
@@ -506,27 +628,184 @@ class _Handler(BaseHTTPRequestHandler):
                     self.close_connection = True  # the client went away mid-body
 
     def _put(self, bucket: str, key: str) -> None:
-        remaining = int(self.headers.get("Content-Length", 0))
+        index = self.server.owner.index
         name = uuid.uuid4().hex
-        path = self.server.owner.index.objects / name
-        digest, size = hashlib.md5(), 0
         try:
-            with open(path, "wb") as out:
-                while remaining:
-                    chunk = self.rfile.read(min(remaining, _COPY_CHUNK))
-                    if not chunk:
-                        self.close_connection = True
-                        raise S3Error(400, "IncompleteBody", "The request body ended early.")
+            size, digest = self._receive(name)
+            stored = StoredObject(size, digest.hex(), int(time.time()))
+            index.commit(bucket, key, stored, name)
+        except BaseException:
+            (index.objects / name).unlink(missing_ok=True)
+            raise
+        self._reply(200, {"ETag": f'"{stored.etag}"'})
+
+    def _receive(self, name: str) -> tuple[int, bytes]:
+        """The request's body into file ``name``: its size and MD5."""
+        remaining = int(self.headers.get("Content-Length", 0))
+        digest, size = hashlib.md5(), 0
+        with open(self.server.owner.index.objects / name, "wb") as out:
+            while remaining:
+                chunk = self.rfile.read(min(remaining, _COPY_CHUNK))
+                if not chunk:
+                    self.close_connection = True
+                    raise S3Error(400, "IncompleteBody", "The request body ended early.")
+                out.write(chunk)
+                digest.update(chunk)
+                remaining -= len(chunk)
+                size += len(chunk)
+        return size, digest.digest()
+
+    def _copy_into(self, name: str) -> tuple[int, bytes]:
+        """The bytes ``x-amz-copy-source`` (and ``-range``) name into file
+        ``name``, if the source matches ``x-amz-copy-source-if-match``: their
+        size and MD5."""
+        index = self.server.owner.index
+        path = unquote(self.headers["x-amz-copy-source"].partition("?")[0]).removeprefix("/")
+        bucket, _, key = path.partition("/")
+        if not key:
+            raise S3Error(400, "InvalidArgument", "Copy Source must name the source bucket and key")
+        stored, file = index.open(bucket, key)
+        with file:
+            if_match = self.headers.get("x-amz-copy-source-if-match")
+            if if_match is not None and not _etag_matches(if_match, stored.etag):
+                raise S3Error(
+                    412, "PreconditionFailed", "At least one of the preconditions you specified did not hold."
+                )
+            first, last = 0, stored.size - 1
+            asked = self.headers.get("x-amz-copy-source-range")
+            if asked is not None:
+                match = _RANGE.fullmatch(asked.strip())
+                if match is None or not (match[1] and match[2]) or int(match[2]) < int(match[1]):
+                    raise S3Error(
+                        400, "InvalidArgument", "The x-amz-copy-source-range value must be bytes=first-last"
+                    )
+                first, last = int(match[1]), int(match[2])
+                if last >= stored.size:
+                    raise S3Error(416, "InvalidRange", "The requested range is not satisfiable")
+            digest, remaining = hashlib.md5(), last - first + 1
+            file.seek(first)
+            with open(index.objects / name, "wb") as out:
+                while remaining > 0:
+                    chunk = file.read(min(remaining, _COPY_CHUNK))
                     out.write(chunk)
                     digest.update(chunk)
                     remaining -= len(chunk)
-                    size += len(chunk)
-            stored = StoredObject(size, digest.hexdigest(), int(time.time()))
-            self.server.owner.index.commit(bucket, key, stored, name)
+        return last - first + 1, digest.digest()
+
+    def _copy_object(self, bucket: str, key: str) -> None:
+        index = self.server.owner.index
+        name = uuid.uuid4().hex
+        try:
+            size, digest = self._copy_into(name)
+            stored = StoredObject(size, digest.hex(), int(time.time()))
+            index.commit(bucket, key, stored, name)
         except BaseException:
-            path.unlink(missing_ok=True)
+            (index.objects / name).unlink(missing_ok=True)
             raise
-        self._reply(200, {"ETag": f'"{stored.etag}"'})
+        body = (
+            f'{_XML_DECLARATION}<CopyObjectResult xmlns="{_S3_NAMESPACE}">'
+            + _element("LastModified", _iso_time(stored.mtime))
+            + _element("ETag", f'"{stored.etag}"')
+            + "</CopyObjectResult>"
+        )
+        self._reply(200, {"Content-Type": "application/xml"}, body.encode())
+
+    def _create_upload(self, bucket: str, key: str) -> None:
+        if not self.server.owner.index.has_bucket(bucket):
+            raise _no_such_bucket(bucket)
+        upload_id = self.server.owner.uploads.create(bucket, key)
+        body = (
+            f'{_XML_DECLARATION}<InitiateMultipartUploadResult xmlns="{_S3_NAMESPACE}">'
+            + _element("Bucket", bucket)
+            + _element("Key", key)
+            + _element("UploadId", upload_id)
+            + "</InitiateMultipartUploadResult>"
+        )
+        self._reply(200, {"Content-Type": "application/xml"}, body.encode())
+
+    def _put_part(self, bucket: str, key: str, query: dict[str, str]) -> None:
+        owner = self.server.owner
+        copying = "x-amz-copy-source" in self.headers
+        if copying:
+            self._drain()
+        try:
+            number = int(query.get("partNumber", ""))
+        except ValueError:
+            number = 0
+        if not 1 <= number <= MAX_PART_NUMBER:
+            self.close_connection = True  # the body is not read
+            raise S3Error(
+                400, "InvalidArgument", f"Part number must be an integer between 1 and {MAX_PART_NUMBER}"
+            )
+        try:
+            owner.uploads.check(query["uploadId"], bucket, key)
+        except S3Error:
+            self.close_connection = True  # the body is not read
+            raise
+        name = uuid.uuid4().hex
+        try:
+            size, digest = self._copy_into(name) if copying else self._receive(name)
+        except BaseException:
+            (owner.index.objects / name).unlink(missing_ok=True)
+            raise
+        owner.uploads.add_part(query["uploadId"], bucket, key, number, (name, size, digest))
+        if not copying:
+            self._reply(200, {"ETag": f'"{digest.hex()}"'})
+            return
+        body = (
+            f'{_XML_DECLARATION}<CopyPartResult xmlns="{_S3_NAMESPACE}">'
+            + _element("LastModified", _iso_time(int(time.time())))
+            + _element("ETag", f'"{digest.hex()}"')
+            + "</CopyPartResult>"
+        )
+        self._reply(200, {"Content-Type": "application/xml"}, body.encode())
+
+    def _complete_upload(self, bucket: str, key: str, upload_id: str) -> None:
+        """The parts the request lists, in order, joined into the object."""
+        owner = self.server.owner
+        request = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        try:
+            listed = [
+                (
+                    int(part.findtext(f"{{{_S3_NAMESPACE}}}PartNumber") or part.findtext("PartNumber") or 0),
+                    (part.findtext(f"{{{_S3_NAMESPACE}}}ETag") or part.findtext("ETag") or "").strip('"'),
+                )
+                for part in ElementTree.fromstring(request)
+            ]
+        except (ElementTree.ParseError, ValueError):
+            raise S3Error(400, "MalformedXML", "The XML you provided was not well-formed.") from None
+        upload = owner.uploads.take(upload_id, bucket, key)
+        try:
+            _check_parts(upload, listed)
+        except S3Error:
+            owner.uploads.restore(upload_id, upload)
+            raise
+        name = uuid.uuid4().hex
+        try:
+            with open(owner.index.objects / name, "wb") as out:
+                for number, _ in listed:
+                    part_name, part_size, _ = upload.parts[number]
+                    _append(out.fileno(), owner.index.objects / part_name, part_size)
+            md5s = [upload.parts[number][2] for number, _ in listed]
+            size = sum(upload.parts[number][1] for number, _ in listed)
+            stored = StoredObject(
+                size, f"{hashlib.md5(b''.join(md5s)).hexdigest()}-{len(md5s)}", int(time.time())
+            )
+            owner.index.commit(bucket, key, stored, name)
+        except BaseException:
+            (owner.index.objects / name).unlink(missing_ok=True)
+            owner.uploads.discard(upload)
+            raise
+        owner.uploads.discard(upload)
+        body = (
+            f'{_XML_DECLARATION}<CompleteMultipartUploadResult xmlns="{_S3_NAMESPACE}">'
+            + _element("Location", f"/{bucket}/{key}")
+            + _element("Bucket", bucket)
+            + _element("Key", key)
+            + _element("ETag", f'"{stored.etag}"')
+            + "</CompleteMultipartUploadResult>"
+        )
+        self._reply(200, {"Content-Type": "application/xml"}, body.encode())
 
     # -- replies ----------------------------------------------------------------
 
@@ -583,12 +862,19 @@ class FileS3Server(CountedServer):
         super().__init__(host, port, latency_seconds)
         self.root = root
         self._index: _Index | None = None
+        self._uploads: _Uploads | None = None
 
     @property
     def index(self) -> _Index:
         if self._index is None:
             raise RuntimeError("FileS3Server is not running")
         return self._index
+
+    @property
+    def uploads(self) -> _Uploads:
+        if self._uploads is None:
+            raise RuntimeError("FileS3Server is not running")
+        return self._uploads
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -597,6 +883,7 @@ class FileS3Server(CountedServer):
             return
         if self._index is None:  # kept across restarts: a request cut off by stop() may still use it
             self._index = _Index(self.root)
+            self._uploads = _Uploads(self._index.objects)
         server = _HttpServer(self, (self.host, self.port))
         self._serve(server, server.server_address[1], "file-s3")
 

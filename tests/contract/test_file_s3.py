@@ -243,6 +243,120 @@ def fixture_data_client(file_s3_server: FileS3Server, clients: dict[str, tuple[A
     )
 
 
+# S3's smallest part but the last.
+SMALLEST_PART = 5 << 20
+
+
+def _etag_of(call: Callable[[], dict[str, Any]], *path: str) -> Any:
+    """The etag a response holds at ``path``, or its error code and status."""
+    try:
+        response = call()
+    except ClientError as exc:
+        return ("error", exc.response["Error"]["Code"], exc.response["ResponseMetadata"]["HTTPStatusCode"])
+    for name in path:
+        response = response[name]
+    return response["ETag"]
+
+
+def test_multipart_uploads_answer_as_moto_does(clients: dict[str, tuple[Any, str]]) -> None:
+    """Completion's rules (a small part but the last, a wrong etag), a
+    refused completion that can be retried, the joined object."""
+    big_part = bytes(range(256)) * (SMALLEST_PART // 256)
+
+    def ask(client: Any, bucket: str) -> list[Any]:
+        key = f"mpu/{uuid.uuid4().hex}"
+        upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+
+        def part(number: int, body: bytes) -> Any:
+            return _etag_of(
+                lambda: client.upload_part(
+                    Bucket=bucket, Key=key, UploadId=upload, PartNumber=number, Body=body
+                )
+            )
+
+        def complete(parts: list[tuple[int, Any]]) -> Any:
+            listed = {"Parts": [{"PartNumber": number, "ETag": etag} for number, etag in parts]}
+            return _etag_of(
+                lambda: client.complete_multipart_upload(
+                    Bucket=bucket, Key=key, UploadId=upload, MultipartUpload=listed
+                )
+            )
+
+        small, last = part(1, b"small"), part(2, b"last")
+        answers = [small, last, complete([(1, small), (2, last)]), complete([(1, small), (2, '"0123"')])]
+        big = part(1, big_part)
+        answers += [big, complete([(1, big), (2, last)])]
+        answers.append(_outcome(lambda: client.get_object(Bucket=bucket, Key=key), GET_FIELDS))
+        return answers
+
+    answers = _same_from_both(clients, ask)
+    assert answers[5].endswith('-2"')
+
+
+def test_copies_answer_as_moto_does(clients: dict[str, tuple[Any, str]]) -> None:
+    """CopyObject, pinned or not, and UploadPartCopy of a range."""
+
+    def ask(client: Any, bucket: str) -> list[Any]:
+        source = {"Bucket": bucket, "Key": "big.bin"}
+        etag = client.head_object(Bucket=bucket, Key="big.bin")["ETag"]
+        key = f"copies/{uuid.uuid4().hex}"
+        answers = [
+            _etag_of(
+                lambda: client.copy_object(Bucket=bucket, Key=key, CopySource=source), "CopyObjectResult"
+            ),
+            _etag_of(
+                lambda: client.copy_object(Bucket=bucket, Key=key, CopySource=source, CopySourceIfMatch=etag),
+                "CopyObjectResult",
+            ),
+            _etag_of(
+                lambda: client.copy_object(
+                    Bucket=bucket, Key=key, CopySource={"Bucket": bucket, "Key": "missing"}
+                ),
+                "CopyObjectResult",
+            ),
+        ]
+        answers.append(_outcome(lambda: client.get_object(Bucket=bucket, Key=key), GET_FIELDS))
+        upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        answers.append(
+            _etag_of(
+                lambda: client.upload_part_copy(
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload,
+                    PartNumber=1,
+                    CopySource=source,
+                    CopySourceRange="bytes=10-1000",
+                ),
+                "CopyPartResult",
+            )
+        )
+        client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
+        return answers
+
+    _same_from_both(clients, ask)
+
+
+def test_refuses_as_s3_does_where_moto_does_not(clients: dict[str, tuple[Any, str]]) -> None:
+    """A copy pinned to another version (moto 5 copies all the same) and a
+    part of an aborted upload (moto answers 500)."""
+    client, bucket = clients["file_s3"]
+    source = {"Bucket": bucket, "Key": "big.bin"}
+    upload = client.create_multipart_upload(Bucket=bucket, Key="aborted")["UploadId"]
+    client.upload_part(Bucket=bucket, Key="aborted", UploadId=upload, PartNumber=1, Body=b"doomed")
+    client.abort_multipart_upload(Bucket=bucket, Key="aborted", UploadId=upload)
+
+    pinned = _etag_of(
+        lambda: client.copy_object(Bucket=bucket, Key="pinned", CopySource=source, CopySourceIfMatch='"0"'),
+        "CopyObjectResult",
+    )
+    aborted = _etag_of(
+        lambda: client.upload_part(Bucket=bucket, Key="aborted", UploadId=upload, PartNumber=1, Body=b"x")
+    )
+
+    assert pinned == ("error", "PreconditionFailed", 412)
+    assert aborted == ("error", "NoSuchUpload", 404)
+
+
 def test_obstore_reads_whole_and_ranged(data_client: ObstoreS3) -> None:
     big = SEED["big.bin"]
     whole = obstore.get(data_client, "big.bin")

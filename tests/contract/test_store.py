@@ -404,8 +404,6 @@ def test_a_faulty_store_injects_into_whole_object_calls() -> None:
 
 # S3Store's default part size: a file one byte over it is a two-part upload.
 PART_SIZE = UploadTuning().part_size
-# What the file-backed endpoint does not speak (see its module docstring).
-NO_MULTIPART = "the file-backed S3 endpoint speaks no multipart uploads or copies"
 
 
 def _scratch_key() -> str:
@@ -421,8 +419,6 @@ async def _listed(store: ObjectStore, key: str) -> ObjectInfo:
 def test_put_file_round_trips(backend: Backend, size: int, tmp_path: Path) -> None:
     """The returned version is the one ``head`` and the listing show, and
     reads return the file's bytes."""
-    if size > PART_SIZE and backend.name == "s3-file":
-        pytest.skip(NO_MULTIPART)
     data = random.Random(size).randbytes(size)
     path = tmp_path / "upload.bin"
     path.write_bytes(data)
@@ -485,8 +481,6 @@ def test_delete_removes_and_absent_is_not_an_error(backend: Backend) -> None:
 
 
 def test_copy_makes_a_new_object_with_the_same_bytes(backend: Backend) -> None:
-    if backend.name == "s3-file":
-        pytest.skip(NO_MULTIPART)
     target = _scratch_key()
     backend.put(target, b"to be replaced")
 
@@ -507,8 +501,6 @@ def test_copy_makes_a_new_object_with_the_same_bytes(backend: Backend) -> None:
 
 
 def test_copy_of_a_missing_object_raises_object_not_found(backend: Backend) -> None:
-    if backend.name == "s3-file":
-        pytest.skip(NO_MULTIPART)
     target = _scratch_key()
 
     async def body(store: ObjectStore) -> None:
