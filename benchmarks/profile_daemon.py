@@ -54,11 +54,22 @@ def thread_cpu(pid: int) -> dict[str, tuple[str, float, float]]:
 
 
 @contextmanager
-def s3_server() -> Iterator[str]:
-    """moto S3 in a process of its own on a free port of 127.0.0.1, while
-    the block runs: its endpoint, which it prints once it serves (as
+def s3_server(file_root: Path | None = None) -> Iterator[str]:
+    """moto S3 (or the file-backed endpoint keeping its objects under
+    ``file_root``) in a process of its own on a free port of 127.0.0.1,
+    while the block runs: its endpoint, which it prints once it serves (as
     epoch_bench.py waits for it)."""
     command = [sys.executable, "-m", "cachefsd.testing.s3_server", "--host", "127.0.0.1"]
+    if file_root is not None:
+        command = [
+            sys.executable,
+            "-m",
+            "cachefsd.testing.file_s3",
+            "--host",
+            "127.0.0.1",
+            "--root",
+            str(file_root),
+        ]
     server = subprocess.Popen(command, stdout=subprocess.PIPE)
     try:
         assert server.stdout is not None

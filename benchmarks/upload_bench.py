@@ -5,15 +5,18 @@ by part with Content-MD5, each part read and hashed in a thread; and
 ``S3Store.put_file`` (obstore fed parts read and hashed in a thread, the
 etag checked against the MD5s).
 
-A moto S3 server in its own process on 127.0.0.1; one file of ``--mib``
-MiB, ``--part-mib`` MiB parts, ``--in-flight`` parts at once, on uvloop,
-after one warm-up upload. This process's CPU (``time.process_time``, all
+A moto S3 server (or with ``--server file`` the file-backed endpoint) in
+its own process on 127.0.0.1; one file of ``--mib`` MiB, ``--part-mib``
+MiB parts, ``--in-flight`` parts at once, on uvloop, after one warm-up
+upload. This process's CPU (``time.process_time``, all
 threads) and the event loop thread's (``time.thread_time``) per MiB, and
 MB/s, of the upload alone (clients are made and used once before). moto
 buffers every part in Python, so MB/s is moto's ceiling, not the
-client's; CPU is the client's alone.
+client's; the file-backed endpoint goes faster, but shares the machine's
+cores with the client. CPU is the client's alone.
 
     .venv/bin/python -m benchmarks.upload_bench [--mib 256] [--part-mib 8] [--in-flight 8] [--rounds 2]
+        [--server moto|file]
 """
 
 from __future__ import annotations
@@ -145,8 +148,17 @@ def main() -> int:
     parser.add_argument("--part-mib", type=int, default=8)
     parser.add_argument("--in-flight", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2, help="each client this many times, alternating")
+    parser.add_argument(
+        "--server",
+        choices=["moto", "file"],
+        default="moto",
+        help="moto, or the file-backed endpoint (faster)",
+    )
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as scratch, s3_server() as endpoint:
+    with (
+        tempfile.TemporaryDirectory() as scratch,
+        s3_server(Path(scratch) / "server" if args.server == "file" else None) as endpoint,
+    ):
         path = Path(scratch) / "upload.bin"
         with path.open("wb") as file:
             for _ in range(args.mib):
