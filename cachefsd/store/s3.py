@@ -770,7 +770,9 @@ class S3Store:
             raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
 
     async def copy(self, source: str, target: str) -> ObjectInfo:
-        """CopyObject, pinned to the source's version; in parts above
+        """CopyObject, pinned to the version ``head`` saw (S3 answers 412,
+        ``ObjectChanged``, if the source is replaced meanwhile; moto 5 ignores
+        the pin, the file-backed endpoint honours it); in parts above
         ``single_copy_limit`` (S3 copies each, no byte passes through here)."""
         full_target = self._object_key(target)
         origin = await self.head(source)
