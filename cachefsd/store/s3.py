@@ -162,7 +162,7 @@ _CREDENTIALS_LIFETIME_SECONDS = 300.0
 _CREDENTIALS_REFRESH_SECONDS = 60.0
 
 _MIB = 1 << 20
-# S3's limits on multipart uploads: parts a upload, and the largest object
+# S3's limits on multipart uploads: parts an upload, and the largest object
 # one CopyObject may copy.
 _MAX_PARTS = 10_000
 _MAX_SINGLE_COPY_BYTES = 5 << 30
@@ -191,8 +191,9 @@ class UploadTuning:
     # refuses parts under 5 MiB (but the last). Files up to one part go in
     # one PUT. The etag check computes the multipart etag from this size.
     part_size: int = 8 * _MIB
-    # Parts in flight a upload: an S3 connection carries 50-100 MB/s, so
-    # 16 fill a 10 Gb/s link; 16 parts of 8 MiB are 128 MiB of memory.
+    # Parts in flight an upload: an S3 connection carries 50-100 MB/s, so
+    # 16 fill a 10 Gb/s link. With the parts read ahead, an upload holds up
+    # to 20 parts of 8 MiB, 160 MiB: the caller bounds uploads at once.
     parts_in_flight: int = 16
     # Objects above this are copied in parts (UploadPartCopy), S3 copying
     # each: its limit for one CopyObject.
