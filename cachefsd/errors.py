@@ -117,6 +117,11 @@ class NameTooLong(CachefsdError):
     pass
 
 
+class Busy(CachefsdError):
+    """An object opened for reading through the kernel (passthrough) cannot
+    be replaced until those opens close."""
+
+
 class CrossDevice(CachefsdError):
     """A rename the mount cannot do in place (a directory with uploaded
     objects in it): ``mv`` copies instead."""
@@ -140,6 +145,7 @@ _ERRNO_BY_TYPE: tuple[tuple[type[CachefsdError], int], ...] = (
     (BadName, errno.EINVAL),
     (NameTooLong, errno.ENAMETOOLONG),
     (CrossDevice, errno.EXDEV),
+    (Busy, errno.ETXTBSY),
 )
 
 

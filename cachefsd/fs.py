@@ -298,6 +298,8 @@ class FileSystem:
             if file is None and inode not in self._dirs:
                 raise UnknownInode(str(inode))
         if file is not None and file.staged is not None:
+            assert self.writes is not None
+            self.writes.staging.refresh(file.staged)  # written through the kernel, unseen
             return self._staged_attributes(inode, file.staged)
         return self._attributes(inode, None if file is None else file.info)
 
@@ -627,6 +629,24 @@ class FileSystem:
             raise BadFileHandle(str(handle))
         return found
 
+    def staged_backing(self, handle: int) -> WholeFile | None:
+        """The staged file of open ``handle``, for the kernel to read and
+        write itself (FUSE passthrough), while staging allows it; None
+        otherwise (the daemon serves the open)."""
+        found = self._handle(handle)
+        staging = self._writes().staging
+        if found.writing and not staging.through_allowed():
+            return None
+        with found.file.lock:
+            if found.file.gone:
+                return None
+            return WholeFile(os.dup(found.file.fd), "hot", found.file.size)
+
+    def is_staged(self, inode: int) -> bool:
+        with self._lock:
+            file = self._files.get(inode)
+        return file is not None and file.staged is not None and not file.staged.gone
+
     def write(self, handle: int, offset: int, data: memoryview) -> int:
         return self._writes().staging.write(self._handle(handle).file, offset, data)
 
@@ -645,6 +665,7 @@ class FileSystem:
         if staged is None or staged.gone:
             return
         writes = self._writes()
+        writes.staging.refresh(staged)
         writes.staging.make_due(staged)
         _, failed = writes.uploads.wait([staged.op], None)
         if failed:

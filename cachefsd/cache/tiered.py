@@ -844,6 +844,10 @@ class TieredCache(BlockCache):
         if nbytes > 0:
             self._tiers[0].unreserve(nbytes)
 
+    def staged_share(self) -> float:
+        hot = self._tiers[0]
+        return hot.reserved_bytes / hot.capacity if hot.capacity else 1.0
+
     def report_usage(self) -> None:
         """Tell the events each tier's usage, after anything that changed it."""
         for tier in self._tiers:

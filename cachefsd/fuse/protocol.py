@@ -62,6 +62,7 @@ UNANSWERED = frozenset({Op.FORGET, Op.BATCH_FORGET, Op.INTERRUPT})
 # INIT flags (``flags`` holds bits 0-31, ``flags2`` bits 32-63).
 ASYNC_READ = 1 << 0
 ATOMIC_O_TRUNC = 1 << 3
+BIG_WRITES = 1 << 5  # without it the kernel writes a page a request
 DO_READDIRPLUS = 1 << 13
 NO_OPEN_SUPPORT = 1 << 17
 PARALLEL_DIROPS = 1 << 18
@@ -70,6 +71,7 @@ INIT_EXT = 1 << 30
 PASSTHROUGH = 1 << 37
 
 # OPEN reply flags.
+FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_PASSTHROUGH = 1 << 7
 

@@ -47,7 +47,7 @@ from typing import Protocol
 
 from cachefsd import turns
 from cachefsd.cache.blocks import FileSpan
-from cachefsd.errors import CachefsdError, NotPermitted, ObjectChanged, errno_for
+from cachefsd.errors import Busy, CachefsdError, NotPermitted, ObjectChanged, errno_for
 from cachefsd.fs import Attributes, FileSystem
 from cachefsd.fuse import device, protocol
 from cachefsd.fuse.passthrough import JUDGED_OPENS, Opens, OpenSizes
@@ -209,6 +209,9 @@ class Session:
         # The connection and the opens of its files, while serving.
         self._connection: device.Connection | None = None
         self._opens: Opens | None = None
+        # Opens of staged files counted in ``_opens``: handle -> whether
+        # passed through; guarded by _wake_lock.
+        self._staged_opens: dict[int, bool] = {}
         self._open_sizes = OpenSizes(protocol.MAX_READ)
         # Wakes every worker at the end, while serving (else -1); guarded by _wake_lock.
         self._wake_lock = threading.Lock()
@@ -378,7 +381,7 @@ class Session:
         self._no_open = bool(offer.flags & protocol.NO_OPEN_SUPPORT) and self._fs.writes is None
         wanted = protocol.ASYNC_READ | protocol.DO_READDIRPLUS | protocol.PARALLEL_DIROPS | protocol.MAX_PAGES
         if self._fs.writes is not None:
-            wanted |= protocol.ATOMIC_O_TRUNC
+            wanted |= protocol.ATOMIC_O_TRUNC | protocol.BIG_WRITES
         depth = 1
         why_not = self._passthrough_refused(offer)
         if not why_not:
@@ -459,10 +462,21 @@ class Session:
         inode, pid = request.nodeid, request.pid
         if self._fs.writes is not None:
             flags, _ = protocol.OPEN_IN.unpack_from(body)
+            writing = flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC
+            if (
+                writing
+                and not self._fs.is_staged(inode)
+                and self._opens is not None
+                and self._opens.backed(inode)
+            ):
+                raise Busy(
+                    "the object is open for reading through the kernel: it is replaced once they close"
+                )
             handle = self._fs.open(inode, flags)
             if handle is not None:
-                if not self._send(protocol.reply(request.unique, protocol.pack_open(handle, 0))):
-                    self._fs.release(handle)  # interrupted: nothing was opened
+                answer = self._open_staged(inode, handle, flags)
+                if not self._send(protocol.reply(request.unique, answer)):
+                    self._release_staged(inode, handle)  # interrupted: nothing was opened
                 return
         if self.passthrough.on and self._no_open and self._open_sizes.judging:
             self._judge(self._fs.getattr(inode).size)
@@ -507,11 +521,34 @@ class Session:
         self._events.passthrough_state(passthrough.on)
         log.info("%s: passthrough %s", self._mountpoint, passthrough)
 
+    def _open_staged(self, inode: int, handle: int, flags: int) -> bytes:
+        """The answer to an open of a staged file: the kernel reads and
+        writes the file itself where passthrough is on and staging allows
+        it (``fs.staged_backing``), else the daemon serves it, a writer's
+        writes by direct I/O (not first into pages of the mounted file
+        that the staged file's own pages would hold again)."""
+        through = None
+        if self.passthrough.on and self._opens is not None:
+            through = self._opens.open(inode, lambda: self._fs.staged_backing(handle))
+            with self._wake_lock:
+                self._staged_opens[handle] = through is not None
+        if through is not None:
+            return protocol.pack_open(handle, protocol.FOPEN_PASSTHROUGH, through.backing_id)
+        direct = protocol.FOPEN_DIRECT_IO if flags & os.O_ACCMODE != os.O_RDONLY else 0
+        return protocol.pack_open(handle, direct)
+
+    def _release_staged(self, inode: int, handle: int) -> None:
+        with self._wake_lock:
+            through = self._staged_opens.pop(handle, None)
+        if through is not None and self._opens is not None:
+            self._opens.release(inode, through)
+        self._fs.release(handle)
+
     def _release(self, request: Request, body: memoryview) -> None:
         assert self._opens is not None
         fh, _, _, _ = protocol.RELEASE_IN.unpack_from(body)
         if fh > _THROUGH:
-            self._fs.release(fh)
+            self._release_staged(request.nodeid, fh)
         else:
             self._opens.release(request.nodeid, fh == _THROUGH)
         self._send(protocol.reply(request.unique))
@@ -613,8 +650,9 @@ class Session:
         name = _name(body[protocol.CREATE_IN.size :])
         attributes, handle = self._fs.create(request.nodeid, name, flags)
         entry = protocol.pack_entry(attributes.inode, _attr(attributes), self._ttl_of(attributes))
-        if not self._send(protocol.reply(request.unique, entry, protocol.pack_open(handle, 0))):
-            self._fs.release(handle)  # interrupted: the kernel holds neither
+        answer = self._open_staged(attributes.inode, handle, flags)
+        if not self._send(protocol.reply(request.unique, entry, answer)):
+            self._release_staged(attributes.inode, handle)  # interrupted: the kernel holds neither
             self._fs.forget(attributes.inode, 1)
 
     def _write(self, request: Request, body: memoryview) -> None:

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 # writer was interrupted, so they are no object anyone finished writing:
 # kept for the user, never uploaded.
 UNFINISHED_DIR = "unfinished"
+# The share of the hot tier staged bytes may take before writers stop
+# writing through the kernel unseen (``Staging.through_allowed``).
+THROUGH_SHARE = 0.5
 
 
 class Room(Protocol):
@@ -63,6 +66,10 @@ class Room(Protocol):
         ...
 
     def unreserve(self, nbytes: int) -> None: ...
+
+    def staged_share(self) -> float:
+        """The share of the hot tier's capacity that staged bytes take."""
+        ...
 
 
 class UploadQueue(Protocol):
@@ -273,9 +280,35 @@ class Staging:
         if truncate:
             self.truncate(file, 0)
 
+    def through_allowed(self) -> bool:
+        """Whether a writer may write straight to a staged file through the
+        kernel (FUSE passthrough), unseen: while staged bytes take less than
+        ``THROUGH_SHARE`` of the hot tier, a file written unseen is
+        accounted at its next close, fsync or stat (``refresh``) without
+        overrunning the tier; past it, every write is checked (ENOSPC)."""
+        return self._room.staged_share() < THROUGH_SHARE
+
+    def refresh(self, file: StagedFile) -> None:
+        """Account what a writer wrote through the kernel: the file's size
+        from the disk, its room held (never refused: the bytes are there)."""
+        with file.lock:
+            if file.gone:
+                return
+            status = os.fstat(file.fd)
+            if status.st_size == file.size and status.st_mtime == file.mtime:
+                return
+            change = status.st_size - file.size
+            if change > 0:
+                self._room.hold(change)
+            elif change < 0:
+                self._room.unreserve(-change)
+            file.size, file.mtime = status.st_size, status.st_mtime
+            file.version += 1
+
     def release_write(self, file: StagedFile) -> None:
         """A writer of ``file`` closed it; after the last, it is due for
         upload (or leaves, if an fsync uploaded it as it is)."""
+        self.refresh(file)
         with self._lock:
             file.writers -= 1
             last = file.writers == 0 and not file.gone

@@ -155,9 +155,13 @@ class Uploads:
             return sum(1 for each in self._pending.values() if each.failures)
 
     def stop(self, wait: float) -> list[str]:
-        """Wait up to ``wait`` seconds for what is due, then stop; the keys
-        left (still staged, uploaded by the next mount of this source)."""
-        self.wait(None, wait)
+        """Wait up to ``wait`` seconds for what is due and has not failed
+        yet (``cachefsd unmount`` waited for the rest already), then stop;
+        the keys left (still staged, uploaded by the next mount of this
+        source)."""
+        with self._lock:
+            untried = [op for op, each in self._pending.items() if not each.failures]
+        self.wait(untried, wait)
         with self._wake:
             self._stopping = True
             left = [each.op.key for each in self._pending.values()]
@@ -238,6 +242,9 @@ class Uploads:
         else:
             timeout = self._deadline + size / FLOOR_BYTES_PER_SECOND
             info = self._submit(pending, self._store.put_file(op.key, file.path), timeout)
+            # Listed again before the staged file leaves the listing, so
+            # that the name never disappears between the two.
+            self._changed(op.key)
         if not self._staging.uploaded(file, version, info):
             # Written to while it uploaded: due again once closed.
             with self._wake:
@@ -245,7 +252,6 @@ class Uploads:
                     self._pending.pop(op.id, None)
             return None
         self._finished(pending)
-        self._changed(op.key)
         return size
 
     def _submit(
