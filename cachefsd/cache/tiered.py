@@ -844,9 +844,9 @@ class TieredCache(BlockCache):
         if nbytes > 0:
             self._tiers[0].unreserve(nbytes)
 
-    def staged_share(self) -> float:
+    def staged_room(self) -> tuple[int, int]:
         hot = self._tiers[0]
-        return hot.reserved_bytes / hot.capacity if hot.capacity else 1.0
+        return hot.capacity, hot.capacity - hot.reserved_bytes
 
     def report_usage(self) -> None:
         """Tell the events each tier's usage, after anything that changed it."""

@@ -48,9 +48,11 @@ log = logging.getLogger(__name__)
 # writer was interrupted, so they are no object anyone finished writing:
 # kept for the user, never uploaded.
 UNFINISHED_DIR = "unfinished"
-# The share of the hot tier staged bytes may take before writers stop
-# writing through the kernel unseen (``Staging.through_allowed``).
+# Writers write through the kernel unseen (``Staging.through_allowed``)
+# while staged bytes take less than this share of the hot tier, and the
+# room left for them is at least THROUGH_ROOM_BYTES.
 THROUGH_SHARE = 0.5
+THROUGH_ROOM_BYTES = 1 << 30
 
 
 class Room(Protocol):
@@ -67,8 +69,8 @@ class Room(Protocol):
 
     def unreserve(self, nbytes: int) -> None: ...
 
-    def staged_share(self) -> float:
-        """The share of the hot tier's capacity that staged bytes take."""
+    def staged_room(self) -> tuple[int, int]:
+        """The hot tier's capacity, and the bytes of it not staged."""
         ...
 
 
@@ -283,10 +285,12 @@ class Staging:
     def through_allowed(self) -> bool:
         """Whether a writer may write straight to a staged file through the
         kernel (FUSE passthrough), unseen: while staged bytes take less than
-        ``THROUGH_SHARE`` of the hot tier, a file written unseen is
-        accounted at its next close, fsync or stat (``refresh``) without
-        overrunning the tier; past it, every write is checked (ENOSPC)."""
-        return self._room.staged_share() < THROUGH_SHARE
+        ``THROUGH_SHARE`` of the hot tier and leave ``THROUGH_ROOM_BYTES``,
+        a file written unseen is accounted at its next close, fsync or stat
+        (``refresh``), cached blocks evicted for it then; past that, every
+        write is checked, and one the tier cannot hold fails (ENOSPC)."""
+        capacity, room = self._room.staged_room()
+        return room >= THROUGH_ROOM_BYTES and room > capacity * (1 - THROUGH_SHARE)
 
     def refresh(self, file: StagedFile) -> None:
         """Account what a writer wrote through the kernel: the file's size

@@ -80,8 +80,13 @@ def fixture_writable(mounter: MountFactory, s3_server: S3TestServer, s3_client: 
     return mount
 
 
-def test_written_files_read_back_at_once_and_reach_the_bucket_whole(writable: Any, s3_client: Any) -> None:
-    mount, bucket = writable()
+@pytest.mark.parametrize("through", [True, False], ids=["passthrough", "daemon"])
+def test_written_files_read_back_at_once_and_reach_the_bucket_whole(
+    writable: Any, s3_client: Any, through: bool
+) -> None:
+    """Written through the kernel (passthrough on the staged file), or by
+    the daemon, request by request."""
+    mount, bucket = writable() if through else writable("-o", "nopassthrough")
     files = {
         "top.bin": os.urandom(10 * KiB),
         "ckpt/step-1/model.bin": os.urandom(3 * MiB + 123),  # many blocks, and a part the last
