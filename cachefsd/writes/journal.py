@@ -80,6 +80,11 @@ class Journal:
             ).fetchall()
         return [Op(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], row[7]) for row in rows]
 
+    def files(self) -> set[str]:
+        """The staged files every source's rows name."""
+        with self._lock:
+            return {row[0] for row in self._db.execute("SELECT file FROM ops")}
+
     def staged(self, source: str, key: str, file: str, mtime: float) -> int:
         """A new staged file for ``key`` (replacing any staged before it,
         whose row the caller dropped); its operation's id."""

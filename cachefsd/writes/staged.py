@@ -144,6 +144,7 @@ class Staging:
         files are staged again and handed to ``queue`` in their order;
         unclosed ones are set aside."""
         self._queue = queue
+        self._remove_strays()
         for op in self._journal.pending(self._source):
             path = self._directory / op.file
             if not op.closed or not path.is_file() or path.stat().st_size != op.size:
@@ -154,6 +155,15 @@ class Staging:
             self._add(StagedFile(op.key, op.id, path, fd, op.size, op.mtime))
             log.info("%s: %s staged by an earlier daemon, uploading it", self._source, op.key)
             queue.due(op)
+
+    def _remove_strays(self) -> None:
+        """Delete staged files no journal row names: a file's row is written
+        before it and deleted before it, so such a file is one whose upload
+        (or unlink) finished when the daemon died."""
+        named = self._journal.files()
+        for entry in self._directory.iterdir():
+            if entry.name != UNFINISHED_DIR and entry.name not in named and entry.is_file():
+                entry.unlink(missing_ok=True)
 
     def _set_aside(self, op: Op, path: Path) -> None:
         self._journal.done(op.id)

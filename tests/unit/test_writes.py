@@ -165,6 +165,9 @@ def test_a_restart_uploads_what_was_closed_and_sets_aside_what_was_not(
     first.fs.write(handle, 0, memoryview(b"half"))
     first.close()  # the daemon's end, as after a kill: nothing reached the store
     assert store.keys() == []
+    # A file whose row went (uploaded, or unlinked) just before the end.
+    stray = cache_dir / "hot" / STAGED_DIR / ("0" * 32)
+    stray.write_bytes(b"uploaded already")
 
     second = make_rig(store=store, cache_dir=cache_dir, writable=True)
     _synced(second)
@@ -173,6 +176,7 @@ def test_a_restart_uploads_what_was_closed_and_sets_aside_what_was_not(
     kept = cache_dir / "hot" / STAGED_DIR / UNFINISHED_DIR / "open.pt"
     assert kept.read_bytes() == b"half"
     assert _staged_files(second) == []
+    assert not stray.exists()
     assert Journal(cache_dir).pending(store.cache_key) == []
 
 
