@@ -261,6 +261,27 @@ def test_kill_9_before_the_upload_then_a_remount_uploads_it_whole(
     assert (again.path("model.pt")).read_bytes() == data
 
 
+def test_unmount_names_what_stays_staged_and_the_next_mount_uploads_it(
+    mounter: MountFactory, own_server: ServerProcess, tmp_path: Path
+) -> None:
+    client = _own_bucket(own_server)
+    cache_dir = tmp_path / "cache"
+    flags = ("--endpoint-url", own_server.endpoint_url, "--writable", *BLOCK_FLAG, *DEADLINE_FLAG)
+    mount = mounter("s3://writes", *flags, cache_dir=cache_dir)
+    os.listdir(mount.mountpoint)
+    own_server.signal(signal.SIGSTOP)
+    try:
+        mount.path("last.pt").write_bytes(b"the last checkpoint")
+        result = run_cli("unmount", str(mount.mountpoint))
+    finally:
+        own_server.signal(signal.SIGCONT)
+    assert result.returncode == 0, result.stderr
+    assert "last.pt is not in the bucket" in result.stderr
+    again = mounter("s3://writes", *flags, cache_dir=cache_dir, name="again")
+    assert _sync(again).returncode == 0
+    assert _object(client, "writes", "last.pt") == b"the last checkpoint"
+
+
 def test_enospc_when_the_hot_tier_is_full_of_staged_data(writable: Any) -> None:
     mount, _ = writable("--cache-size", "1M")
     assert _errno(lambda: _write_chunks(mount.path("big.bin"), 4, 512 * KiB)) == errno.ENOSPC
