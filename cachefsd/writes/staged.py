@@ -159,7 +159,8 @@ class Staging:
     def _remove_strays(self) -> None:
         """Delete staged files no journal row names: a file's row is written
         before it and deleted before it, so such a file is one whose upload
-        (or unlink) finished when the daemon died."""
+        (or unlink) finished when the daemon died. The set-aside files are
+        the user's to delete."""
         named = self._journal.files()
         for entry in self._directory.iterdir():
             if entry.name != UNFINISHED_DIR and entry.name not in named and entry.is_file():
@@ -170,9 +171,16 @@ class Staging:
         if not path.is_file():
             log.error("%s: the staged file of %s is gone; it cannot be uploaded", self._source, op.key)
             return
-        kept = self._directory / UNFINISHED_DIR / op.key.replace("/", "%2F")
-        kept.parent.mkdir(mode=0o700, exist_ok=True)
-        path.rename(kept)
+        # One name of at most 255 bytes, unique (a key may be 1,024).
+        kept = self._directory / UNFINISHED_DIR / f"{op.id}-{op.key.replace('/', '%2F')}"[:200]
+        try:
+            kept.parent.mkdir(mode=0o700, exist_ok=True)
+            path.rename(kept)
+        except OSError as exc:
+            log.error(
+                "%s: cannot set aside the unfinished %s (%s): it stays as %s", self._source, op.key, exc, path
+            )
+            return
         log.error(
             "%s: %s was being written when the daemon stopped (%d bytes, %s); "
             "it is not uploaded, and kept as %s",
