@@ -114,7 +114,6 @@ RENAME2_IN = struct.Struct("<QII")  # newdir, flags, padding
 SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")
 WRITE_IN = struct.Struct("<QQIIQII")  # fh, offset, size, write_flags, lock_owner, flags, padding
 WRITE_OUT = struct.Struct("<II")  # size, padding
-FSYNC_IN = struct.Struct("<QII")  # fh, fsync_flags, padding
 FORGET_IN = struct.Struct("<Q")  # nlookup
 BATCH_FORGET_IN = struct.Struct("<II")  # count, dummy
 FORGET_ONE = struct.Struct("<QQ")  # nodeid, nlookup
