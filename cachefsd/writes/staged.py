@@ -109,6 +109,9 @@ class StagedFile:
     # of a handle still open on it go through the cache.
     info: ObjectInfo | None = None
     gone: bool = False  # uploaded and left, or unlinked
+    # (size, mtime in ns) of the file on disk when last looked at: a change
+    # is a write the kernel made itself (``Staging.refresh``).
+    stamp: tuple[int, int] = (0, 0)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -152,7 +155,9 @@ class Staging:
                 continue
             self._room.hold(op.size)
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            self._add(StagedFile(op.key, op.id, path, fd, op.size, op.mtime))
+            status = os.fstat(fd)
+            stamp = (status.st_size, status.st_mtime_ns)
+            self._add(StagedFile(op.key, op.id, path, fd, op.size, op.mtime, stamp=stamp))
             log.info("%s: %s staged by an earlier daemon, uploading it", self._source, op.key)
             queue.due(op)
 
@@ -317,13 +322,15 @@ class Staging:
             if file.gone:
                 return
             status = os.fstat(file.fd)
-            if status.st_size == file.size and status.st_mtime == file.mtime:
+            stamp = (status.st_size, status.st_mtime_ns)
+            if stamp == file.stamp:
                 return
             change = status.st_size - file.size
             if change > 0:
                 self._room.hold(change)
             elif change < 0:
                 self._room.unreserve(-change)
+            file.stamp = stamp
             file.size, file.mtime = status.st_size, status.st_mtime
             file.version += 1
 
