@@ -338,6 +338,9 @@ class Settings(_Section):
 
     source: str
     mountpoint: Directory
+    # Processes may write through the mount: files are staged on the hot
+    # tier and uploaded in the background (SEMANTICS.md).
+    writable: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     cache: CacheSettings = Field(default_factory=CacheSettings)
     store: StoreSettings = Field(default_factory=StoreSettings)

@@ -294,6 +294,7 @@ class Daemon:
                         lambda: parts.cache.capacity, settings.cache.policy, settings.cache.block_size
                     ),
                 ),
+                uploads=parts.uploads,
             )
             # The control API starts before the state file names its socket,
             # and stops before the data path closes.

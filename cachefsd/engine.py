@@ -37,7 +37,7 @@ from cachefsd.config import CacheSettings, FetchSettings, Settings, StoreSetting
 from cachefsd.diagnose.ledger import MeterLedger
 from cachefsd.errors import CachefsdError
 from cachefsd.fetch import Fetcher
-from cachefsd.fs import FileSystem
+from cachefsd.fs import FileSystem, Writes
 from cachefsd.jobs import CallerJobs
 from cachefsd.metrics import Metrics, MountEvents, SharedFetches
 from cachefsd.namespace.tree import FRESH_WAIT_SECONDS, Namespace
@@ -46,6 +46,10 @@ from cachefsd.reader import BlockReader, ReadEvents
 from cachefsd.store import open_store
 from cachefsd.store.base import ObjectStore
 from cachefsd.workload.model import WorkloadModel
+from cachefsd.writes.bucket import Bucket
+from cachefsd.writes.journal import Journal
+from cachefsd.writes.staged import Staging
+from cachefsd.writes.uploads import UploadEvents, Uploads
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,11 @@ StoreFactory = Callable[[str, StoreSettings, FetchSettings], ObjectStore]
 # Proving the source reachable at mount: a connect timeout plus one small
 # request. Longer than that and the user is better served by an error.
 MOUNT_CHECK_SECONDS = 15.0
+# How long an unmount waits for the uploads due; what is left stays
+# staged, and the next mount of the source uploads it.
+UNMOUNT_UPLOAD_SECONDS = 60.0
+# Where a hot tier keeps staged files (``writes.staged``), beside its blocks.
+STAGED_DIR = "staged"
 
 
 @dataclass
@@ -73,6 +82,7 @@ class Engine:
     model: WorkloadModel
     fs: FileSystem
     mount_events: MountEvents  # what the mount's FUSE edge and reads tell the metrics
+    uploads: Uploads | None  # a writable mount's
 
 
 def _warn_of_small_disks(cache: TieredCache) -> None:
@@ -106,6 +116,7 @@ def data_path(
     listing_clock: Callable[[], float] = time.time,
     fresh_wait: float = FRESH_WAIT_SECONDS,
     shared: SharedCache | None = None,
+    writes: tuple[Journal, UploadEvents] | None = None,
 ) -> tuple[BlockReader, CacheView, Namespace, Prefetcher, FileSystem]:
     """The data path over an opened cache, from the fetcher to the
     filesystem, wired as every mount has it; ``reads`` counts its reads
@@ -113,8 +124,11 @@ def data_path(
     namespace's (tests pass their own); ``shared`` the node's shared tier;
     ``read_marks`` where reads mark the blocks another job is still to
     read, for the cache's policy; ``whole_files`` makes the whole files of
-    objects read to their end (the caller starts and stops it). The mount's block cache: its own recent
-    blocks in RAM, then the node's local tiers, then the shared tier."""
+    objects read to their end (the caller starts and stops it); ``writes``
+    makes the mount writable: the journal its staged files are recorded
+    in, and what its uploads tell (the caller starts and stops them).
+    The mount's block cache: its own recent blocks in RAM, then the
+    node's local tiers, then the shared tier."""
     fetcher = Fetcher(store, settings.fetch, metrics)
     dedup_by_etag = settings.cache.dedup_by_etag and store.content_etags
     levels: list[BlockCache] = [RecentBlocks(), cache]
@@ -143,6 +157,14 @@ def data_path(
     )
     view = CacheView(store.cache_key, cache, settings.cache.block_size, whole_files)
     prefetcher = Prefetcher(model, namespace, reader, view, settings.prefetch, metrics)
+    writable = None
+    if writes is not None:
+        journal, upload_events = writes
+        staging = Staging(store.cache_key, cache.tiers[0].root / STAGED_DIR, journal, cache, view.admit_file)
+        uploads = Uploads(
+            store, staging, journal, io, upload_events, settings.fetch.deadline, namespace.changed
+        )
+        writable = Writes(staging, uploads, Bucket(store, fetcher, io))
     fs = FileSystem(
         namespace,
         reader,
@@ -152,6 +174,7 @@ def data_path(
         access=prefetcher,
         jobs=CallerJobs(),
         read_marks=read_marks,
+        writes=writable,
     )
     return reader, view, namespace, prefetcher, fs
 
@@ -207,6 +230,7 @@ class Node:
         self.io = LoopThread()
         self._opened: OpenCache | None = None
         self._shared: SharedCache | None = None
+        self._journal: Journal | None = None
 
     @property
     def cache(self) -> TieredCache:
@@ -254,6 +278,7 @@ class Node:
         ) as opened:
             _warn_of_small_disks(opened.cache)
             self._opened = opened
+            self._journal = Journal(cache.dir)
             if cache.shared is not None:
                 shared = cache.shared
                 store = open_shared(shared.url, shared.endpoint_url, shared.credentials_env_prefix)
@@ -271,6 +296,8 @@ class Node:
                 if self._shared is not None:
                     self._shared.close()
                     self._shared = None
+                self._journal.close()
+                self._journal = None
                 self._opened = None
 
     @contextmanager
@@ -280,6 +307,8 @@ class Node:
         model = WorkloadModel()
         events = self.metrics.for_mount(str(settings.mountpoint))
         whole_files = WholeFiles(self.cache.assemble_whole)
+        assert self._journal is not None
+        writes = (self._journal, events) if settings.writable else None
         reader, view, namespace, prefetcher, fs = data_path(
             store,
             self.cache,
@@ -292,9 +321,14 @@ class Node:
             whole_files,
             events,
             shared=self._shared,
+            writes=writes,
         )
         whole_files.start()
         self.epochs.add(model)
+        if fs.writes is not None:
+            fs.writes.staging.start(fs.writes.uploads)
+            fs.writes.uploads.start()
+            events.watch_writes(fs.writes.staging.staged_bytes, fs.writes.uploads.oldest_due_seconds)
         try:
             yield Engine(
                 store,
@@ -308,11 +342,29 @@ class Node:
                 model,
                 fs,
                 events,
+                None if fs.writes is None else fs.writes.uploads,
             )
         finally:
+            if fs.writes is not None:
+                self._stop_writes(fs.writes, settings)
             whole_files.stop()
             self.epochs.remove(model)
             self.metrics.forget_mount(str(settings.mountpoint))
+
+    @staticmethod
+    def _stop_writes(writes: Writes, settings: Settings) -> None:
+        """Wait a while for the uploads due, then say what stays staged."""
+        left = writes.uploads.stop(UNMOUNT_UPLOAD_SECONDS)
+        writes.staging.close()
+        if left:
+            log.warning(
+                "%s: %d files are not in the bucket yet and stay staged; "
+                "the next mount of %s uploads them: %s",
+                settings.mountpoint,
+                len(left),
+                settings.source,
+                ", ".join(sorted(left)[:10]),
+            )
 
     def close(self) -> None:
         self.io.stop()

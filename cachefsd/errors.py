@@ -88,6 +88,45 @@ class UnknownInode(CachefsdError):
     """The kernel named an inode it holds no reference to."""
 
 
+class NotPermitted(CachefsdError):
+    """What a bucket cannot do, or a writable mount does not: changing part
+    of an uploaded object in place, links, modes, owners."""
+
+
+class ReadOnly(CachefsdError):
+    """A write to a mount that is not writable."""
+
+
+class NoSpace(CachefsdError):
+    """The hot tier cannot hold more staged bytes."""
+
+
+class NotEmpty(CachefsdError):
+    pass
+
+
+class AlreadyExists(CachefsdError):
+    pass
+
+
+class BadName(CachefsdError):
+    """A name the bucket cannot hold as a key."""
+
+
+class NameTooLong(CachefsdError):
+    pass
+
+
+class Busy(CachefsdError):
+    """An object opened for reading through the kernel (passthrough) cannot
+    be replaced until those opens close."""
+
+
+class CrossDevice(CachefsdError):
+    """A rename the mount cannot do in place (a directory with uploaded
+    objects in it): ``mv`` copies instead."""
+
+
 _ERRNO_BY_TYPE: tuple[tuple[type[CachefsdError], int], ...] = (
     (ObjectNotFound, errno.ENOENT),
     (AccessDenied, errno.EACCES),
@@ -98,6 +137,15 @@ _ERRNO_BY_TYPE: tuple[tuple[type[CachefsdError], int], ...] = (
     (IsADirectory, errno.EISDIR),
     (BadFileHandle, errno.EBADF),
     (UnknownInode, errno.ESTALE),
+    (NotPermitted, errno.EPERM),
+    (ReadOnly, errno.EROFS),
+    (NoSpace, errno.ENOSPC),
+    (NotEmpty, errno.ENOTEMPTY),
+    (AlreadyExists, errno.EEXIST),
+    (BadName, errno.EINVAL),
+    (NameTooLong, errno.ENAMETOOLONG),
+    (CrossDevice, errno.EXDEV),
+    (Busy, errno.ETXTBSY),
 )
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import queue
 import stat
 import threading
@@ -41,15 +42,37 @@ from typing import Protocol
 
 from cachefsd.cache.blocks import WholeFile
 from cachefsd.cache.whole import ends_file
-from cachefsd.errors import BadFileHandle, IsADirectory, NotADirectory, ObjectChanged, UnknownInode
+from cachefsd.errors import (
+    AlreadyExists,
+    BadFileHandle,
+    BadName,
+    CrossDevice,
+    IsADirectory,
+    NameTooLong,
+    NotADirectory,
+    NotEmpty,
+    NotPermitted,
+    ObjectChanged,
+    ObjectNotFound,
+    StoreError,
+    UnknownInode,
+)
 from cachefsd.jobs import CallerJobs
-from cachefsd.namespace.names import inode_number
+from cachefsd.namespace.names import NAME_MAX, inode_number, is_valid_name
 from cachefsd.namespace.tree import Namespace
 from cachefsd.reader import BlockReader, Piece, block_range
 from cachefsd.store.base import ObjectInfo
+from cachefsd.writes.staged import StagedFile, Staging
+from cachefsd.writes.uploads import Uploads
 
 DIR_MODE = stat.S_IFDIR | 0o555
 FILE_MODE = stat.S_IFREG | 0o444
+# A writable mount's: only its owner may write through it (the kernel
+# checks, ``default_permissions``), and so read, unless configured.
+WRITABLE_DIR_MODE = stat.S_IFDIR | 0o700
+WRITABLE_FILE_MODE = stat.S_IFREG | 0o600
+# The longest key S3, GCS and Azure hold, in UTF-8 bytes.
+KEY_MAX = 1024
 # The root directory's inode, in every FUSE filesystem.
 ROOT_INODE = 1
 
@@ -111,6 +134,23 @@ class ReadMarks(Protocol):
         ...
 
 
+class Bucket(Protocol):
+    """What a writable mount asks of the bucket while a process waits
+    (``writes.bucket.Bucket``): bounded, retried, or a ``StoreError``."""
+
+    def delete(self, key: str) -> None: ...
+    def copy(self, source: str, target: str, size: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Writes:
+    """What makes a mount writable: its staged files, their uploader, and the bucket."""
+
+    staging: Staging
+    uploads: Uploads
+    bucket: Bucket
+
+
 @dataclass(frozen=True, slots=True)
 class Attributes:
     mode: int
@@ -121,12 +161,16 @@ class Attributes:
     nlink: int
     inode: int  # what the kernel names the inode by in its requests (FUSE's nodeid)
     st_ino: int  # what ``stat`` shows: a hash of the version (or the directory's path)
+    # False for a staged file, whose size and times change under the
+    # kernel: it must ask again rather than cache them.
+    cacheable: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class DirEntry:
     name: str
-    info: ObjectInfo | None  # None: a directory
+    info: ObjectInfo | None  # None: a directory (or a staged file)
+    staged: StagedFile | None = None
 
 
 @dataclass(slots=True)
@@ -136,6 +180,17 @@ class _File:
     name: str
     lookups: int = 0  # the kernel's references
     gone: bool = False  # replaced or deleted upstream
+    # What this mount wrote for it, until uploaded (then its ``info``
+    # names the version in the bucket).
+    staged: StagedFile | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Handle:
+    """An open of a staged file."""
+
+    file: StagedFile
+    writing: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +217,12 @@ class FileSystem:
         access: AccessEvents,
         jobs: CallerJobs,
         read_marks: ReadMarks,
+        writes: Writes | None = None,
     ) -> None:
         self._namespace = namespace
+        self.writes = writes
+        self._file_mode = FILE_MODE if writes is None else WRITABLE_FILE_MODE
+        self._dir_mode = DIR_MODE if writes is None else WRITABLE_DIR_MODE
         self._access = access
         self._read_marks = read_marks
         self.jobs = jobs  # who a request's pid reads for
@@ -189,10 +248,21 @@ class FileSystem:
         self._file_inodes: dict[tuple[str, str], int] = {}  # (key, etag) -> inode
         self._listings: dict[int, tuple[int, Sequence[DirEntry]]] = {}  # handle -> (inode, entries)
         self._next_handle = itertools.count(1)
+        self._staged_inodes: dict[StagedFile, int] = {}
+        # Opens of staged files, by handle; 0 and 1 are the kernel's other
+        # opens (of a cached version, and handed to the kernel).
+        self._handles: dict[int, _Handle] = {}
+        self._next_file_handle = itertools.count(2)
 
     def lookup(self, parent: int, name: str) -> Attributes:
         """The entry ``name`` in directory ``parent``: one more reference."""
         path = _child(self._dir(parent).path, name)
+        if self.writes is not None:
+            staged = self.writes.staging.find(path[1:])
+            if staged is not None:
+                return self._remember_staged(parent, name, staged)
+            if self.writes.staging.is_dir(path[1:] + "/"):
+                return self._remember(parent, name, None)
         info = self._namespace.lookup(path).info
         if info is not None:
             self._reader.listed(info)
@@ -217,6 +287,8 @@ class FileSystem:
             version = (file.info.key, file.info.etag)
             if self._file_inodes.get(version) == inode:
                 del self._file_inodes[version]
+            if file.staged is not None and self._staged_inodes.get(file.staged) == inode:
+                del self._staged_inodes[file.staged]
         if file.gone:
             self._reader.release_version(file.info)
 
@@ -225,6 +297,10 @@ class FileSystem:
             file = self._files.get(inode)
             if file is None and inode not in self._dirs:
                 raise UnknownInode(str(inode))
+        if file is not None and file.staged is not None:
+            assert self.writes is not None
+            self.writes.staging.refresh(file.staged)  # written through the kernel, unseen
+            return self._staged_attributes(inode, file.staged)
         return self._attributes(inode, None if file is None else file.info)
 
     def read(self, inode: int, size: int, offset: int, pid: int) -> list[Piece]:
@@ -234,6 +310,13 @@ class FileSystem:
         workload model a file was opened."""
         file = self._file(inode)
         info = file.info
+        if file.staged is not None:
+            assert self.writes is not None
+            data = self.writes.staging.read(file.staged, offset, size)
+            if data is not None:
+                return [data]
+            assert file.staged.info is not None  # it left for the bucket: read that version
+            info = file.staged.info
         job = self.jobs.of(pid)
         if offset == 0:
             self._access.opened(info, job)
@@ -309,10 +392,14 @@ class FileSystem:
         process ``pid``: the kernel reads it in pieces, by offset, and each
         piece must come from the same listing."""
         directory = self._dir(inode)
-        listing = self._namespace.listdir(directory.path)
+        listing = self._listing(directory.path)
         self._access.listed(listing, directory.path.strip("/"), self.jobs.of(pid))
         entries = [DirEntry(".", None), DirEntry("..", None)]
         entries.extend(DirEntry(name, info) for name, info in listing.items())
+        if self.writes is not None:
+            staged = self.writes.staging.entries(directory.path[1:] + "/" if directory.path != "/" else "")
+            entries = [entry for entry in entries if entry.name not in staged]
+            entries.extend(DirEntry(name, None, file) for name, file in staged.items())
         with self._lock:
             handle = next(self._next_handle)
             self._listings[handle] = (inode, entries)
@@ -340,6 +427,8 @@ class FileSystem:
             return self._attributes(inode, None)
         if entry.name == "..":
             return self._attributes(self._dirs[inode].parent, None)
+        if entry.staged is not None:
+            return self._remember_staged(inode, entry.name, entry.staged)
         return self._remember(inode, entry.name, entry.info)
 
     def releasedir(self, handle: int) -> None:
@@ -411,6 +500,311 @@ class FileSystem:
             with self._lock:
                 path = self._dirs[inode].path
             number = inode_number(path)
-            return Attributes(DIR_MODE, 0, self._mounted_at, self._uid, self._gid, 2, inode, number)
+            return Attributes(self._dir_mode, 0, self._mounted_at, self._uid, self._gid, 2, inode, number)
         number = inode_number(f"/{info.key}\0{info.etag}")
-        return Attributes(FILE_MODE, info.size, info.mtime, self._uid, self._gid, 1, inode, number)
+        return Attributes(self._file_mode, info.size, info.mtime, self._uid, self._gid, 1, inode, number)
+
+    # -- a writable mount -------------------------------------------------
+    #
+    # What it writes is staged (``writes.staged``) and uploaded behind;
+    # what it removes or renames in the bucket is done while the process
+    # waits (a DELETE, a copy), as a local filesystem's would be.
+
+    def _listing(self, path: str) -> dict[str, ObjectInfo | None]:
+        """The bucket's entries of directory ``path``; none for a local one."""
+        try:
+            return self._namespace.listdir(path)
+        except ObjectNotFound:
+            if self.writes is not None and self.writes.staging.is_dir(path[1:] + "/"):
+                return {}
+            raise
+
+    def _writes(self) -> Writes:
+        if self.writes is None:
+            raise NotPermitted("the mount is read-only")
+        return self.writes
+
+    def _remember_staged(self, parent: int, name: str, staged: StagedFile) -> Attributes:
+        with self._lock:
+            inode = self._staged_inodes.get(staged)
+            if inode is None:
+                inode = self._staged_inodes[staged] = next(self._next_inode)
+                info = ObjectInfo(staged.key, 0, "", staged.mtime)
+                self._files[inode] = _File(info, parent, name, staged=staged)
+            self._files[inode].lookups += 1
+        return self._staged_attributes(inode, staged)
+
+    def _staged_attributes(self, inode: int, staged: StagedFile) -> Attributes:
+        if staged.info is not None and staged.gone:
+            size, mtime = staged.info.size, staged.info.mtime
+        else:
+            size, mtime = staged.size, staged.mtime
+        number = inode_number(f"/{staged.key}\0staged")
+        return Attributes(
+            self._file_mode, size, mtime, self._uid, self._gid, 1, inode, number, cacheable=False
+        )
+
+    def _key(self, parent: int, name: str) -> str:
+        """The key of ``name`` in directory ``parent``, if the bucket can hold it."""
+        if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+            raise NameTooLong(name)
+        if not is_valid_name(name):
+            raise BadName(name)
+        key = _child(self._dir(parent).path, name)[1:]
+        if len(key.encode("utf-8")) > KEY_MAX:
+            raise NameTooLong(key)
+        return key
+
+    def _kind(self, key: str) -> str | None:
+        """What ``key`` is through this mount: "file", "dir", or None."""
+        staging = self._writes().staging
+        if staging.find(key) is not None:
+            return "file"
+        if staging.is_dir(key + "/"):
+            return "dir"
+        remote = self._remote(key)
+        if remote is None:
+            return None
+        return "dir" if remote is True else "file"
+
+    def create(self, parent: int, name: str, flags: int) -> tuple[Attributes, int]:
+        """A new file ``name`` in ``parent``, open for writing (``O_EXCL``:
+        only if there is none): its attributes and handle."""
+        key = self._key(parent, name)
+        writes = self._writes()
+        staged = writes.staging.find(key)
+        if staged is not None:
+            if flags & os.O_EXCL:
+                raise AlreadyExists(key)
+            attributes = self._remember_staged(parent, name, staged)
+            return attributes, self._open_staged(attributes.inode, staged, flags)
+        existing = self._kind(key)
+        if existing == "dir":
+            raise IsADirectory(key)
+        if existing == "file" and flags & os.O_EXCL:
+            raise AlreadyExists(key)
+        staged = writes.staging.create(key)
+        attributes = self._remember_staged(parent, name, staged)
+        return attributes, self._new_handle(staged, writing=True)
+
+    def open(self, inode: int, flags: int) -> int | None:
+        """A handle on ``inode`` where the open needs one: a staged file, or
+        an object opened to be written (replaced whole: ``O_TRUNC``). None
+        for a read of a cached version (the caller opens it as ever)."""
+        file = self._file(inode)
+        writing = flags & os.O_ACCMODE != os.O_RDONLY
+        with self._lock:
+            staged = file.staged
+        if staged is not None and not staged.gone:
+            return self._open_staged(inode, staged, flags)
+        if not writing and not flags & os.O_TRUNC:
+            return None
+        if not flags & os.O_TRUNC:
+            raise NotPermitted(
+                f"{file.info.key} is in the bucket: it can be replaced whole (opened with O_TRUNC), "
+                "not changed in part"
+            )
+        staged = self._writes().staging.create(file.info.key)
+        with self._lock:
+            file.staged = staged
+            self._staged_inodes[staged] = inode
+        return self._new_handle(staged, writing)
+
+    def _open_staged(self, inode: int, staged: StagedFile, flags: int) -> int:
+        writing = flags & os.O_ACCMODE != os.O_RDONLY
+        if writing:
+            self._writes().staging.open_write(staged, truncate=bool(flags & os.O_TRUNC))
+        return self._new_handle(staged, writing)
+
+    def _new_handle(self, staged: StagedFile, writing: bool) -> int:
+        with self._lock:
+            handle = next(self._next_file_handle)
+            self._handles[handle] = _Handle(staged, writing)
+        return handle
+
+    def _handle(self, handle: int) -> _Handle:
+        with self._lock:
+            found = self._handles.get(handle)
+        if found is None:
+            raise BadFileHandle(str(handle))
+        return found
+
+    def staged_backing(self, handle: int) -> WholeFile | None:
+        """The staged file of open ``handle``, for the kernel to read and
+        write itself (FUSE passthrough), while staging allows it; None
+        otherwise (the daemon serves the open)."""
+        found = self._handle(handle)
+        staging = self._writes().staging
+        if found.writing and not staging.through_allowed():
+            return None
+        with found.file.lock:
+            if found.file.gone:
+                return None
+            return WholeFile(os.dup(found.file.fd), "hot", found.file.size)
+
+    def is_staged(self, inode: int) -> bool:
+        with self._lock:
+            file = self._files.get(inode)
+        return file is not None and file.staged is not None and not file.staged.gone
+
+    def write(self, handle: int, offset: int, data: memoryview) -> int:
+        return self._writes().staging.write(self._handle(handle).file, offset, data)
+
+    def release(self, handle: int) -> None:
+        """The kernel closed open ``handle`` (its last descriptor)."""
+        with self._lock:
+            found = self._handles.pop(handle, None)
+        if found is not None and found.writing:
+            self._writes().staging.release_write(found.file)
+
+    def fsync(self, inode: int) -> None:
+        """Return once ``inode``'s bytes are in the bucket."""
+        with self._lock:
+            file = self._files.get(inode)
+        staged = None if file is None else file.staged
+        if staged is None or staged.gone:
+            return
+        writes = self._writes()
+        writes.staging.refresh(staged)
+        writes.staging.make_due(staged)
+        _, failed = writes.uploads.wait([staged.op], None)
+        if failed:
+            raise StoreError(f"{staged.key} is not in the bucket: {failed[staged.key]}")
+
+    def setattr(self, inode: int, size: int | None, mtime: float | None, mode_change: bool) -> Attributes:
+        """Truncate (a staged file), set times (a staged file's; an
+        object's stay the bucket's), or refuse a change of mode or owner."""
+        if mode_change:
+            raise NotPermitted("a bucket keeps no modes or owners")
+        file = self._file(inode)
+        staged = file.staged
+        if staged is None or staged.gone:
+            if size is not None:
+                raise NotPermitted(f"{file.info.key} is in the bucket: open it with O_TRUNC to replace it")
+            return self.getattr(inode)
+        staging = self._writes().staging
+        if size is not None:
+            staging.truncate(staged, size)
+        if mtime is not None:
+            staging.touch(staged, mtime)
+        return self.getattr(inode)
+
+    def mkdir(self, parent: int, name: str) -> Attributes:
+        key = self._key(parent, name)
+        if self._kind(key) is not None:
+            raise AlreadyExists(key)
+        self._writes().staging.mkdir(key + "/")
+        return self._remember(parent, name, None)
+
+    def unlink(self, parent: int, name: str) -> None:
+        key = self._key(parent, name)
+        writes = self._writes()
+        staged = writes.staging.find(key)
+        if staged is not None:
+            writes.staging.unlink(staged)
+        remote = self._remote(key)
+        if remote is True:
+            raise IsADirectory(key)
+        if remote is not None:
+            writes.bucket.delete(key)
+            self._namespace.changed(key)
+        elif staged is None:
+            raise ObjectNotFound(key)
+        self._gone(parent, name)
+
+    def _remote(self, key: str) -> ObjectInfo | bool | None:
+        """What the bucket's listing shows at ``key``: an object, True for a directory, None for nothing."""
+        try:
+            entry = self._namespace.lookup("/" + key)
+        except (ObjectNotFound, NotADirectory):
+            return None
+        return True if entry.info is None else entry.info
+
+    def rmdir(self, parent: int, name: str) -> None:
+        key = self._key(parent, name)
+        writes = self._writes()
+        prefix = key + "/"
+        if writes.staging.entries(prefix):
+            raise NotEmpty(key)
+        remote = self._remote(key)
+        if remote is True:
+            if self._namespace.listdir("/" + key):
+                raise NotEmpty(key)
+            writes.bucket.delete(prefix)  # its marker object, if it has one
+            self._namespace.changed(prefix)
+        elif remote is not None:
+            raise NotADirectory(key)
+        elif not writes.staging.is_dir(prefix):
+            raise ObjectNotFound(key)
+        writes.staging.rmdir(prefix)
+        self._gone(parent, name)
+
+    def rename(self, parent: int, name: str, new_parent: int, new_name: str, no_replace: bool) -> None:
+        """Move ``name``: a staged file or a directory of staged files here,
+        an object as a copy and a delete in the bucket (not atomic)."""
+        key, new_key = self._key(parent, name), self._key(new_parent, new_name)
+        writes = self._writes()
+        target = self._kind(new_key)
+        if target is not None and no_replace:
+            raise AlreadyExists(new_key)
+        staged = writes.staging.find(key)
+        remote = self._remote(key)
+        if staged is None and remote is None and not writes.staging.is_dir(key + "/"):
+            raise ObjectNotFound(key)
+        if staged is None and (remote is True or writes.staging.is_dir(key + "/")):
+            self._rename_dir(key, new_key, target)
+        else:
+            if target == "dir":
+                raise IsADirectory(new_key)
+            if staged is not None:
+                writes.staging.rename(staged, new_key)
+            elif isinstance(remote, ObjectInfo):
+                replaced = writes.staging.find(new_key)
+                if replaced is not None:
+                    writes.staging.unlink(replaced)
+                writes.bucket.copy(key, new_key, remote.size)
+                self._namespace.changed(new_key)
+                # The kernel moves the inode, which stands for the old
+                # key's version: it is to look the new name up again.
+                self.stale_entries.put((new_parent, new_name))
+            if remote is not None:
+                writes.bucket.delete(key)
+                self._namespace.changed(key)
+        self._moved(parent, name, new_parent, new_name)
+
+    def _rename_dir(self, key: str, new_key: str, target: str | None) -> None:
+        """A directory is renamed in place only while the bucket holds
+        nothing under it; else EXDEV, and ``mv`` copies it."""
+        writes = self._writes()
+        if target == "file":
+            raise NotADirectory(new_key)
+        if target == "dir" and (writes.staging.entries(new_key + "/") or self._remote(new_key) is True):
+            raise NotEmpty(new_key)
+        if self._remote(key) is True:
+            raise CrossDevice(f"{key} holds objects in the bucket: a directory is renamed by copying it")
+        writes.staging.rename_dir(key + "/", new_key + "/")
+
+    def _gone(self, parent: int, name: str) -> None:
+        """``name`` in ``parent`` no longer exists: its inode, held by the
+        kernel until it forgets it, is of nothing any more."""
+        path = _child(self._dir(parent).path, name)
+        with self._lock:
+            inode = self._dir_inodes.pop(path, None)
+            if inode is not None:
+                del self._dirs[inode]
+
+    def _moved(self, parent: int, name: str, new_parent: int, new_name: str) -> None:
+        """The inodes under ``name`` now stand for ``new_name``: a file's
+        entry, a directory's path and every directory's below it."""
+        old = _child(self._dir(parent).path, name)
+        new = _child(self._dir(new_parent).path, new_name)
+        with self._lock:
+            for file in self._files.values():
+                if file.parent == parent and file.name == name:
+                    file.parent, file.name = new_parent, new_name
+            for path in [each for each in self._dir_inodes if each == old or each.startswith(old + "/")]:
+                inode = self._dir_inodes.pop(path)
+                moved = new + path[len(old) :]
+                up = self._dirs[inode].parent if path != old else new_parent
+                self._dirs[inode] = _Dir(moved, up)
+                self._dir_inodes[moved] = inode

@@ -140,6 +140,24 @@ class MountEvents:
     def passthrough_state(self, on: bool) -> None:
         self._passthrough.set(1 if on else 0)
 
+    def watch_writes(self, staged_bytes: Callable[[], float], oldest_pending: Callable[[], float]) -> None:
+        """Export a writable mount's staged bytes and oldest due upload."""
+        self._metrics.staged_bytes.labels(self._mount).set_function(staged_bytes)
+        self._metrics.upload_oldest_pending.labels(self._mount).set_function(oldest_pending)
+
+    def upload_started(self) -> None:
+        self._metrics.uploads_in_flight.labels(self._mount).inc()
+
+    def upload_ended(self, result: Literal["ok", "failed", "dropped"], seconds: float, nbytes: int) -> None:
+        """An upload ended: in the bucket, failed (retried later), or
+        dropped (its file changed or went meanwhile)."""
+        self._metrics.uploads_in_flight.labels(self._mount).dec()
+        if result != "dropped":
+            self._metrics.uploads.labels(self._mount, result).inc()
+        if result == "ok":
+            self._metrics.upload_bytes.labels(self._mount).inc(nbytes)
+            self._metrics.upload_seconds.labels(self._mount).observe(seconds)
+
 
 # The sample of a family that holds its value: a counter's running total,
 # a gauge's reading. A histogram's series are named by who reads them.
@@ -510,12 +528,52 @@ class Metrics:
             ["mount", "operation"],
             registry=registry,
         )
+        self.staged_bytes = Gauge(
+            "cachefsd_staged_bytes",
+            "Bytes written through one writable mount and not yet in the bucket (never evicted)",
+            ["mount"],
+            registry=registry,
+        )
+        self.uploads_in_flight = Gauge(
+            "cachefsd_uploads_in_flight", "Uploads of one mount under way", ["mount"], registry=registry
+        )
+        self.uploads = Counter(
+            "cachefsd_uploads",
+            "Uploads of one mount's staged files ended, by result (ok, failed: retried later)",
+            ["mount", "result"],
+            registry=registry,
+        )
+        self.upload_bytes = Counter(
+            "cachefsd_upload_bytes", "Bytes one mount uploaded to the bucket", ["mount"], registry=registry
+        )
+        self.upload_seconds = Histogram(
+            "cachefsd_upload_seconds",
+            "Time one upload took, from its start to the object being in the bucket",
+            ["mount"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900),
+            registry=registry,
+        )
+        self.upload_oldest_pending = Gauge(
+            "cachefsd_upload_oldest_pending_seconds",
+            "How long the oldest upload due on one mount has waited (0: none is)",
+            ["mount"],
+            registry=registry,
+        )
         self.passthrough = Gauge(
             "cachefsd_passthrough",
             "1 when one mount serves cached files through the kernel (FUSE passthrough), 0 when the "
             "daemon serves every read (the log and stats say why)",
             ["mount"],
             registry=registry,
+        )
+
+    def _upload_series(self) -> tuple[Gauge | Counter | Histogram, ...]:
+        return (
+            self.staged_bytes,
+            self.uploads_in_flight,
+            self.upload_bytes,
+            self.upload_seconds,
+            self.upload_oldest_pending,
         )
 
     def derived(self) -> Derived:
@@ -551,6 +609,8 @@ class Metrics:
             *((self.mount_read_bytes, (mount, source)) for source in ("cache", "cold")),
             (self.mount_read_stall, (mount,)),
             (self.passthrough, (mount,)),
+            *((self.uploads, (mount, result)) for result in ("ok", "failed")),
+            *((family, (mount,)) for family in self._upload_series()),
         ):
             with contextlib.suppress(KeyError):
                 counter.remove(*labels)

@@ -79,7 +79,7 @@ _BLOCKED_NAME = frozenset({errno.EEXIST, errno.EISDIR, errno.ENOTDIR, errno.ENOT
 
 
 def victims_for(
-    policy: EvictionPolicy, incoming: str, needed: int, remove: Callable[[str], int], where: str
+    policy: EvictionPolicy, incoming: str | None, needed: int, remove: Callable[[str], int], where: str
 ) -> list[str]:
     """How a full tier makes room for block ``incoming``: the victims
     ``policy`` gives up, each taken out with ``remove`` (which returns its
@@ -112,6 +112,9 @@ class Tier:
         self._lock = threading.Lock()
         self._sizes: dict[str, int] = {}  # hash -> disk bytes
         self._used = 0
+        # Bytes of staged writes (``writes.staged``) on this tier's disk:
+        # never evicted, and taken from the capacity blocks may fill.
+        self._reserved = 0
         self._held: OrderedDict[str, int] = OrderedDict()  # hash -> descriptor, guarded by _lock
         self._deletions = 0  # written under _lock; a warm holds nothing across one
         for directory in (self._blocks_dir, self._tmp_dir):
@@ -172,15 +175,44 @@ class Tier:
             return victims_for(self._policy, incoming, needed, self._remove_locked, f"{self.name} tier's")
 
     def limit(self) -> int:
-        """The bytes this tier may hold now: its capacity, or less when its
-        filesystem has not that much room left (``DISK_RESERVE_BYTES``); a
-        statvfs per admission, far cheaper than the block write it guards."""
+        """The bytes this tier's blocks may take now: its capacity less the
+        staged bytes, or less when its filesystem has not that much room
+        left (``DISK_RESERVE_BYTES``); a statvfs per admission, far cheaper
+        than the block write it guards."""
         try:
             stats = os.statvfs(self.root)
         except OSError:
-            return self.capacity
+            return self.capacity - self._reserved
         reserve = min(DISK_RESERVE_BYTES, int(stats.f_blocks * stats.f_frsize * DISK_RESERVE_FRACTION))
-        return min(self.capacity, self._used + stats.f_bavail * stats.f_frsize - reserve)
+        return min(self.capacity - self._reserved, self._used + stats.f_bavail * stats.f_frsize - reserve)
+
+    @property
+    def reserved_bytes(self) -> int:
+        with self._lock:
+            return self._reserved
+
+    def reserve(self, nbytes: int, refusable: bool = True) -> list[str]:
+        """Take ``nbytes`` of the capacity for staged writes: the blocks to
+        evict for them are out of the accounting when this returns (the
+        caller deletes or demotes them). ``NoRoom`` when ``refusable`` and
+        the tier cannot hold them beside what is staged already: over its
+        capacity, or its disk is full (nothing is taken then)."""
+        with self._lock:
+            if refusable and self._reserved + nbytes > self.capacity:
+                raise NoRoom(f"{nbytes} more staged bytes exceed the {self.name} tier", [])
+            self._reserved += nbytes
+            needed = self._used - self.limit()
+            try:
+                return victims_for(self._policy, None, needed, self._remove_locked, f"{self.name} tier's")
+            except NoRoom:
+                if not refusable:
+                    return []
+                self._reserved -= nbytes
+                raise
+
+    def unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self._reserved -= nbytes
 
     def add(self, digest: str, size: int, ahead: bool = False) -> None:
         """Account a block just written; ``ahead`` as in ``EvictionPolicy.admitted``."""

@@ -65,6 +65,7 @@ from cachefsd.cache.codec import Codec, CorruptBlock, content_hasher, decode_fil
 from cachefsd.cache.index import WHOLE, BlockRef, Index, IndexDamaged, StoredBlock
 from cachefsd.cache.policy import PlannedUse
 from cachefsd.cache.tier import NoRoom, Tier, UnplaceableBlock, disk_bytes
+from cachefsd.errors import NoSpace
 from cachefsd.singleflight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -816,6 +817,36 @@ class TieredCache(BlockCache):
         with self._move_lock:
             for digest in unreferenced:
                 self.discard(digest)
+
+    # -- staged writes ----------------------------------------------------
+
+    def reserve(self, nbytes: int) -> None:
+        """Room in the hot tier for ``nbytes`` of staged writes, cached
+        blocks demoted or evicted for it; ``NoSpace`` if it has none."""
+        if nbytes <= 0:
+            return
+        with self._move_lock:
+            try:
+                victims = self._tiers[0].reserve(nbytes)
+            except NoRoom as refused:
+                self._give_up(0, refused.victims)
+                raise NoSpace(
+                    f"the {self._tiers[0].name} tier cannot hold {nbytes} more bytes of staged writes"
+                ) from None
+            self._give_up(0, victims)
+
+    def hold(self, nbytes: int) -> None:
+        """Account ``nbytes`` staged already (found at start): never refused."""
+        with self._move_lock:
+            self._give_up(0, self._tiers[0].reserve(nbytes, refusable=False))
+
+    def unreserve(self, nbytes: int) -> None:
+        if nbytes > 0:
+            self._tiers[0].unreserve(nbytes)
+
+    def staged_room(self) -> tuple[int, int]:
+        hot = self._tiers[0]
+        return hot.capacity, hot.capacity - hot.reserved_bytes
 
     def report_usage(self) -> None:
         """Tell the events each tier's usage, after anything that changed it."""

@@ -21,11 +21,17 @@ which nothing reads any more and which the policy may then evict first.
 
 from __future__ import annotations
 
-from cachefsd.cache.blocks import Version, WholeFile, block_ref
+from pathlib import Path
+
+from cachefsd.cache.blocks import Use, Version, WholeFile, block_ref
+from cachefsd.cache.codec import content_hash
 from cachefsd.cache.index import WHOLE
 from cachefsd.cache.tiered import TieredCache
 from cachefsd.cache.whole import WholeFiles, worth_whole_file
 from cachefsd.store.base import ObjectInfo
+
+# Blocks of a file written through the mount: nobody read them yet.
+_WRITTEN = Use(ahead=True)
 
 
 class CacheView:
@@ -119,6 +125,19 @@ class CacheView:
             return None
         tier, fd = hit
         return WholeFile(fd, tier, info.size)
+
+    def admit_file(self, info: ObjectInfo, path: Path) -> None:
+        """Cache the file at ``path``, which holds exactly version ``info``'s
+        bytes (a staged file just uploaded), as its blocks: read back on
+        this node, it costs no GET. Admitted as not yet read, like a
+        prefetch, so the policy weighs it against what readers use."""
+        version = Version(self._source, info.key, info.etag, info.size, self._block_size, False)
+        with path.open("rb", buffering=0) as file:
+            for index in range(-(-info.size // self._block_size)):
+                data = file.read(version.length(index))
+                if len(data) != version.length(index):
+                    raise OSError(f"{path} is shorter than the {info.size} bytes uploaded")
+                self._cache.put(version, index, content_hash(data), data, _WRITTEN)
 
     def room(self, next_use: float | None = None, wanted: int | None = None) -> int:
         """Bytes the cache would keep of blocks fetched ahead now (planned to

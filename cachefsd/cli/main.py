@@ -101,6 +101,8 @@ def _mount_flags(args: argparse.Namespace) -> dict[str, Any]:
         put("metrics", "enabled", False)
     if args.no_prefetch:
         put("prefetch", "enabled", False)
+    if args.writable:
+        flags["writable"] = True
     for option in args.options:
         for name in option.split(","):
             if name == "allow_other":
@@ -281,6 +283,18 @@ def _cmd_stats(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _cmd_sync(args: argparse.Namespace, argv: list[str]) -> int:
+    answer = _daemon_of(args.mountpoint).sync(args.timeout)
+    failed: dict[str, str] = answer["failed"]
+    for key, why in sorted(failed.items()):
+        print(f"cachefsd sync: not in the bucket: {key}: {why}", file=sys.stderr)
+    if failed:
+        print(f"cachefsd sync: {len(failed)} files are not in the bucket (they stay staged)", file=sys.stderr)
+        return 1
+    print(f"{answer['uploaded']} files uploaded; everything closed on {args.mountpoint} is in the bucket")
+    return 0
+
+
 def _cmd_top(args: argparse.Namespace, argv: list[str]) -> int:
     from cachefsd.cli import top  # noqa: PLC0415 - rich only when drawing
 
@@ -418,7 +432,8 @@ def _add_hint_parser(commands: Any) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cachefsd", description="Mount a bucket read-only and cache it on local disk for training."
+        prog="cachefsd",
+        description="Mount a bucket, cache it on local disk for training, and write checkpoints into it.",
     )
     parser.add_argument("--version", action="version", version=f"cachefsd {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -437,12 +452,27 @@ def _parser() -> argparse.ArgumentParser:
     mount.add_argument("--metrics-addr", help="HOST:PORT of the Prometheus endpoint (default 127.0.0.1:9468)")
     mount.add_argument("--no-metrics", action="store_true", help="serve no metrics endpoint")
     mount.add_argument("--no-prefetch", action="store_true", help="fetch only what readers ask for")
+    mount.add_argument(
+        "--writable",
+        action="store_true",
+        help="let processes write files (staged on the hot tier, uploaded in the background)",
+    )
     mount.add_argument("--foreground", action="store_true", help="stay in the foreground (systemd)")
     mount.add_argument(
         "-o", dest="options", action="append", default=[], help="mount options: allow_other, nopassthrough"
     )
     mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     mount.set_defaults(handler=_cmd_mount)
+
+    sync_cmd = commands.add_parser(
+        "sync",
+        help="wait until every file closed on a writable mount is in the bucket (exit 1 naming any not)",
+    )
+    sync_cmd.add_argument("mountpoint", type=Path)
+    sync_cmd.add_argument(
+        "--timeout", type=_seconds, help="seconds to wait at most (default: each upload's own bound)"
+    )
+    sync_cmd.set_defaults(handler=_cmd_sync)
 
     unmount_cmd = commands.add_parser(
         "unmount", help="unmount MOUNTPOINT (its daemon stops with its last mount)"

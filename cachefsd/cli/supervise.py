@@ -30,7 +30,7 @@ from cachefsd.control.mounts import (
     pid_alive,
     read_state,
 )
-from cachefsd.errors import CachefsdError, ConfigError
+from cachefsd.errors import CachefsdError, ConfigError, ControlError
 from cachefsd.preflight import check_mounts, notify_systemd
 
 log = logging.getLogger("cachefsd")
@@ -45,6 +45,9 @@ MOUNT_READY_SECONDS = 300.0
 
 
 UNMOUNT_SECONDS = 30.0
+# How long ``unmount`` waits for a writable mount's uploads due: what is
+# not in the bucket by then stays staged, and the next mount uploads it.
+UNMOUNT_UPLOAD_SECONDS = 60.0
 
 
 # Ignored while a mount command stops the daemon it started (``_stop``).
@@ -263,6 +266,23 @@ def _signals_set(signums: tuple[signal.Signals, ...], handler: Any) -> Iterator[
             signal.signal(signum, old)
 
 
+def _upload_before_unmount(state: MountState) -> None:
+    """Give a writable mount's uploads due a while to reach the bucket, and
+    say which stay staged (a read-only mount has none to wait for)."""
+    from cachefsd.control.client import ControlClient  # noqa: PLC0415 - only when unmounting
+
+    try:
+        answer = ControlClient(state.control_socket).sync(UNMOUNT_UPLOAD_SECONDS)
+    except ControlError:
+        return  # read-only, or the daemon does not answer: nothing to wait for
+    for key, why in sorted(answer["failed"].items()):
+        print(
+            f"cachefsd: {WARNING_PREFIX}{key} is not in the bucket ({why}); it stays staged in the cache, "
+            f"and the next mount of {state.source} on it uploads it",
+            file=sys.stderr,
+        )
+
+
 def unmount(mountpoint: Path, timeout: float = UNMOUNT_SECONDS) -> None:
     """Unmount, and wait until the mount's data path is closed, and its
     daemon has exited when it was its last mount (so its cache is released)."""
@@ -279,6 +299,8 @@ def unmount(mountpoint: Path, timeout: float = UNMOUNT_SECONDS) -> None:
         command = ["fusermount3", flag, str(mountpoint)]
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
 
+    if state is not None and pid_alive(state.pid):
+        _upload_before_unmount(state)
     result = fusermount("-u")
     if result.returncode != 0 and state is not None and not pid_alive(state.pid):
         # Its daemon died (kill -9, OOM) and a process still holds a file

@@ -76,7 +76,7 @@ class MeterTotals:
 
 
 class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
+    def __init__(self, path: str, timeout: float | None) -> None:
         super().__init__("localhost", timeout=timeout)
         self._path = path
 
@@ -130,6 +130,13 @@ class ControlClient:
 
         return self._answer("/diagnose", DiagnosisAnswer)
 
+    def sync(self, timeout: float | None) -> dict[str, Any]:
+        """Wait until what was closed on the mount is in the bucket (or
+        failed, or ``timeout`` passed): ``{"uploaded": N, "failed": {key: why}}``."""
+        wait = None if timeout is None else timeout + CALL_TIMEOUT_SECONDS
+        answer: dict[str, Any] = self._call("POST", "/sync", {"timeout": timeout}, wait)
+        return answer
+
     def attach(self, settings: dict[str, Any]) -> MountState:
         """Mount ``settings`` (the fields that were set) on this daemon's
         node; its state once ready, or ``ControlError`` saying why not."""
@@ -177,7 +184,9 @@ class ControlClient:
                 f"(another version of cachefsd?): {wrong}"
             ) from exc
 
-    def _call(self, method: str, path: str, body: Any, timeout: float, limit: int = SMALL_BODY_BYTES) -> Any:
+    def _call(
+        self, method: str, path: str, body: Any, timeout: float | None, limit: int = SMALL_BODY_BYTES
+    ) -> Any:
         connection = self._open(method, path, body, timeout, limit)
         try:
             response = self._response(connection)
@@ -190,7 +199,7 @@ class ControlClient:
         finally:
             connection.close()
 
-    def _open(self, method: str, path: str, body: Any, timeout: float, limit: int) -> _UnixConnection:
+    def _open(self, method: str, path: str, body: Any, timeout: float | None, limit: int) -> _UnixConnection:
         data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         if data is not None and len(data) > limit:
             raise ControlError(

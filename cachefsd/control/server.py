@@ -23,6 +23,9 @@ Endpoints (bodies are JSON; errors are ``{"error": message}`` with a 4xx/5xx):
 - ``POST /stage`` ``{"path": "/", "include": glob|null, "tier": name|null,
   "check": bool}`` -> newline-delimited JSON events (chunked transfer), the
   last one ``{"event": "summary", ...}`` or ``{"event": "error", ...}``.
+- ``POST /sync`` ``{"timeout": seconds|null}``: answers once every file
+  closed on a writable mount is in the bucket, or failed an attempt, or
+  ``timeout`` passed -> ``{"uploaded": N, "failed": {key: why}}``.
 - ``POST /mounts`` ``{"settings": {...}}`` (``Settings.model_dump`` without
   the fields left unset) mounts another source on this daemon's node and
   answers once it is ready -> the new mount's ``MountState``; a mount it
@@ -60,6 +63,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -75,6 +79,7 @@ from cachefsd.control.mounts import MountState
 from cachefsd.errors import BadRequest, CachefsdError, StageCancelled
 from cachefsd.namespace.tree import Namespace
 from cachefsd.stage import Blocks, Report, Resident, StageRequest, normalise, stage_files
+from cachefsd.writes.uploads import Uploads
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +136,12 @@ class MountBody(_Request):
     """``POST /mounts``: the settings of the mount to add."""
 
     settings: dict[StrictStr, Any]
+
+
+class SyncBody(_Request):
+    """``POST /sync``: how long to wait at most (None: each upload's own bound)."""
+
+    timeout: StrictFloat | None = Field(default=None, ge=0)
 
 
 class StageBody(_Request):
@@ -223,6 +234,11 @@ class ControlHandlers(Protocol):
     def attach(self, settings: dict[str, Any]) -> dict[str, Any]:
         """Mount ``settings`` on this daemon's node; its ``MountState`` once
         ready. Raise ``CachefsdError`` saying why it cannot be."""
+        ...
+
+    def sync(self, timeout: float | None) -> tuple[int, dict[str, str]]:
+        """Upload now what is due and wait (``writes.uploads.Uploads.wait``):
+        how many files were due, and those not in the bucket, with why."""
         ...
 
     def detach(self, mountpoint: str) -> None:
@@ -318,6 +334,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             "/meter": (SMALL_BODY_BYTES, self._meter),
             "/stage": (SMALL_BODY_BYTES, self._stage),
             "/mounts": (SMALL_BODY_BYTES, self._attach),
+            "/sync": (SMALL_BODY_BYTES, self._sync),
         }
         if self.path not in routes:
             self._error(404, f"no such endpoint: POST {self.path}")
@@ -348,6 +365,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         totals = MeterTotals(meter.batches, meter.data_wait_seconds, meter.step_seconds)
         self.server.owner.handlers.meter(meter.meter, totals, meter.readers, _peer(self.request)[0])
         self._json(200, {})
+
+    def _sync(self, body: Any) -> None:
+        due, failed = self.server.owner.handlers.sync(_parsed(SyncBody, body).timeout)
+        self._json(200, {"uploaded": due - len(failed), "failed": failed})
 
     def _attach(self, body: Any) -> None:
         handlers = self.server.owner.handlers
@@ -555,6 +576,7 @@ class MountHandlers:
         hint: Callable[[list[str], tuple[int, int] | None, int], tuple[int, int]] | None = None,
         node: NodeMounts | None = None,
         diagnosis: Diagnoses | None = None,
+        uploads: Uploads | None = None,
     ) -> None:
         """``mount``: what identifies the mount in ``/stats`` (pid, mountpoint,
         source); ``activity``: what its daemon measured
@@ -562,8 +584,9 @@ class MountHandlers:
         there is one; without it a hint is only checked against the
         namespace and counted. ``node``: the daemon that takes more mounts,
         if any. ``diagnosis``: the loader meters' ledger, without which
-        reports are refused."""
+        reports are refused. ``uploads``: a writable mount's uploader."""
         self._namespace = namespace
+        self._uploads = uploads
         self._reader = reader
         self._resident = resident
         self._cache = cache
@@ -641,6 +664,11 @@ class MountHandlers:
     def detach(self, mountpoint: str) -> None:
         if self._node is not None:
             self._node.detach(mountpoint)
+
+    def sync(self, timeout: float | None) -> tuple[int, dict[str, str]]:
+        if self._uploads is None:
+            raise BadRequest("the mount is read-only: it has nothing to upload")
+        return self._uploads.wait(None, timeout)
 
     def close(self) -> None:
         self._closing.set()

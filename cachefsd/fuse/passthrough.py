@@ -138,6 +138,12 @@ class Opens:
         opens.through += 1
         return opens.backing
 
+    def backed(self, inode: int) -> bool:
+        """Whether ``inode`` has passthrough opens (on its backing file)."""
+        with self._lock:
+            opens = self._inodes.get(inode)
+        return opens is not None and opens.backing is not None
+
     def passing_through(self) -> bool:
         """Whether any inode has a passthrough open: until none has, a mount
         that gave passthrough up must still answer OPEN (``session``), as

@@ -29,17 +29,31 @@ class Op(enum.IntEnum):
     LOOKUP = 1
     FORGET = 2
     GETATTR = 3
+    SETATTR = 4
+    SYMLINK = 6
+    MKNOD = 8
+    MKDIR = 9
+    UNLINK = 10
+    RMDIR = 11
+    RENAME = 12
+    LINK = 13
     OPEN = 14
     READ = 15
+    WRITE = 16
     STATFS = 17
     RELEASE = 18
+    FSYNC = 20
+    FLUSH = 25
     INIT = 26
     OPENDIR = 27
     RELEASEDIR = 29
+    FSYNCDIR = 30
+    CREATE = 35
     INTERRUPT = 36
     DESTROY = 38
     BATCH_FORGET = 42
     READDIRPLUS = 44
+    RENAME2 = 45
 
 
 # Requests the kernel sends without waiting for an answer.
@@ -47,6 +61,8 @@ UNANSWERED = frozenset({Op.FORGET, Op.BATCH_FORGET, Op.INTERRUPT})
 
 # INIT flags (``flags`` holds bits 0-31, ``flags2`` bits 32-63).
 ASYNC_READ = 1 << 0
+ATOMIC_O_TRUNC = 1 << 3
+BIG_WRITES = 1 << 5  # without it the kernel writes a page a request
 DO_READDIRPLUS = 1 << 13
 NO_OPEN_SUPPORT = 1 << 17
 PARALLEL_DIROPS = 1 << 18
@@ -55,8 +71,20 @@ INIT_EXT = 1 << 30
 PASSTHROUGH = 1 << 37
 
 # OPEN reply flags.
+FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_PASSTHROUGH = 1 << 7
+
+# SETATTR's ``valid`` bits.
+FATTR_MODE = 1 << 0
+FATTR_UID = 1 << 1
+FATTR_GID = 1 << 2
+FATTR_SIZE = 1 << 3
+FATTR_MTIME = 1 << 5
+FATTR_MTIME_NOW = 1 << 8
+
+# RENAME2 flags (``renameat2``).
+RENAME_NOREPLACE = 1 << 0
 
 # Notification codes (the ``error`` field of an unsolicited message).
 NOTIFY_INVAL_ENTRY = 3
@@ -76,6 +104,16 @@ ATTR_OUT = struct.Struct("<QII")  # then an ATTR
 OPEN_OUT = struct.Struct("<QIi")  # fh, open_flags, backing_id
 READ_IN = struct.Struct("<QQIIQII")  # fh, offset, size, read_flags, lock_owner, flags, padding
 RELEASE_IN = struct.Struct("<QIIQ")  # fh, flags, release_flags, lock_owner
+OPEN_IN = struct.Struct("<II")  # flags, open_flags
+CREATE_IN = struct.Struct("<IIII")  # flags, mode, umask, open_flags
+MKDIR_IN = struct.Struct("<II")  # mode, umask
+RENAME_IN = struct.Struct("<Q")  # newdir
+RENAME2_IN = struct.Struct("<QII")  # newdir, flags, padding
+# valid, padding, fh, size, lock_owner, atime, mtime, ctime, atimensec,
+# mtimensec, ctimensec, mode, unused4, uid, gid, unused5
+SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")
+WRITE_IN = struct.Struct("<QQIIQII")  # fh, offset, size, write_flags, lock_owner, flags, padding
+WRITE_OUT = struct.Struct("<II")  # size, padding
 FORGET_IN = struct.Struct("<Q")  # nlookup
 BATCH_FORGET_IN = struct.Struct("<II")  # count, dummy
 FORGET_ONE = struct.Struct("<QQ")  # nodeid, nlookup
@@ -91,9 +129,9 @@ MAX_READ = MAX_PAGES_COUNT * PAGE_SIZE
 # default, said explicitly), and from how many it slows new ones down.
 BACKGROUND_REQUESTS = 12
 CONGESTION_THRESHOLD = 9
-# The largest write we accept (none: the mounts are read-only), which sizes
-# the buffer a request is read into.
-MAX_WRITE = 128 << 10
+# The largest write the kernel sends: as large as a read, so a checkpoint
+# is written a MiB per request. It sizes the buffer a request is read into.
+MAX_WRITE = MAX_READ
 # A request buffer: the kernel refuses a read of /dev/fuse into less than a
 # header, a write request's header and MAX_WRITE.
 REQUEST_BUFFER = MAX_WRITE + PAGE_SIZE

@@ -39,6 +39,7 @@ import os
 import select
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,7 @@ from typing import Protocol
 
 from cachefsd import turns
 from cachefsd.cache.blocks import FileSpan
-from cachefsd.errors import CachefsdError, ObjectChanged, errno_for
+from cachefsd.errors import Busy, CachefsdError, NotPermitted, ObjectChanged, errno_for
 from cachefsd.fs import Attributes, FileSystem
 from cachefsd.fuse import device, protocol
 from cachefsd.fuse.passthrough import JUDGED_OPENS, Opens, OpenSizes
@@ -208,6 +209,9 @@ class Session:
         # The connection and the opens of its files, while serving.
         self._connection: device.Connection | None = None
         self._opens: Opens | None = None
+        # Opens of staged files counted in ``_opens``: handle -> whether
+        # passed through; guarded by _wake_lock.
+        self._staged_opens: dict[int, bool] = {}
         self._open_sizes = OpenSizes(protocol.MAX_READ)
         # Wakes every worker at the end, while serving (else -1); guarded by _wake_lock.
         self._wake_lock = threading.Lock()
@@ -231,6 +235,24 @@ class Session:
             Op.INTERRUPT: lambda request, body: None,  # answered by answering the request itself
             Op.DESTROY: self._destroy,
         }
+        if fs.writes is not None:
+            refused = self._refuse("a bucket holds no links, symlinks or special files")
+            self._handlers.update({
+                Op.CREATE: self._create,
+                Op.WRITE: self._write,
+                Op.FLUSH: self._flush,
+                Op.FSYNC: self._fsync,
+                Op.FSYNCDIR: self._flush,
+                Op.SETATTR: self._setattr,
+                Op.MKDIR: self._mkdir,
+                Op.UNLINK: self._unlink,
+                Op.RMDIR: self._rmdir,
+                Op.RENAME: self._rename,
+                Op.RENAME2: self._rename,
+                Op.LINK: refused,
+                Op.SYMLINK: refused,
+                Op.MKNOD: refused,
+            })  # fmt: skip
         self._names = {int(op): op.name.lower() for op in Op}  # the metric's label values
 
     # -- serving ----------------------------------------------------------
@@ -245,7 +267,8 @@ class Session:
         fetch concurrency) if fewer, plus spares that serve lookups, opens
         and cached reads meanwhile; only ``SERVING_WORKERS`` of them serve
         at a time (prefetch fetches ahead on threads of its own)."""
-        connection = self._connection = device.mount(self._mountpoint, _mount_options(fsname, allow_other))
+        options = _mount_options(fsname, allow_other, writable=self._fs.writes is not None)
+        connection = self._connection = device.mount(self._mountpoint, options)
         self._opens = Opens(connection)
         with self._wake_lock:
             self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -354,8 +377,11 @@ class Session:
             raise CachefsdError(
                 f"the kernel speaks FUSE {offer.major}.{offer.minor}: cachefsd needs 7.23 or later"
             )
-        self._no_open = bool(offer.flags & protocol.NO_OPEN_SUPPORT)
+        # A writable mount answers every OPEN: a write needs its handle.
+        self._no_open = bool(offer.flags & protocol.NO_OPEN_SUPPORT) and self._fs.writes is None
         wanted = protocol.ASYNC_READ | protocol.DO_READDIRPLUS | protocol.PARALLEL_DIROPS | protocol.MAX_PAGES
+        if self._fs.writes is not None:
+            wanted |= protocol.ATOMIC_O_TRUNC | protocol.BIG_WRITES
         depth = 1
         why_not = self._passthrough_refused(offer)
         if not why_not:
@@ -401,9 +427,8 @@ class Session:
         return ""
 
     def _lookup(self, request: Request, body: memoryview) -> None:
-        name = bytes(body).split(b"\0", 1)[0]
-        attributes = self._fs.lookup(request.nodeid, os.fsdecode(name))
-        entry = protocol.pack_entry(attributes.inode, _attr(attributes), self._ttl)
+        attributes = self._fs.lookup(request.nodeid, _name(body))
+        entry = protocol.pack_entry(attributes.inode, _attr(attributes), self._ttl_of(attributes))
         if not self._send(protocol.reply(request.unique, entry)):
             self._fs.forget(attributes.inode, 1)  # interrupted: the kernel holds no reference
 
@@ -420,7 +445,14 @@ class Session:
 
     def _getattr(self, request: Request, body: memoryview) -> None:
         attributes = self._fs.getattr(request.nodeid)
-        self._send(protocol.reply(request.unique, protocol.pack_attr_out(_attr(attributes), self._ttl)))
+        self._send(protocol.reply(request.unique, self._attr_out(attributes)))
+
+    def _ttl_of(self, attributes: Attributes) -> float:
+        """How long the kernel may keep ``attributes`` (and the entry that named them)."""
+        return self._ttl if attributes.cacheable else 0.0
+
+    def _attr_out(self, attributes: Attributes) -> bytes:
+        return protocol.pack_attr_out(_attr(attributes), self._ttl_of(attributes))
 
     def _open(self, request: Request, body: memoryview) -> None:
         """With passthrough, by the rules of ``passthrough.Opens``; a cached
@@ -428,6 +460,24 @@ class Session:
         ENOSYS tells a kernel with no-open support never to send OPEN (nor
         RELEASE) again, and to keep the pages of an inode across opens."""
         inode, pid = request.nodeid, request.pid
+        if self._fs.writes is not None:
+            flags, _ = protocol.OPEN_IN.unpack_from(body)
+            writing = flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC
+            if (
+                writing
+                and not self._fs.is_staged(inode)
+                and self._opens is not None
+                and self._opens.backed(inode)
+            ):
+                raise Busy(
+                    "the object is open for reading through the kernel: it is replaced once they close"
+                )
+            handle = self._fs.open(inode, flags)
+            if handle is not None:
+                answer = self._open_staged(inode, handle, flags)
+                if not self._send(protocol.reply(request.unique, answer)):
+                    self._release_staged(inode, handle)  # interrupted: nothing was opened
+                return
         if self.passthrough.on and self._no_open and self._open_sizes.judging:
             self._judge(self._fs.getattr(inode).size)
         # Passthrough given up (``_judge``) while files are open in it: OPEN
@@ -471,10 +521,36 @@ class Session:
         self._events.passthrough_state(passthrough.on)
         log.info("%s: passthrough %s", self._mountpoint, passthrough)
 
+    def _open_staged(self, inode: int, handle: int, flags: int) -> bytes:
+        """The answer to an open of a staged file: the kernel reads and
+        writes the file itself where passthrough is on and staging allows
+        it (``fs.staged_backing``), else the daemon serves it, a writer's
+        writes by direct I/O (not first into pages of the mounted file
+        that the staged file's own pages would hold again)."""
+        through = None
+        if self.passthrough.on and self._opens is not None:
+            through = self._opens.open(inode, lambda: self._fs.staged_backing(handle))
+            with self._wake_lock:
+                self._staged_opens[handle] = through is not None
+        if through is not None:
+            return protocol.pack_open(handle, protocol.FOPEN_PASSTHROUGH, through.backing_id)
+        direct = protocol.FOPEN_DIRECT_IO if flags & os.O_ACCMODE != os.O_RDONLY else 0
+        return protocol.pack_open(handle, direct)
+
+    def _release_staged(self, inode: int, handle: int) -> None:
+        with self._wake_lock:
+            through = self._staged_opens.pop(handle, None)
+        if through is not None and self._opens is not None:
+            self._opens.release(inode, through)
+        self._fs.release(handle)
+
     def _release(self, request: Request, body: memoryview) -> None:
         assert self._opens is not None
         fh, _, _, _ = protocol.RELEASE_IN.unpack_from(body)
-        self._opens.release(request.nodeid, fh == _THROUGH)
+        if fh > _THROUGH:
+            self._release_staged(request.nodeid, fh)
+        else:
+            self._opens.release(request.nodeid, fh == _THROUGH)
         self._send(protocol.reply(request.unique))
 
     def _read(self, request: Request, body: memoryview) -> None:
@@ -539,7 +615,9 @@ class Session:
             attributes = self._fs.remember(handle, entry)
             if entry.name not in (".", ".."):
                 sent.append(attributes.inode)
-            packed = protocol.pack_direntplus(attributes.inode, _attr(attributes), self._ttl, name, index + 1)
+            packed = protocol.pack_direntplus(
+                attributes.inode, _attr(attributes), self._ttl_of(attributes), name, index + 1
+            )
             parts.append(packed)
             used += len(packed)
         if not self._send(protocol.reply(request.unique, b"".join(parts))):
@@ -559,13 +637,100 @@ class Session:
         )  # fmt: skip
         self._send(protocol.reply(request.unique, answer))
 
+    # -- a writable mount's requests ------------------------------------
+
+    def _refuse(self, why: str) -> Callable[[Request, memoryview], None]:
+        def refuse(request: Request, body: memoryview) -> None:
+            raise NotPermitted(why)
+
+        return refuse
+
+    def _create(self, request: Request, body: memoryview) -> None:
+        flags, _, _, _ = protocol.CREATE_IN.unpack_from(body)
+        name = _name(body[protocol.CREATE_IN.size :])
+        attributes, handle = self._fs.create(request.nodeid, name, flags)
+        entry = protocol.pack_entry(attributes.inode, _attr(attributes), self._ttl_of(attributes))
+        answer = self._open_staged(attributes.inode, handle, flags)
+        if not self._send(protocol.reply(request.unique, entry, answer)):
+            self._release_staged(attributes.inode, handle)  # interrupted: the kernel holds neither
+            self._fs.forget(attributes.inode, 1)
+
+    def _write(self, request: Request, body: memoryview) -> None:
+        fh, offset, size, _, _, _, _ = protocol.WRITE_IN.unpack_from(body)
+        data = body[protocol.WRITE_IN.size : protocol.WRITE_IN.size + size]
+        written = self._fs.write(fh, offset, data)
+        self._send(protocol.reply(request.unique, protocol.WRITE_OUT.pack(written, 0)))
+
+    def _flush(self, request: Request, body: memoryview) -> None:
+        """A close: the bytes are in the staged file already (close =
+        durable on this node, as on a local disk)."""
+        self._send(protocol.reply(request.unique))
+
+    def _fsync(self, request: Request, body: memoryview) -> None:
+        """Answered once the file is in the bucket."""
+        self._fs.fsync(request.nodeid)
+        self._send(protocol.reply(request.unique))
+
+    def _setattr(self, request: Request, body: memoryview) -> None:
+        fields = protocol.SETATTR_IN.unpack_from(body)
+        valid, size, mtime, mtime_ns = fields[0], fields[3], fields[6], fields[9]
+        new_size = size if valid & protocol.FATTR_SIZE else None
+        new_mtime = None
+        if valid & protocol.FATTR_MTIME_NOW:
+            new_mtime = time.time()
+        elif valid & protocol.FATTR_MTIME:
+            new_mtime = mtime + mtime_ns / 1e9
+        owner_or_mode = bool(valid & (protocol.FATTR_MODE | protocol.FATTR_UID | protocol.FATTR_GID))
+        attributes = self._fs.setattr(request.nodeid, new_size, new_mtime, owner_or_mode)
+        self._send(protocol.reply(request.unique, self._attr_out(attributes)))
+
+    def _mkdir(self, request: Request, body: memoryview) -> None:
+        attributes = self._fs.mkdir(request.nodeid, _name(body[protocol.MKDIR_IN.size :]))
+        entry = protocol.pack_entry(attributes.inode, _attr(attributes), self._ttl_of(attributes))
+        if not self._send(protocol.reply(request.unique, entry)):
+            self._fs.forget(attributes.inode, 1)
+
+    def _unlink(self, request: Request, body: memoryview) -> None:
+        self._fs.unlink(request.nodeid, _name(body))
+        self._send(protocol.reply(request.unique))
+
+    def _rmdir(self, request: Request, body: memoryview) -> None:
+        self._fs.rmdir(request.nodeid, _name(body))
+        self._send(protocol.reply(request.unique))
+
+    def _rename(self, request: Request, body: memoryview) -> None:
+        if request.opcode == Op.RENAME2:
+            new_parent, flags, _ = protocol.RENAME2_IN.unpack_from(body)
+            names = bytes(body[protocol.RENAME2_IN.size :])
+        else:
+            (new_parent,) = protocol.RENAME_IN.unpack_from(body)
+            flags, names = 0, bytes(body[protocol.RENAME_IN.size :])
+        if flags & ~protocol.RENAME_NOREPLACE:
+            raise NotPermitted("a bucket cannot exchange two names, nor leave a whiteout")
+        old, new, _ = names.split(b"\0", 2)
+        self._fs.rename(
+            request.nodeid,
+            os.fsdecode(old),
+            new_parent,
+            os.fsdecode(new),
+            bool(flags & protocol.RENAME_NOREPLACE),
+        )
+        self._send(protocol.reply(request.unique))
+
     def _destroy(self, request: Request, body: memoryview) -> None:
         self._send(protocol.reply(request.unique))
         self.stop()
 
 
-def _mount_options(fsname: str, allow_other: bool) -> str:
-    options = ["ro", "default_permissions", f"fsname={fsname.replace(',', '_')}", "subtype=cachefsd"]
+def _name(body: memoryview) -> str:
+    """The NUL-terminated name a request ends with."""
+    return os.fsdecode(bytes(body).split(b"\0", 1)[0])
+
+
+def _mount_options(fsname: str, allow_other: bool, writable: bool) -> str:
+    options = ["default_permissions", f"fsname={fsname.replace(',', '_')}", "subtype=cachefsd"]
+    if not writable:
+        options.insert(0, "ro")
     if allow_other:
         options.append("allow_other")
     return ",".join(options)

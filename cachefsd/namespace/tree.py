@@ -176,6 +176,26 @@ class Namespace:
                 self._dirs[prefix] = _Cached(cached.directory, INVALIDATED)
         self._saved.save(prefix, INVALIDATED, Listing((), ()))
 
+    def changed(self, key: str) -> None:
+        """This mount changed ``key`` in the bucket (a write, a delete, a
+        rename): its directory's listing is dropped, and each ancestor's
+        that does not show the directory below it (a key may make a new
+        one), so the next lookup lists them again and sees the bucket as
+        it is now. A root of 100k keys is not listed again for a file
+        written deep below it."""
+        parts = key.split("/")
+        for depth in range(len(parts)):
+            prefix = "".join(part + "/" for part in parts[:depth])
+            last = depth == len(parts) - 1
+            with self._lock:
+                cached = self._dirs.get(prefix)
+                if cached is None or cached.fetched_at == INVALIDATED:
+                    continue
+                if not last and parts[depth] in cached.directory.entries:
+                    continue
+                self._dirs[prefix] = _Cached(cached.directory, INVALIDATED)
+            self._saved.save(prefix, INVALIDATED, Listing((), ()))
+
     def _cached(self, prefix: str) -> _Cached:
         now = self._clock()
         with self._lock:

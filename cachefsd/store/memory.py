@@ -54,6 +54,16 @@ class MemoryStore:
             self._objects[key] = (info, bytes(data))
         return info
 
+    def get(self, key: str) -> bytes | None:
+        """``key``'s bytes (None if absent), as a test checks what was written."""
+        with self._lock:
+            entry = self._objects.get(key)
+        return None if entry is None else entry[1]
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return sorted(self._objects)
+
     def remove(self, key: str) -> None:
         """Remove ``key``, which must exist: a test's change behind the daemon's back."""
         with self._lock:

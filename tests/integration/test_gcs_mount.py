@@ -99,3 +99,21 @@ def test_missing_gcs_bucket_fails_the_mount_in_one_line(gcs_emulator: GcsEmulato
     assert "no-such-bucket-here" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not os.path.ismount(mountpoint)
+
+
+def test_a_writable_gcs_mount_uploads_what_is_written(any_gcs: storage.Client, mounter: MountFactory) -> None:
+    bucket = any_gcs.create_bucket(f"g-{uuid.uuid4().hex[:12]}")
+    bucket.blob("runs/old.pt").upload_from_string(b"old")
+    mount = mounter(f"gs://{bucket.name}/runs", "--block-size", "64K", "--writable")
+    data = random.Random(5).randbytes(200_000)
+    os.makedirs(mount.path("step-1"))
+    mount.path("step-1/model.pt").write_bytes(data)
+    os.rename(mount.path("old.pt"), mount.path("older.pt"))
+    result = run_cli("sync", str(mount.mountpoint))
+    assert result.returncode == 0, result.stderr
+    assert bucket.blob("runs/step-1/model.pt").download_as_bytes() == data
+    assert sorted(blob.name for blob in any_gcs.list_blobs(bucket.name)) == [
+        "runs/older.pt",
+        "runs/step-1/model.pt",
+    ]
+    assert mount.path("step-1/model.pt").read_bytes() == data

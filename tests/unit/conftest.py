@@ -34,6 +34,7 @@ from cachefsd.store.base import ObjectInfo, ObjectStore
 from cachefsd.store.faulty import FaultyStore
 from cachefsd.store.memory import MemoryStore
 from cachefsd.workload.model import WorkloadModel
+from cachefsd.writes.journal import Journal
 
 BLOCK_SIZE = 64 << 10
 FAST_FETCH = FetchSettings(deadline=2.0, attempt_timeout=0.5, backoff_initial=0.01, backoff_max=0.05)
@@ -140,6 +141,20 @@ class Rig:
     model: WorkloadModel
     whole_files: WholeFiles  # not started: a test that wants whole files starts it
     shared: SharedCache | None = None
+    journal: Journal | None = None  # a writable rig's (its uploads are started)
+
+    def close(self) -> None:
+        """What the rig started and opened, stopped and closed (a writable
+        rig's staged files stay, as at an unmount)."""
+        self.whole_files.stop()
+        if self.fs.writes is not None:
+            self.fs.writes.uploads.stop(0.0)
+            self.fs.writes.staging.close()
+        if self.journal is not None:
+            self.journal.close()
+        if self.shared is not None:
+            self.shared.close()
+        self.index.close()
 
 
 RigFactory = Callable[..., Rig]
@@ -168,11 +183,12 @@ def build_rig(
     cache_tuning: CacheTuning = DAEMON_CACHE_TUNING,
     read_marks: ReadMarks | None = None,
     shared_store: ObjectStore | None = None,
+    writable: bool = False,
 ) -> Rig:
     """The whole read path over a ``MemoryStore``, its cache in ``cache_dir``,
     its I/O on ``io``, with a shared tier in ``shared_store`` if given; the
-    caller closes ``rig.index`` (and ``rig.shared``, and stops
-    ``rig.whole_files`` if it started them). ``read_marks``:
+    caller closes it (``Rig.close``). ``writable``: its filesystem
+    takes writes, staged and uploaded to the store. ``read_marks``:
     where reads mark blocks other jobs are still to read, if ``policy`` was
     given them. For tests that cannot take fixtures (hypothesis state
     machines); others use ``make_rig``."""
@@ -203,6 +219,7 @@ def build_rig(
     if shared_store is not None:
         shared = SharedCache(shared_store, io, BLOCK_SIZE, metrics, SharedFetches(metrics), time.monotonic)
     whole_files = WholeFiles(cache.assemble_whole)
+    journal = Journal(cache_dir) if writable else None
     reader, view, namespace, _, fs = data_path(
         faulty,
         cache,
@@ -216,7 +233,11 @@ def build_rig(
         listing_clock=clock,
         fresh_wait=fresh_wait,
         shared=shared,
+        writes=None if journal is None else (journal, metrics.for_mount(str(settings.mountpoint))),
     )
+    if fs.writes is not None:
+        fs.writes.staging.start(fs.writes.uploads)
+        fs.writes.uploads.start()
     return Rig(
         store,
         faulty,
@@ -232,6 +253,7 @@ def build_rig(
         model,
         whole_files,
         shared,
+        journal,
     )
 
 
@@ -249,7 +271,4 @@ def fixture_make_rig(tmp_path: Path, io: LoopThread) -> Iterator[RigFactory]:
 
     yield make
     for rig in rigs:
-        rig.whole_files.stop()
-        if rig.shared is not None:
-            rig.shared.close()
-        rig.index.close()
+        rig.close()

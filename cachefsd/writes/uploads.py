@@ -1,0 +1,286 @@
+"""The uploader: takes staged files due for upload to the bucket, in the
+background, in the journal's order for each key.
+
+A few threads (``UPLOAD_WORKERS``), each running one upload at a time on
+the daemon's event loop (the store sends a large file as parts in flight
+together). Two uploads to one key never run at once, and run in the
+journal's order, so the bucket ends with what was written last. Each attempt is bounded (the fetch
+deadline, plus the time the file takes at ``FLOOR_BYTES_PER_SECOND``); a
+failed one is retried, backing off up to ``MAX_BACKOFF_SECONDS``, for as
+long as the daemon runs: a staged file is never dropped for failing. Its
+failures are counted and logged, and ``wait`` (``fsync``, ``cachefsd
+sync``) names it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from cachefsd import turns
+from cachefsd.aio import LoopThread
+from cachefsd.errors import CachefsdError, DaemonStopping
+from cachefsd.store.base import ObjectInfo, ObjectStore
+from cachefsd.writes.journal import Journal, Op
+from cachefsd.writes.staged import Staging
+
+log = logging.getLogger(__name__)
+
+# Operations in flight at once: each upload sends its parts in parallel
+# already, so a few files saturate a link; more only split it.
+UPLOAD_WORKERS = 4
+# The slowest an upload may go before its attempt counts as failed.
+FLOOR_BYTES_PER_SECOND = 4 << 20
+MAX_BACKOFF_SECONDS = 60.0
+
+
+class UploadEvents(Protocol):
+    """What the uploader tells the metrics."""
+
+    def upload_started(self) -> None: ...
+    def upload_ended(
+        self, result: Literal["ok", "failed", "dropped"], seconds: float, nbytes: int
+    ) -> None: ...
+
+
+@dataclass(slots=True)
+class _Pending:
+    op: Op
+    since: float  # when it became due
+    running: concurrent.futures.Future[ObjectInfo] | None = None
+    cancelled: bool = False
+    retry_at: float = 0.0
+    failures: int = 0
+    last_error: str | None = None
+
+
+class Uploads:
+    """The due operations of one mount, and the threads that run them."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        staging: Staging,
+        journal: Journal,
+        io: LoopThread,
+        events: UploadEvents,
+        deadline: float,
+        changed: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``changed(key)`` is told of each key changed in the bucket."""
+        self._store = store
+        self._staging = staging
+        self._journal = journal
+        self._io = io
+        self._events = events
+        self._deadline = deadline
+        self._changed = changed
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._pending: dict[int, _Pending] = {}
+        self._running_keys: set[str] = set()
+        self._stopping = False
+        self._threads = [
+            threading.Thread(target=self._work, name="cachefsd-upload", daemon=True)
+            for _ in range(UPLOAD_WORKERS)
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    # -- what staging tells -------------------------------------------------
+
+    def due(self, op: Op) -> None:
+        with self._wake:
+            pending = self._pending.get(op.id)
+            if pending is None:
+                self._pending[op.id] = _Pending(op, self._clock())
+            else:
+                pending.op = op
+                pending.retry_at = 0.0
+            self._wake.notify_all()
+
+    def cancel(self, op: int) -> None:
+        with self._wake:
+            pending = self._pending.pop(op, None)
+            if pending is not None and pending.running is not None:
+                pending.cancelled = True
+                pending.running.cancel()
+            self._wake.notify_all()
+
+    # -- waiting --------------------------------------------------------------
+
+    def wait(self, ops: list[int] | None, timeout: float | None) -> tuple[int, dict[str, str]]:
+        """Run ``ops`` (every due one if None) now and wait until each is
+        done or failed an attempt, or ``timeout`` passed: how many were
+        due, and key -> why for those not in the bucket (none: all are)."""
+        end = None if timeout is None else self._clock() + timeout
+        turns.give_up()
+        with self._wake:
+            ids = list(self._pending) if ops is None else [op for op in ops if op in self._pending]
+            failures = {op: self._pending[op].failures for op in ids}
+            for op in ids:
+                self._pending[op].retry_at = 0.0
+            self._wake.notify_all()
+            while True:
+                left = {op: self._pending[op] for op in ids if op in self._pending}
+                failed = {op: each for op, each in left.items() if each.failures > failures[op]}
+                if len(failed) == len(left):
+                    return len(ids), {each.op.key: each.last_error or "failed" for each in failed.values()}
+                remaining = None if end is None else end - self._clock()
+                if remaining is not None and remaining <= 0:
+                    return len(ids), {
+                        each.op.key: each.last_error or f"not uploaded within {timeout:g}s"
+                        for each in left.values()
+                    }
+                self._wake.wait(remaining)
+
+    def oldest_due_seconds(self) -> float:
+        """How long the oldest due operation has waited (0: none is)."""
+        with self._lock:
+            oldest = min((each.since for each in self._pending.values()), default=None)
+        return 0.0 if oldest is None else self._clock() - oldest
+
+    def failing(self) -> int:
+        """Operations whose last attempt failed."""
+        with self._lock:
+            return sum(1 for each in self._pending.values() if each.failures)
+
+    def stop(self, wait: float) -> list[str]:
+        """Wait up to ``wait`` seconds for what is due and has not failed
+        yet (``cachefsd unmount`` waited for the rest already), then stop;
+        the keys left (still staged, uploaded by the next mount of this
+        source)."""
+        with self._lock:
+            untried = [op for op, each in self._pending.items() if not each.failures]
+        self.wait(untried, wait)
+        with self._wake:
+            self._stopping = True
+            left = [each.op.key for each in self._pending.values()]
+            for each in self._pending.values():
+                if each.running is not None:
+                    each.cancelled = True
+                    each.running.cancel()
+            self._wake.notify_all()
+        for thread in self._threads:
+            thread.join(self._deadline)
+        return left
+
+    # -- the workers ----------------------------------------------------------
+
+    def _take(self) -> _Pending | None:
+        with self._wake:
+            while not self._stopping:
+                now = self._clock()
+                first: dict[str, int] = {}
+                for op_id in sorted(self._pending):
+                    first.setdefault(self._pending[op_id].op.key, op_id)
+                ready = [
+                    self._pending[op_id]
+                    for op_id in first.values()
+                    if self._pending[op_id].running is None
+                    and self._pending[op_id].retry_at <= now
+                    and self._pending[op_id].op.key not in self._running_keys
+                ]
+                if ready:
+                    chosen = ready[0]
+                    self._running_keys.add(chosen.op.key)
+                    return chosen
+                waits = [each.retry_at - now for each in self._pending.values() if each.retry_at > now]
+                self._wake.wait(min(waits, default=None))
+        return None
+
+    def _work(self) -> None:
+        while (pending := self._take()) is not None:
+            try:
+                self._run(pending)
+            finally:
+                with self._wake:
+                    self._running_keys.discard(pending.op.key)
+                    pending.running = None
+                    self._wake.notify_all()
+
+    def _run(self, pending: _Pending) -> None:
+        op = pending.op
+        started = self._clock()
+        self._events.upload_started()
+        try:
+            nbytes = self._upload(pending)
+        except Exception as exc:
+            if pending.cancelled or isinstance(exc, DaemonStopping):
+                self._events.upload_ended("dropped", self._clock() - started, 0)
+                return
+            self._events.upload_ended("failed", self._clock() - started, 0)
+            if not isinstance(exc, CachefsdError):
+                log.exception("uploading %s failed unexpectedly", op.key)
+            self._failed(pending, exc)
+            return
+        if nbytes is None:
+            self._events.upload_ended("dropped", self._clock() - started, 0)
+        else:
+            self._events.upload_ended("ok", self._clock() - started, nbytes)
+
+    def _upload(self, pending: _Pending) -> int | None:
+        """Upload the staged file of ``pending``; its bytes, or None if it
+        changed meanwhile (a writer holds it, or it is due again)."""
+        op = pending.op
+        file = self._staging.for_op(op.id)
+        if file is None:  # unlinked, renamed (a new op) or replaced meanwhile
+            self._finished(pending)
+            return None
+        version, size = file.version, file.size
+        if file.durable == version and file.info is not None:
+            info = file.info  # an fsync uploaded it as it is
+        else:
+            timeout = self._deadline + size / FLOOR_BYTES_PER_SECOND
+            info = self._submit(pending, self._store.put_file(op.key, file.path), timeout)
+            # Listed again before the staged file leaves the listing, so
+            # that the name never disappears between the two.
+            self._changed(op.key)
+        if not self._staging.uploaded(file, version, info):
+            # Written to while it uploaded: due again once closed.
+            with self._wake:
+                if file.writers:
+                    self._pending.pop(op.id, None)
+            return None
+        self._finished(pending)
+        return size
+
+    def _submit(
+        self, pending: _Pending, coroutine: Coroutine[Any, Any, ObjectInfo], timeout: float
+    ) -> ObjectInfo:
+        with self._wake:
+            if pending.cancelled or self._stopping:
+                coroutine.close()
+                raise DaemonStopping("cancelled")
+            future = self._io.submit(coroutine)
+            pending.running = future
+        return self._io.result(future, timeout)
+
+    def _finished(self, pending: _Pending) -> None:
+        with self._wake:
+            if self._pending.get(pending.op.id) is pending:
+                del self._pending[pending.op.id]
+            self._wake.notify_all()
+
+    def _failed(self, pending: _Pending, exc: Exception) -> None:
+        with self._wake:
+            pending.failures += 1
+            pending.last_error = str(exc)
+            pending.retry_at = self._clock() + min(MAX_BACKOFF_SECONDS, 2.0**pending.failures)
+            self._wake.notify_all()
+        self._journal.failed(pending.op.id, str(exc))
+        log.warning(
+            "uploading %s failed (attempt %d): %s; it stays staged and is retried",
+            pending.op.key,
+            pending.failures,
+            exc,
+        )
