@@ -272,6 +272,7 @@ class Daemon:
                 str(mountpoint),
                 self.node_stats,
                 lambda: str(session.passthrough),
+                writes=parts.fs.writes,
             )
             stats.start()
             resources.callback(stats.stop)

@@ -141,9 +141,16 @@ class MountEvents:
         self._passthrough.set(1 if on else 0)
 
     def watch_writes(self, staged_bytes: Callable[[], float], oldest_pending: Callable[[], float]) -> None:
-        """Export a writable mount's staged bytes and oldest due upload."""
-        self._metrics.staged_bytes.labels(self._mount).set_function(staged_bytes)
-        self._metrics.upload_oldest_pending.labels(self._mount).set_function(oldest_pending)
+        """Export a writable mount's staged bytes and oldest due upload; its
+        upload series exist, at 0, from now."""
+        metrics = self._metrics
+        metrics.staged_bytes.labels(self._mount).set_function(staged_bytes)
+        metrics.upload_oldest_pending.labels(self._mount).set_function(oldest_pending)
+        metrics.uploads_in_flight.labels(self._mount)
+        metrics.upload_bytes.labels(self._mount)
+        metrics.upload_seconds.labels(self._mount)
+        for result in ("ok", "failed"):
+            metrics.uploads.labels(self._mount, result)
 
     def upload_started(self) -> None:
         self._metrics.uploads_in_flight.labels(self._mount).inc()

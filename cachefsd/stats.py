@@ -8,15 +8,20 @@ stats`` never disagree about a counter. What a counter cannot say by
 itself is added here:
 
 - the hit ratio over the last minute: a small ring of (time, cache bytes,
-  cold bytes) samples taken every ``SAMPLE_INTERVAL_SECONDS`` (``HitRing``);
+  cold bytes) samples taken every ``SAMPLE_INTERVAL_SECONDS`` (``HitRing``),
+  and a writable mount's upload rate from one of uploaded bytes
+  (``RateRing``);
 - fetch latency quantiles, interpolated from the histogram's buckets as
   Prometheus' ``histogram_quantile`` does (``histogram_quantile``);
 - residency: how many bytes of each top-level prefix of the source each
   tier holds, from one index query cached for ``RESIDENCY_REFRESH_SECONDS``
   and shared with the ``cachefsd_resident_bytes`` metric (``Residency``);
-- the workload model's epochs, per workload.
+- the workload model's epochs, per workload;
+- a writable mount's staged files and due uploads, from its staging and
+  uploader (the same calls its ``cachefsd_staged_bytes`` and
+  ``cachefsd_upload_oldest_pending_seconds`` gauges export).
 
-Concurrency: ``HitRing`` and ``Residency`` each guard their state with
+Concurrency: ``HitRing``, ``RateRing`` and ``Residency`` each guard their state with
 their own lock; ``DaemonStats.snapshot`` is called on control-server
 threads concurrently with the sampler thread.
 """
@@ -53,6 +58,8 @@ from cachefsd.control.answers import (
     SourceBytes,
     SourceCounts,
     ThisMount,
+    UploadFailure,
+    WritesAnswer,
 )
 from cachefsd.metrics import JOB_LABEL, value_of, values_by
 
@@ -169,6 +176,30 @@ class HitRing:
         return (cached / total if total > 0 else None), now - baseline.at
 
 
+class RateRing:
+    """``HitRing`` for the rate of one counter: (time, total) samples,
+    for its growth per second over a recent window."""
+
+    def __init__(self, window: float = HIT_WINDOW_SECONDS, size: int = _RING_SAMPLES) -> None:
+        self._window = window
+        self._lock = threading.Lock()
+        self._samples: deque[tuple[float, float]] = deque(maxlen=size)
+
+    def add(self, at: float, total: float) -> None:
+        with self._lock:
+            self._samples.append((at, total))
+
+    def rate(self, now: float, total: float) -> tuple[float | None, float]:
+        """(per second, seconds covered) of the growth from the oldest
+        sample at most ``window`` old to ``total`` now; None without such
+        a sample, or before any time passed since it."""
+        with self._lock:
+            baseline = next(((at, then) for at, then in self._samples if now - at <= self._window), None)
+        if baseline is None or now <= baseline[0]:
+            return None, 0.0
+        return (total - baseline[1]) / (now - baseline[0]), now - baseline[0]
+
+
 # -- residency ------------------------------------------------------------------
 
 
@@ -254,6 +285,31 @@ class Residency:
 # -- the daemon's answer --------------------------------------------------------
 
 
+class StagedFiles(Protocol):
+    """A writable mount's staged files as stats sees them (``writes.staged.Staging``)."""
+
+    def staged_bytes(self) -> int: ...
+    def staged_files(self) -> int: ...
+
+
+class DueUploads(Protocol):
+    """A writable mount's uploads as stats sees them (``writes.uploads.Uploads``)."""
+
+    def due_count(self) -> int: ...
+    def failing(self) -> int: ...
+    def oldest_due_seconds(self) -> float: ...
+    def oldest_failing(self) -> tuple[str, str] | None: ...
+
+
+class MountWrites(Protocol):
+    """What makes a mount writable, as stats sees it (``fs.Writes``)."""
+
+    @property
+    def staging(self) -> StagedFiles: ...
+    @property
+    def uploads(self) -> DueUploads: ...
+
+
 class AccessStats(Protocol):
     """The workload model as stats sees it (``workload.model.WorkloadModel``)."""
 
@@ -283,10 +339,12 @@ class DaemonStats:
         node: Callable[[], NodeFacts],
         passthrough: Callable[[], str],
         clock: Callable[[], float] = time.monotonic,
+        writes: MountWrites | None = None,
     ) -> None:
         """The stats of the mount at ``mount`` (of ``source``), beside
         ``node()``: what its daemon shows of itself; ``passthrough()``:
-        whether its cached files are served through the kernel."""
+        whether its cached files are served through the kernel;
+        ``writes``: what makes it writable, if it is."""
         self._metrics = metrics
         self._model = model
         self.residency = residency
@@ -297,6 +355,8 @@ class DaemonStats:
         self._clock = clock
         self._started = clock()
         self._ring = HitRing()
+        self._writes = writes
+        self._uploaded = RateRing()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cachefsd-stats", daemon=True)
 
@@ -317,10 +377,13 @@ class DaemonStats:
                 log.exception("stats sample failed")
 
     def sample(self) -> None:
-        """Add a ring sample. Reads only the read-bytes counter, never the
-        residency collector."""
+        """Add a ring sample. Reads only the read-bytes counter (and a
+        writable mount's upload bytes), never the residency collector."""
+        now = self._clock()
         by_source = values_by(self._metrics.read_bytes, "source")
-        self._ring.add(self._clock(), by_source.get("cache", 0.0), by_source.get("cold", 0.0))
+        self._ring.add(now, by_source.get("cache", 0.0), by_source.get("cold", 0.0))
+        if self._writes is not None:
+            self._uploaded.add(now, value_of(self._metrics.upload_bytes, mount=self._mount))
 
     def snapshot(self) -> NodeActivity:
         """The activity of this mount's daemon: ``mount`` is what this
@@ -420,6 +483,36 @@ class DaemonStats:
                     for prefix, tiers in residency.prefixes
                 ],
             ),
+            writes=None if self._writes is None else self._writes_now(self._writes, now),
+        )
+
+    def _writes_now(self, writes: MountWrites, now: float) -> WritesAnswer:
+        """The mount's staged files and uploads: counts from its uploader,
+        totals from the metrics."""
+        metrics = self._metrics
+        mount = self._mount
+        uploaded = value_of(metrics.upload_bytes, mount=mount)
+        rate, span = self._uploaded.rate(now, uploaded)
+        buckets = [
+            (float(bound), count)
+            for bound, count in values_by(metrics.upload_seconds, "le", "_bucket", mount=mount).items()
+        ]
+        failure = writes.uploads.oldest_failing()
+        return WritesAnswer(
+            staged_bytes=writes.staging.staged_bytes(),
+            staged_files=writes.staging.staged_files(),
+            uploads_due=writes.uploads.due_count(),
+            uploads_in_flight=int(value_of(metrics.uploads_in_flight, mount=mount)),
+            uploads_failing=writes.uploads.failing(),
+            oldest_due_seconds=round(writes.uploads.oldest_due_seconds(), 3),
+            uploaded_bytes=int(uploaded),
+            uploaded_files=int(value_of(metrics.uploads, mount=mount, result="ok")),
+            failed_attempts=int(value_of(metrics.uploads, mount=mount, result="failed")),
+            upload_bytes_per_second=rate,
+            upload_rate_seconds=round(span, 3),
+            upload_p50_seconds=histogram_quantile(0.5, buckets),
+            upload_p99_seconds=histogram_quantile(0.99, buckets),
+            oldest_failure=None if failure is None else UploadFailure(key=failure[0], error=failure[1]),
         )
 
     def _jobs(self) -> dict[str, JobActivity]:

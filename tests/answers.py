@@ -137,4 +137,24 @@ STATS: dict[str, Any] = {
             {"prefix": OTHER_PREFIX, "bytes": {"hot": 1 << 30}, "total_bytes": 1 << 30},
         ],
     },
+    "writes": None,
+}
+
+# The ``writes`` of a writable mount checkpointing: one file uploading,
+# one failing, one waiting.
+WRITES: dict[str, Any] = {
+    "staged_bytes": 3 << 30,
+    "staged_files": 3,
+    "uploads_due": 3,
+    "uploads_in_flight": 1,
+    "uploads_failing": 1,
+    "oldest_due_seconds": 95.0,
+    "uploaded_bytes": 40 << 30,
+    "uploaded_files": 20,
+    "failed_attempts": 4,
+    "upload_bytes_per_second": float(250 << 20),
+    "upload_rate_seconds": 55.0,
+    "upload_p50_seconds": 8.0,
+    "upload_p99_seconds": 24.0,
+    "oldest_failure": {"key": "ckpt/step-9/[rank0].pt", "error": "AccessDenied: no PutObject"},
 }

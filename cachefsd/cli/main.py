@@ -326,7 +326,8 @@ def _cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _add_observe_parsers(commands: Any) -> None:
     stats_cmd = commands.add_parser(
-        "stats", help="tiers, hit ratios, fetch latency, prefetch, epochs and residency of a mount"
+        "stats",
+        help="tiers, hit ratios, fetch latency, prefetch, epochs, residency and uploads of a mount",
     )
     stats_cmd.add_argument("mountpoint", type=Path)
     stats_cmd.add_argument("--json", action="store_true", help="print what the daemon's GET /stats returns")

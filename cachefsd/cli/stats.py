@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cachefsd.config import human_bytes
-from cachefsd.control.answers import JobActivity, StatsAnswer, ThisMount
+from cachefsd.control.answers import JobActivity, StatsAnswer, ThisMount, WritesAnswer
 
 
 def _percent(ratio: float | None) -> str:
@@ -32,9 +32,9 @@ def _uptime(seconds: float) -> str:
 
 
 def render(stats: StatsAnswer, throughput: RenderableType | None = None) -> RenderableType:
-    """The stats as tables: tiers, activity (hit ratios, latency, stalls,
-    prefetch, dedup, epochs), and residency by prefix. ``throughput``
-    (``top``'s sparkline line) goes under the header."""
+    """The stats as tables: tiers, a writable mount's writes, activity (hit
+    ratios, latency, stalls, prefetch, dedup, epochs), and residency by
+    prefix. ``throughput`` (``top``'s sparkline lines) goes under the header."""
 
     header = Text()
     header.append(stats.mountpoint, style="bold")
@@ -70,6 +70,8 @@ def render(stats: StatsAnswer, throughput: RenderableType | None = None) -> Rend
             str(tier.blocks),
         )
     parts.append(tiers)
+    if stats.writes is not None:
+        parts.append(_writes(stats.writes))
     parts.append(_activity(stats))
     if stats.jobs:
         parts.append(_jobs(stats.jobs))
@@ -112,6 +114,44 @@ def _this_mount(mount: ThisMount) -> RenderableType:
     table.add_row("read stall", _duration(mount.stall_seconds))
     table.add_row("passthrough", Text(mount.passthrough))
     return table
+
+
+def _writes(writes: WritesAnswer) -> RenderableType:
+    """What this mount wrote and has not uploaded yet, and how its uploads go."""
+    table = Table(title="writes", title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("staged", f"{human_bytes(writes.staged_bytes)} in {writes.staged_files} files")
+    table.add_row("uploads due", due_summary(writes))
+    table.add_row(
+        "uploaded",
+        f"{human_bytes(writes.uploaded_bytes)} in {writes.uploaded_files} files"
+        f" ({writes.failed_attempts} failed attempts)",
+    )
+    rate = writes.upload_bytes_per_second
+    table.add_row(
+        f"upload rate last {writes.upload_rate_seconds:.0f} s",
+        "-" if rate is None else f"{human_bytes(rate)}/s",
+    )
+    table.add_row(
+        "upload time p50 / p99",
+        f"{_duration(writes.upload_p50_seconds)} / {_duration(writes.upload_p99_seconds)}",
+    )
+    failure = writes.oldest_failure
+    if failure is not None:
+        # A key and a store's message, not markup.
+        table.add_row("failing", Text(f"{failure.key}: {failure.error}", style="red"))
+    return table
+
+
+def due_summary(writes: WritesAnswer) -> str:
+    """The uploads due, in one line (``stats`` and ``top``)."""
+    if not writes.uploads_due:
+        return "none"
+    return (
+        f"{writes.uploads_due} ({writes.uploads_in_flight} uploading, {writes.uploads_failing} failing),"
+        f" oldest due {_duration(writes.oldest_due_seconds)}"
+    )
 
 
 def _jobs(jobs: dict[str, JobActivity]) -> RenderableType:

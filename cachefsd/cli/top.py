@@ -5,6 +5,8 @@ tables as ``cachefsd stats`` (``stats.render``) on the terminal's
 alternate screen, and adds a throughput sparkline: the bytes the daemon
 served in each interval of the last ``HISTORY_SECONDS``. Only the daemon
 sees those bytes; re-reads the kernel's page cache answers never reach it.
+A writable mount gets a second: the bytes it uploaded, beside what is
+staged and the uploads due.
 Without a terminal (a pipe, a log) each refresh is appended instead.
 
 Quits on ``q`` (or Ctrl-C). Keys are read from stdin in cbreak mode when it
@@ -26,8 +28,9 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import IO, Any
 
-from cachefsd.cli.stats import render
+from cachefsd.cli.stats import due_summary, render
 from cachefsd.config import human_bytes
+from cachefsd.control.answers import WritesAnswer
 from cachefsd.control.client import ControlClient
 
 # A redraw a second: fast enough to watch an epoch's hit ratio move, and a
@@ -42,6 +45,8 @@ SPARKLINE_WIDTH = 60
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 # q quits; so does Ctrl-C's byte, should a terminal deliver it as a key.
 QUIT_KEYS = frozenset(b"qQ\x03")
+# The sparklines' labels are padded to one width, so that their lines align.
+LABEL_WIDTH = 10
 
 
 def sparkline(values: Sequence[float], width: int = SPARKLINE_WIDTH) -> str:
@@ -63,10 +68,12 @@ def sparkline(values: Sequence[float], width: int = SPARKLINE_WIDTH) -> str:
 
 
 class Throughput:
-    """Bytes served per refresh, from successive totals of the stats' read
-    bytes; the last ``HISTORY_SECONDS`` of them."""
+    """Bytes per refresh, from successive totals of a byte counter of the
+    stats (read bytes: ``served``; upload bytes: ``uploaded``); the last
+    ``HISTORY_SECONDS`` of them."""
 
-    def __init__(self, interval: float) -> None:
+    def __init__(self, interval: float, label: str) -> None:
+        self.label = label
         self.history: deque[float] = deque(maxlen=max(1, round(HISTORY_SECONDS / interval)))
         self._last: tuple[float, float] | None = None  # (monotonic time, total bytes)
         self.rate = 0.0  # bytes per second over the last interval
@@ -82,13 +89,20 @@ class Throughput:
     def line(self) -> Any:
         from rich.text import Text  # noqa: PLC0415
 
-        text = Text("served  ")
+        text = Text(f"{self.label:<{LABEL_WIDTH}}")
         if not self.history:
             text.append("(measuring)", style="dim")
             return text
         text.append(sparkline(list(self.history)), style="cyan")
         text.append(f"  {human_bytes(self.rate)}/s")
         return text
+
+
+def writes_line(uploaded: Throughput, writes: WritesAnswer) -> Any:
+    """The upload sparkline, then what is staged and the uploads due."""
+    text = uploaded.line()
+    text.append(f"  staged {human_bytes(writes.staged_bytes)}, due {due_summary(writes)}")
+    return text
 
 
 class Keys:
@@ -139,16 +153,22 @@ def run(client: ControlClient, interval: float = REFRESH_SECONDS, console: Any =
     """Show the daemon's stats until ``q`` or Ctrl-C; 0 then. A daemon
     that stops answering ends it with its ``ControlError``, after the
     screen is restored."""
-    from rich.console import Console  # noqa: PLC0415 - only when drawing
+    from rich.console import Console, Group  # noqa: PLC0415 - only when drawing
 
     console = console or Console()
-    throughput = Throughput(interval)
+    served = Throughput(interval, "served")
+    uploaded = Throughput(interval, "uploaded")
     try:
         with Keys(sys.stdin) as keys, _screen(console) as show:
             while True:
                 stats = client.stats()
-                throughput.add(time.monotonic(), stats.reads.bytes.total)
-                show(render(stats, throughput.line()))
+                now = time.monotonic()
+                served.add(now, stats.reads.bytes.total)
+                lines = [served.line()]
+                if stats.writes is not None:
+                    uploaded.add(now, stats.writes.uploaded_bytes)
+                    lines.append(writes_line(uploaded, stats.writes))
+                show(render(stats, Group(*lines)))
                 if keys.quit_within(interval):
                     return 0
     except KeyboardInterrupt:

@@ -210,6 +210,30 @@ class ResidencyAnswer(_Answer):
     prefixes: list[PrefixResidency]
 
 
+class UploadFailure(_Answer):
+    key: str
+    error: str  # its last attempt's
+
+
+class WritesAnswer(_Answer):
+    """A writable mount's staged files and their uploads to the bucket."""
+
+    staged_bytes: int  # written and not in the bucket yet
+    staged_files: int
+    uploads_due: int  # waiting, running, or failed and to be retried
+    uploads_in_flight: int
+    uploads_failing: int  # due, and their last attempt failed
+    oldest_due_seconds: float  # how long the oldest due upload has waited; 0: none is due
+    uploaded_bytes: int
+    uploaded_files: int  # uploads that ended in the bucket
+    failed_attempts: int
+    upload_bytes_per_second: float | None  # of uploads ended over ``upload_rate_seconds``
+    upload_rate_seconds: float  # the span the rate covers
+    upload_p50_seconds: float | None
+    upload_p99_seconds: float | None
+    oldest_failure: UploadFailure | None  # the failing upload due longest, and why
+
+
 class NodeActivity(_Answer):
     """What the daemon measured (``stats.DaemonStats``), beside the mount's
     own facts in ``StatsAnswer``."""
@@ -228,6 +252,7 @@ class NodeActivity(_Answer):
     jobs: dict[str, JobActivity]
     access: AccessTotals
     residency: ResidencyAnswer
+    writes: WritesAnswer | None  # this mount's; None when it is read-only
 
 
 class MountFacts(_Answer):

@@ -444,6 +444,10 @@ class Staging:
         with self._lock:
             return sum(file.size for file in self._files.values())
 
+    def staged_files(self) -> int:
+        with self._lock:
+            return len(self._files)
+
     def close(self) -> None:
         """The mount ends: descriptors close, the files and their rows stay."""
         with self._lock:

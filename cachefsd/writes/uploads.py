@@ -149,10 +149,22 @@ class Uploads:
             oldest = min((each.since for each in self._pending.values()), default=None)
         return 0.0 if oldest is None else self._clock() - oldest
 
+    def due_count(self) -> int:
+        """Operations due: waiting, running, or failed and to be retried."""
+        with self._lock:
+            return len(self._pending)
+
     def failing(self) -> int:
         """Operations whose last attempt failed."""
         with self._lock:
             return sum(1 for each in self._pending.values() if each.failures)
+
+    def oldest_failing(self) -> tuple[str, str] | None:
+        """(key, its last attempt's error) of the failing operation due longest."""
+        with self._lock:
+            failing = [each for each in self._pending.values() if each.failures]
+            oldest = min(failing, key=lambda each: each.since, default=None)
+            return None if oldest is None else (oldest.op.key, oldest.last_error or "failed")
 
     def stop(self, wait: float) -> list[str]:
         """Wait up to ``wait`` seconds for what is due and has not failed

@@ -13,6 +13,7 @@ do fails with a clear errno.
 from __future__ import annotations
 
 import errno
+import json
 import multiprocessing
 import os
 import signal
@@ -351,3 +352,35 @@ def test_what_a_bucket_cannot_do_fails_with_a_clear_errno(writable: Any, s3_clie
     assert _sync(mount).returncode == 0
     assert _object(s3_client, bucket, "data.bin") == b"replaced"
     assert oct(os.stat(mount.path("data.bin")).st_mode & 0o777) == "0o600"
+
+
+def test_stats_and_metrics_count_what_a_sync_uploaded(writable: Any, s3_client: Any) -> None:
+    """Issue 31 item 8: ``cachefsd stats --json`` and the metrics endpoint
+    say the same of a writable mount's uploads, and nothing stays staged
+    after a sync."""
+    mount, bucket = writable()
+    data = os.urandom(2 * MiB + 321)
+    mount.path("ckpt.pt").write_bytes(data)
+    result = _sync(mount)
+    assert result.returncode == 0, result.stderr
+    assert _object(s3_client, bucket, "ckpt.pt") == data
+
+    answer = run_cli("stats", str(mount.mountpoint), "--json")
+    assert answer.returncode == 0, answer.stderr
+    writes = json.loads(answer.stdout)["writes"]
+    metrics = mount.metrics()
+    label = f"mount={mount.mountpoint}"
+    assert writes["uploaded_files"] == metrics[f"cachefsd_uploads_total{{{label},result=ok}}"] == 1
+    assert writes["uploaded_bytes"] == metrics[f"cachefsd_upload_bytes_total{{{label}}}"] == len(data)
+    assert metrics[f"cachefsd_upload_seconds_count{{{label}}}"] == 1
+    assert writes["upload_p50_seconds"] is not None
+    assert writes["failed_attempts"] == metrics[f"cachefsd_uploads_total{{{label},result=failed}}"] == 0
+    assert writes["staged_bytes"] == metrics[f"cachefsd_staged_bytes{{{label}}}"] == 0
+    assert writes["staged_files"] == writes["uploads_due"] == writes["uploads_failing"] == 0
+    assert writes["uploads_in_flight"] == metrics[f"cachefsd_uploads_in_flight{{{label}}}"] == 0
+    assert writes["oldest_due_seconds"] == metrics[f"cachefsd_upload_oldest_pending_seconds{{{label}}}"] == 0
+    assert writes["oldest_failure"] is None
+
+    table = run_cli("stats", str(mount.mountpoint))
+    assert table.returncode == 0, table.stderr
+    assert "uploads due" in table.stdout

@@ -141,9 +141,24 @@ def test_dashboard_covers_the_signals_users_watch() -> None:
         "cachefsd_cache_demotions_total",
         "rate(cachefsd_job_data_wait_seconds_total",
         "rate(cachefsd_job_step_seconds_total",
+        "cachefsd_staged_bytes",
+        "rate(cachefsd_upload_bytes_total",
+        "cachefsd_uploads_in_flight",
+        'rate(cachefsd_uploads_total{node=~"$node", result="failed"}',
+        "cachefsd_upload_oldest_pending_seconds",
+        "histogram_quantile(0.99, sum by (le, node, mount) (rate(cachefsd_upload_seconds_bucket",
     ):
         assert needed in queries, needed
     assert any(panel["type"] == "heatmap" for panel in panels())
+
+
+def test_dashboard_shows_write_metrics_per_mount() -> None:
+    """A node's writable mounts upload to different buckets: summed
+    together, one failing bucket would hide behind another's throughput."""
+    writes = [query for query in dashboard_queries() if re.search(r"cachefsd_(staged|upload)", query)]
+    assert len(writes) >= 6
+    for query in writes:
+        assert re.search(r"by \([^)]*\bmount\b", query), query
 
 
 def test_dashboard_is_per_node_on_a_chosen_datasource() -> None:

@@ -1,7 +1,8 @@
 """What ``GET /stats`` computes and how ``cachefsd stats`` / ``top`` show it:
-quantiles from histogram buckets, the last-minute hit ratio ring, the
-residency query on a real sqlite index and its bounded metric, the
-snapshot's agreement with the registry, and the rendered tables."""
+quantiles from histogram buckets, the last-minute hit ratio and upload rate
+rings, the residency query on a real sqlite index and its bounded metric,
+the snapshot's agreement with the registry (a writable mount's writes
+too), and the rendered tables."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ from rich.console import Console
 
 from cachefsd.cache.index import BlockRef, Index, StoredBlock
 from cachefsd.cli.stats import render
-from cachefsd.cli.top import SPARK_CHARS, Keys, Throughput, sparkline
-from cachefsd.control.answers import AccessTotals, StatsAnswer
+from cachefsd.cli.top import SPARK_CHARS, Keys, Throughput, sparkline, writes_line
+from cachefsd.control.answers import AccessTotals, StatsAnswer, WritesAnswer
 from cachefsd.diagnose.ledger import JobReads
+from cachefsd.fs import ROOT_INODE
 from cachefsd.metrics import LATENCY_BUCKETS, Metrics, value_of
 from cachefsd.stats import (
     HIT_WINDOW_SECONDS,
@@ -34,12 +36,14 @@ from cachefsd.stats import (
     SAMPLE_INTERVAL_SECONDS,
     DaemonStats,
     HitRing,
+    RateRing,
     Residency,
     bound_prefixes,
     histogram_quantile,
 )
 from cachefsd.workload.model import WorkloadModel
-from tests.answers import ACCESS, STATS, node_facts
+from tests.answers import ACCESS, STATS, WRITES, node_facts
+from tests.unit.conftest import BLOCK_SIZE, RigFactory
 
 INF = float("inf")
 
@@ -153,6 +157,18 @@ def test_the_ring_is_bounded() -> None:
         ring.add(float(second), float(second), 0.0)
     # Only the last three samples remain: the baseline is t=97, not t=40.
     assert ring.ratio(100.0, 100.0, 0.0) == (1.0, 3.0)
+
+
+def test_upload_rate_is_over_the_last_minute() -> None:
+    ring = RateRing()
+    assert ring.rate(1000.0, 0.0) == (None, 0.0)  # no sample yet
+    ring.add(1000.0, 0.0)
+    ring.add(1005.0, 100.0)
+    assert ring.rate(1000.0, 0.0) == (None, 0.0)  # no time passed
+    assert ring.rate(1010.0, 1000.0) == (100.0, 10.0)
+    # The first sample is more than a minute old: the rate starts at the second.
+    assert ring.rate(1063.0, 1000.0) == (pytest.approx(900 / 58), 58.0)
+    assert ring.rate(2000.0, 1000.0) == (None, 0.0)
 
 
 # -- residency ---------------------------------------------------------------------
@@ -386,6 +402,75 @@ def test_snapshot_lists_each_named_job_with_its_loader_meter() -> None:
     assert metrics.job_reads_so_far("nobody[2]") == JobReads()  # it would get a series at its first read
 
 
+def test_a_read_only_mount_has_no_writes() -> None:
+    assert served(stats_of(Residency(lambda: [], ["hot"])))["writes"] is None
+
+
+def test_a_writable_mounts_writes_agree_with_its_uploads_and_the_registry(make_rig: RigFactory) -> None:
+    """Staged and failing after a failed attempt, then uploaded: the stats
+    and the metrics the endpoint exports say the same."""
+    rig = make_rig(writable=True)
+    writes = rig.fs.writes
+    assert writes is not None
+    mount = str(rig.cache_dir / "mnt")  # the rig's mountpoint, its metrics' label
+    rig.metrics.for_mount(mount).watch_writes(writes.staging.staged_bytes, writes.uploads.oldest_due_seconds)
+    clock = FakeClock()
+    stats = DaemonStats(
+        rig.metrics,
+        FakeModel(),
+        Residency(lambda: [], ["hot"]),
+        rig.store.uri,
+        mount,
+        node_facts,
+        lambda: "on",
+        clock,
+        writes=writes,
+    )
+    stats.sample()  # t=1000: nothing uploaded yet
+    registry = rig.metrics.registry
+    labels = {"mount": mount}
+    rig.namespace.listdir("/")  # listed before the store fails: only the upload meets the fault
+    rig.faulty.faults.failures_left = 1  # the first attempt fails; its retry waits 2 s
+    data = os.urandom(3 * BLOCK_SIZE + 5)
+    _, handle = rig.fs.create(ROOT_INODE, "model.pt", os.O_WRONLY | os.O_CREAT)
+    rig.fs.write(handle, 0, memoryview(data))
+    rig.fs.release(handle)
+    _, failed = writes.uploads.wait(None, 30.0)
+    assert list(failed) == ["model.pt"]
+    clock.now += 5.0
+
+    staged = served(stats)["writes"]
+    assert staged["staged_bytes"] == len(data) == registry.get_sample_value("cachefsd_staged_bytes", labels)
+    assert staged["staged_files"] == 1
+    assert staged["uploads_due"] == staged["uploads_failing"] == 1
+    assert staged["uploads_in_flight"] == 0
+    assert staged["oldest_due_seconds"] > 0
+    assert staged["failed_attempts"] == 1
+    assert registry.get_sample_value("cachefsd_uploads_total", {**labels, "result": "failed"}) == 1
+    assert staged["uploaded_bytes"] == staged["uploaded_files"] == 0
+    assert staged["upload_bytes_per_second"] == 0.0  # measured over 5 s, not unknown
+    assert staged["upload_p50_seconds"] is None
+    assert staged["oldest_failure"] == {"key": "model.pt", "error": "injected fault"}
+
+    _, failed = writes.uploads.wait(None, 30.0)  # retried now
+    assert not failed
+    clock.now += 10.0
+    done = served(stats)["writes"]
+    assert done["staged_bytes"] == done["staged_files"] == done["uploads_due"] == 0
+    assert registry.get_sample_value("cachefsd_staged_bytes", labels) == 0
+    assert done["oldest_due_seconds"] == 0.0
+    assert done["uploaded_bytes"] == len(data)
+    assert registry.get_sample_value("cachefsd_upload_bytes_total", labels) == len(data)
+    assert done["uploaded_files"] == 1
+    assert registry.get_sample_value("cachefsd_uploads_total", {**labels, "result": "ok"}) == 1
+    assert done["failed_attempts"] == 1
+    assert done["upload_bytes_per_second"] == pytest.approx(len(data) / 15.0)
+    assert done["upload_rate_seconds"] == 15.0
+    assert done["upload_p50_seconds"] is not None
+    assert done["upload_p50_seconds"] <= done["upload_p99_seconds"]
+    assert done["oldest_failure"] is None
+
+
 def test_a_residency_computed_for_the_snapshot_is_not_negative_seconds_old(index: Index) -> None:
     """It is computed after the snapshot's clock was read: "as of 0 s ago", not "-0"."""
     residency = Residency(lambda: index.resident_bytes_by_prefix("s3://bucket/data"), ["hot"])
@@ -469,6 +554,20 @@ def test_the_stats_table_shows_every_section() -> None:
     assert [cell.strip() for cell in unmetered.split("│")[5:7]] == ["-", "-"]
 
 
+def test_the_stats_table_shows_a_writable_mounts_writes() -> None:
+    assert "uploads due" not in _text(STATS)  # a read-only mount has none
+    text = _text({**STATS, "writes": WRITES})
+    lines = text.splitlines()
+    assert "3.0 GiB in 3 files" in text
+    due = next(line for line in lines if "uploads due" in line)
+    assert "3 (1 uploading, 1 failing), oldest due 95.00 s" in due
+    assert "40.0 GiB in 20 files (4 failed attempts)" in text
+    rate = next(line for line in lines if "upload rate last 55 s" in line)
+    assert "250.0 MiB/s" in rate
+    assert "8.00 s / 24.00 s" in text
+    assert "ckpt/step-9/[rank0].pt: AccessDenied: no PutObject" in text  # a key, not markup
+
+
 def test_the_stats_table_of_an_idle_mount() -> None:
     idle = json.loads(json.dumps(STATS))
     idle["hit_ratio"] = {"since_mount": None, "last_minute": None, "last_minute_seconds": 0.0, "by_tier": {}}
@@ -496,7 +595,7 @@ def test_sparkline_merges_values_into_its_width() -> None:
 
 
 def test_throughput_is_bytes_per_interval() -> None:
-    throughput = Throughput(interval=1.0)
+    throughput = Throughput(interval=1.0, label="served")
     throughput.add(10.0, 1000.0)
     assert list(throughput.history) == []
     throughput.add(11.0, 3000.0)
@@ -504,6 +603,21 @@ def test_throughput_is_bytes_per_interval() -> None:
     assert list(throughput.history) == [2000.0, 0.0]
     assert throughput.rate == 0.0
     assert throughput.history.maxlen == 60
+
+
+def test_top_shows_uploads_under_reads_staged_bytes_and_the_uploads_due() -> None:
+    served, uploaded = Throughput(1.0, "served"), Throughput(1.0, "uploaded")
+    for throughput in (served, uploaded):
+        throughput.add(10.0, 0.0)
+        throughput.add(11.0, float(4 << 20))
+    writes = WritesAnswer.model_validate(WRITES)
+    line = writes_line(uploaded, writes).plain
+    assert line.startswith("uploaded")
+    assert "4.0 MiB/s  staged 3.0 GiB, due 3 (1 uploading, 1 failing), oldest due 95.00 s" in line
+    # The two sparklines start in one column.
+    assert line.index(SPARK_CHARS[-1]) == served.line().plain.index(SPARK_CHARS[-1])
+    idle = writes.model_copy(update={"uploads_due": 0})
+    assert writes_line(uploaded, idle).plain.endswith("due none")
 
 
 def test_keys_quit_on_q_and_restore_the_terminal() -> None:
@@ -569,8 +683,14 @@ def test_a_mount_gone_leaves_no_series_of_its_own() -> None:
         events.request_answered("read")
         events.passthrough_state(True)
         events.read_done({"hot": 10}, 0.0, "python[1]", 0.0)
+        events.watch_writes(lambda: 10.0, lambda: 1.0)
+        events.upload_started()
+    gone.upload_ended("ok", 0.5, 10)
     metrics.forget_mount("/mnt/gone")
     exported = generate_latest(metrics.registry).decode()
     assert 'mount="/mnt/gone"' not in exported
+    # A writable mount's upload series exist, at 0, before its first upload ends.
+    assert 'cachefsd_uploads_total{mount="/mnt/kept",result="failed"} 0.0' in exported
+    assert 'cachefsd_upload_bytes_total{mount="/mnt/kept"} 0.0' in exported
     assert value_of(metrics.fuse_requests, mount="/mnt/kept", operation="read") == 1
     assert value_of(metrics.passthrough, mount="/mnt/kept") == 1
