@@ -732,6 +732,7 @@ class FileSystem:
                 raise NotEmpty(key)
             writes.bucket.delete(prefix)  # its marker object, if it has one
             self._namespace.changed(prefix)
+            self._namespace.changed(key)  # its parent's listing, which shows it
         elif remote is not None:
             raise NotADirectory(key)
         elif not writes.staging.is_dir(prefix):

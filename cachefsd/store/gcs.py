@@ -392,7 +392,8 @@ class GcsStore:
             source.close()
 
     async def delete(self, key: str) -> None:
-        full_key = self._object_key(key)
+        # A directory's marker object ("a/") may be deleted, never written.
+        full_key = self._object_key(key.removesuffix("/")) + ("/" if key.endswith("/") else "")
         bucket = await self._get_bucket()
 
         def call() -> None:

@@ -4,6 +4,7 @@ a slow network filesystem (NFS, Lustre) on fast local disk."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import stat
 import uuid
@@ -179,11 +180,16 @@ class LocalStore:
         except ObjectNotFound:
             return  # no key outside the root names an object of this store
         try:
-            if stat.S_ISREG(os.stat(path).st_mode):
+            if key.endswith("/"):  # a directory's marker: the directory, if empty, as in a bucket
+                if path != self._root:
+                    path.rmdir()
+            elif stat.S_ISREG(os.stat(path).st_mode):
                 path.unlink()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return
         except OSError as exc:
+            if exc.errno == errno.ENOTEMPTY:
+                return
             raise StoreError(f"cannot delete {key}: {exc.strerror}") from exc
 
     async def copy(self, source: str, target: str) -> ObjectInfo:

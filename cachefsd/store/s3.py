@@ -759,7 +759,8 @@ class S3Store:
     async def delete(self, key: str) -> None:
         """DeleteObject (obstore sends a bulk DeleteObjects, which not every
         S3-compatible endpoint speaks); S3 answers 204 for an absent key too."""
-        full_key = self._object_key(key)
+        # A directory's marker object ("a/") may be deleted, never written.
+        full_key = self._object_key(key.removesuffix("/")) + ("/" if key.endswith("/") else "")
         client = await self._get_client()
         try:
             await client.delete_object(Bucket=self._bucket, Key=full_key)

@@ -480,6 +480,21 @@ def test_delete_removes_and_absent_is_not_an_error(backend: Backend) -> None:
     run(backend, body)
 
 
+def test_delete_of_a_directory_marker_drops_the_empty_directory(backend: Backend) -> None:
+    """``rmdir`` of a directory the bucket shows deletes its marker (``d/``):
+    an empty directory is gone from its parent's listing after it."""
+    directory = f"scratch/{uuid.uuid4().hex}/"
+    backend.put(directory + "only.bin", b"x")
+
+    async def body(store: ObjectStore) -> tuple[str, ...]:
+        await store.delete(directory + "only.bin")
+        await store.delete(directory)
+        await store.delete(directory)  # absent: not an error
+        return (await list_one(store, "scratch/")).prefixes
+
+    assert directory not in run(backend, body)
+
+
 def test_copy_makes_a_new_object_with_the_same_bytes(backend: Backend) -> None:
     target = _scratch_key()
     backend.put(target, b"to be replaced")

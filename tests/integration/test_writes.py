@@ -16,6 +16,7 @@ import errno
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -333,6 +334,13 @@ def test_rename_and_unlink_of_staged_and_uploaded_files(writable: Any, s3_client
     os.makedirs(mount.path("empty"))
     os.rmdir(mount.path("empty"))
     assert not mount.path("empty").exists()
+    assert _keys(s3_client, bucket) == {"final", "checkpoint-1/w.bin"}
+    # An old checkpoint's tree removed, as a job prunes them.
+    os.makedirs(mount.path("checkpoint-0/optimizer"))
+    mount.path("checkpoint-0/optimizer/state.pt").write_bytes(b"s")
+    assert _sync(mount).returncode == 0
+    shutil.rmtree(mount.path("checkpoint-0"))
+    assert not mount.path("checkpoint-0").exists()
     assert _keys(s3_client, bucket) == {"final", "checkpoint-1/w.bin"}
 
 
