@@ -31,8 +31,9 @@ from cachefsd.writes.staged import Staging
 
 log = logging.getLogger(__name__)
 
-# Operations in flight at once: each upload sends its parts in parallel
-# already, so a few files saturate a link; more only split it.
+# Uploads in flight at once: each sends its parts in parallel already, so
+# a few files saturate a link, and more only split it; each holds up to
+# 160 MiB of parts in memory (``store.s3.UploadTuning``), 640 MiB in all.
 UPLOAD_WORKERS = 4
 # The slowest an upload may go before its attempt counts as failed.
 FLOOR_BYTES_PER_SECOND = 4 << 20
