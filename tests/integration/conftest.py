@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import socket
 import subprocess
 import sys
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import boto3
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachefsd.control.mounts import pid_alive, read_state
+from tests.conftest import TEST_REGION
 from tests.net import free_port
 from tests.polling import wait_until
 
@@ -27,6 +32,7 @@ from tests.polling import wait_until
 pytest.register_assert_rewrite("tests.integration.torture")
 
 MOUNT_TIMEOUT_SECONDS = 90.0
+SERVER_START_SECONDS = 60.0
 UNMOUNT_TIMEOUT_SECONDS = 30.0
 
 
@@ -156,3 +162,51 @@ def fixture_mounter(tmp_path: Path) -> Iterator[MountFactory]:
                 if state is not None and pid_alive(state.pid) and read_state(mountpoint) is not None:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(state.pid, 9)
+
+
+class ServerProcess:
+    """``python -m cachefsd.testing.s3_server`` on a fixed port, which the
+    test can hang, resume, kill and start again on the same port."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "cachefsd.testing.s3_server", "--port", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_until(self._accepts, f"the S3 server on port {self.port} to listen", SERVER_START_SECONDS)
+
+    def _accepts(self) -> bool:
+        with socket.socket() as probe:
+            probe.settimeout(1.0)
+            return probe.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def signal(self, signum: int) -> None:
+        assert self._process is not None
+        self._process.send_signal(signum)
+
+    def client(self) -> Any:
+        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name=TEST_REGION)
+
+    def kill(self) -> None:
+        if self._process is not None:
+            self._process.send_signal(signal.SIGCONT)  # a stopped process dies only once resumed
+            self._process.kill()
+            self._process.wait(timeout=30)
+            self._process = None
+
+
+@pytest.fixture(name="server")
+def fixture_server() -> Iterator[ServerProcess]:
+    """An S3 server of the test's own, to hang (SIGSTOP), resume, kill and start again."""
+    server = ServerProcess()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()

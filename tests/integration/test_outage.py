@@ -20,21 +20,14 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 
 from cachefsd.config import FetchSettings
-from tests.conftest import TEST_REGION
-from tests.integration.conftest import MountFactory, drop_page_cache, run_cli, wait_dead
-from tests.net import free_port
+from tests.integration.conftest import MountFactory, ServerProcess, drop_page_cache, run_cli, wait_dead
 from tests.polling import wait_until
 
 KiB = 1 << 10
@@ -51,59 +44,10 @@ CACHED_SECONDS = 2.0
 EIO_MARGIN_SECONDS = 7.0
 # How long the daemon may take to exit after an unmount during an outage.
 EXIT_SECONDS = 5.0
-SERVER_START_SECONDS = 60.0
-
-
-class ServerProcess:
-    """``python -m cachefsd.testing.s3_server`` on a fixed port, which the
-    test can hang, resume, kill and start again on the same port."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.endpoint_url = f"http://127.0.0.1:{self.port}"
-        self._process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "cachefsd.testing.s3_server", "--port", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_until(self._accepts, f"the S3 server on port {self.port} to listen", SERVER_START_SECONDS)
-
-    def _accepts(self) -> bool:
-        with socket.socket() as probe:
-            probe.settimeout(1.0)
-            return probe.connect_ex(("127.0.0.1", self.port)) == 0
-
-    def signal(self, signum: int) -> None:
-        assert self._process is not None
-        self._process.send_signal(signum)
-
-    def kill(self) -> None:
-        if self._process is not None:
-            self._process.send_signal(signal.SIGCONT)  # a stopped process dies only once resumed
-            self._process.kill()
-            self._process.wait(timeout=30)
-            self._process = None
-
-
-@pytest.fixture(name="server")
-def fixture_server() -> Iterator[ServerProcess]:
-    server = ServerProcess()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
-
-
-def _client(server: ServerProcess) -> Any:
-    return boto3.client("s3", endpoint_url=server.endpoint_url, region_name=TEST_REGION)
 
 
 def _upload(server: ServerProcess, objects: dict[str, bytes]) -> None:
-    client = _client(server)
+    client = server.client()
     client.create_bucket(Bucket=BUCKET)
     for key, body in objects.items():
         client.put_object(Bucket=BUCKET, Key=key, Body=body)
@@ -185,7 +129,7 @@ def test_an_outage_serves_cached_files_at_once_fails_the_rest_in_one_deadline_an
     else:
         server.start()
         _upload(server, objects)
-    client = _client(server)
+    client = server.client()
     client.put_object(Bucket=BUCKET, Key="train/c0/new.bin", Body=b"new")
     client.delete_object(Bucket=BUCKET, Key=cached[0])
     # No remount: the daemon finds the store back by itself, within a

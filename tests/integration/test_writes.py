@@ -18,18 +18,15 @@ import multiprocessing
 import os
 import shutil
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 
 from cachefsd.testing.s3_server import S3TestServer
-from tests.conftest import TEST_REGION
-from tests.integration.conftest import Mount, MountFactory, run_cli, wait_dead
+from tests.integration.conftest import Mount, MountFactory, ServerProcess, run_cli, wait_dead
 from tests.integration.datasets import KiB, MiB, new_bucket
-from tests.integration.test_outage import ServerProcess
 from tests.net import free_port
 
 BLOCK_FLAG = ("--block-size", "64K")
@@ -190,34 +187,27 @@ def test_fsync_returns_once_the_object_is_in_the_bucket(writable: Any, s3_client
     assert _object(s3_client, bucket, "f.bin") == b"in place" + data[8:]
 
 
-@pytest.fixture(name="own_server")
-def fixture_own_server() -> Iterator[ServerProcess]:
-    """An S3 server of the test's own, to hang (SIGSTOP) and resume."""
-    server = ServerProcess()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
-
-
-def _own_bucket(server: ServerProcess) -> Any:
-    client = boto3.client("s3", endpoint_url=server.endpoint_url, region_name=TEST_REGION)
+def _hung_after_mounting(
+    mounter: MountFactory, server: ServerProcess, cache_dir: Path | None = None
+) -> tuple[Mount, Any, tuple[str, ...]]:
+    """A writable mount of a new bucket of ``server``, its root listed (a
+    name is created where its directory was listed: whether the bucket
+    holds it is known without the store), then the store hung: the mount,
+    a client of the store, and the mount's flags."""
+    client = server.client()
     client.create_bucket(Bucket="writes")
-    return client
+    flags = ("--endpoint-url", server.endpoint_url, "--writable", *BLOCK_FLAG, *DEADLINE_FLAG)
+    mount = mounter("s3://writes", *flags, cache_dir=cache_dir)
+    os.listdir(mount.mountpoint)
+    server.signal(signal.SIGSTOP)
+    return mount, client, flags
 
 
 def test_a_hung_store_loses_nothing_sync_names_the_file_and_it_completes_once_back(
-    mounter: MountFactory, own_server: ServerProcess
+    mounter: MountFactory, server: ServerProcess
 ) -> None:
-    client = _own_bucket(own_server)
-    flags = ("--endpoint-url", own_server.endpoint_url, "--writable", *BLOCK_FLAG, *DEADLINE_FLAG)
-    mount = mounter("s3://writes", *flags)
+    mount, client, _ = _hung_after_mounting(mounter, server)
     data = os.urandom(300 * KiB)
-    # A name is created where its directory was listed: whether the
-    # bucket holds it already is known without the store.
-    os.listdir(mount.mountpoint)
-    own_server.signal(signal.SIGSTOP)
     try:
         mount.path("ckpt.bin").write_bytes(data)  # close returns: the bytes are staged
         failed = _sync(mount, "--timeout", "20")
@@ -225,22 +215,18 @@ def test_a_hung_store_loses_nothing_sync_names_the_file_and_it_completes_once_ba
         assert "ckpt.bin" in failed.stderr
         assert mount.path("ckpt.bin").read_bytes() == data
     finally:
-        own_server.signal(signal.SIGCONT)
+        server.signal(signal.SIGCONT)
     result = _sync(mount)
     assert result.returncode == 0, result.stderr
     assert _object(client, "writes", "ckpt.bin") == data
 
 
 def test_kill_9_before_the_upload_then_a_remount_uploads_it_whole(
-    mounter: MountFactory, own_server: ServerProcess, tmp_path: Path
+    mounter: MountFactory, server: ServerProcess, tmp_path: Path
 ) -> None:
-    client = _own_bucket(own_server)
     cache_dir = tmp_path / "cache"
-    flags = ("--endpoint-url", own_server.endpoint_url, "--writable", *BLOCK_FLAG, *DEADLINE_FLAG)
-    mount = mounter("s3://writes", *flags, cache_dir=cache_dir)
+    mount, client, flags = _hung_after_mounting(mounter, server, cache_dir)
     data = os.urandom(2 * MiB + 5)
-    os.listdir(mount.mountpoint)
-    own_server.signal(signal.SIGSTOP)
     try:
         mount.path("model.pt").write_bytes(data)
         with open(mount.path("partial.pt"), "wb") as unfinished:
@@ -250,7 +236,7 @@ def test_kill_9_before_the_upload_then_a_remount_uploads_it_whole(
     except OSError:
         pass  # the write after the kill: the mount is gone
     finally:
-        own_server.signal(signal.SIGCONT)
+        server.signal(signal.SIGCONT)
     run_cli("unmount", str(mount.mountpoint))
     assert "model.pt" not in _keys(client, "writes")
 
@@ -265,19 +251,15 @@ def test_kill_9_before_the_upload_then_a_remount_uploads_it_whole(
 
 
 def test_unmount_names_what_stays_staged_and_the_next_mount_uploads_it(
-    mounter: MountFactory, own_server: ServerProcess, tmp_path: Path
+    mounter: MountFactory, server: ServerProcess, tmp_path: Path
 ) -> None:
-    client = _own_bucket(own_server)
     cache_dir = tmp_path / "cache"
-    flags = ("--endpoint-url", own_server.endpoint_url, "--writable", *BLOCK_FLAG, *DEADLINE_FLAG)
-    mount = mounter("s3://writes", *flags, cache_dir=cache_dir)
-    os.listdir(mount.mountpoint)
-    own_server.signal(signal.SIGSTOP)
+    mount, client, flags = _hung_after_mounting(mounter, server, cache_dir)
     try:
         mount.path("last.pt").write_bytes(b"the last checkpoint")
         result = run_cli("unmount", str(mount.mountpoint))
     finally:
-        own_server.signal(signal.SIGCONT)
+        server.signal(signal.SIGCONT)
     assert result.returncode == 0, result.stderr
     assert "last.pt is not in the bucket" in result.stderr
     again = mounter("s3://writes", *flags, cache_dir=cache_dir, name="again")
