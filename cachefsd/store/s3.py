@@ -170,6 +170,12 @@ _MAX_SINGLE_COPY_BYTES = 5 << 30
 # this pause and then after twice the last: 0.1, 0.2, 0.4 s, as S3 asks
 # of clients it answers 503 SlowDown.
 _UPLOAD_RETRIES = 3
+# What one request may take in all, besides the read timeout that drops a
+# stalled connection: obstore's default for a read (a block); for an
+# upload's, the completion of a multipart upload, which S3 may take
+# minutes to answer for a large object (moto: over 30 s for 1 GiB).
+_REQUEST_SECONDS = 30.0
+_UPLOAD_REQUEST_SECONDS = 900.0
 _UPLOAD_FIRST_BACKOFF_SECONDS = 0.1
 # Parts of a file read and hashed at once, ahead of obstore asking for
 # them: one MD5 runs at about 560 MiB/s on one core, so four keep ahead of
@@ -450,7 +456,7 @@ class S3Store:
         one attempt a request, since the fetcher owns retries."""
         await self._take_credentials()
         if self._data is None:
-            self._data = await self._obstore(retries=0, first_backoff=0.0)
+            self._data = await self._obstore(retries=0, first_backoff=0.0, request_seconds=_REQUEST_SECONDS)
         return self._data
 
     async def _upload_client(self) -> ObstoreS3:
@@ -462,7 +468,9 @@ class S3Store:
         await self._take_credentials()
         if self._uploads is None:
             self._uploads = await self._obstore(
-                retries=_UPLOAD_RETRIES, first_backoff=_UPLOAD_FIRST_BACKOFF_SECONDS
+                retries=_UPLOAD_RETRIES,
+                first_backoff=_UPLOAD_FIRST_BACKOFF_SECONDS,
+                request_seconds=_UPLOAD_REQUEST_SECONDS,
             )
         return self._uploads
 
@@ -474,12 +482,14 @@ class S3Store:
             self._credentials = await self._frozen_credentials()
             self._credentials_taken = now
 
-    async def _obstore(self, retries: int, first_backoff: float) -> ObstoreS3:
+    async def _obstore(self, retries: int, first_backoff: float, request_seconds: float) -> ObstoreS3:
         """An obstore client on the listing client's endpoint, region and
-        credentials, retrying a request ``retries`` times."""
+        credentials, retrying a request ``retries`` times, each allowed
+        ``request_seconds`` in all."""
         client = await self._get_client()
         options: ClientConfig = {
             "connect_timeout": datetime.timedelta(seconds=self._settings.connect_timeout),
+            "timeout": datetime.timedelta(seconds=request_seconds),
             # A stalled connection is dropped after this long without a byte.
             "read_timeout": datetime.timedelta(seconds=self._attempt_timeout),
             "pool_max_idle_per_host": str(self._settings.max_connections),
