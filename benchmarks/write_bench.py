@@ -139,6 +139,10 @@ RATE_MBIT = 4000
 LATENCY_MS = 20.0
 # obstore's files in flight; each file's parts in flight are its own default (12).
 OBSTORE_FILES = 4
+# moto joins a 1 GiB object's parts in one CompleteMultipartUpload, longer
+# than obstore's 30 s default on this loaded 2-core VM: obstore then sends it
+# again, to an upload that is no more, and fails.
+OBSTORE_REQUEST_TIMEOUT = "300s"
 METADATA = ".metadata"
 METADATA_TMP = ".metadata.tmp"
 
@@ -484,7 +488,7 @@ def _obstore_upload(prefix: str, source: Path, names: list[str]) -> tuple[float,
         access_key_id=ACCESS_KEY,
         secret_access_key=ACCESS_KEY,
         virtual_hosted_style_request=False,
-        client_options={"allow_http": True},
+        client_options={"allow_http": True, "timeout": OBSTORE_REQUEST_TIMEOUT},
     )
     cpu, started = own_cpu(), time.monotonic()
     with ThreadPoolExecutor(OBSTORE_FILES) as pool:
