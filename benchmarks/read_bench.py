@@ -84,7 +84,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import boto3
 from obstore import get
@@ -325,7 +325,22 @@ def start_cachefsd(setup: Setup, *options: str) -> Mounted:
     return Mounted(root=mountpoint, stop=stop, pid=pid)
 
 
-def start_rclone(setup: Setup) -> Mounted:
+# What read_bench mounts rclone and s3fs with (the module's docstring says why).
+RCLONE_READ_OPTIONS = (
+    "--read-only",
+    "--vfs-cache-mode",
+    "full",
+    "--no-modtime",
+    "--vfs-fast-fingerprint",
+    "--dir-cache-time",
+    "1h",
+)
+S3FS_READ_OPTIONS = ("ro",)
+
+
+def start_rclone(setup: Setup, *options: str) -> Mounted:
+    """``rclone mount`` of the setup's prefix with ``options``, its cache
+    under the run directory."""
     mountpoint, log_path = setup.run_dir / "mnt", setup.run_dir / "rclone.log"
     mountpoint.mkdir()
     env = bench_env() | {
@@ -338,9 +353,8 @@ def start_rclone(setup: Setup) -> Mounted:
         "RCLONE_S3_FORCE_PATH_STYLE": "true",
         "RCLONE_S3_LIST_VERSION": "2",  # file_s3 lists with ListObjectsV2 only
     }
-    command = ["rclone", "mount", f":s3:{BUCKET}/{setup.prefix}", str(mountpoint), "--read-only"]
-    command += ["--vfs-cache-mode", "full", "--cache-dir", str(setup.run_dir / "cache")]
-    command += ["--no-modtime", "--vfs-fast-fingerprint", "--dir-cache-time", "1h"]
+    command = ["rclone", "mount", f":s3:{BUCKET}/{setup.prefix}", str(mountpoint), *options]
+    command += ["--cache-dir", str(setup.run_dir / "cache")]
     command += ["--log-file", str(log_path), "--log-level", "NOTICE"]
     proc = subprocess.Popen(
         command,
@@ -353,23 +367,26 @@ def start_rclone(setup: Setup) -> Mounted:
     return foreground_mount(proc, mountpoint, log_path)
 
 
-def start_s3fs(setup: Setup) -> Mounted:
+def start_s3fs(setup: Setup, *options: str) -> Mounted:
+    """``s3fs`` of the setup's prefix with ``options`` besides the endpoint,
+    the keys and ``use_cache`` under the run directory (where it also stages
+    what is written, instead of /tmp)."""
     mountpoint, cache, log_path = setup.run_dir / "mnt", setup.run_dir / "cache", setup.run_dir / "s3fs.log"
     mountpoint.mkdir()
     cache.mkdir()
     passwd = setup.run_dir / "s3fs.passwd"
     passwd.write_text(f"{ACCESS_KEY}:{ACCESS_KEY}\n")
     passwd.chmod(0o600)
-    options = [
+    every = [
         f"url={setup.endpoint}",
         "use_path_request_style",
         f"passwd_file={passwd}",
-        "ro",
         f"use_cache={cache}",
         "listobjectsv2",  # file_s3 lists with ListObjectsV2 only
         "dbglevel=warn",
+        *options,
     ]
-    command = ["s3fs", f"{BUCKET}:/{setup.prefix}", str(mountpoint), "-f", "-o", ",".join(options)]
+    command = ["s3fs", f"{BUCKET}:/{setup.prefix}", str(mountpoint), "-f", "-o", ",".join(every)]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=bench_env(), start_new_session=True
@@ -389,8 +406,10 @@ CONTENDERS = (
     Contender(LOCAL, start_local),
     Contender(CACHEFSD, start_cachefsd),
     Contender(CACHEFSD_DAEMON_READS, lambda setup: start_cachefsd(setup, "-o", "nopassthrough")),
-    Contender(RCLONE, start_rclone, "rclone", "apt-get install -y rclone"),
-    Contender(S3FS, start_s3fs, "s3fs", "apt-get install -y s3fs"),
+    Contender(
+        RCLONE, lambda setup: start_rclone(setup, *RCLONE_READ_OPTIONS), "rclone", "apt-get install -y rclone"
+    ),
+    Contender(S3FS, lambda setup: start_s3fs(setup, *S3FS_READ_OPTIONS), "s3fs", "apt-get install -y s3fs"),
 )
 
 
@@ -701,7 +720,15 @@ def per_core(rows: list[Row]) -> list[str]:
 # -- the run ---------------------------------------------------------------------------------
 
 
-def in_turn(contenders: list[Contender], repeat: int) -> list[Contender]:
+class Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+NamedT = TypeVar("NamedT", bound=Named)
+
+
+def in_turn(contenders: list[NamedT], repeat: int) -> list[NamedT]:
     """The order repeat ``repeat`` runs ``contenders`` in: the local disk
     first, the mounts rotated one place a repeat, so that no mount is always
     the first to fill this VM's page cache after the server's (the first

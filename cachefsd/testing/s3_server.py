@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from moto.moto_server.werkzeug_app import MotoRequestHandler
+from moto.s3.models import FakeKey
 from moto.server import DomainDispatcherApplication, create_backend_app
 from werkzeug.serving import make_server
 
@@ -36,6 +37,23 @@ DEFAULT_HOST = "127.0.0.1"
 
 WsgiEnviron = dict[str, Any]
 StartResponse = Callable[..., Any]
+
+
+_unlocked_etag: Callable[[FakeKey], str] = FakeKey.__dict__["etag"].fget
+
+
+def _etag_under_the_keys_lock(key: FakeKey) -> str:
+    """moto computes an object's ETag on first use by seeking and reading
+    the one buffer that holds its bytes, without the lock its ``value``
+    reads take: two requests at once (a PUT's answer and a listing, a HEAD,
+    a GET) interleave their reads and the object keeps a wrong ETag, or a GET
+    other bytes. Both take the key's lock here."""
+    with key.lock:
+        etag: str = _unlocked_etag(key)
+        return etag
+
+
+FakeKey.etag = property(_etag_under_the_keys_lock)  # type: ignore[assignment,method-assign]
 
 
 def _is_path_style_host(host: str) -> bool:
