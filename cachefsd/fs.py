@@ -139,7 +139,7 @@ class Bucket(Protocol):
     (``writes.bucket.Bucket``): bounded, retried, or a ``StoreError``."""
 
     def delete(self, key: str) -> None: ...
-    def copy(self, source: str, target: str, size: int) -> None: ...
+    def copy(self, source: str, target: str, size: int) -> ObjectInfo: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -707,7 +707,7 @@ class FileSystem:
             raise IsADirectory(key)
         if remote is not None:
             writes.bucket.delete(key)
-            self._namespace.changed(key)
+            self._namespace.removed(key)
         elif staged is None:
             raise ObjectNotFound(key)
         self._gone(parent, name)
@@ -731,8 +731,7 @@ class FileSystem:
             if self._namespace.listdir("/" + key):
                 raise NotEmpty(key)
             writes.bucket.delete(prefix)  # its marker object, if it has one
-            self._namespace.changed(prefix)
-            self._namespace.changed(key)  # its parent's listing, which shows it
+            self._namespace.removed(prefix)
         elif remote is not None:
             raise NotADirectory(key)
         elif not writes.staging.is_dir(prefix):
@@ -763,14 +762,13 @@ class FileSystem:
                 replaced = writes.staging.find(new_key)
                 if replaced is not None:
                     writes.staging.unlink(replaced)
-                writes.bucket.copy(key, new_key, remote.size)
-                self._namespace.changed(new_key)
+                self._namespace.wrote(writes.bucket.copy(key, new_key, remote.size))
                 # The kernel moves the inode, which stands for the old
                 # key's version: it is to look the new name up again.
                 self.stale_entries.put((new_parent, new_name))
             if remote is not None:
                 writes.bucket.delete(key)
-                self._namespace.changed(key)
+                self._namespace.removed(key)
         self._moved(parent, name, new_parent, new_name)
 
     def _rename_dir(self, key: str, new_key: str, target: str | None) -> None:

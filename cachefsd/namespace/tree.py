@@ -176,25 +176,51 @@ class Namespace:
                 self._dirs[prefix] = _Cached(cached.directory, INVALIDATED)
         self._saved.save(prefix, INVALIDATED, Listing((), ()))
 
-    def changed(self, key: str) -> None:
-        """This mount changed ``key`` in the bucket (a write, a delete, a
-        rename): its directory's listing is dropped, and each ancestor's
-        that does not show the directory below it (a key may make a new
-        one), so the next lookup lists them again and sees the bucket as
-        it is now. A root of 100k keys is not listed again for a file
-        written deep below it."""
-        parts = key.split("/")
-        for depth in range(len(parts)):
-            prefix = "".join(part + "/" for part in parts[:depth])
-            last = depth == len(parts) - 1
-            with self._lock:
-                cached = self._dirs.get(prefix)
-                if cached is None or cached.fetched_at == INVALIDATED:
-                    continue
-                if not last and parts[depth] in cached.directory.entries:
-                    continue
-                self._dirs[prefix] = _Cached(cached.directory, INVALIDATED)
-            self._saved.save(prefix, INVALIDATED, Listing((), ()))
+    def wrote(self, info: ObjectInfo) -> None:
+        """This mount put ``info`` in the bucket (an upload, a copy): the
+        listings at hand show it at once, its directory's and each
+        ancestor's (a key may make a new directory), without listing them
+        again: a directory of 100k keys written into is not listed again
+        for each checkpoint file. A version it replaces is gone
+        (``on_version_gone``)."""
+        parts = info.key.split("/")
+        replaced = self._edit(info.key, info)
+        for depth in range(len(parts) - 1):
+            self._edit("/".join(parts[: depth + 1]) + "/", None, only_if_absent=True)
+        if replaced is not None and replaced.etag != info.etag:
+            self._on_version_gone(replaced)
+
+    def removed(self, key: str) -> None:
+        """This mount deleted ``key`` (``a/b/`` a directory) from the bucket:
+        the listing at hand of its directory no longer shows it."""
+        self._edit(key, None, remove=True)
+
+    def _edit(
+        self, key: str, info: ObjectInfo | None, only_if_absent: bool = False, remove: bool = False
+    ) -> ObjectInfo | None:
+        """Set (or ``remove``) the entry of ``key`` (a directory when it ends
+        in ``/``) in its directory's listing, if one is at hand; the object
+        it showed there before. The copy saved in the index is dropped: it
+        is listed again at the next mount."""
+        name_end = len(key) - 1 if key.endswith("/") else len(key)
+        prefix = key[: key.rfind("/", 0, name_end) + 1]
+        name = key[len(prefix) : name_end]
+        with self._lock:
+            cached = self._dirs.get(prefix)
+            if cached is None or cached.fetched_at == INVALIDATED:
+                return None
+            entries = cached.directory.entries
+            before = entries.get(name)
+            if only_if_absent and name in entries:
+                return before
+            # A new dict: listings handed out are iterated without the lock.
+            entries = {each: value for each, value in entries.items() if each != name}
+            if not remove:
+                entries[name] = info
+            directory = Directory(entries, cached.directory.hidden, cached.directory.shadowed)
+            self._dirs[prefix] = _Cached(directory, cached.fetched_at, cached.unchecked)
+        self._saved.save(prefix, INVALIDATED, Listing((), ()))
+        return before
 
     def _cached(self, prefix: str) -> _Cached:
         now = self._clock()

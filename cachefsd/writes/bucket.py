@@ -11,7 +11,7 @@ import functools
 from cachefsd.aio import LoopThread
 from cachefsd.fetch import Fetcher
 from cachefsd.namespace.tree import BRIDGE_MARGIN_SECONDS
-from cachefsd.store.base import ObjectStore
+from cachefsd.store.base import ObjectInfo, ObjectStore
 from cachefsd.writes.uploads import FLOOR_BYTES_PER_SECOND
 
 
@@ -27,6 +27,6 @@ class Bucket:
         request = self._fetcher.call(f"delete {key}", functools.partial(self._store.delete, key), "metadata")
         self._io.run(request, self._fetcher.deadline + BRIDGE_MARGIN_SECONDS)
 
-    def copy(self, source: str, target: str, size: int) -> None:
+    def copy(self, source: str, target: str, size: int) -> ObjectInfo:
         timeout = self._fetcher.deadline + size / FLOOR_BYTES_PER_SECOND
-        self._io.run(self._store.copy(source, target), timeout)
+        return self._io.run(self._store.copy(source, target), timeout)

@@ -71,17 +71,17 @@ class Uploads:
         io: LoopThread,
         events: UploadEvents,
         deadline: float,
-        changed: Callable[[str], None],
+        wrote: Callable[[ObjectInfo], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``changed(key)`` is told of each key changed in the bucket."""
+        """``wrote(info)`` is told of each object uploaded."""
         self._store = store
         self._staging = staging
         self._journal = journal
         self._io = io
         self._events = events
         self._deadline = deadline
-        self._changed = changed
+        self._wrote = wrote
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -255,9 +255,9 @@ class Uploads:
         else:
             timeout = self._deadline + size / FLOOR_BYTES_PER_SECOND
             info = self._submit(pending, self._store.put_file(op.key, file.path), timeout)
-            # Listed again before the staged file leaves the listing, so
-            # that the name never disappears between the two.
-            self._changed(op.key)
+            # Listed before the staged file leaves the listing, so that
+            # the name never disappears between the two.
+            self._wrote(info)
         if not self._staging.uploaded(file, version, info):
             # Written to while it uploaded: due again once closed.
             with self._wake:
