@@ -162,7 +162,7 @@ def data_path(
         journal, upload_events = writes
         staging = Staging(store.cache_key, cache.tiers[0].root / STAGED_DIR, journal, cache, view.admit_file)
         uploads = Uploads(
-            store, staging, journal, io, upload_events, settings.fetch.deadline, namespace.wrote
+            store, staging, io, upload_events, settings.fetch.deadline, namespace.wrote
         )
         writable = Writes(staging, uploads, Bucket(store, fetcher, io))
     fs = FileSystem(

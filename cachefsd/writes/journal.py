@@ -31,9 +31,7 @@ CREATE TABLE IF NOT EXISTS ops (
     file TEXT NOT NULL,
     closed INTEGER NOT NULL DEFAULT 0,
     size INTEGER NOT NULL DEFAULT 0,
-    mtime REAL NOT NULL DEFAULT 0,
-    failures INTEGER NOT NULL DEFAULT 0,
-    last_error TEXT
+    mtime REAL NOT NULL DEFAULT 0
 );
 CREATE UNIQUE INDEX IF NOT EXISTS one_staged_file_a_key ON ops (source, key);
 """
@@ -49,8 +47,6 @@ class Op:
     closed: bool
     size: int
     mtime: float
-    failures: int
-    last_error: str | None
 
 
 class Journal:
@@ -74,11 +70,11 @@ class Journal:
         """``source``'s operations, oldest first."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT id, key, file, closed, size, mtime, failures, last_error "
+                "SELECT id, key, file, closed, size, mtime "
                 "FROM ops WHERE source = ? ORDER BY id",
                 (source,),
             ).fetchall()
-        return [Op(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], row[7]) for row in rows]
+        return [Op(row[0], row[1], row[2], bool(row[3]), row[4], row[5]) for row in rows]
 
     def files(self) -> set[str]:
         """The staged files every source's rows name."""
@@ -119,12 +115,6 @@ class Journal:
             )
         assert cursor.lastrowid is not None
         return cursor.lastrowid
-
-    def failed(self, op: int, error: str) -> None:
-        with self._lock:
-            self._db.execute(
-                "UPDATE ops SET failures = failures + 1, last_error = ? WHERE id = ?", (error, op)
-            )
 
     def done(self, op: int) -> None:
         """``op`` is uploaded (or its file dropped): its row goes."""

@@ -348,7 +348,7 @@ class Staging:
     def make_due(self, file: StagedFile) -> None:
         """Upload ``file`` as it is now, open or not (fsync, close)."""
         assert self._queue is not None
-        self._queue.due(Op(file.op, file.key, file.path.name, True, file.size, file.mtime, 0, None))
+        self._queue.due(Op(file.op, file.key, file.path.name, True, file.size, file.mtime))
 
     def write(self, file: StagedFile, offset: int, data: memoryview) -> int:
         end = offset + len(data)

@@ -26,7 +26,7 @@ from cachefsd import turns
 from cachefsd.aio import LoopThread
 from cachefsd.errors import CachefsdError, DaemonStopping
 from cachefsd.store.base import ObjectInfo, ObjectStore
-from cachefsd.writes.journal import Journal, Op
+from cachefsd.writes.journal import Op
 from cachefsd.writes.staged import Staging
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,6 @@ class Uploads:
         self,
         store: ObjectStore,
         staging: Staging,
-        journal: Journal,
         io: LoopThread,
         events: UploadEvents,
         deadline: float,
@@ -77,7 +76,6 @@ class Uploads:
         """``wrote(info)`` is told of each object uploaded."""
         self._store = store
         self._staging = staging
-        self._journal = journal
         self._io = io
         self._events = events
         self._deadline = deadline
@@ -193,20 +191,15 @@ class Uploads:
         with self._wake:
             while not self._stopping:
                 now = self._clock()
-                first: dict[str, int] = {}
+                keys: set[str] = set()  # each key's oldest operation is its only candidate
                 for op_id in sorted(self._pending):
-                    first.setdefault(self._pending[op_id].op.key, op_id)
-                ready = [
-                    self._pending[op_id]
-                    for op_id in first.values()
-                    if self._pending[op_id].running is None
-                    and self._pending[op_id].retry_at <= now
-                    and self._pending[op_id].op.key not in self._running_keys
-                ]
-                if ready:
-                    chosen = ready[0]
-                    self._running_keys.add(chosen.op.key)
-                    return chosen
+                    each = self._pending[op_id]
+                    if each.op.key in keys:
+                        continue
+                    keys.add(each.op.key)
+                    if each.retry_at <= now and each.op.key not in self._running_keys:
+                        self._running_keys.add(each.op.key)
+                        return each
                 waits = [each.retry_at - now for each in self._pending.values() if each.retry_at > now]
                 self._wake.wait(min(waits, default=None))
         return None
@@ -290,7 +283,6 @@ class Uploads:
             pending.last_error = str(exc)
             pending.retry_at = self._clock() + min(MAX_BACKOFF_SECONDS, 2.0**pending.failures)
             self._wake.notify_all()
-        self._journal.failed(pending.op.id, str(exc))
         log.warning(
             "uploading %s failed (attempt %d): %s; it stays staged and is retried",
             pending.op.key,
