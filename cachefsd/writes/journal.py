@@ -70,8 +70,7 @@ class Journal:
         """``source``'s operations, oldest first."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT id, key, file, closed, size, mtime "
-                "FROM ops WHERE source = ? ORDER BY id",
+                "SELECT id, key, file, closed, size, mtime FROM ops WHERE source = ? ORDER BY id",
                 (source,),
             ).fetchall()
         return [Op(row[0], row[1], row[2], bool(row[3]), row[4], row[5]) for row in rows]

@@ -33,6 +33,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,12 @@ class StagedFile:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+def _ancestors(key: str) -> list[str]:
+    """The directory prefixes ``key`` lies under: ``a/b/c`` -> ``a/``, ``a/b/``."""
+    parts = key.split("/")[:-1]
+    return ["".join(part + "/" for part in parts[: depth + 1]) for depth in range(len(parts))]
+
+
 class Staging:
     """The staged files and local directories of one writable mount."""
 
@@ -138,6 +145,9 @@ class Staging:
         self._files: dict[str, StagedFile] = {}  # key -> staged file
         self._by_op: dict[int, StagedFile] = {}
         self._dirs: set[str] = set()  # "a/b/": made by mkdir
+        # Directory prefix -> staged files under it: a lookup asks whether a
+        # name is a directory of staged files, and must not scan them all.
+        self._under: Counter[str] = Counter()
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     # -- start and upload ---------------------------------------------------
@@ -237,7 +247,7 @@ class Staging:
     def is_dir(self, prefix: str) -> bool:
         """Whether ``prefix`` (``a/b/``) is a local directory or holds staged files."""
         with self._lock:
-            return prefix in self._dirs or any(key.startswith(prefix) for key in self._files)
+            return prefix in self._dirs or self._under[prefix] > 0
 
     def entries(self, prefix: str) -> dict[str, StagedFile | None]:
         """The staged files (and directories: None) directly under ``prefix``."""
@@ -259,9 +269,7 @@ class Staging:
     def rmdir(self, prefix: str) -> None:
         """Drop a local directory; ``NotEmpty`` if anything staged is under it."""
         with self._lock:
-            if any(key.startswith(prefix) for key in self._files) or any(
-                each.startswith(prefix) and each != prefix for each in self._dirs
-            ):
+            if self._under[prefix] or any(each.startswith(prefix) and each != prefix for each in self._dirs):
                 raise NotEmpty(prefix)
             self._dirs.discard(prefix)
 
@@ -435,9 +443,12 @@ class Staging:
     def _add(self, file: StagedFile) -> None:
         self._files[file.key] = file
         self._by_op[file.op] = file
+        self._under.update(_ancestors(file.key))
 
     def _remove(self, file: StagedFile) -> None:
-        self._files.pop(file.key, None)
+        if self._files.get(file.key) is file:
+            del self._files[file.key]
+            self._under.subtract(_ancestors(file.key))
         self._by_op.pop(file.op, None)
 
     def staged_bytes(self) -> int:
@@ -453,6 +464,7 @@ class Staging:
         with self._lock:
             files = list(self._files.values())
             self._files.clear()
+            self._under.clear()
             self._by_op.clear()
         for file in files:
             with file.lock:
