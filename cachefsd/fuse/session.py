@@ -210,7 +210,8 @@ class Session:
         self._connection: device.Connection | None = None
         self._opens: Opens | None = None
         # Opens of staged files counted in ``_opens``: handle -> whether
-        # passed through; guarded by _wake_lock.
+        # passed through; guarded by _staged_lock.
+        self._staged_lock = threading.Lock()
         self._staged_opens: dict[int, bool] = {}
         self._open_sizes = OpenSizes(protocol.MAX_READ)
         # Wakes every worker at the end, while serving (else -1); guarded by _wake_lock.
@@ -530,7 +531,7 @@ class Session:
         through = None
         if self.passthrough.on and self._opens is not None:
             through = self._opens.open(inode, lambda: self._fs.staged_backing(handle))
-            with self._wake_lock:
+            with self._staged_lock:
                 self._staged_opens[handle] = through is not None
         if through is not None:
             return protocol.pack_open(handle, protocol.FOPEN_PASSTHROUGH, through.backing_id)
@@ -538,7 +539,7 @@ class Session:
         return protocol.pack_open(handle, direct)
 
     def _release_staged(self, inode: int, handle: int) -> None:
-        with self._wake_lock:
+        with self._staged_lock:
             through = self._staged_opens.pop(handle, None)
         if through is not None and self._opens is not None:
             self._opens.release(inode, through)
