@@ -78,7 +78,7 @@ class Room(Protocol):
 class UploadQueue(Protocol):
     """What staging tells the uploader (``uploads.Uploads``)."""
 
-    def due(self, op: Op) -> None:
+    def due(self, op: int, key: str) -> None:
         """``op`` may run once the ones before it for its key are done."""
         ...
 
@@ -169,7 +169,7 @@ class Staging:
             stamp = (status.st_size, status.st_mtime_ns)
             self._add(StagedFile(op.key, op.id, path, fd, op.size, op.mtime, stamp=stamp))
             log.info("%s: %s staged by an earlier daemon, uploading it", self._source, op.key)
-            queue.due(op)
+            queue.due(op.id, op.key)
 
     def _remove_strays(self) -> None:
         """Delete staged files no journal row names: a file's row is written
@@ -356,7 +356,7 @@ class Staging:
     def make_due(self, file: StagedFile) -> None:
         """Upload ``file`` as it is now, open or not (fsync, close)."""
         assert self._queue is not None
-        self._queue.due(Op(file.op, file.key, file.path.name, True, file.size, file.mtime))
+        self._queue.due(file.op, file.key)
 
     def write(self, file: StagedFile, offset: int, data: memoryview) -> int:
         end = offset + len(data)

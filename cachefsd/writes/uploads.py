@@ -26,7 +26,6 @@ from cachefsd import turns
 from cachefsd.aio import LoopThread
 from cachefsd.errors import CachefsdError, DaemonStopping
 from cachefsd.store.base import ObjectInfo, ObjectStore
-from cachefsd.writes.journal import Op
 from cachefsd.writes.staged import Staging
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,8 @@ class UploadEvents(Protocol):
 
 @dataclass(slots=True)
 class _Pending:
-    op: Op
+    op: int  # its journal row
+    key: str
     since: float  # when it became due
     running: concurrent.futures.Future[ObjectInfo] | None = None
     cancelled: bool = False
@@ -97,13 +97,12 @@ class Uploads:
 
     # -- what staging tells -------------------------------------------------
 
-    def due(self, op: Op) -> None:
+    def due(self, op: int, key: str) -> None:
         with self._wake:
-            pending = self._pending.get(op.id)
+            pending = self._pending.get(op)
             if pending is None:
-                self._pending[op.id] = _Pending(op, self._clock())
+                self._pending[op] = _Pending(op, key, self._clock())
             else:
-                pending.op = op
                 pending.retry_at = 0.0
             self._wake.notify_all()
 
@@ -133,11 +132,11 @@ class Uploads:
                 left = {op: self._pending[op] for op in ids if op in self._pending}
                 failed = {op: each for op, each in left.items() if each.failures > failures[op]}
                 if len(failed) == len(left):
-                    return len(ids), {each.op.key: each.last_error or "failed" for each in failed.values()}
+                    return len(ids), {each.key: each.last_error or "failed" for each in failed.values()}
                 remaining = None if end is None else end - self._clock()
                 if remaining is not None and remaining <= 0:
                     return len(ids), {
-                        each.op.key: each.last_error or f"not uploaded within {timeout:g}s"
+                        each.key: each.last_error or f"not uploaded within {timeout:g}s"
                         for each in left.values()
                     }
                 self._wake.wait(remaining)
@@ -163,7 +162,7 @@ class Uploads:
         with self._lock:
             failing = [each for each in self._pending.values() if each.failures]
             oldest = min(failing, key=lambda each: each.since, default=None)
-            return None if oldest is None else (oldest.op.key, oldest.last_error or "failed")
+            return None if oldest is None else (oldest.key, oldest.last_error or "failed")
 
     def stop(self, wait: float) -> list[str]:
         """Wait up to ``wait`` seconds for what is due and has not failed
@@ -175,7 +174,7 @@ class Uploads:
         self.wait(untried, wait)
         with self._wake:
             self._stopping = True
-            left = [each.op.key for each in self._pending.values()]
+            left = [each.key for each in self._pending.values()]
             for each in self._pending.values():
                 if each.running is not None:
                     each.cancelled = True
@@ -194,11 +193,11 @@ class Uploads:
                 keys: set[str] = set()  # each key's oldest operation is its only candidate
                 for op_id in sorted(self._pending):
                     each = self._pending[op_id]
-                    if each.op.key in keys:
+                    if each.key in keys:
                         continue
-                    keys.add(each.op.key)
-                    if each.retry_at <= now and each.op.key not in self._running_keys:
-                        self._running_keys.add(each.op.key)
+                    keys.add(each.key)
+                    if each.retry_at <= now and each.key not in self._running_keys:
+                        self._running_keys.add(each.key)
                         return each
                 waits = [each.retry_at - now for each in self._pending.values() if each.retry_at > now]
                 self._wake.wait(min(waits, default=None))
@@ -210,12 +209,11 @@ class Uploads:
                 self._run(pending)
             finally:
                 with self._wake:
-                    self._running_keys.discard(pending.op.key)
+                    self._running_keys.discard(pending.key)
                     pending.running = None
                     self._wake.notify_all()
 
     def _run(self, pending: _Pending) -> None:
-        op = pending.op
         started = self._clock()
         self._events.upload_started()
         try:
@@ -226,7 +224,7 @@ class Uploads:
                 return
             self._events.upload_ended("failed", self._clock() - started, 0)
             if not isinstance(exc, CachefsdError):
-                log.exception("uploading %s failed unexpectedly", op.key)
+                log.exception("uploading %s failed unexpectedly", pending.key)
             self._failed(pending, exc)
             return
         if nbytes is None:
@@ -237,8 +235,7 @@ class Uploads:
     def _upload(self, pending: _Pending) -> int | None:
         """Upload the staged file of ``pending``; its bytes, or None if it
         changed meanwhile (a writer holds it, or it is due again)."""
-        op = pending.op
-        file = self._staging.for_op(op.id)
+        file = self._staging.for_op(pending.op)
         if file is None:  # unlinked, renamed (a new op) or replaced meanwhile
             self._finished(pending)
             return None
@@ -247,7 +244,7 @@ class Uploads:
             info = file.info  # an fsync uploaded it as it is
         else:
             timeout = self._deadline + size / FLOOR_BYTES_PER_SECOND
-            info = self._submit(pending, self._store.put_file(op.key, file.path), timeout)
+            info = self._submit(pending, self._store.put_file(pending.key, file.path), timeout)
             # Listed before the staged file leaves the listing, so that
             # the name never disappears between the two.
             self._wrote(info)
@@ -255,7 +252,7 @@ class Uploads:
             # Written to while it uploaded: due again once closed.
             with self._wake:
                 if file.writers:
-                    self._pending.pop(op.id, None)
+                    self._pending.pop(pending.op, None)
             return None
         self._finished(pending)
         return size
@@ -273,8 +270,8 @@ class Uploads:
 
     def _finished(self, pending: _Pending) -> None:
         with self._wake:
-            if self._pending.get(pending.op.id) is pending:
-                del self._pending[pending.op.id]
+            if self._pending.get(pending.op) is pending:
+                del self._pending[pending.op]
             self._wake.notify_all()
 
     def _failed(self, pending: _Pending, exc: Exception) -> None:
@@ -285,7 +282,7 @@ class Uploads:
             self._wake.notify_all()
         log.warning(
             "uploading %s failed (attempt %d): %s; it stays staged and is retried",
-            pending.op.key,
+            pending.key,
             pending.failures,
             exc,
         )
