@@ -815,9 +815,12 @@ class S3Store:
         upload = await client.create_multipart_upload(Bucket=self._bucket, Key=full_target)
         upload_id = upload["UploadId"]
         slots = asyncio.Semaphore(self._upload.parts_in_flight)
+        failed = asyncio.Event()
 
         async def copy_part(number: int, start: int, end: int) -> dict[str, Any]:
             async with slots:
+                if failed.is_set():
+                    raise asyncio.CancelledError
                 response = await client.upload_part_copy(
                     Bucket=self._bucket,
                     Key=full_target,
@@ -837,9 +840,15 @@ class S3Store:
         try:
             try:
                 parts = await asyncio.gather(*tasks)
-            finally:
-                for task in tasks:  # one part's failure ends the others before the abort
+            except asyncio.CancelledError:
+                for task in tasks:
                     task.cancel()
+                raise
+            finally:
+                # A part the store is still copying may land after an abort
+                # and outlive it: after a failure no part starts, and those in
+                # flight end before the abort.
+                failed.set()
                 await asyncio.gather(*tasks, return_exceptions=True)
             response = await client.complete_multipart_upload(
                 Bucket=self._bucket, Key=full_target, UploadId=upload_id, MultipartUpload={"Parts": parts}
