@@ -38,6 +38,11 @@ the others rotated a place a repeat (read_bench's ``in_turn``):
   process of its own, ``OBSTORE_FILES`` files at a time, each in parts of
   5 MiB, 12 in flight (its defaults): the server's write ceiling, and the
   durable time the others are compared with;
+- ``ordered``: obstore again, the files in the writers' order: a rank's
+  files one after another, the ranks at once, the metadata last. With fsync
+  each file, a client whose fsync means "in the bucket" (cachefsd) cannot
+  close the last file sooner than this: the floor its close time is
+  measured against;
 - ``cachefsd``: ``python -m cachefsd mount --writable``; durable when
   ``python -m cachefsd sync MNT --timeout S`` returns 0. Until cachefsd has
   ``--writable`` its mount fails and the contender is skipped, reason
@@ -146,7 +151,7 @@ OBSTORE_REQUEST_TIMEOUT = "300s"
 METADATA = ".metadata"
 METADATA_TMP = ".metadata.tmp"
 
-LOCAL, OBSTORE, CACHEFSD, RCLONE, S3FS = "local", "obstore", "cachefsd", "rclone", "s3fs"
+LOCAL, OBSTORE, ORDERED, CACHEFSD, RCLONE, S3FS = "local", "obstore", "ordered", "cachefsd", "rclone", "s3fs"
 # The module's docstring says why each.
 RCLONE_WRITE_OPTIONS = ("--vfs-cache-mode", "writes", "--vfs-write-back", "1ms", "--no-modtime")
 # What every cachefsd mount of the run is given besides read_bench's flags.
@@ -444,6 +449,7 @@ class Contender:
 CONTENDERS = (
     Contender(LOCAL, start_local),
     Contender(OBSTORE, None),
+    Contender(ORDERED, None),
     Contender(CACHEFSD, start_cachefsd, cachefsd_sync),
     Contender(
         RCLONE,
@@ -474,13 +480,17 @@ def available_contenders() -> tuple[list[Contender], dict[str, str]]:
 class Run:
     """One contender's checkpoint, seconds from the first rank's start."""
 
-    closed: float | None  # the last file closed; None for obstore
+    closed: float | None  # the last file closed; None for obstore and ordered
     durable: float | None  # every object in the bucket; None for the local disk
     nbytes: int
     cpu: Cpu | None  # the serving process's; obstore's own; None for the local disk
 
 
-def _obstore_upload(prefix: str, source: Path, names: list[str]) -> tuple[float, Cpu]:
+def _obstore_upload(
+    prefix: str, source: Path, stages: list[list[list[str]]], threads: int
+) -> tuple[float, Cpu]:
+    """Each stage after the one before; a stage's queues ``threads`` at a
+    time, each queue's files one after another."""
     store = S3Store(
         BUCKET,
         endpoint=ENDPOINT,
@@ -491,18 +501,31 @@ def _obstore_upload(prefix: str, source: Path, names: list[str]) -> tuple[float,
         client_options={"allow_http": True, "timeout": OBSTORE_REQUEST_TIMEOUT},
     )
     cpu, started = own_cpu(), time.monotonic()
-    with ThreadPoolExecutor(OBSTORE_FILES) as pool:
-        list(pool.map(lambda name: put(store, f"{prefix}/{name}", source / name), names))
+
+    def upload(names: list[str]) -> None:
+        for name in names:
+            put(store, f"{prefix}/{name}", source / name)
+
+    for stage in stages:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(upload, stage))
     return time.monotonic() - started, own_cpu() - cpu
 
 
-def run_obstore(layout: Layout, source: Path, prefix: Prefix) -> Run:
-    """obstore uploading the checkpoint's files from ``source``, in a process
-    of its own (its CPU time is then its own)."""
+def run_obstore(layout: Layout, source: Path, prefix: Prefix, in_order: bool) -> Run:
+    """obstore uploading the checkpoint's files from ``source``, any
+    ``OBSTORE_FILES`` at a time or ``in_order`` (the module's docstring), in
+    a process of its own (its CPU time is then its own)."""
     drop_page_cache()
-    names = [file.name for file in layout.files]
+    if in_order:
+        stages = [[[file.name for file in rank] for rank in layout.ranks]]
+        stages += [[[layout.metadata.name]]] if layout.metadata else []
+        threads = len(layout.ranks)
+    else:
+        stages, threads = [[[file.name] for file in layout.files]], OBSTORE_FILES
     with ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
-        seconds, cpu = pool.submit(_obstore_upload, prefix.prefix, source, names).result(OBSTORE_SECONDS)
+        upload = pool.submit(_obstore_upload, prefix.prefix, source, stages, threads)
+        seconds, cpu = upload.result(OBSTORE_SECONDS)
     return Run(closed=None, durable=seconds, nbytes=layout.total_bytes, cpu=cpu)
 
 
@@ -656,7 +679,7 @@ def bench_layout(
         setup = Setup(ENDPOINT, prefix.prefix, run_dir / "checkpoint", run_dir, CACHEFSD_FLAGS)
         try:
             if contender.start is None:
-                run = run_obstore(layout, source, prefix)
+                run = run_obstore(layout, source, prefix, in_order=contender.name == ORDERED)
             else:
                 run = run_mounted(contender, setup, layout, source, prefix)
             problems = (
@@ -716,6 +739,14 @@ def report(
     for check in checks:
         verdict = {True: "met", False: "NOT met", None: "-"}[check.met]
         print(f"  {verdict:<8} {check.target:<36} {check.measured}")
+    cells = {(row.layout, row.contender): row for row in rows}
+    for layout in plan:
+        mine, floor = cells.get((layout.name, CACHEFSD)), cells.get((layout.name, ORDERED))
+        if layout.fsync and mine and floor and mine.close_s and floor.durable_s:
+            print(
+                f"  {layout.name}: closed in {mine.close_s / floor.durable_s:.2f} x the time obstore takes"
+                " to upload the files in the writers' order (fsync = in the bucket)"
+            )
     for name, reason in results.failed.items():
         print(f"{name}: {reason}")
     return {

@@ -17,6 +17,7 @@ from benchmarks.write_bench import (
     METADATA_TMP,
     MIB,
     OBSTORE,
+    ORDERED,
     RCLONE,
     S3FS,
     File,
@@ -167,5 +168,5 @@ def test_cachefsds_goals_are_judged_by_layout_and_unmeasured_ones_are_neither() 
 def test_the_local_disk_goes_first_and_the_others_take_turns_after_it() -> None:
     contenders = list(CONTENDERS)
     seconds = {in_turn(contenders, repeat)[1].name for repeat in range(len(contenders) - 1)}
-    assert seconds == {OBSTORE, CACHEFSD, RCLONE, S3FS}
+    assert seconds == {OBSTORE, ORDERED, CACHEFSD, RCLONE, S3FS}
     assert all(in_turn(contenders, repeat)[0].name == LOCAL for repeat in range(4))
