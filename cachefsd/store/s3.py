@@ -175,6 +175,11 @@ _UPLOAD_RETRIES = 3
 # stalled connection: obstore's default for a read (a block); for an
 # upload's, the completion of a multipart upload, which S3 may take
 # minutes to answer for a large object (moto: over 30 s for 1 GiB).
+# An upload's requests have that long without a byte, too: a store may say
+# nothing until it has joined the parts (S3 sends spaces meanwhile, moto
+# nothing), and a completion sent again after a read timeout finds its
+# upload gone (404). A stalled part is cut by the uploader's deadline for
+# the whole file instead.
 _REQUEST_SECONDS = 30.0
 _UPLOAD_REQUEST_SECONDS = 900.0
 _UPLOAD_FIRST_BACKOFF_SECONDS = 0.1
@@ -457,7 +462,12 @@ class S3Store:
         one attempt a request, since the fetcher owns retries."""
         await self._take_credentials()
         if self._data is None:
-            self._data = await self._obstore(retries=0, first_backoff=0.0, request_seconds=_REQUEST_SECONDS)
+            self._data = await self._obstore(
+                retries=0,
+                first_backoff=0.0,
+                request_seconds=_REQUEST_SECONDS,
+                silence_seconds=self._attempt_timeout,
+            )
         return self._data
 
     async def _upload_client(self) -> ObstoreS3:
@@ -472,6 +482,7 @@ class S3Store:
                 retries=_UPLOAD_RETRIES,
                 first_backoff=_UPLOAD_FIRST_BACKOFF_SECONDS,
                 request_seconds=_UPLOAD_REQUEST_SECONDS,
+                silence_seconds=_UPLOAD_REQUEST_SECONDS,
             )
         return self._uploads
 
@@ -483,16 +494,17 @@ class S3Store:
             self._credentials = await self._frozen_credentials()
             self._credentials_taken = now
 
-    async def _obstore(self, retries: int, first_backoff: float, request_seconds: float) -> ObstoreS3:
+    async def _obstore(
+        self, retries: int, first_backoff: float, request_seconds: float, silence_seconds: float
+    ) -> ObstoreS3:
         """An obstore client on the listing client's endpoint, region and
         credentials, retrying a request ``retries`` times, each allowed
-        ``request_seconds`` in all."""
+        ``request_seconds`` in all and ``silence_seconds`` without a byte."""
         client = await self._get_client()
         options: ClientConfig = {
             "connect_timeout": datetime.timedelta(seconds=self._settings.connect_timeout),
             "timeout": datetime.timedelta(seconds=request_seconds),
-            # A stalled connection is dropped after this long without a byte.
-            "read_timeout": datetime.timedelta(seconds=self._attempt_timeout),
+            "read_timeout": datetime.timedelta(seconds=silence_seconds),
             "pool_max_idle_per_host": str(self._settings.max_connections),
         }
         endpoint: dict[str, Any] = {}
