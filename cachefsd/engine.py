@@ -161,7 +161,9 @@ def data_path(
     if writes is not None:
         journal, upload_events = writes
         staging = Staging(store.cache_key, cache.tiers[0].root / STAGED_DIR, journal, cache, view.admit_file)
-        uploads = Uploads(store, staging, io, upload_events, settings.fetch.deadline, namespace.wrote)
+        uploads = Uploads(
+            store, staging, io, upload_events, settings.fetch.deadline, namespace.wrote, namespace.removed
+        )
         writable = Writes(staging, uploads, Bucket(store, fetcher, io))
     fs = FileSystem(
         namespace,

@@ -71,15 +71,18 @@ class Uploads:
         events: UploadEvents,
         deadline: float,
         wrote: Callable[[ObjectInfo], None],
+        removed: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``wrote(info)`` is told of each object uploaded."""
+        """``wrote(info)`` is told of each object uploaded, ``removed(key)``
+        of each deleted (``_delete_if_unwanted``)."""
         self._store = store
         self._staging = staging
         self._io = io
         self._events = events
         self._deadline = deadline
         self._wrote = wrote
+        self._removed = removed
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -100,17 +103,24 @@ class Uploads:
     def due(self, op: int, key: str) -> None:
         with self._wake:
             pending = self._pending.get(op)
-            if pending is None:
+            if pending is None or pending.cancelled:
                 self._pending[op] = _Pending(op, key, self._clock())
             else:
                 pending.retry_at = 0.0
             self._wake.notify_all()
 
     def cancel(self, op: int) -> None:
+        """``op`` is not to be uploaded (as it is). An attempt under way is
+        cut short, and stays due until its worker has settled it
+        (``_delete_if_unwanted``), so that ``wait`` waits for that too."""
         with self._wake:
-            pending = self._pending.pop(op, None)
-            if pending is not None and pending.running is not None:
-                pending.cancelled = True
+            pending = self._pending.get(op)
+            if pending is None:
+                return
+            pending.cancelled = True
+            if pending.running is None:
+                del self._pending[op]
+            else:
                 pending.running.cancel()
             self._wake.notify_all()
 
@@ -221,6 +231,9 @@ class Uploads:
         except Exception as exc:
             if pending.cancelled or isinstance(exc, DaemonStopping):
                 self._events.upload_ended("dropped", self._clock() - started, 0)
+                if pending.running is not None:  # its request may have landed all the same
+                    self._delete_if_unwanted(pending.key)
+                self._finished(pending)
                 return
             self._events.upload_ended("failed", self._clock() - started, 0)
             if not isinstance(exc, CachefsdError):
@@ -249,10 +262,11 @@ class Uploads:
             # the name never disappears between the two.
             self._wrote(info)
         if not self._staging.uploaded(file, version, info):
-            # Written to while it uploaded: due again once closed.
-            with self._wake:
-                if file.writers:
-                    self._pending.pop(pending.op, None)
+            # Written to while it uploaded (due again once closed), or
+            # renamed or unlinked.
+            self._delete_if_unwanted(pending.key)
+            if file.writers or pending.cancelled:  # its next close makes it due again
+                self._finished(pending)
             return None
         self._finished(pending)
         return size
@@ -267,6 +281,21 @@ class Uploads:
             future = self._io.submit(coroutine)
             pending.running = future
         return self._io.result(future, timeout)
+
+    def _delete_if_unwanted(self, key: str) -> None:
+        """An upload to ``key`` ended after its file was renamed, unlinked
+        or written to. Unless a file is staged under ``key`` (written to,
+        or another one there since), what it put there is no one's, and
+        goes: a renamed file is not left under its old name too. Run while
+        the worker holds ``key``, so a later upload to it comes after."""
+        if self._stopping or self._staging.find(key) is not None:
+            return
+        try:
+            self._io.run(self._store.delete(key), self._deadline)
+        except CachefsdError as exc:
+            log.warning("%s was renamed or unlinked as it uploaded and stays in the bucket: %s", key, exc)
+            return
+        self._removed(key)
 
     def _finished(self, pending: _Pending) -> None:
         with self._wake:

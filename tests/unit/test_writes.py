@@ -3,6 +3,7 @@ upload, the journal across a daemon's death, and the room they take."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from pathlib import Path
@@ -15,6 +16,7 @@ from cachefsd.cache.tier import NoRoom, Tier
 from cachefsd.engine import STAGED_DIR
 from cachefsd.errors import AlreadyExists, CrossDevice, NoSpace, NotEmpty, NotPermitted, ObjectNotFound
 from cachefsd.fs import ROOT_INODE, FileSystem
+from cachefsd.store.base import ObjectInfo
 from cachefsd.store.memory import MemoryStore
 from cachefsd.writes.journal import Journal
 from cachefsd.writes.staged import UNFINISHED_DIR
@@ -221,3 +223,34 @@ def test_concurrent_writers_of_separate_files_all_arrive(make_rig: RigFactory) -
         thread.join(30)
     _synced(rig)
     assert {name: rig.store.get(name) for name in files} == files
+
+
+class _AnswersLate(MemoryStore):
+    """A store whose uploads land at once, but are answered only once
+    ``answer`` is set: a request in flight when its file is renamed."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.landed = threading.Event()
+        self.answer = threading.Event()
+
+    async def put_file(self, key: str, path: Path) -> ObjectInfo:
+        info = await super().put_file(key, path)
+        self.landed.set()
+        while not self.answer.is_set():
+            await asyncio.sleep(0.005)  # the event is set from the test's thread
+        return info
+
+
+def test_a_file_renamed_as_its_upload_lands_is_not_left_under_its_old_name(make_rig: RigFactory) -> None:
+    store = _AnswersLate()
+    rig = make_rig(store=store, writable=True)
+    _write(rig.fs, "step.tmp", b"state")
+    assert store.landed.wait(30)  # in the bucket, its answer held back
+    rig.fs.rename(ROOT_INODE, "step.tmp", ROOT_INODE, "step", no_replace=False)
+    store.answer.set()
+    _synced(rig)
+    assert store.keys() == ["step"]
+    assert store.get("step") == b"state"
+    with pytest.raises(ObjectNotFound):
+        rig.fs.lookup(ROOT_INODE, "step.tmp")
