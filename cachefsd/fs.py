@@ -185,12 +185,13 @@ class _File:
     staged: StagedFile | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Handle:
     """An open of a staged file."""
 
     file: StagedFile
     writing: bool
+    flushed: bool = False  # a descriptor of it was closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -650,12 +651,22 @@ class FileSystem:
     def write(self, handle: int, offset: int, data: memoryview) -> int:
         return self._writes().staging.write(self._handle(handle).file, offset, data)
 
+    def flush(self, handle: int) -> None:
+        """A process closed a descriptor of open ``handle``: unless another
+        descriptor shares the open, its release is on its way."""
+        with self._lock:
+            found = self._handles.get(handle)
+            if found is None or not found.writing or found.flushed:
+                return
+            found.flushed = True
+        self._writes().staging.closing(found.file)
+
     def release(self, handle: int) -> None:
         """The kernel closed open ``handle`` (its last descriptor)."""
         with self._lock:
             found = self._handles.pop(handle, None)
         if found is not None and found.writing:
-            self._writes().staging.release_write(found.file)
+            self._writes().staging.release_write(found.file, found.flushed)
 
     def fsync(self, inode: int) -> None:
         """Return once ``inode``'s bytes are in the bucket."""

@@ -104,6 +104,7 @@ ATTR_OUT = struct.Struct("<QII")  # then an ATTR
 OPEN_OUT = struct.Struct("<QIi")  # fh, open_flags, backing_id
 READ_IN = struct.Struct("<QQIIQII")  # fh, offset, size, read_flags, lock_owner, flags, padding
 RELEASE_IN = struct.Struct("<QIIQ")  # fh, flags, release_flags, lock_owner
+FLUSH_IN = struct.Struct("<QIIQ")  # fh, unused, padding, lock_owner
 OPEN_IN = struct.Struct("<II")  # flags, open_flags
 CREATE_IN = struct.Struct("<IIII")  # flags, mode, umask, open_flags
 MKDIR_IN = struct.Struct("<II")  # mode, umask

@@ -665,6 +665,9 @@ class Session:
     def _flush(self, request: Request, body: memoryview) -> None:
         """A close: the bytes are in the staged file already (close =
         durable on this node, as on a local disk)."""
+        fh, _, _, _ = protocol.FLUSH_IN.unpack_from(body)
+        if fh > _THROUGH:
+            self._fs.flush(fh)
         self._send(protocol.reply(request.unique))
 
     def _fsync(self, request: Request, body: memoryview) -> None:

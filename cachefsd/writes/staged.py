@@ -104,6 +104,9 @@ class StagedFile:
     size: int
     mtime: float
     writers: int = 0
+    # Writers that closed a descriptor, whose release (sent after close(2)
+    # returned) has not reached the daemon yet.
+    closing: int = 0
     version: int = 0
     durable: int = -1
     # The version in the bucket once uploaded; after the file left, reads
@@ -342,12 +345,23 @@ class Staging:
             file.size, file.mtime = status.st_size, status.st_mtime
             file.version += 1
 
-    def release_write(self, file: StagedFile) -> None:
+    def closing(self, file: StagedFile) -> None:
+        """A writer of ``file`` closed a descriptor (``flushed`` at its release)."""
+        with self._lock:
+            file.closing += 1
+
+    def any_closing(self) -> bool:
+        """Whether a writer's close is under way, its release still to come."""
+        with self._lock:
+            return any(file.closing for file in self._files.values())
+
+    def release_write(self, file: StagedFile, flushed: bool) -> None:
         """A writer of ``file`` closed it; after the last, it is due for
         upload (or leaves, if an fsync uploaded it as it is)."""
         self.refresh(file)
         with self._lock:
             file.writers -= 1
+            file.closing -= flushed
             last = file.writers == 0 and not file.gone
         if last:
             self._journal.closed(file.op, file.size, file.mtime)

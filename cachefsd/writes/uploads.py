@@ -37,6 +37,10 @@ UPLOAD_WORKERS = 4
 # The slowest an upload may go before its attempt counts as failed.
 FLOOR_BYTES_PER_SECOND = 4 << 20
 MAX_BACKOFF_SECONDS = 60.0
+# The kernel sends a file's release after close(2) has returned, just after
+# the flush of its last descriptor; a writer that closed a descriptor but
+# holds another (a dup) keeps the file open, and is not waited for past this.
+RELEASE_WAIT_SECONDS = 1.0
 
 
 class UploadEvents(Protocol):
@@ -133,6 +137,10 @@ class Uploads:
         end = None if timeout is None else self._clock() + timeout
         turns.give_up()
         with self._wake:
+            if ops is None:  # what was closed before: some releases may still be on their way
+                settled = self._clock() + min(RELEASE_WAIT_SECONDS, timeout or RELEASE_WAIT_SECONDS)
+                while self._staging.any_closing() and (until_settled := settled - self._clock()) > 0:
+                    self._wake.wait(until_settled)
             ids = list(self._pending) if ops is None else [op for op in ops if op in self._pending]
             failures = {op: self._pending[op].failures for op in ids}
             for op in ids:

@@ -86,6 +86,7 @@ LAYOUTS: dict[str, tuple[struct.Struct, tuple[str, ...]]] = {
         ("fh", "offset", "size", "read_flags", "lock_owner", "flags", "padding"),
     ),
     "fuse_release_in": (protocol.RELEASE_IN, ("fh", "flags", "release_flags", "lock_owner")),
+    "fuse_flush_in": (protocol.FLUSH_IN, ("fh", "unused", "padding", "lock_owner")),
     "fuse_open_in": (protocol.OPEN_IN, ("flags", "open_flags")),
     "fuse_create_in": (protocol.CREATE_IN, ("flags", "mode", "umask", "open_flags")),
     "fuse_mkdir_in": (protocol.MKDIR_IN, ("mode", "umask")),

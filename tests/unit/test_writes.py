@@ -139,6 +139,24 @@ def test_fsync_uploads_an_open_file_and_returns_once_it_is_in_the_store(make_rig
     assert rig.store.get("f") == b"first second"
 
 
+def test_sync_waits_for_a_close_whose_release_is_still_on_its_way(make_rig: RigFactory) -> None:
+    """close(2) returns once the kernel has the flush answered; the
+    release follows. A sync in between counts the file as closed."""
+    rig = make_rig(writable=True)
+    uploads = rig.fs.writes.uploads if rig.fs.writes else None
+    assert uploads is not None
+    _, handle = rig.fs.create(ROOT_INODE, "ckpt", os.O_WRONLY | os.O_CREAT)
+    rig.fs.write(handle, 0, memoryview(b"state"))
+    rig.fs.flush(handle)
+    results: list[tuple[int, dict[str, str]]] = []
+    sync = threading.Thread(target=lambda: results.append(uploads.wait(None, 30.0)))
+    sync.start()
+    rig.fs.release(handle)
+    sync.join(60)
+    assert results == [(1, {})]
+    assert rig.store.get("ckpt") == b"state"
+
+
 def test_a_failing_store_keeps_the_file_staged_and_names_it_until_it_answers(make_rig: RigFactory) -> None:
     rig = make_rig(writable=True)
     assert rig.fs.writes is not None
