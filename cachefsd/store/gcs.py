@@ -426,7 +426,9 @@ class GcsStore:
         try:
             response = await get_async(data, full_key, options={"range": (start, end), "version": etag})
             served = response.meta.get("version")
-            if served is not None and served != etag:
+            if served != etag:
+                # GCS serves the generation asked for, or nothing; a server
+                # that reports none cannot prove it served that one.
                 raise ObjectChanged(f"{target}: served generation {served}, read pinned to {etag}")
             body = bytes(await response.bytes_async())
         except _GCS_ERRORS as exc:
@@ -439,11 +441,6 @@ class GcsStore:
                 # GCS answers 416, which obstore types only as GenericError.
                 return b""
             raise error from exc
-        if served is None:
-            # A server that reports no generation: the generation current
-            # after the GET is the pinned one only if the object did not
-            # change before it either, since generations only grow.
-            await self._require_version(key, etag)
         return body
 
     async def _starts_past_end(self, key: str, start: int, etag: str) -> bool:
