@@ -68,7 +68,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
 import google.auth
@@ -91,7 +91,7 @@ from cachefsd.store.source import SourceFile
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
-    from obstore.store import ClientConfig, GCSCredential
+    from obstore.store import ClientConfig, GCSCredential, RetryConfig
 
 _T = TypeVar("_T")
 
@@ -161,13 +161,9 @@ def _translate(exc: BaseException, *, target: str) -> StoreError:
     if isinstance(exc, auth_exceptions.DefaultCredentialsError):
         return error_type(f"{target}: {_NO_CREDENTIALS}")
     if isinstance(exc, requests.exceptions.ConnectionError):
-        return error_type(
-            f"{target}: cannot reach Google Cloud Storage at {_endpoint()} ({type(exc).__name__})"
-        )
+        return error_type(f"{target}: cannot reach Google Cloud Storage at {_endpoint()} ({name})")
     if error_type is StoreError and isinstance(exc, ObstoreError):
-        return error_type(
-            f"{target}: request to Google Cloud Storage at {_endpoint()} failed ({type(exc).__name__})"
-        )
+        return error_type(f"{target}: request to Google Cloud Storage at {_endpoint()} failed ({name})")
     code = getattr(exc, "code", None)
     status = f" (HTTP {int(code)})" if isinstance(code, int) else ""
     response = getattr(exc, "response", None)
@@ -310,7 +306,7 @@ class GcsStore:
             # The bytes as stored (see the module docstring).
             "default_headers": {"Accept-Encoding": "gzip"},
         }
-        retry: Any = {"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=_REQUEST_SECONDS)}
+        retry: RetryConfig = {"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=_REQUEST_SECONDS)}
         if self._emulator:
             options["allow_http"] = urlsplit(self._emulator).scheme == "http"
             return ObstoreGcs(
@@ -330,7 +326,7 @@ class GcsStore:
         assert credentials is not None  # made by _get_bucket
         expiry = credentials.expiry  # naive UTC, as google-auth keeps it
         now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
-        if credentials.token and expiry is not None and expiry - now > _TOKEN_MARGIN:
+        if credentials.token and (expiry is None or expiry - now > _TOKEN_MARGIN):
             return
         await self._run(self._target(), lambda: credentials.refresh(Request()))
 
