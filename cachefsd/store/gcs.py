@@ -4,13 +4,15 @@ metadata and uploads over google-cloud-storage.
 Data GETs (``get_range``, ``get_object``) go through obstore (Rust
 ``object_store``), whose HTTP and body reads run outside the GIL. Measured
 side by side on fake-gcs-server (``python -m benchmarks.gcs_client_bench``,
-4 in flight, medians of 7 rounds of 16): a 4 MiB ranged GET pinned to its
-generation costs this process 6.3 ms of CPU through obstore against 9.3 ms
-through google-cloud-storage in threads, 2.4 against 3.5 ms a MiB, 0.39
-against 1.8 ms a small object; and of obstore's, 1.2 ms a block (the copy
-into ``bytes``) runs on the event loop, the only part that holds the GIL,
-while google-cloud-storage's pool threads hold it for nearly all of theirs.
-One core holds the GIL, so that is what caps a node's cold reads.
+three runs of 7 rounds, 1 and 4 GETs in flight, medians; ``doc/
+benchmarks.md``), this process's CPU through obstore against
+google-cloud-storage in threads: 2.4-2.6 against 7.2-8.1 ms a 4 MiB ranged
+GET pinned to its generation, 1.7-1.9 against 2.3-2.8 ms a MiB in 32 MiB
+ranges, 0.26-0.35 against 1.3-1.6 ms a 4 KiB object. Of obstore's, only
+what runs on the event loop holds the GIL (0.5-0.7 ms a block, mostly the
+copy into ``bytes``); google-cloud-storage's is Python in pool threads
+(requests, urllib3, joining the body), which holds it but for socket
+reads. One core holds the GIL, so that is what caps a node's cold reads.
 
 Listings stay on google-cloud-storage: ``list_blobs`` is paged by page
 token, one request a page bounded by ``attempt_timeout``, which the
@@ -21,10 +23,13 @@ directory of a million keys. ``head``, ``copy`` (the rewrite API) and
 
 Uploads (``put_object``, ``put_file``) stay on google-cloud-storage as
 well: it sends the file's CRC32C (or MD5) with the upload and GCS refuses
-an object whose bytes do not match, while obstore's GCS upload sends no
-checksum at all, so bytes corrupted on the way would be published. (The
+an object whose bytes do not match, while obstore's GCS PUT carries no
+checksum header at all (object_store 0.14: Content-Length, Content-Type,
+Authorization), so bytes corrupted on the way would be published. (The
 emulator the tests use also answers obstore's XML API PUT 400 "invalid
-uploadType", so its uploads could not be tested here.)
+uploadType", and obstore asks the metadata server for a token before a
+PUT even when told to skip signing, so its uploads could not be tested
+here.)
 
 One principal signs both. Credentials come from Google's default chain
 (``google.auth.default``); google-cloud-storage signs with them through
