@@ -24,8 +24,8 @@ directory of a million keys. ``head``, ``copy`` (the rewrite API) and
 Uploads (``put_object``, ``put_file``) stay on google-cloud-storage as
 well: it sends the file's CRC32C (or MD5) with the upload and GCS refuses
 an object whose bytes do not match, while obstore's GCS PUT carries no
-checksum header at all (object_store 0.14: Content-Length, Content-Type,
-Authorization), so bytes corrupted on the way would be published. (The
+checksum header at all (obstore 0.12.1 sends Content-Length,
+Content-Type and Authorization only), so bytes corrupted on the way would be published. (The
 emulator the tests use also answers obstore's XML API PUT 400 "invalid
 uploadType", and obstore asks the metadata server for a token before a
 PUT even when told to skip signing, so its uploads could not be tested
