@@ -177,6 +177,13 @@ def _translate(exc: BaseException, *, target: str) -> StoreError:
     return error_type(f"{target}: {name}{status}{request}")
 
 
+def _obstore_names(full_key: str) -> bool:
+    """Whether obstore can name the object: it refuses a key with an empty,
+    ``.`` or ``..`` segment (a ``ValueError``), which no path of a mount
+    reaches either (``namespace.names``)."""
+    return all(segment not in ("", ".", "..") for segment in full_key.split("/"))
+
+
 def _mtime(blob: storage.Blob) -> float:
     updated = blob.updated
     return updated.timestamp() if updated is not None else 0.0
@@ -417,9 +424,7 @@ class GcsStore:
         if end <= start:
             await self._require_version(key, etag)
             return b""
-        full_key = self._root + key
-        if not full_key:
-            raise ObjectNotFound(self._target(key))
+        full_key = self._data_key(key)
         if not etag.isdigit():
             raise ObjectChanged(f"{self._target(key)}: {etag!r} is not a GCS generation")
         target = self._target(key)
@@ -456,10 +461,19 @@ class GcsStore:
             raise ObjectChanged(f"{self._target(key)}: generation is now {info.etag}, read pinned to {etag}")
         return start >= info.size
 
-    async def get_object(self, key: str) -> bytes:
+    def _data_key(self, key: str) -> str:
+        """The object name a data GET of ``key`` asks for."""
         full_key = self._root + key
         if not full_key:
             raise ObjectNotFound(self._target(key))
+        if not _obstore_names(full_key):
+            raise ObjectNotFound(
+                f"{self._target(key)}: a name with an empty, '.' or '..' segment is not read"
+            )
+        return full_key
+
+    async def get_object(self, key: str) -> bytes:
+        full_key = self._data_key(key)
         data = await self._data_client()
         try:
             response = await get_async(data, full_key)

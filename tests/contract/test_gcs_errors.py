@@ -147,6 +147,22 @@ def test_a_missing_object_is_not_found_on_the_data_path(bucket: str) -> None:
     _run(bucket, body)
 
 
+@pytest.mark.parametrize("key", ["a//b", "a/./b", "a/../b"])
+def test_a_name_obstore_cannot_form_is_not_found(gcs_client: storage.Client, bucket: str, key: str) -> None:
+    """obstore refuses empty, '.' and '..' segments before any request;
+    the store says so instead of letting its ValueError out."""
+    gcs_client.bucket(bucket).blob(f"p/{key}").upload_from_string(b"unreadable here")
+
+    async def body(store: GcsStore) -> None:
+        info = await store.head(key)
+        with pytest.raises(ObjectNotFound, match="segment is not read"):
+            await store.get_object(key)
+        with pytest.raises(ObjectNotFound, match="segment is not read"):
+            await store.get_range(key, 0, 4, info.etag)
+
+    _run(bucket, body)
+
+
 def test_a_missing_bucket_is_not_found_in_a_listing(gcs_emulator: GcsEmulator) -> None:
     """google-cloud-storage's 404 (NotFound)."""
 
