@@ -23,7 +23,6 @@ from typing import Any
 
 import boto3
 import pytest
-from gcp_storage_emulator.server import create_server
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
@@ -32,7 +31,6 @@ from cachefsd.store.gcs import EMULATOR_ENV
 from cachefsd.testing.file_s3 import FileS3Server
 from cachefsd.testing.gcs_emulator import GcsEmulator
 from cachefsd.testing.s3_server import S3TestServer
-from tests.net import free_port
 
 # The region moto buckets are created in and clients are configured for.
 TEST_REGION = "us-east-1"
@@ -96,18 +94,6 @@ def fixture_gcs_emulator() -> Iterator[GcsEmulator]:
     else:
         os.environ[EMULATOR_ENV] = previous
     emulator.stop()
-
-
-@pytest.fixture(name="gcs_py_emulator", scope="session")
-def fixture_gcs_py_emulator() -> Iterator[str]:
-    """gcp-storage-emulator (pure Python, in memory) on 127.0.0.1; its URL for
-    ``STORAGE_EMULATOR_HOST``. Unlike fake-gcs-server it reports no
-    generation with a download, and ignores ``ifGenerationMatch``."""
-    port = free_port()
-    server = create_server("127.0.0.1", port, in_memory=True)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
 
 
 @pytest.fixture(name="gcs_client", scope="session")

@@ -99,6 +99,8 @@ class GcsEmulator:
                 str(self.port),
                 "-external-url",
                 url,
+                "-public-host",
+                f"{self._bind_host}:{self.port}",
                 "-log-level",
                 "error",
             ],
