@@ -21,7 +21,8 @@ from aiohttp import web
 
 from cachefsd.config import StoreSettings
 from cachefsd.errors import ObjectNotFound, SourceChanged, StoreError, UploadCorrupted
-from cachefsd.store.s3 import S3Store, UploadTuning, part_ranges, part_size_for
+from cachefsd.store.s3 import S3Store, UploadTuning, part_size_for
+from cachefsd.store.source import part_ranges
 from cachefsd.testing.s3_server import S3TestServer
 
 CALL_TIMEOUT_SECONDS = 60.0
