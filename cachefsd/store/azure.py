@@ -91,7 +91,6 @@ from azure.core.exceptions import (
     ServiceRequestError,
     ServiceResponseError,
 )
-from azure.identity import CredentialUnavailableError
 from azure.identity.aio import DefaultAzureCredential
 from azure.storage.blob import BlobProperties
 from azure.storage.blob.aio import BlobPrefix, ContainerClient
@@ -157,9 +156,10 @@ class AzureTuning:
 
 
 _NO_CREDENTIALS = (
-    "no usable Azure credentials: set AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, "
-    "or use Azure's credential chain (AZURE_CLIENT_ID with AZURE_CLIENT_SECRET or "
-    "AZURE_FEDERATED_TOKEN_FILE, a managed identity, or `az login`)"
+    "no usable Azure credentials (the credential chain got no token): set "
+    "AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, or use Azure's chain "
+    "(AZURE_CLIENT_ID with AZURE_CLIENT_SECRET or AZURE_FEDERATED_TOKEN_FILE, "
+    "a managed identity, or `az login`)"
 )
 
 # Azure's error codes (x-ms-error-code) by the type they become; a code
@@ -192,7 +192,7 @@ _ERROR_BY_TYPE: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...
     (PreconditionError, ObjectChanged),
     ((NotFoundError, FileNotFoundError), ObjectNotFound),
     ((PermissionDeniedError, UnauthenticatedError, PermissionError), AccessDenied),
-    (ClientAuthenticationError, AccessDenied),  # no token: no credentials, or refused ones
+    (ClientAuthenticationError, AccessDenied),  # no token (CredentialUnavailableError is one)
     ((ServiceRequestError, ServiceResponseError), StoreError),  # unreachable, dropped, timed out
     ((ObstoreError, AzureError), StoreError),
     ((aiohttp.ClientError, TimeoutError, OSError), StoreError),
@@ -211,10 +211,10 @@ def _translate(exc: BaseException, *, target: str, container: str, endpoint: str
     error_type = next((mapped for types, mapped in _ERROR_BY_TYPE if isinstance(exc, types)), None)
     if error_type is None:
         raise TypeError(f"not an Azure error: {type(exc).__name__}") from exc
-    if isinstance(exc, CredentialUnavailableError):
-        return AccessDenied(f"{target}: {_NO_CREDENTIALS}")
     if isinstance(exc, ClientAuthenticationError):
-        return AccessDenied(f"{target}: no token for the container's account ({type(exc).__name__})")
+        # No reply: the chain got no token, because it found no credentials
+        # or they were refused (it raises one type for both).
+        return AccessDenied(f"{target}: {_NO_CREDENTIALS}")
     if error_type is StoreError:
         return StoreError(f"{target}: cannot reach Azure Blob endpoint {endpoint} ({type(exc).__name__})")
     return error_type(f"{target}: {type(exc).__name__} from {endpoint}")
