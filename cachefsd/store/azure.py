@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import logging
 import os
 import time
 from collections.abc import Awaitable, Mapping
@@ -108,11 +107,6 @@ if TYPE_CHECKING:
     from obstore import PutResult
     from obstore.store import AzureCredential, ClientConfig
 
-log = logging.getLogger(__name__)
-
-# azure-core logs every request and azure-identity every credential it
-# tries at INFO: a line per block read would drown the daemon's log.
-logging.getLogger("azure").setLevel(logging.WARNING)
 
 # obstore's names for the same secrets (``AzureConfig``), so one
 # environment serves both.
