@@ -74,9 +74,9 @@ import datetime
 import os
 import time
 from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -253,17 +253,17 @@ def _info(key: str, properties: BlobProperties) -> ObjectInfo:
 class _Secret:
     """A key or SAS from the environment; never shown."""
 
-    kind: str  # "key" or "sas"
-    value: str
+    kind: Literal["key", "sas"]
+    value: str = field(repr=False)
 
 
 def _secret_from(environ: Mapping[str, str]) -> _Secret | None:
-    for kind, names in (("key", _KEY_ENVS), ("sas", _SAS_ENVS)):
-        for name in names:
-            value = environ.get(name)
-            if value:
-                return _Secret(kind, value)
-    return None
+    """The account key of the environment, else its SAS, else None."""
+    key = next((environ[name] for name in _KEY_ENVS if environ.get(name)), None)
+    if key is not None:
+        return _Secret("key", key)
+    sas = next((environ[name] for name in _SAS_ENVS if environ.get(name)), None)
+    return None if sas is None else _Secret("sas", sas)
 
 
 class AzureStore:
@@ -271,21 +271,21 @@ class AzureStore:
 
     def __init__(
         self,
-        source: AzureLocation,
+        location: AzureLocation,
         attempt_timeout: float,
         connect_timeout: float,
         max_connections: int,
         tuning: AzureTuning = AzureTuning(),
     ) -> None:
         # Immutable after construction.
-        self._source = source
-        self._prefix = source.prefix.strip("/")
+        self._location = location
+        self._prefix = location.prefix.strip("/")
         self._root = f"{self._prefix}/" if self._prefix else ""
         self._attempt_timeout = attempt_timeout
         self._connect_timeout = connect_timeout
         self._max_connections = max_connections
         self._tuning = tuning
-        self._endpoint = redact_url(source.account_url)
+        self._endpoint = redact_url(location.account_url)
         # Owned by the event loop thread; _client_lock serialises the first use.
         self._client_lock = asyncio.Lock()
         self._container: ContainerClient | None = None
@@ -299,7 +299,7 @@ class AzureStore:
 
     @property
     def uri(self) -> str:
-        container = self._source.container
+        container = self._location.container
         return f"az://{container}/{self._prefix}" if self._prefix else f"az://{container}"
 
     @property
@@ -313,11 +313,11 @@ class AzureStore:
         return False  # an Azure ETag names a version, not the bytes
 
     def _target(self, key: str = "") -> str:
-        return f"az://{self._source.container}/{self._root}{key}" if key else self.uri
+        return f"az://{self._location.container}/{self._root}{key}" if key else self.uri
 
     def _error(self, exc: BaseException, key: str = "") -> StoreError:
         return _translate(
-            exc, target=self._target(key), container=self._source.container, endpoint=self._endpoint
+            exc, target=self._target(key), container=self._location.container, endpoint=self._endpoint
         )
 
     async def _listing(self) -> ContainerClient:
@@ -329,12 +329,12 @@ class AzureStore:
             if self._secret is None:
                 credential = self._identity
             elif self._secret.kind == "key":
-                credential = {"account_name": self._source.account, "account_key": self._secret.value}
+                credential = {"account_name": self._location.account, "account_key": self._secret.value}
             else:
                 credential = AzureSasCredential(self._secret.value.lstrip("?"))
             self._container = ContainerClient(
-                self._source.account_url,
-                self._source.container,
+                self._location.account_url,
+                self._location.container,
                 credential=credential,
                 retry_total=0,
                 connection_timeout=self._connect_timeout,
@@ -394,12 +394,12 @@ class AzureStore:
             # A stalled connection is dropped after this long without a byte.
             "read_timeout": datetime.timedelta(seconds=self._attempt_timeout),
             "pool_max_idle_per_host": str(self._max_connections),
-            "allow_http": urlsplit(self._source.account_url).scheme == "http",
+            "allow_http": urlsplit(self._location.account_url).scheme == "http",
         }
         return ObstoreAzure(
-            self._source.container,
-            account_name=self._source.account,
-            endpoint=self._source.account_url,
+            self._location.container,
+            account_name=self._location.account,
+            endpoint=self._location.account_url,
             client_options=options,
             retry_config={
                 "max_retries": retries,

@@ -72,8 +72,13 @@ class Proxy:
         if isinstance(decision, web.Response):
             return decision
         headers = {name: value for name, value in request.headers.items() if name.lower() not in _HOP_BY_HOP}
+        # No Content-Type the client did not send: Azure's Shared Key signs it.
         async with self._session.request(
-            request.method, self._upstream + request.raw_path, headers=headers, data=decision
+            request.method,
+            self._upstream + request.raw_path,
+            headers=headers,
+            data=decision,
+            skip_auto_headers=("Content-Type",),
         ) as reply:
             body = await reply.read()
             answer = {name: value for name, value in reply.headers.items() if name.lower() not in _HOP_BY_HOP}
