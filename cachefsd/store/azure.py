@@ -113,9 +113,12 @@ if TYPE_CHECKING:
 _KEY_ENVS = ("AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_ACCESS_KEY")
 _SAS_ENVS = ("AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_SAS_KEY")
 _TOKEN_SCOPE = "https://storage.azure.com/.default"
-# A token is taken again when it has less than this left: more than a
-# block's longest request (the fetch deadline) and obstore's own margin.
-_TOKEN_MARGIN_SECONDS = 300.0
+# A token is taken again before a request when it has less than this
+# left (Entra ID's live 60-90 minutes): obstore signs an upload's every
+# block with the token taken before the upload began, so an upload may
+# last this long (a 10 GiB file at 10 MB/s) before its token expires and
+# the service refuses the rest, which the caller then uploads again.
+_TOKEN_MARGIN_SECONDS = 1200.0
 
 _MIB = 1 << 20
 # How often ``put_file`` retries a failed request (a block), first after
