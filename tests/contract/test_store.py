@@ -1322,3 +1322,30 @@ def test_azure_put_file_in_blocks_is_one_blob(
     blob = azure_client.get_blob_client(container, "p/big.bin")
     assert len(blob.get_block_list("committed")[0]) == 4
     assert blob.download_blob().readall() == data
+
+
+def test_azure_reads_keys_obstore_cannot_name(azurite: Azurite, azure_client: BlobServiceClient) -> None:
+    """obstore drops a trailing ``/`` and refuses empty segments: a marker
+    with bytes in it and ``a//b`` are read through the listing client,
+    pinned to their version all the same."""
+    container = azure_client.create_container(f"names-{uuid.uuid4().hex[:12]}")
+    container.upload_blob("p/marker/", b"marker bytes")
+    container.upload_blob("p/a//b", b"double slash")
+    store = _azure_store(azurite.endpoint_url, container.container_name, "p")
+
+    async def body() -> list[bytes | bytearray]:
+        try:
+            marker, double = await store.head("marker/"), await store.head("a//b")
+            read = [
+                await store.get_range("marker/", 0, 100, marker.etag),
+                await store.get_range("a//b", 7, 9, double.etag),
+                await store.get_range("a//b", 50, 60, double.etag),
+            ]
+            container.upload_blob("p/a//b", b"double slash, again", overwrite=True)
+            with pytest.raises(ObjectChanged):
+                await store.get_range("a//b", 0, 5, double.etag)
+            return read
+        finally:
+            await store.close()
+
+    assert _run_alone(body) == [b"marker bytes", b"sl", b""]
