@@ -127,7 +127,11 @@ _UPLOAD_RETRIES = 3
 _UPLOAD_FIRST_BACKOFF_SECONDS = 0.1
 # What one request may take in all (besides the read timeout that drops a
 # stalled connection): a block read; a Put Block List or a copy, which
-# the service may take minutes to finish for a large blob.
+# the service may take minutes to finish for a large blob. An upload's
+# requests may go that long without a byte too: the service says nothing
+# until it has committed, and a Put Block List sent again after a read
+# timeout may find its blocks already committed and gone. A stalled block
+# is cut by the uploader's deadline for the whole file instead.
 _REQUEST_SECONDS = 30.0
 _UPLOAD_REQUEST_SECONDS = 900.0
 # A Copy Blob within an account is usually done when it answers; one the
@@ -375,7 +379,12 @@ class AzureStore:
         """obstore for reads and small writes: one attempt a request."""
         await self._take_credentials()
         if self._data is None:
-            self._data = self._obstore(retries=0, first_backoff=0.0, request_seconds=_REQUEST_SECONDS)
+            self._data = self._obstore(
+                retries=0,
+                first_backoff=0.0,
+                request_seconds=_REQUEST_SECONDS,
+                silence_seconds=self._attempt_timeout,
+            )
         return self._data
 
     async def _upload_client(self) -> ObstoreAzure:
@@ -387,15 +396,19 @@ class AzureStore:
                 retries=_UPLOAD_RETRIES,
                 first_backoff=_UPLOAD_FIRST_BACKOFF_SECONDS,
                 request_seconds=_UPLOAD_REQUEST_SECONDS,
+                silence_seconds=_UPLOAD_REQUEST_SECONDS,
             )
         return self._uploads
 
-    def _obstore(self, retries: int, first_backoff: float, request_seconds: float) -> ObstoreAzure:
+    def _obstore(
+        self, retries: int, first_backoff: float, request_seconds: float, silence_seconds: float
+    ) -> ObstoreAzure:
+        """An obstore client retrying a request ``retries`` times, each
+        allowed ``request_seconds`` in all and ``silence_seconds`` without a byte."""
         options: ClientConfig = {
             "connect_timeout": datetime.timedelta(seconds=self._connect_timeout),
             "timeout": datetime.timedelta(seconds=request_seconds),
-            # A stalled connection is dropped after this long without a byte.
-            "read_timeout": datetime.timedelta(seconds=self._attempt_timeout),
+            "read_timeout": datetime.timedelta(seconds=silence_seconds),
             "pool_max_idle_per_host": str(self._max_connections),
             "allow_http": urlsplit(self._location.account_url).scheme == "http",
         }
