@@ -172,8 +172,10 @@ class SharedSettings(_Section):
     """The shared tier (``cache/shared.py``): a bucket every node's daemon
     reads below its local tiers and fills after an origin fetch."""
 
-    url: str = Field(pattern=r"^(s3|gs)://[^/]+")  # s3://bucket[/prefix], gs://bucket[/prefix]
-    endpoint_url: str | None = None  # an S3-compatible endpoint (MinIO, Ceph)
+    # s3://bucket[/prefix], gs://bucket[/prefix], an Azure container
+    # (az://container[/prefix] and the forms store.azure_location reads).
+    url: str = Field(pattern=r"^((s3|gs|az|azure|abfss?)://[^/]+|https://[^/]+\.blob\.[^/]+/[^/]+)")
+    endpoint_url: str | None = None  # an S3-compatible endpoint (MinIO, Ceph), Azurite, a sovereign cloud
     # Credentials of its own, from <prefix>AWS_ACCESS_KEY_ID, <prefix>AWS_SECRET_ACCESS_KEY
     # (and <prefix>AWS_SESSION_TOKEN) in the environment: a name here, never a secret.
     credentials_env_prefix: str | None = Field(default=None, pattern=r"^[A-Z][A-Z0-9_]*$")
@@ -358,7 +360,7 @@ class Settings(_Section):
         directory: ``/`` itself under systemd or in a container, served
         whole, which an unset variable in a unit must not do."""
         if not value.strip():
-            raise ValueError("empty: give s3://bucket, gs://bucket, file:///a/dir or /a/dir")
+            raise ValueError("empty: give s3://bucket, gs://bucket, az://container, file:///a/dir or /a/dir")
         scheme, sep, rest = value.partition("://")
         if not sep:
             return str(_absolute(Path(value)))

@@ -17,8 +17,9 @@ the cache does not hold at the end.
 Where it runs: through the daemon of a mount (``POST /stage`` on its
 control socket, progress streamed back) when TARGET is a path under a live
 mount, since the daemon holds the cache directory's lock; in this process
-over ``engine.open_engine`` when TARGET is a source (``s3://...``, ``gs://...``,
-a local directory) and no daemon uses the cache directory.
+over ``engine.open_engine`` when TARGET is a source (``s3://...``,
+``gs://...``, ``az://...``, a local directory) and no daemon uses the
+cache directory.
 
 The same code stages in both places (``stage_files``) and speaks in the
 same events (dicts, sent as JSON lines by the daemon):

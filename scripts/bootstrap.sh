@@ -2,7 +2,8 @@
 # Everything a fresh Debian/Ubuntu machine needs to run cachefsd from this
 # checkout: fuse3 (fusermount3, which mounts) and a virtual environment in
 # .venv with the package installed; for the tests, also a C compiler and
-# the kernel's headers. Sourced by demo.sh and test.sh.
+# the kernel's headers, and the Azure Storage emulator (Azurite, from npm,
+# into .node/). Sourced by demo.sh and test.sh.
 # Usage: bootstrap.sh [extra]   (extra: "test" adds the test dependencies)
 set -euo pipefail
 
@@ -21,6 +22,10 @@ fi
 # (tests/contract/test_fuse_protocol.py).
 if [ "$extra" = test ] && ! { command -v cc && [ -f /usr/include/linux/fuse.h ]; } >/dev/null 2>&1; then
     packages+=(gcc libc6-dev linux-libc-dev)
+fi
+# The tests run Azurite on node (cachefsd/testing/azurite.py).
+if [ "$extra" = test ] && ! command -v npm >/dev/null 2>&1; then
+    packages+=(nodejs npm)
 fi
 if [ "${#packages[@]}" -gt 0 ]; then
     echo "bootstrap: installing ${packages[*]} from Debian" >&2
@@ -45,4 +50,14 @@ if [ "$installed" != "$project $extra" ] && { [ -n "$extra" ] || [ "${installed%
     echo "bootstrap: installing cachefsd${extra:+ with [$extra]} into .venv" >&2
     "$repo/.venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$target"
     echo "$project $extra" >"$stamp"
+fi
+
+# Azurite into .node/ (gitignored), pinned: 3.35 is the last release that
+# runs on the node 18/20 of Debian and Ubuntu (3.36 wants node 21).
+azurite_version=3.35.0
+azurite_stamp="$repo/.node/.azurite-$azurite_version"
+if [ "$extra" = test ] && [ ! -f "$azurite_stamp" ]; then
+    echo "bootstrap: installing Azurite $azurite_version into .node" >&2
+    npm install --prefix "$repo/.node" --no-audit --no-fund --loglevel=error "azurite@$azurite_version" >/dev/null
+    touch "$azurite_stamp"
 fi

@@ -1,11 +1,13 @@
-"""Shared fixtures: real servers (moto S3 over HTTP, the GCS emulator) and
+"""Shared fixtures: real servers (moto S3 over HTTP, the GCS emulator,
+Azurite) and
 clients to seed them. Session-scoped: starting them is the slow part, and
 tests isolate themselves by bucket or key instead.
 
 The environment is pinned at import time, before any boto or google client
 exists: dummy AWS credentials (moto accepts any), and no instance-metadata
 probes, which would otherwise wait on the network whenever a credential
-chain comes up empty.
+chain comes up empty (Azure's managed identity is pointed at a closed
+local port).
 """
 
 from __future__ import annotations
@@ -17,23 +19,28 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 os.environ.setdefault("NO_GCE_CHECK", "true")
 os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:1")
+os.environ.setdefault("AZURE_POD_IDENTITY_AUTHORITY_HOST", "http://127.0.0.1:1")
 
 from collections.abc import Iterator
 from typing import Any
 
 import boto3
 import pytest
+from azure.storage.blob import BlobServiceClient
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from cachefsd.config import StoreSettings
 from cachefsd.store.gcs import EMULATOR_ENV
+from cachefsd.testing.azurite import ACCOUNT, ACCOUNT_KEY, Azurite
 from cachefsd.testing.file_s3 import FileS3Server
 from cachefsd.testing.gcs_emulator import GcsEmulator
 from cachefsd.testing.s3_server import S3TestServer
 
 # The region moto buckets are created in and clients are configured for.
 TEST_REGION = "us-east-1"
+# Where AzureStore takes an account key from.
+KEY_ENV = "AZURE_STORAGE_ACCOUNT_KEY"
 # Short enough that a test of an unreachable endpoint finishes in seconds.
 TEST_CONNECT_TIMEOUT = 2.0
 
@@ -100,3 +107,35 @@ def fixture_gcs_emulator() -> Iterator[GcsEmulator]:
 def fixture_gcs_client(gcs_emulator: GcsEmulator) -> storage.Client:
     """A google-cloud-storage client on ``gcs_emulator``, for seeding buckets."""
     return storage.Client(project="test", credentials=AnonymousCredentials())
+
+
+@pytest.fixture(name="azurite", scope="session")
+def fixture_azurite() -> Iterator[Azurite]:
+    """Azurite's Blob service on 127.0.0.1 (a free port, in memory), shared
+    by the session, with its account's key in ``AZURE_STORAGE_ACCOUNT_KEY``
+    for the session, so that every ``AzureStore`` signs with it. Its
+    account is ``devstoreaccount1``; create a container per test module or test."""
+    server = Azurite()
+    server.start()
+    previous = os.environ.get(KEY_ENV)
+    os.environ[KEY_ENV] = ACCOUNT_KEY
+    try:
+        yield server
+    finally:
+        if previous is None:
+            os.environ.pop(KEY_ENV, None)
+        else:
+            os.environ[KEY_ENV] = previous
+        server.stop()
+
+
+@pytest.fixture(name="azure_client", scope="session")
+def fixture_azure_client(azurite: Azurite) -> Iterator[BlobServiceClient]:
+    """A plain azure-storage-blob client on ``azurite``, for seeding containers."""
+    client = BlobServiceClient(
+        azurite.endpoint_url, credential={"account_name": ACCOUNT, "account_key": ACCOUNT_KEY}
+    )
+    try:
+        yield client
+    finally:
+        client.close()

@@ -448,7 +448,7 @@ def open_shared(
     environ: Mapping[str, str] = os.environ,
 ) -> ObjectStore:
     """The store behind a shared tier URL (``s3://bucket/prefix``,
-    ``gs://bucket/prefix``), its requests cut at ``REQUEST_SECONDS``, with
+    ``gs://bucket/prefix``, ``az://container/prefix``), its requests cut at ``REQUEST_SECONDS``, with
     the environment's credentials for it (and ``AWS_REGION``, else the
     AWS config's region: it is never asked of S3, as a source's is at its
     mount, since a shared tier that is down must not stop a mount), or for

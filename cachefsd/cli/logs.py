@@ -11,9 +11,10 @@ import time
 WARNING_PREFIX = "warning: "
 
 
-# Libraries that log request details at debug level; keep them quiet so no
-# header or URL can reach the log.
-_QUIET_LOGGERS = ("botocore", "aiobotocore", "boto3", "urllib3", "google", "aiohttp")
+# Libraries that log request details at debug level (azure-core every
+# request at info, azure-identity each credential it tries); keep them
+# quiet so no header or URL can reach the log.
+_QUIET_LOGGERS = ("botocore", "aiobotocore", "boto3", "urllib3", "google", "aiohttp", "azure", "msal")
 
 
 class LogfmtFormatter(logging.Formatter):

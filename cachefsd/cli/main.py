@@ -372,7 +372,7 @@ def _add_stage_parser(commands: Any) -> None:
         help="load a dataset (or part of it) into the cache before a job",
         description=(
             "Stage TARGET into the cache. TARGET is a path in a cachefsd mount (staged by its "
-            "daemon) or a SOURCE (s3://bucket[/prefix], gs://..., a local directory) staged into "
+            "daemon) or a SOURCE (s3://bucket[/prefix], gs://..., az://..., a local directory) staged into "
             "--cache-dir in this process when no daemon uses that cache; give it the same cache "
             "settings (--block-size, tiers) as the mount that will use it. Rerunning skips what is "
             "cached."
@@ -411,10 +411,17 @@ def _add_data_path_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm", help="directory of the warm tier (larger disk; lz4 blocks)")
     parser.add_argument("--warm-size", help="capacity of the warm tier, e.g. 2T or 80%%")
     parser.add_argument(
-        "--shared-tier", help="bucket of the tier all nodes share, e.g. s3://fleet-cache/blocks"
+        "--shared-tier",
+        help="bucket of the tier all nodes share, e.g. s3://fleet-cache/blocks or az://fleet-cache/blocks",
     )
-    parser.add_argument("--shared-endpoint-url", help="S3-compatible endpoint of the shared tier")
-    parser.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. http://127.0.0.1:9000")
+    parser.add_argument(
+        "--shared-endpoint-url", help="S3-compatible or Azure Blob endpoint of the shared tier"
+    )
+    parser.add_argument(
+        "--endpoint-url",
+        help="S3-compatible endpoint, e.g. http://127.0.0.1:9000, or an Azure account's blob endpoint "
+        "(Azurite: http://127.0.0.1:10000/devstoreaccount1)",
+    )
     parser.add_argument("--region", help="S3 region")
     parser.add_argument(
         "--fetch-deadline", help="how long a block may wait on the store before EIO, e.g. 30s"
@@ -445,7 +452,12 @@ def _parser() -> argparse.ArgumentParser:
         "joins the daemon already serving the cache directory",
     )
     mount.add_argument(
-        "source", nargs="?", help="s3://bucket[/prefix], gs://bucket[/prefix], /a/dir or file:///a/dir"
+        "source",
+        nargs="?",
+        help="s3://bucket[/prefix], gs://bucket[/prefix], az://container[/prefix] "
+        "(the account from AZURE_STORAGE_ACCOUNT_NAME; or "
+        "https://ACCOUNT.blob.core.windows.net/CONTAINER/PREFIX, "
+        "abfss://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX), /a/dir or file:///a/dir",
     )
     mount.add_argument("mountpoint", nargs="?", type=Path)
     _add_data_path_arguments(mount)

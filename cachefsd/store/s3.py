@@ -30,7 +30,7 @@ value ``MemoryStore`` computes) and quoted again for ``If-Match``, which is
 the form HTTP specifies. moto 5 and S3 accept both forms.
 
 Uploads (``put_file``) go through obstore too, fed the file's parts by
-``_Parts``: each part is read with ``pread`` and its MD5 taken in a worker
+``source.FileParts``: each part is read with ``pread`` and its MD5 taken in a worker
 thread (hashlib releases the GIL), four parts at once, and obstore signs
 and sends them from its own threads. Files up to one part (8 MiB,
 Mountpoint's part size) are one PUT; larger ones a multipart upload with
@@ -74,7 +74,6 @@ import datetime
 import logging
 import re
 import time
-from collections import deque
 from collections.abc import Awaitable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -105,7 +104,7 @@ from obstore.store import S3Store as ObstoreS3
 from cachefsd.config import StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError, UploadCorrupted
 from cachefsd.store.base import Credentials, Listing, ListingPage, ObjectInfo, redact_url
-from cachefsd.store.source import SourceFile, multipart_etag
+from cachefsd.store.source import FileParts, SourceFile, multipart_etag, part_ranges
 
 if TYPE_CHECKING:
     from obstore import GetResult, PutResult
@@ -183,10 +182,6 @@ _UPLOAD_RETRIES = 3
 _REQUEST_SECONDS = 30.0
 _UPLOAD_REQUEST_SECONDS = 900.0
 _UPLOAD_FIRST_BACKOFF_SECONDS = 0.1
-# Parts of a file read and hashed at once, ahead of obstore asking for
-# them: one MD5 runs at about 560 MiB/s on one core, so four keep ahead of
-# a 10 Gb/s link (and hold four parts more in memory).
-_READ_AHEAD_PARTS = 4
 # Server-side encryption whose etags are not the content's MD5 (SSE-KMS,
 # its dual-layer form; SSE-C is told by its own header).
 _OPAQUE_ETAG_ENCRYPTION = ("aws:kms", "aws:kms:dsse")
@@ -222,11 +217,6 @@ def part_size_for(size: int, minimum: int) -> int:
     if size <= minimum * _MAX_PARTS:
         return minimum
     return -(-size // (_MAX_PARTS * _MIB)) * _MIB
-
-
-def part_ranges(size: int, part_size: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each part of an object of ``size`` bytes."""
-    return [(start, min(start + part_size, size)) for start in range(0, size, part_size)]
 
 
 _NO_CREDENTIALS = (
@@ -722,7 +712,7 @@ class S3Store:
                 expected = md5.hex()
                 result = await self._put(target, put_async(data, full_key, body, use_multipart=False))
             else:
-                parts = _Parts(source, part_size)
+                parts = FileParts(source, part_size)
                 try:
                     result = await self._put(
                         target,
@@ -885,45 +875,6 @@ class S3Store:
         stack, self._exit_stack, self._client = self._exit_stack, None, None
         if stack is not None:
             await stack.aclose()
-
-
-class _Parts:
-    """A file's parts for obstore's multipart upload, ``part_size`` bytes
-    but the last, so obstore's parts are these and the etag they make is
-    known. Each is read and its MD5 taken in a worker thread, up to
-    ``_READ_AHEAD_PARTS`` at once (obstore asks for one part at a time);
-    after the last, the file is checked unchanged, before obstore completes
-    the upload. ``drain`` before the file is closed."""
-
-    def __init__(self, source: SourceFile, part_size: int) -> None:
-        self._source = source
-        self._ranges = iter(part_ranges(source.size, part_size))
-        self._reading: deque[asyncio.Future[tuple[bytes, bytes]]] = deque()
-        self.md5s: list[bytes] = []
-
-    def __aiter__(self) -> _Parts:
-        return self
-
-    async def __anext__(self) -> bytes:
-        while len(self._reading) < _READ_AHEAD_PARTS:
-            part = next(self._ranges, None)
-            if part is None:
-                break
-            start, end = part
-            self._reading.append(
-                asyncio.ensure_future(asyncio.to_thread(self._source.read_with_md5, start, end - start))
-            )
-        if not self._reading:
-            await asyncio.to_thread(self._source.check_unchanged)
-            raise StopAsyncIteration
-        data, md5 = await self._reading.popleft()
-        self.md5s.append(md5)
-        return data
-
-    async def drain(self) -> None:
-        """Wait for the reads still running (a thread cannot be stopped)."""
-        await asyncio.gather(*self._reading, return_exceptions=True)
-        self._reading.clear()
 
 
 def _head_info(key: str, response: Mapping[str, Any]) -> ObjectInfo:

@@ -10,18 +10,30 @@ the upload is made visible, and refuse with ``SourceChanged``. A file
 renamed over ``path`` meanwhile does not count: the descriptor still reads
 the file that was opened, whole.
 
-All methods block (file I/O, hashing): run them in a thread. hashlib
-releases the GIL for buffers this size, so the hashing costs the event
-loop nothing.
+``SourceFile``'s methods block (file I/O, hashing): run them in a thread.
+hashlib releases the GIL for buffers this size, so the hashing costs the
+event loop nothing. ``FileParts`` does so for a block upload (S3, Azure).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+from collections import deque
 from pathlib import Path
 
 from cachefsd.errors import SourceChanged, SourceUnreadable
+
+# Parts of a file read and hashed at once, ahead of obstore asking for
+# them: one MD5 runs at about 560 MiB/s on one core, so four keep ahead of
+# a 10 Gb/s link (and hold four parts more in memory).
+READ_AHEAD_PARTS = 4
+
+
+def part_ranges(size: int, part_size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each part of an object of ``size`` bytes."""
+    return [(start, min(start + part_size, size)) for start in range(0, size, part_size)]
 
 
 def multipart_etag(part_md5s: list[bytes]) -> str:
@@ -81,3 +93,42 @@ class SourceFile:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+class FileParts:
+    """A file's parts for obstore's multipart upload, ``part_size`` bytes
+    but the last, so obstore's parts are these and the etag they make is
+    known. Each is read and its MD5 taken in a worker thread, up to
+    ``READ_AHEAD_PARTS`` at once (obstore asks for one part at a time);
+    after the last, the file is checked unchanged, before obstore completes
+    the upload. ``drain`` before the file is closed."""
+
+    def __init__(self, source: SourceFile, part_size: int) -> None:
+        self._source = source
+        self._ranges = iter(part_ranges(source.size, part_size))
+        self._reading: deque[asyncio.Future[tuple[bytes, bytes]]] = deque()
+        self.md5s: list[bytes] = []
+
+    def __aiter__(self) -> FileParts:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while len(self._reading) < READ_AHEAD_PARTS:
+            part = next(self._ranges, None)
+            if part is None:
+                break
+            start, end = part
+            self._reading.append(
+                asyncio.ensure_future(asyncio.to_thread(self._source.read_with_md5, start, end - start))
+            )
+        if not self._reading:
+            await asyncio.to_thread(self._source.check_unchanged)
+            raise StopAsyncIteration
+        data, md5 = await self._reading.popleft()
+        self.md5s.append(md5)
+        return data
+
+    async def drain(self) -> None:
+        """Wait for the reads still running (a thread cannot be stopped)."""
+        await asyncio.gather(*self._reading, return_exceptions=True)
+        self._reading.clear()

@@ -21,7 +21,8 @@ from aiohttp import web
 
 from cachefsd.config import StoreSettings
 from cachefsd.errors import ObjectNotFound, SourceChanged, StoreError, UploadCorrupted
-from cachefsd.store.s3 import S3Store, UploadTuning, part_ranges, part_size_for
+from cachefsd.store.s3 import S3Store, UploadTuning, part_size_for
+from cachefsd.store.source import part_ranges
 from cachefsd.testing.s3_server import S3TestServer
 
 CALL_TIMEOUT_SECONDS = 60.0
@@ -71,8 +72,13 @@ class Proxy:
         if isinstance(decision, web.Response):
             return decision
         headers = {name: value for name, value in request.headers.items() if name.lower() not in _HOP_BY_HOP}
+        # No Content-Type the client did not send: Azure's Shared Key signs it.
         async with self._session.request(
-            request.method, self._upstream + request.raw_path, headers=headers, data=decision
+            request.method,
+            self._upstream + request.raw_path,
+            headers=headers,
+            data=decision,
+            skip_auto_headers=("Content-Type",),
         ) as reply:
             body = await reply.read()
             answer = {name: value for name, value in reply.headers.items() if name.lower() not in _HOP_BY_HOP}

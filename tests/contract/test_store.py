@@ -13,7 +13,9 @@ those two keys and compared with the reference over its own seed.
 
 S3 runs against the real moto server over HTTP and against the
 file-backed endpoint (``cachefsd.testing.file_s3``, "s3-file"), GCS against
-the fake-gcs-server emulator; nothing under test is mocked. Each test runs its
+the fake-gcs-server emulator, Azure against Azurite; nothing under test is
+mocked. Azure's List Blobs pages up to 5000 blobs: its store is given
+pages of 1000, as S3's and GCS's are, so the large directory pages there too. Each test runs its
 coroutines in one ``asyncio.run``, opening and closing the store inside it,
 because S3Store's aiohttp session belongs to the loop that created it.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import hashlib
 import os
 import random
@@ -35,19 +38,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import boto3
 import pytest
 import requests
 from aiohttp import web
+from azure.core.exceptions import (
+    ClientAuthenticationError,
+    HttpResponseError,
+    ServiceRequestError,
+    ServiceResponseError,
+)
+from azure.identity import CredentialUnavailableError
+from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
 from botocore.exceptions import ClientError
 from google.api_core import exceptions as api_exceptions
 from google.auth import exceptions as auth_exceptions
 from google.cloud import storage
+from obstore import exceptions as obstore_exceptions
 
 from cachefsd.config import FetchSettings, StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, SourceUnreadable, StoreError
+from cachefsd.store import azure as azure_module
 from cachefsd.store import gcs as gcs_module
 from cachefsd.store import s3 as s3_module
+from cachefsd.store.azure import AzureStore, AzureTuning
+from cachefsd.store.azure_location import AzureLocation
 from cachefsd.store.base import Credentials, Listing, ObjectInfo, ObjectStore
 from cachefsd.store.faulty import Faults, FaultyStore
 from cachefsd.store.gcs import GcsStore
@@ -55,6 +71,7 @@ from cachefsd.store.listing import merged, one_level
 from cachefsd.store.local import LocalStore
 from cachefsd.store.memory import MemoryStore
 from cachefsd.store.s3 import S3Store, UploadTuning
+from cachefsd.testing.azurite import ACCOUNT, ACCOUNT_KEY, Azurite
 from cachefsd.testing.file_s3 import FileS3Server
 from cachefsd.testing.s3_server import S3TestServer
 
@@ -67,6 +84,9 @@ CALL_TIMEOUT_SECONDS = 60.0
 FAST_FAILURE_SECONDS = 5.0
 # Per-attempt timeout given to the network stores.
 ATTEMPT_TIMEOUT_SECONDS = 5.0
+# Seconds to connect, and connections pooled, for the Azure store under test.
+TEST_CONNECT_TIMEOUT = 2.0
+MAX_CONNECTIONS = 16
 # Listing pages hold 1000 keys; one directory must need two.
 MANY_KEYS = 1100
 # The longest name a Linux filesystem allows in one path component.
@@ -216,7 +236,37 @@ def _gcs_backend(client: storage.Client) -> Backend:
     )
 
 
-@pytest.fixture(name="backend", scope="session", params=["memory", "local", "s3", "s3-file", "gcs"])
+# Azure's List Blobs pages up to 5000; pages of 1000 make the large directory two.
+AZURE_TUNING = AzureTuning(list_page_size=1000)
+
+
+def _azure_store(
+    endpoint_url: str, container: str, prefix: str, tuning: AzureTuning = AZURE_TUNING
+) -> AzureStore:
+    location = AzureLocation(ACCOUNT, container, prefix, endpoint_url)
+    return AzureStore(location, ATTEMPT_TIMEOUT_SECONDS, TEST_CONNECT_TIMEOUT, MAX_CONNECTIONS, tuning)
+
+
+def _azure_backend(client: BlobServiceClient, server: Azurite) -> Backend:
+    container_name = f"contract-{uuid.uuid4().hex[:12]}"
+    container = client.create_container(container_name)
+
+    def put(key: str, data: bytes) -> None:
+        container.upload_blob(f"{REMOTE_PREFIX}/{key}", data, overwrite=True)
+
+    _seed_concurrently(put, SEED)
+    for key in OUTSIDE_KEYS:
+        container.upload_blob(key, b"outside")
+    return Backend(
+        "azure",
+        lambda: _azure_store(server.endpoint_url, container_name, f"/{REMOTE_PREFIX}/"),
+        put,
+        SEED,
+        lambda: _azure_store(server.endpoint_url, container_name, f"/{REMOTE_PREFIX}-typo/"),
+    )
+
+
+@pytest.fixture(name="backend", scope="session", params=["memory", "local", "s3", "s3-file", "gcs", "azure"])
 def fixture_backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Backend:
     """Every ObjectStore implementation, seeded once per session. The servers
     are only started when their backend is selected (``-k memory`` needs none)."""
@@ -230,6 +280,8 @@ def fixture_backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
         server: FileS3Server = request.getfixturevalue("file_s3_server")
         settings = StoreSettings(endpoint_url=server.endpoint_url, region="us-east-1")
         return _s3_backend("s3-file", request.getfixturevalue("file_s3_client"), settings)
+    if request.param == "azure":
+        return _azure_backend(request.getfixturevalue("azure_client"), request.getfixturevalue("azurite"))
     return _gcs_backend(request.getfixturevalue("gcs_client"))
 
 
@@ -267,7 +319,7 @@ def test_list_pages_through_a_large_directory(backend: Backend) -> None:
     listing, pages = run(backend, lambda store: list_all(store, "many/"))
 
     # A bucket pages 1000 keys at most; a directory or a dict is one page.
-    assert pages == (2 if backend.name in ("s3", "s3-file", "gcs") else 1)
+    assert pages == (2 if backend.name in ("s3", "s3-file", "gcs", "azure") else 1)
     assert len(listing.objects) == MANY_KEYS
     assert listing.objects[-1].key == f"many/{MANY_KEYS - 1:05d}"
 
@@ -1024,3 +1076,276 @@ def test_local_put_file_makes_directories_and_leaves_no_temporary_file(
 
     assert written == _run_alone(lambda: store.head("new/deeper/file.bin"))
     assert os.listdir(local_root / "new" / "deeper") == ["file.bin"]
+
+
+# -- Azure -----------------------------------------------------------------------
+
+
+def _reply_error(status: int, code: str | None) -> HttpResponseError:
+    """An error as azure-storage-blob raises it for a reply of the service."""
+    error = HttpResponseError(message="m")
+    error.status_code = status
+    error.error_code = code  # type: ignore[attr-defined] - set by azure-storage-blob from x-ms-error-code
+    return error
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "expected"),
+    [(404, code, ObjectNotFound) for code in ("ContainerNotFound", "BlobNotFound", "ResourceNotFound")]
+    + [
+        (403, code, AccessDenied)
+        for code in (
+            "AuthenticationFailed",
+            "AuthorizationFailure",
+            "AuthorizationPermissionMismatch",
+            "AuthorizationSourceIPMismatch",
+            "AuthorizationProtocolMismatch",
+            "InsufficientAccountPermissions",
+            "AccountIsDisabled",
+        )
+    ]
+    + [
+        (409, "BlobArchived", AccessDenied),
+        (412, "ConditionNotMet", ObjectChanged),
+        # No code (a HEAD's reply has no body): the status decides.
+        (401, None, AccessDenied),
+        (403, None, AccessDenied),
+        (404, None, ObjectNotFound),
+        (412, None, ObjectChanged),
+        # Anything else is retryable.
+        (500, "InternalError", StoreError),
+        (503, "ServerBusy", StoreError),
+        (500, "OperationTimedOut", StoreError),
+        (429, None, StoreError),
+        (400, "InvalidHeaderValue", StoreError),
+    ],
+)
+def test_azure_error_table_for_replies(status: int, code: str | None, expected: type[StoreError]) -> None:
+    error = azure_module._translate(
+        _reply_error(status, code), target="az://cont/k", container="cont", endpoint="http://h:1/acct"
+    )
+    assert type(error) is expected
+    assert error.retryable == (expected is StoreError)
+
+
+def test_azure_error_table_covers_every_code() -> None:
+    """A row added to the table without a test fails here."""
+    tested = {
+        "ContainerNotFound",
+        "BlobNotFound",
+        "ResourceNotFound",
+        "AuthenticationFailed",
+        "AuthorizationFailure",
+        "AuthorizationPermissionMismatch",
+        "AuthorizationSourceIPMismatch",
+        "AuthorizationProtocolMismatch",
+        "InsufficientAccountPermissions",
+        "AccountIsDisabled",
+        "BlobArchived",
+        "ConditionNotMet",
+    }
+    assert set(azure_module._ERROR_BY_CODE) == tested
+    assert set(azure_module._ERROR_BY_STATUS) == {401, 403, 404, 412}
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (obstore_exceptions.PreconditionError("m"), ObjectChanged),
+        (obstore_exceptions.NotFoundError("m"), ObjectNotFound),
+        (FileNotFoundError("m"), ObjectNotFound),
+        (obstore_exceptions.PermissionDeniedError("m"), AccessDenied),
+        (obstore_exceptions.UnauthenticatedError("m"), AccessDenied),
+        (PermissionError("m"), AccessDenied),
+        (ClientAuthenticationError("refused"), AccessDenied),
+        (CredentialUnavailableError("none"), AccessDenied),
+        (ServiceRequestError("unreachable"), StoreError),
+        (ServiceResponseError("dropped"), StoreError),
+        (obstore_exceptions.GenericError("5xx, 416 or refused"), StoreError),
+        (aiohttp.ClientConnectionError("reset"), StoreError),
+        (TimeoutError(), StoreError),
+        (OSError("unreachable"), StoreError),
+    ],
+)
+def test_azure_error_table_for_typed_errors(exc: Exception, expected: type[StoreError]) -> None:
+    error = azure_module._translate(exc, target="az://cont/k", container="cont", endpoint="http://h:1/acct")
+    assert type(error) is expected
+
+
+def test_azure_error_table_refuses_what_is_not_an_azure_error() -> None:
+    with pytest.raises(TypeError):
+        azure_module._translate(ValueError("bug"), target="az://c/k", container="c", endpoint="e")
+
+
+def test_azure_reply_errors_carry_the_request_id(azurite: Azurite) -> None:
+    """Container missing, named, with the id Azure's support asks for."""
+    store = _azure_store(azurite.endpoint_url, "no-such-container", "x")
+
+    began = time.monotonic()
+    with pytest.raises(ObjectNotFound) as caught:
+        _run_alone(lambda: _check_then_close(store))
+
+    assert time.monotonic() - began < FAST_FAILURE_SECONDS
+    message = str(caught.value)
+    assert message.startswith("container 'no-such-container' does not exist")
+    assert azurite.endpoint_url in message
+    assert "request id " in message
+
+
+def test_azure_wrong_key_is_access_denied_and_never_shown(
+    azurite: Azurite, azure_client: BlobServiceClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    container = f"denied-{uuid.uuid4().hex[:12]}"
+    azure_client.create_container(container)
+    wrong = "V3JvbmdLZXlXcm9uZ0tleVdyb25nS2V5V3JvbmdLZXk="
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", wrong)
+    store = _azure_store(azurite.endpoint_url, container, "")
+
+    async def body() -> None:
+        try:
+            with pytest.raises(AccessDenied) as listing:
+                await store.check()
+            with pytest.raises(AccessDenied) as data:
+                await store.get_object("k")
+            for caught in (listing, data):
+                assert container in str(caught.value)
+                assert wrong not in _full_text(caught.value)
+        finally:
+            await store.close()
+
+    _run_alone(body)
+
+
+def test_azure_sas_signs_listings_and_data(
+    azurite: Azurite, azure_client: BlobServiceClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SAS from the environment, and no key: both clients sign with it."""
+    container = f"sas-{uuid.uuid4().hex[:12]}"
+    azure_client.create_container(container).upload_blob("p/k", b"by sas")
+    sas = generate_container_sas(
+        ACCOUNT,
+        container,
+        account_key=ACCOUNT_KEY,
+        permission=ContainerSasPermissions(read=True, list=True),
+        expiry=datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1),
+    )
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_KEY")
+    monkeypatch.setenv("AZURE_STORAGE_SAS_TOKEN", sas)
+    store = _azure_store(azurite.endpoint_url, container, "p")
+
+    async def body() -> tuple[bool, bytes]:
+        try:
+            return await store.check(), await store.get_object("k")
+        finally:
+            await store.close()
+
+    assert _run_alone(body) == (True, b"by sas")
+
+
+def test_azure_without_credentials_is_access_denied(
+    azurite: Azurite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No key, no SAS, no identity: the chain's every link comes up empty
+    (managed identity is pointed at a closed local port by conftest)."""
+    for name in (
+        "AZURE_STORAGE_ACCOUNT_KEY",
+        "AZURE_STORAGE_ACCESS_KEY",
+        "AZURE_STORAGE_SAS_TOKEN",
+        "AZURE_STORAGE_SAS_KEY",
+        "AZURE_CLIENT_ID",
+        "AZURE_CLIENT_SECRET",
+        "AZURE_TENANT_ID",
+        "AZURE_FEDERATED_TOKEN_FILE",
+        "IDENTITY_ENDPOINT",
+        "MSI_ENDPOINT",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AZURE_POD_IDENTITY_AUTHORITY_HOST", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no az, azd or pwsh to ask
+    store = _azure_store(azurite.endpoint_url, "any-container", "")
+
+    with pytest.raises(AccessDenied, match="no usable Azure credentials") as caught:
+        _run_alone(lambda: _check_then_close(store))
+    assert "az://any-container" in str(caught.value)
+
+
+@pytest.mark.parametrize("call", ["check", "get_range", "put_file"])
+def test_azure_unreachable_endpoint_is_a_retryable_error(call: str, tmp_path: Path) -> None:
+    upload = tmp_path / "upload.bin"
+    upload.write_bytes(b"upload")
+    port = _closed_port()
+    store = _azure_store(f"http://127.0.0.1:{port}/{ACCOUNT}", "cont", "")
+    calls: dict[str, Callable[[], Awaitable[object]]] = {
+        "check": store.check,
+        "get_range": lambda: store.get_range("k", 0, 10, "0x8D"),
+        "put_file": lambda: store.put_file("k", upload),
+    }
+
+    async def body() -> None:
+        try:
+            await calls[call]()
+        finally:
+            await store.close()
+
+    began = time.monotonic()
+    with pytest.raises(StoreError) as caught:
+        _run_alone(body)
+
+    assert time.monotonic() - began < FAST_FAILURE_SECONDS
+    assert type(caught.value) is StoreError
+    assert caught.value.retryable
+    assert f"cannot reach Azure Blob endpoint http://127.0.0.1:{port}/{ACCOUNT}" in str(caught.value)
+    assert ACCOUNT_KEY not in _full_text(caught.value)
+
+
+def test_azure_put_file_in_blocks_is_one_blob(
+    azurite: Azurite, azure_client: BlobServiceClient, tmp_path: Path
+) -> None:
+    """Blocks of 1 MiB, so a 3.5 MiB file is four, committed as one blob."""
+    container = f"blocks-{uuid.uuid4().hex[:12]}"
+    azure_client.create_container(container)
+    data = random.Random(7).randbytes(3 * (1 << 20) + (1 << 19))
+    path = tmp_path / "upload.bin"
+    path.write_bytes(data)
+    tuning = dataclasses.replace(AZURE_TUNING, block_size=1 << 20, blocks_in_flight=2)
+    store = _azure_store(azurite.endpoint_url, container, "p", tuning)
+
+    async def body() -> tuple[ObjectInfo, ObjectInfo]:
+        try:
+            return await store.put_file("big.bin", path), await store.head("big.bin")
+        finally:
+            await store.close()
+
+    written, headed = _run_alone(body)
+
+    assert written == headed
+    blob = azure_client.get_blob_client(container, "p/big.bin")
+    assert len(blob.get_block_list("committed")[0]) == 4
+    assert blob.download_blob().readall() == data
+
+
+def test_azure_reads_keys_obstore_cannot_name(azurite: Azurite, azure_client: BlobServiceClient) -> None:
+    """obstore drops a trailing ``/`` and refuses empty segments: a marker
+    with bytes in it and ``a//b`` are read through the listing client,
+    pinned to their version all the same."""
+    container = azure_client.create_container(f"names-{uuid.uuid4().hex[:12]}")
+    container.upload_blob("p/marker/", b"marker bytes")
+    container.upload_blob("p/a//b", b"double slash")
+    store = _azure_store(azurite.endpoint_url, container.container_name, "p")
+
+    async def body() -> list[bytes | bytearray]:
+        try:
+            marker, double = await store.head("marker/"), await store.head("a//b")
+            read = [
+                await store.get_range("marker/", 0, 100, marker.etag),
+                await store.get_range("a//b", 7, 9, double.etag),
+                await store.get_range("a//b", 50, 60, double.etag),
+            ]
+            container.upload_blob("p/a//b", b"double slash, again", overwrite=True)
+            with pytest.raises(ObjectChanged):
+                await store.get_range("a//b", 0, 5, double.etag)
+            return read
+        finally:
+            await store.close()
+
+    assert _run_alone(body) == [b"marker bytes", b"sl", b""]

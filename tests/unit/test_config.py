@@ -11,6 +11,7 @@ import pytest
 from cachefsd.cache.directory import tier_specs
 from cachefsd.config import (
     FetchSettings,
+    SharedSettings,
     StoreSettings,
     load_mounts,
     load_settings,
@@ -198,6 +199,101 @@ def test_a_source_is_keyed_by_its_endpoint(endpoint: str | None, key: str) -> No
     store = open_store("s3://data/p", settings, FetchSettings(attempt_timeout=1.0))
     assert store.cache_key == key
     assert store.uri == "s3://data/p"
+
+
+@pytest.mark.parametrize(
+    ("source", "endpoint", "uri", "key"),
+    [
+        (
+            "az://data/train/",
+            None,
+            "az://data/train",
+            "az://data/train@https://envacct.blob.core.windows.net",
+        ),
+        ("azure://data", None, "az://data", "az://data@https://envacct.blob.core.windows.net"),
+        ("abfs://data/p", None, "az://data/p", "az://data/p@https://envacct.blob.core.windows.net"),
+        (
+            "abfss://data@urlacct.dfs.core.windows.net/p",
+            None,
+            "az://data/p",
+            "az://data/p@https://urlacct.blob.core.windows.net",
+        ),
+        (
+            "abfss://data@urlacct.dfs.core.chinacloudapi.cn/p",
+            None,
+            "az://data/p",
+            "az://data/p@https://urlacct.blob.core.chinacloudapi.cn",
+        ),
+        (
+            "https://urlacct.blob.core.windows.net/data/p/q",
+            None,
+            "az://data/p/q",
+            "az://data/p/q@https://urlacct.blob.core.windows.net",
+        ),
+        (
+            "az://data/p",
+            "http://127.0.0.1:10000/devstoreaccount1/",
+            "az://data/p",
+            "az://data/p@http://127.0.0.1:10000/devstoreaccount1",
+        ),
+    ],
+)
+def test_azure_sources_in_every_form(
+    source: str, endpoint: str | None, uri: str, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container is unique within its account only: the cache keys it by the account's endpoint."""
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "envacct")
+    store = open_store(source, StoreSettings(endpoint_url=endpoint), FetchSettings(attempt_timeout=1.0))
+    assert (store.uri, store.cache_key) == (uri, key)
+    assert store.content_etags is False
+
+
+def test_an_azure_account_comes_from_the_endpoint_when_the_environment_has_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
+    settings = StoreSettings(endpoint_url="http://127.0.0.1:10000/devstoreaccount1")
+    store = open_store("az://data", settings, FetchSettings(attempt_timeout=1.0))
+    assert store.cache_key == "az://data@http://127.0.0.1:10000/devstoreaccount1"
+    with pytest.raises(ConfigError, match="names no storage account: set AZURE_STORAGE_ACCOUNT_NAME"):
+        open_store("az://data", StoreSettings(), FetchSettings(attempt_timeout=1.0))
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("az://ab", "invalid container name 'ab'"),
+        ("az://Data", "invalid container name 'Data'"),
+        ("az://da--ta", "invalid container name 'da--ta'"),
+        ("az://-data", "invalid container name '-data'"),
+        ("https://Bad_Acct.blob.core.windows.net/data", "invalid storage account name 'Bad_Acct'"),
+    ],
+)
+def test_azure_names_azure_refuses_name_the_source(
+    source: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        open_store(source, StoreSettings(), FetchSettings(attempt_timeout=1.0))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://fleet/blocks",
+        "gs://fleet/blocks",
+        "az://fleet/blocks",
+        "abfss://fleet@acct.dfs.core.windows.net/blocks",
+        "https://acct.blob.core.windows.net/fleet/blocks",
+    ],
+)
+def test_a_shared_tier_may_be_any_bucket(url: str) -> None:
+    assert SharedSettings(url=url).url == url
+
+
+def test_a_shared_tier_is_not_a_web_page() -> None:
+    with pytest.raises(ValueError, match="url"):
+        SharedSettings(url="https://example.com/blocks")
 
 
 @pytest.mark.parametrize(

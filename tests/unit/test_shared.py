@@ -308,3 +308,11 @@ def test_a_bad_shared_url_or_endpoint_names_its_setting() -> None:
         open_shared("s3://x/blocks", None)
     with pytest.raises(CachefsdError, match=r"cache\.shared\.endpoint_url"):
         open_shared("s3://fleet/blocks", "ftp://nowhere")
+
+
+def test_a_shared_tier_on_azure_opens_on_its_endpoint() -> None:
+    """``--shared-tier az://...``: the account from the endpoint (Azurite's), no request made."""
+    store = open_shared("az://fleet/blocks", "http://127.0.0.1:9/devstoreaccount1")
+    assert store.cache_key == "az://fleet/blocks@http://127.0.0.1:9/devstoreaccount1"
+    with pytest.raises(CachefsdError, match=r"cache\.shared\.url: .*invalid container name"):
+        open_shared("az://x/blocks", "http://127.0.0.1:9/devstoreaccount1")
