@@ -39,7 +39,6 @@ import boto3
 import pytest
 import requests
 from aiohttp import web
-from botocore.exceptions import ClientError
 from google.api_core import exceptions as api_exceptions
 from google.auth import exceptions as auth_exceptions
 from google.cloud import storage
@@ -47,7 +46,6 @@ from google.cloud import storage
 from cachefsd.config import FetchSettings, StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, SourceUnreadable, StoreError
 from cachefsd.store import gcs as gcs_module
-from cachefsd.store import s3 as s3_module
 from cachefsd.store.base import Credentials, Listing, ObjectInfo, ObjectStore
 from cachefsd.store.faulty import Faults, FaultyStore
 from cachefsd.store.gcs import GcsStore
@@ -839,36 +837,6 @@ def test_s3_test_server_injects_latency(s3_server: S3TestServer, s3_settings: St
         assert _run_alone(timed) >= latency
     finally:
         s3_server.latency_seconds = 0.0
-
-
-def _client_error(code: str, status: int) -> ClientError:
-    return ClientError(
-        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "Op"
-    )
-
-
-@pytest.mark.parametrize(
-    ("code", "status", "expected"),
-    [
-        ("NoSuchKey", 404, ObjectNotFound),
-        ("404", 404, ObjectNotFound),
-        ("NoSuchBucket", 404, ObjectNotFound),
-        ("AccessDenied", 403, AccessDenied),
-        ("403", 403, AccessDenied),
-        ("InvalidAccessKeyId", 403, AccessDenied),
-        ("SignatureDoesNotMatch", 403, AccessDenied),
-        ("PreconditionFailed", 412, ObjectChanged),
-        ("412", 412, ObjectChanged),
-        ("SlowDown", 503, StoreError),
-        ("InternalError", 500, StoreError),
-        ("ThrottlingException", 400, StoreError),
-        ("RequestTimeout", 400, StoreError),
-    ],
-)
-def test_s3_error_table(code: str, status: int, expected: type[StoreError]) -> None:
-    """Status codes moto cannot be made to return (403, 5xx, throttling)."""
-    error = s3_module._translate(_client_error(code, status), target="s3://bkt/k", endpoint="http://h:1")
-    assert type(error) is expected
 
 
 # -- GCS -------------------------------------------------------------------------
