@@ -116,31 +116,61 @@ class IndexDamaged(Exception):
     empty rows). The index is set aside, as one sqlite finds corrupt."""
 
 
-# What sqlite says of an index that is not an intact database of ours: its
-# pages are corrupt, or it is not a database. Not what the environment
-# causes (a full or read-only disk, permissions, locks): the user must hear
-# about those, and a new index would fail the same way.
-_DAMAGED = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
-# SQLITE_ERROR is any failed statement, our bugs too, which must not throw
-# a warm cache away: it is damage only when our own fixed schema cannot be
-# read back (a damaged header, a damaged sqlite_schema row).
-_DAMAGED_SCHEMA = ("unsupported file format", "no such table", "no such column")
+# sqlite's errors, by primary result code (the low byte of the extended
+# code: SQLITE_CORRUPT_INDEX counts as SQLITE_CORRUPT). Damage, set aside:
+# the file's pages are corrupt, or it is not a database. SQLITE_ERROR is
+# any failed statement, our bugs too, which must not throw a warm cache
+# away: it is damage only when the schema read back is not ours
+# (``Index.schema_problem``), which raises ``IndexDamaged`` then. Every other
+# code is the environment's (a full or read-only disk, permissions, locks,
+# I/O): reported, since a new index would fail the same way.
+_DAMAGED = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
+
+# The index's structure as sqlite reads it back: each table's columns
+# (type, NOT NULL, place in the primary key) and each index's columns.
+# Compared with the same of ``_SCHEMA`` made in memory, so a schema row
+# damaged into another valid one (a renamed column or table, an index on
+# another column) is told from a statement of ours that fails.
+_SHAPE = """
+SELECT m.type, m.name, m.tbl_name, c.name, c.type, c."notnull", c.pk
+FROM sqlite_schema AS m, pragma_table_info(m.name) AS c WHERE m.type = 'table'
+UNION ALL
+SELECT m.type, m.name, m.tbl_name, c.name, NULL, NULL, c.seqno
+FROM sqlite_schema AS m, pragma_index_info(m.name) AS c WHERE m.type = 'index'
+"""
+Shape = frozenset[tuple[object, ...]]
+
+
+def _shape_of(db: sqlite3.Connection) -> Shape:
+    return frozenset(db.execute(_SHAPE).fetchall())
+
+
+@functools.cache
+def _our_shape() -> Shape:
+    db = sqlite3.connect(":memory:")
+    try:
+        db.executescript(_SCHEMA)
+        return _shape_of(db)
+    finally:
+        db.close()
+
+
+def _primary_code(exc: sqlite3.Error) -> int | None:
+    code: int | None = getattr(exc, "sqlite_errorcode", None)
+    return None if code is None else code & 0xFF
 
 
 def is_damage(exc: sqlite3.DatabaseError | IndexDamaged) -> bool:
-    """Whether the index file is not an intact one of ours. sqlite's
-    extended codes (SQLITE_CORRUPT_INDEX, ...) count by their primary code.
-    An OperationalError with none is raised by Python's sqlite3 reading a
-    value that is not UTF-8 text (a flipped byte), damage too. Not
-    any error without a code: a ProgrammingError is our bug."""
+    """Whether the index file is not an intact one of ours (``_DAMAGED``).
+    An OperationalError with no code is raised by Python's sqlite3 reading
+    a value that is not UTF-8 text (a flipped byte), damage too. Not any
+    other error without a code: a ProgrammingError is our bug."""
     if isinstance(exc, IndexDamaged):
         return True
-    code = getattr(exc, "sqlite_errorcode", None)
+    code = _primary_code(exc)
     if code is None:
         return isinstance(exc, sqlite3.OperationalError)
-    if code & 0xFF == sqlite3.SQLITE_ERROR:
-        return str(exc).startswith(_DAMAGED_SCHEMA)
-    return code & 0xFF in _DAMAGED
+    return code in _DAMAGED
 
 
 def damage_note(path: Path) -> Path:
@@ -162,7 +192,11 @@ def _noting_damage(method: Callable[Concatenate[Index, P], R]) -> Callable[Conca
     @functools.wraps(method)
     def wrapper(index: Index, *args: P.args, **kwargs: P.kwargs) -> R:
         try:
-            return method(index, *args, **kwargs)
+            try:
+                return method(index, *args, **kwargs)
+            except sqlite3.DatabaseError as exc:
+                index.check_schema_after(exc)
+                raise
         except (sqlite3.DatabaseError, IndexDamaged) as exc:
             # While the cache opens, the open sets a damaged index aside itself.
             if index.serving and is_damage(exc) and index.note_damage(exc):
@@ -230,6 +264,13 @@ class Index:
         note = damage_note(self._path)
         if note.is_file():
             raise IndexDamaged(f"noted before: {note.read_text(errors='replace').strip()}")
+        try:
+            self._load_checked()
+        except sqlite3.DatabaseError as exc:
+            self.check_schema_after(exc)
+            raise
+
+    def _load_checked(self) -> None:
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL is durable against process crashes (the kill -9 case) and
         # cheap; a power loss can lose the last commits, which only costs
@@ -241,6 +282,9 @@ class Index:
             self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         elif _integer(row[0], "the schema version") != SCHEMA_VERSION:
             raise IndexSchemaMismatch(f"{self._path} has schema {row[0]}, expected {SCHEMA_VERSION}")
+        problem = self._schema_problem_locked()
+        if problem is not None:
+            raise IndexDamaged(problem)
         self._refs: dict[BlockRef, str] = {}
         self._refs_by_hash: dict[str, set[BlockRef]] = {}
         for source, key, etag, block, digest in self._db.execute(
@@ -252,6 +296,30 @@ class Index:
             if not (type(source) is str and type(key) is str and type(etag) is str) or ref in self._refs:
                 raise IndexDamaged(f"block reference {ref}")
             self._add_ref_locked(ref, _block_name(digest))
+
+    def check_schema_after(self, exc: sqlite3.DatabaseError) -> None:
+        """After a statement failed with SQLITE_ERROR: ``IndexDamaged``
+        (from ``exc``) when the schema sqlite reads back is not ours."""
+        if _primary_code(exc) != sqlite3.SQLITE_ERROR:
+            return
+        with self._lock:
+            problem = self._schema_problem_locked()
+        if problem is not None:
+            raise IndexDamaged(f"{problem} ({exc})") from exc
+
+    def _schema_problem_locked(self) -> str | None:
+        """What is wrong with the schema sqlite reads back; None when it is ours."""
+        try:
+            shape = _shape_of(self._db)
+        except sqlite3.DatabaseError as exc:
+            # _SHAPE reads the schema and nothing else: failing with
+            # SQLITE_ERROR, it met a schema sqlite cannot read (a header
+            # that says a later file format, say).
+            if _primary_code(exc) == sqlite3.SQLITE_ERROR or is_damage(exc):
+                return f"its schema cannot be read: {exc}"
+            raise
+        differ = sorted({str(row[1]) for row in shape ^ _our_shape()})
+        return f"the schema of {', '.join(differ)} is not ours" if differ else None
 
     def _add_ref_locked(self, ref: BlockRef, digest: str) -> None:
         previous = self._refs.get(ref)

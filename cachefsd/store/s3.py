@@ -61,10 +61,31 @@ signed payload is the check, and a HEAD, sent only when the etags differ,
 tells them apart (a matching upload costs no request after it). The file is pinned while it is read
 (``store.source``): one that changes meanwhile is not published.
 
-Backend errors become ``cachefsd.errors`` types in ``_translate`` (botocore)
-and ``_translate_data`` (obstore), and only there. Messages name the bucket,
-key and endpoint; never credentials, and never a URL with a query string or
-user info.
+Failures become ``cachefsd.errors`` types in ``_translate``, and only
+there, from one table (``_ERRORS``) of typed errors: S3's error code and
+HTTP status in botocore's ``ClientError``, obstore's exception types,
+botocore's credential errors; anything else is a retryable ``StoreError``.
+Never from a message's text. Messages name the bucket, key and endpoint,
+and S3's request id where botocore gives one (obstore gives none); never
+credentials, and never a URL with a query string or user info.
+
+obstore types only the statuses it acts on (401, 403, 404, 412, and 304 and
+409, which no request here can get); everything else is one
+``GenericError`` whose message alone tells a 416 (a range at or past the
+end, which is an empty read), a 503 SlowDown, a refused connection and a
+reply it will not read (a chunked body with no Content-Length, a whole
+object sent for a range, both of which HTTP allows and some S3-compatible
+stores and proxies send) apart. So a GET obstore fails that way is sent
+again through botocore, whose reply says which by status, code and
+headers: a 416 reads as empty, an error keeps S3's code and request id,
+and a reply without Content-Range or Content-Length (``_conforms``) moves
+the endpoint's GETs to botocore for good, at several times the CPU a GET.
+That second request is paid on the failure path alone (under SlowDown,
+two requests an attempt; after a stall, a second read timeout), and
+usually answers the read. ``get_object``, ``put_object`` and ``put_file``
+keep obstore's ``GenericError`` as a retryable ``StoreError``: the table
+gives every untyped failure that type, so a second request could only add
+a code to the message.
 """
 
 from __future__ import annotations
@@ -72,7 +93,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import re
 import time
 from collections.abc import Awaitable, Mapping
 from contextlib import AsyncExitStack
@@ -88,17 +108,16 @@ from botocore.exceptions import (
     BotoCoreError,
     ClientError,
     CredentialRetrievalError,
-    HTTPClientError,
-    IncompleteReadError,
     NoCredentialsError,
     PartialCredentialsError,
+    SSOError,
     TokenRetrievalError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.utils import parse_timestamp
 from obstore import get_async, put_async
 from obstore.exceptions import BaseError as ObstoreError
-from obstore.exceptions import NotFoundError, PermissionDeniedError, PreconditionError, UnauthenticatedError
+from obstore.exceptions import GenericError, PermissionDeniedError, PreconditionError, UnauthenticatedError
 from obstore.store import S3Store as ObstoreS3
 
 from cachefsd.config import StoreSettings
@@ -107,7 +126,7 @@ from cachefsd.store.base import Credentials, Listing, ListingPage, ObjectInfo, r
 from cachefsd.store.source import FileParts, SourceFile, multipart_etag, part_ranges
 
 if TYPE_CHECKING:
-    from obstore import GetResult, PutResult
+    from obstore import PutResult
     from obstore.store import ClientConfig, S3Credential
 
 log = logging.getLogger(__name__)
@@ -123,38 +142,41 @@ _LIST_PAGE_SIZE = 1000
 # AWS's own S3 endpoints (global, regional, FIPS, dual-stack, VPC).
 _AWS_DOMAIN = ".amazonaws.com"
 
-# Error codes S3 (and compatible stores) return, by the type they become.
-# HEAD responses have no body, so their "code" is the bare status.
-_ERROR_BY_CODE: Mapping[str, type[StoreError]] = {
+# The one table of the S3 store's failures: what each typed error its two
+# clients raise becomes. A botocore ``ClientError`` is looked up by the S3
+# error code in its reply, then by its HTTP status (a HEAD reply has no body,
+# so no code); any other exception by its type, most derived first.
+# Anything unlisted is a retryable ``StoreError``: 5xx, 429, SlowDown,
+# RequestTimeout, a transport failure, obstore's ``GenericError``.
+_ERRORS: Mapping[str | int | type[BaseException], type[StoreError]] = {
+    # S3 error codes (botocore).
     "NoSuchKey": ObjectNotFound,
     "NoSuchBucket": ObjectNotFound,
-    "NotFound": ObjectNotFound,
-    "404": ObjectNotFound,
     "AccessDenied": AccessDenied,
     "AllAccessDisabled": AccessDenied,
     "AccountProblem": AccessDenied,
     "InvalidAccessKeyId": AccessDenied,
     "SignatureDoesNotMatch": AccessDenied,
     "InvalidObjectState": AccessDenied,  # archived (Glacier) and not restored: retrying will not help
-    "401": AccessDenied,
-    "403": AccessDenied,
     "PreconditionFailed": ObjectChanged,
-    "412": ObjectChanged,
-}
-# When the code is unknown, the status decides; anything else (5xx, 429,
-# SlowDown, RequestTimeout, ...) is a retryable StoreError.
-_ERROR_BY_STATUS: Mapping[int, type[StoreError]] = {
+    # HTTP statuses (botocore), when the code is not listed.
     401: AccessDenied,
     403: AccessDenied,
     404: ObjectNotFound,
     412: ObjectChanged,
+    # obstore's types: the statuses it tells apart (404 is Python's own).
+    FileNotFoundError: ObjectNotFound,
+    UnauthenticatedError: AccessDenied,
+    PermissionDeniedError: AccessDenied,
+    PreconditionError: ObjectChanged,
+    # botocore's credential chain.
+    NoCredentialsError: AccessDenied,
+    PartialCredentialsError: AccessDenied,
+    CredentialRetrievalError: AccessDenied,
+    TokenRetrievalError: AccessDenied,
+    SSOError: AccessDenied,  # no IAM Identity Center token: `aws sso login`
 }
 _RANGE_NOT_SATISFIABLE = 416
-# obstore refuses replies that HTTP allows and some S3-compatible stores and
-# proxies send (its messages): those are read through botocore.
-_NONCONFORMING_REPLIES = ("Content-Length Header missing", "Received non-partial response")
-# obstore reports an HTTP failure it has no type for in its message only.
-_HTTP_STATUS = re.compile(r"status code: (\d{3})")
 # How long obstore may sign with one set of credentials before it asks
 # again, and how often they are taken again from botocore (which refreshes
 # expiring ones, such as a role's, itself): well within the first.
@@ -230,78 +252,67 @@ def _strip_quotes(etag: str) -> str:
     return etag.strip('"')
 
 
-# Failures to reach the endpoint or to finish a response: always retryable.
-_TRANSPORT_ERRORS = (
-    BotoConnectionError,
-    HTTPClientError,
-    IncompleteReadError,
-    aiohttp.ClientError,
-    TimeoutError,
-    OSError,
-)
+def _error_type(exc: BaseException) -> type[StoreError]:
+    """The cachefsd error ``exc`` becomes, from ``_ERRORS``."""
+    if isinstance(exc, ClientError):
+        found = _ERRORS.get(_error_code(exc)) or _ERRORS.get(_http_status(exc))
+        return found or StoreError
+    for kind in type(exc).__mro__:
+        if kind in _ERRORS:
+            return _ERRORS[kind]
+    return StoreError
+
+
+def _error_code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _http_status(exc: ClientError) -> int:
+    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+
+
+# What the two clients raise and ``_translate`` understands; anything else
+# is a bug and propagates. Python's own OSError (FileNotFoundError among
+# them) and TimeoutError come from both.
+_S3_ERRORS = (ClientError, BotoCoreError, aiohttp.ClientError, ObstoreError, TimeoutError, OSError)
 
 
 def _translate(exc: BaseException, *, target: str, endpoint: str) -> StoreError:
-    """The one place S3 and transport failures become cachefsd errors.
-
-    ``target`` names what was asked for (``s3://bucket/key``), ``endpoint``
-    the server; both are safe to show. The original exception is kept as
-    ``__cause__`` by the caller's ``raise ... from exc``."""
+    """The one place the S3 store's failures become cachefsd errors, typed
+    by ``_ERRORS``. ``target`` names what was asked for (``s3://bucket/key``),
+    ``endpoint`` the server; both are safe to show. Messages carry S3's
+    error code, HTTP status and request id where botocore gives them, and
+    the exception's type otherwise: the clients' own messages embed request
+    URLs and replies. The original exception is kept as ``__cause__`` by
+    the caller's ``raise ... from exc``."""
+    kind = _error_type(exc)
     if isinstance(exc, ClientError):
-        error = exc.response.get("Error", {})
-        code = str(error.get("Code", ""))
-        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-        error_type = _ERROR_BY_CODE.get(code) or _ERROR_BY_STATUS.get(status, StoreError)
-        if code == "NoSuchBucket":
-            bucket = urlsplit(target).netloc
-            return ObjectNotFound(f"bucket '{bucket}' does not exist (endpoint {endpoint})")
-        detail = str(error.get("Message") or "").splitlines()[0:1]
-        suffix = f": {detail[0]}" if detail else ""
-        return error_type(f"{target}: {code or 'error'} (HTTP {status}){suffix}")
-    if isinstance(exc, NoCredentialsError | PartialCredentialsError | CredentialRetrievalError):
-        return AccessDenied(f"{target}: {_NO_CREDENTIALS}")
-    if isinstance(exc, TokenRetrievalError):
-        return AccessDenied(f"{target}: the AWS SSO token could not be refreshed; run `aws sso login`")
-    if isinstance(exc, _TRANSPORT_ERRORS):
-        # Class names only: botocore's messages for these embed request URLs.
-        return StoreError(f"{target}: cannot reach S3 endpoint {endpoint} ({type(exc).__name__})")
-    if isinstance(exc, BotoCoreError):
-        return StoreError(f"{target}: S3 client error ({type(exc).__name__})")
-    raise TypeError(f"not an S3 error: {type(exc).__name__}") from exc
+        return kind(_reply_message(exc, target=target, endpoint=endpoint))
+    return kind(f"{target}: {_failure_message(exc, kind, endpoint)}")
 
 
-# Everything _translate understands; anything else is a bug and propagates.
-_S3_ERRORS = (ClientError, BotoCoreError, aiohttp.ClientError, TimeoutError, OSError)
+def _reply_message(exc: ClientError, *, target: str, endpoint: str) -> str:
+    """S3's error code, HTTP status, request id and the first line of its message."""
+    code = _error_code(exc)
+    metadata = exc.response.get("ResponseMetadata", {})
+    request_id = metadata.get("RequestId") or metadata.get("HTTPHeaders", {}).get("x-amz-request-id")
+    at = f", request id {request_id}" if request_id else ""
+    if code == "NoSuchBucket":
+        return f"bucket '{urlsplit(target).netloc}' does not exist (endpoint {endpoint}{at})"
+    detail = str(exc.response.get("Error", {}).get("Message") or "").splitlines()[0:1]
+    suffix = f": {detail[0]}" if detail else ""
+    return f"{target}: {code or 'error'} (HTTP {_http_status(exc)}{at}){suffix}"
 
 
-# What obstore raises: its own types, and Python's for "not found" and "denied".
-_DATA_ERRORS = (ObstoreError, FileNotFoundError, PermissionError)
-
-
-def _translate_data(exc: Exception, *, target: str, endpoint: str) -> StoreError:
-    """The one place obstore's failures become cachefsd errors. Its messages
-    embed the request URL and the server's reply: only types and the HTTP
-    status are kept."""
-    if isinstance(exc, PreconditionError):
-        return ObjectChanged(f"{target}: PreconditionFailed (HTTP 412)")
-    if isinstance(exc, NotFoundError | FileNotFoundError):
-        return ObjectNotFound(f"{target}: NoSuchKey (HTTP 404)")
-    if isinstance(exc, PermissionDeniedError | UnauthenticatedError | PermissionError):
-        return AccessDenied(f"{target}: access denied ({type(exc).__name__})")
-    found = _HTTP_STATUS.search(str(exc))
-    if found is not None:
-        status = int(found.group(1))
-        return _ERROR_BY_STATUS.get(status, StoreError)(f"{target}: HTTP {status} from {endpoint}")
-    return StoreError(f"{target}: cannot reach S3 endpoint {endpoint} ({type(exc).__name__})")
-
-
-class _NonconformingReply(Exception):
-    """The endpoint sent a reply obstore refuses (``_NONCONFORMING_REPLIES``)."""
-
-
-def _is_range_not_satisfiable(exc: Exception) -> bool:
-    found = _HTTP_STATUS.search(str(exc))
-    return found is not None and int(found.group(1)) == _RANGE_NOT_SATISFIABLE
+def _failure_message(exc: BaseException, kind: type[StoreError], endpoint: str) -> str:
+    """What failed, by the exception's type: a client's own message embeds URLs."""
+    if isinstance(exc, TokenRetrievalError | SSOError):
+        return "the AWS SSO token could not be refreshed; run `aws sso login`"
+    if kind is AccessDenied and isinstance(exc, BotoCoreError):
+        return _NO_CREDENTIALS
+    if isinstance(exc, BotoConnectionError):
+        return f"cannot reach S3 endpoint {endpoint} ({type(exc).__name__})"
+    return f"{kind.__name__} from S3 endpoint {endpoint} ({type(exc).__name__})"
 
 
 def _normalise_prefix(prefix: str) -> str:
@@ -592,54 +603,36 @@ class S3Store:
         full_key = self._root + key
         if not full_key:
             raise ObjectNotFound(self._target(key))
-        if not self._nonconforming:
-            try:
-                response = await self._obstore_get(full_key, start, end, etag)
-            except _NonconformingReply:
-                log.warning(
-                    "%s answers ranged GETs without Content-Length or Content-Range; "
-                    "reading it through botocore, at several times the CPU a GET",
-                    self._endpoint,
-                )
-                self._nonconforming = True
-            else:
-                if response is None:
-                    return b""
-                try:
-                    # The body in one buffer, gathered by obstore outside the
-                    # GIL; one copy into bytes, which the cache and the FUSE edge take.
-                    return bytes(await response.bytes_async())
-                except _DATA_ERRORS as exc:
-                    raise _translate_data(exc, target=self._target(key), endpoint=self._endpoint) from exc
-        return await self._get_through_botocore(full_key, start, end, etag)
-
-    async def _obstore_get(self, full_key: str, start: int, end: int, etag: str) -> GetResult | None:
-        """The response to a GET of ``[start, end)`` of version ``etag``,
-        its body unread; None when the range starts at or past the end."""
-        target = self._target(full_key[len(self._root) :])
+        if self._nonconforming:
+            return await self._get_through_botocore(full_key, start, end, etag)
         data = await self._data_client()
-        quoted = f'"{_strip_quotes(etag)}"'
         try:
-            response = await get_async(data, full_key, options={"range": (start, end), "if_match": quoted})
-        except _DATA_ERRORS as exc:
-            if _is_range_not_satisfiable(exc):
-                # The range starts at or past the end (or the object is
-                # empty). S3 evaluates If-Match first, so the version matched.
-                return None
-            if any(reply in str(exc) for reply in _NONCONFORMING_REPLIES):
-                raise _NonconformingReply from exc
-            raise _translate_data(exc, target=target, endpoint=self._endpoint) from exc
+            response = await get_async(
+                data, full_key, options={"range": (start, end), "if_match": f'"{_strip_quotes(etag)}"'}
+            )
+        except GenericError:
+            # What obstore does not type (see the module's docstring): the
+            # same GET through botocore, whose reply says it by status,
+            # code and headers, and answers it when it can.
+            return await self._get_through_botocore(full_key, start, end, etag)
+        except _S3_ERRORS as exc:
+            raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
         got = _strip_quotes(response.meta.get("e_tag") or "")
         if got != _strip_quotes(etag):
-            raise ObjectChanged(f"{target}: endpoint returned etag {got}, read pinned to {etag}")
-        return response
+            raise ObjectChanged(f"{self._target(key)}: endpoint returned etag {got}, read pinned to {etag}")
+        try:
+            # The body in one buffer, gathered by obstore outside the GIL;
+            # one copy into bytes, which the cache and the FUSE edge take.
+            return bytes(await response.bytes_async())
+        except _S3_ERRORS as exc:
+            raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
 
     async def _get_through_botocore(
         self, full_key: str, start: int, end: int, etag: str
     ) -> bytes | bytearray:
-        """``get_range`` through aiobotocore, for an endpoint whose replies
-        obstore refuses (a chunked body with no Content-Length, a whole
-        object sent for a range), read exactly all the same."""
+        """``get_range`` through aiobotocore: after obstore failed in a way
+        it does not type, and from then on for an endpoint whose replies
+        obstore refuses (``_conforms``), read exactly all the same."""
         key = full_key[len(self._root) :]
         client = await self._get_client()
         try:
@@ -658,6 +651,13 @@ class S3Store:
             raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
         except _S3_ERRORS as exc:
             raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
+        if not self._nonconforming and not _conforms(response):
+            log.warning(
+                "%s answers ranged GETs without Content-Length or Content-Range; "
+                "reading it through botocore, at several times the CPU a GET",
+                self._endpoint,
+            )
+            self._nonconforming = True
         got = _strip_quotes(response.get("ETag", ""))
         if got != _strip_quotes(etag):
             async with response["Body"]:  # its connection is closed now, not at garbage collection
@@ -679,8 +679,8 @@ class S3Store:
         try:
             response = await get_async(data, full_key)
             return bytes(await response.bytes_async())
-        except _DATA_ERRORS as exc:
-            raise _translate_data(exc, target=self._target(key), endpoint=self._endpoint) from exc
+        except _S3_ERRORS as exc:
+            raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
 
     async def put_object(self, key: str, data: bytes) -> None:
         full_key = self._root + key
@@ -689,8 +689,8 @@ class S3Store:
         client = await self._data_client()
         try:
             await put_async(client, full_key, data)
-        except _DATA_ERRORS as exc:
-            raise _translate_data(exc, target=self._target(key), endpoint=self._endpoint) from exc
+        except _S3_ERRORS as exc:
+            raise _translate(exc, target=self._target(key), endpoint=self._endpoint) from exc
 
     def _object_key(self, key: str) -> str:
         """The bucket key a write of ``key`` goes to; a key naming no object is refused."""
@@ -747,8 +747,8 @@ class S3Store:
     async def _put(self, target: str, put: Awaitable[PutResult]) -> PutResult:
         try:
             return await put
-        except _DATA_ERRORS as exc:
-            raise _translate_data(exc, target=target, endpoint=self._endpoint) from exc
+        except _S3_ERRORS as exc:
+            raise _translate(exc, target=target, endpoint=self._endpoint) from exc
 
     async def _abort_unfinished_uploads(self, full_key: str) -> None:
         """Abort every unfinished multipart upload of ``full_key``. obstore
@@ -875,6 +875,13 @@ class S3Store:
         stack, self._exit_stack, self._client = self._exit_stack, None, None
         if stack is not None:
             await stack.aclose()
+
+
+def _conforms(response: Mapping[str, Any]) -> bool:
+    """Whether a reply to a ranged GET is one obstore reads: a 206 with
+    Content-Range, and a Content-Length (not a chunked body)."""
+    headers = response["ResponseMetadata"]["HTTPHeaders"]
+    return "ContentRange" in response and "content-length" in headers
 
 
 def _head_info(key: str, response: Mapping[str, Any]) -> ObjectInfo:

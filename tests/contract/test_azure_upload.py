@@ -23,7 +23,7 @@ from cachefsd.errors import SourceChanged, StoreError, UploadCorrupted
 from cachefsd.store.azure import AzureStore, AzureTuning
 from cachefsd.store.azure_location import AzureLocation
 from cachefsd.testing.azurite import ACCOUNT, Azurite
-from tests.contract.test_s3_upload import Decision, Proxy, Rule
+from tests.proxy import Decision, Proxy, Rule
 
 CALL_TIMEOUT_SECONDS = 60.0
 ATTEMPT_TIMEOUT_SECONDS = 5.0

@@ -28,8 +28,8 @@ from google.cloud import storage
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError, UploadCorrupted
 from cachefsd.store.gcs import EMULATOR_ENV, GcsStore
 from cachefsd.testing.gcs_emulator import GcsEmulator
-from tests.contract.test_s3_upload import Decision, Proxy, Rule
 from tests.net import free_port
+from tests.proxy import Decision, Proxy, Rule
 
 CALL_TIMEOUT_SECONDS = 30.0
 ATTEMPT_TIMEOUT_SECONDS = 5.0

@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -24,6 +23,7 @@ from cachefsd.errors import ObjectNotFound, SourceChanged, StoreError, UploadCor
 from cachefsd.store.s3 import S3Store, UploadTuning, part_size_for
 from cachefsd.store.source import part_ranges
 from cachefsd.testing.s3_server import S3TestServer
+from tests.proxy import Decision, Proxy, Rule
 
 CALL_TIMEOUT_SECONDS = 60.0
 ATTEMPT_TIMEOUT_SECONDS = 5.0
@@ -32,60 +32,6 @@ MIB = 1 << 20
 SMALLEST_PART = 5 * MIB
 TUNING = UploadTuning(part_size=SMALLEST_PART, single_copy_limit=SMALLEST_PART, copy_part_size=SMALLEST_PART)
 THREE_PARTS = 2 * SMALLEST_PART + 1
-
-# What the proxy does with a request: forward this body, or answer instead.
-Decision = bytes | web.Response
-Rule = Callable[[web.Request, bytes], Awaitable[Decision]]
-
-_HOP_BY_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "content-encoding"})
-
-
-class Proxy:
-    """Forwards requests to ``upstream`` after ``rule`` saw each (it may
-    change the body or answer itself), on the running loop."""
-
-    def __init__(self, upstream: str, rule: Rule) -> None:
-        self._upstream = upstream
-        self._rule = rule
-        self._runner: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
-
-    async def start(self) -> str:
-        app = web.Application(client_max_size=64 * MIB)
-        app.router.add_route("*", "/{tail:.*}", self._forward)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self._session = aiohttp.ClientSession(auto_decompress=False)
-        return f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-
-    async def stop(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    async def _forward(self, request: web.Request) -> web.Response:
-        assert self._session is not None
-        decision = await self._rule(request, await request.read())
-        if isinstance(decision, web.Response):
-            return decision
-        headers = {name: value for name, value in request.headers.items() if name.lower() not in _HOP_BY_HOP}
-        # No Content-Type the client did not send: Azure's Shared Key signs it.
-        async with self._session.request(
-            request.method,
-            self._upstream + request.raw_path,
-            headers=headers,
-            data=decision,
-            skip_auto_headers=("Content-Type",),
-        ) as reply:
-            body = await reply.read()
-            answer = {name: value for name, value in reply.headers.items() if name.lower() not in _HOP_BY_HOP}
-            if request.method == "HEAD":  # no body, and the length is the object's
-                answer["Content-Length"] = reply.headers["Content-Length"]
-                return web.Response(status=reply.status, headers=answer)
-            return web.Response(status=reply.status, headers=answer, body=body)
 
 
 def _is_part(request: web.Request, number: int) -> bool:
