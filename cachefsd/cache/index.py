@@ -187,20 +187,20 @@ R = TypeVar("R")
 def _noting_damage(method: Callable[Concatenate[Index, P], R]) -> Callable[Concatenate[Index, P], R]:
     """Damage sqlite notices only when a statement reaches it (a page of an
     index that only writes read) is noted for the next open: the
-    error still goes to the caller, for whom the cache is best effort."""
+    error still goes to the caller, for whom the cache is best effort.
+    While the cache opens, the damage is raised, for the open to set the
+    index aside."""
 
     @functools.wraps(method)
     def wrapper(index: Index, *args: P.args, **kwargs: P.kwargs) -> R:
         try:
-            try:
-                return method(index, *args, **kwargs)
-            except sqlite3.DatabaseError as exc:
-                index.check_schema_after(exc)
-                raise
+            return method(index, *args, **kwargs)
         except (sqlite3.DatabaseError, IndexDamaged) as exc:
-            # While the cache opens, the open sets a damaged index aside itself.
-            if index.serving and is_damage(exc) and index.note_damage(exc):
-                log.error("%s is damaged (%s): the next mount sets it aside", index.path, exc)
+            damage = index.damage_in(exc)
+            if damage is not None and not index.serving and damage is not exc:
+                raise damage from exc
+            if damage is not None and index.serving and index.note_damage(damage):
+                log.error("%s is damaged (%s): the next mount sets it aside", index.path, damage)
             raise
 
     return wrapper  # type: ignore[return-value]  # functools.wraps's type keeps no Concatenate
@@ -267,7 +267,9 @@ class Index:
         try:
             self._load_checked()
         except sqlite3.DatabaseError as exc:
-            self.check_schema_after(exc)
+            damage = self.damage_in(exc)
+            if damage is not None and damage is not exc:
+                raise damage from exc
             raise
 
     def _load_checked(self) -> None:
@@ -297,15 +299,19 @@ class Index:
                 raise IndexDamaged(f"block reference {ref}")
             self._add_ref_locked(ref, _block_name(digest))
 
-    def check_schema_after(self, exc: sqlite3.DatabaseError) -> None:
-        """After a statement failed with SQLITE_ERROR: ``IndexDamaged``
-        (from ``exc``) when the schema sqlite reads back is not ours."""
-        if _primary_code(exc) != sqlite3.SQLITE_ERROR:
-            return
+    def damage_in(
+        self, exc: sqlite3.DatabaseError | IndexDamaged
+    ) -> sqlite3.DatabaseError | IndexDamaged | None:
+        """The damage ``exc`` shows (``is_damage``: ``exc`` itself), or,
+        after a statement failed with SQLITE_ERROR, ``IndexDamaged`` when the
+        schema sqlite reads back is not ours; None when the index is intact."""
+        if is_damage(exc):
+            return exc
+        if isinstance(exc, IndexDamaged) or _primary_code(exc) != sqlite3.SQLITE_ERROR:
+            return None
         with self._lock:
             problem = self._schema_problem_locked()
-        if problem is not None:
-            raise IndexDamaged(f"{problem} ({exc})") from exc
+        return None if problem is None else IndexDamaged(f"{problem} ({exc})")
 
     def _schema_problem_locked(self) -> str | None:
         """What is wrong with the schema sqlite reads back; None when it is ours."""

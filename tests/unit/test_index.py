@@ -168,7 +168,7 @@ def test_a_failed_statement_is_damage_only_when_the_schema_is_not_ours(tmp_path:
         error = _failure(path, statement)
         assert error.sqlite_errorcode == sqlite3.SQLITE_ERROR
         assert not is_damage(error)
-        index.check_schema_after(error)  # our schema, intact: not damage
+        assert index.damage_in(error) is None  # our schema, intact: not damage
     index.close()
     _run(
         path,
