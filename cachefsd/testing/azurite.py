@@ -16,6 +16,7 @@ rare race where another process takes it in between.
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import tempfile
@@ -137,10 +138,18 @@ class Azurite:
             f"azurite-blob did not answer on {self.endpoint_url} within {_READY_TIMEOUT_SECONDS:.0f}s"
         )
 
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the emulator: SIGSTOP hangs it (connections
+        are accepted, never answered), SIGCONT resumes it."""
+        if self._process is None:
+            raise RuntimeError("Azurite is not running")
+        self._process.send_signal(signum)
+
     def stop(self) -> None:
         process, self._process = self._process, None
         if process is None:
             return
+        process.send_signal(signal.SIGCONT)  # a stopped process acts on SIGTERM only once resumed
         process.terminate()
         try:
             process.wait(_STOP_TIMEOUT_SECONDS)
