@@ -11,7 +11,8 @@ Microsoft publishes for it; URLs are path-style,
 
 The emulator takes the port it is given and does not report one it
 chose, so a free port is picked first and the start is retried on the
-rare race where another process takes it in between.
+rare race where another process takes it in between. A test can hang it
+(``signal``), or stop it and start it again on the same port.
 """
 
 from __future__ import annotations
@@ -70,7 +71,12 @@ class Azurite:
         return f"http://{self._host}:{self.port}/{ACCOUNT}"
 
     def start(self) -> None:
+        """Start on a free port; started again after ``stop``, on the port
+        it had (a store that comes back where it was), empty."""
         if self._process is not None:
+            return
+        if self.port != 0:
+            self._spawn()
             return
         last_error: RuntimeError | None = None
         for _ in range(_PORT_ATTEMPTS):
