@@ -11,11 +11,13 @@ Microsoft publishes for it; URLs are path-style,
 
 The emulator takes the port it is given and does not report one it
 chose, so a free port is picked first and the start is retried on the
-rare race where another process takes it in between.
+rare race where another process takes it in between. A test can hang it
+(``signal``), or stop it and start it again on the same port.
 """
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import tempfile
@@ -69,7 +71,12 @@ class Azurite:
         return f"http://{self._host}:{self.port}/{ACCOUNT}"
 
     def start(self) -> None:
+        """Start on a free port; started again after ``stop``, on the port
+        it had (a store that comes back where it was), empty."""
         if self._process is not None:
+            return
+        if self.port != 0:
+            self._spawn()
             return
         last_error: RuntimeError | None = None
         for _ in range(_PORT_ATTEMPTS):
@@ -137,10 +144,18 @@ class Azurite:
             f"azurite-blob did not answer on {self.endpoint_url} within {_READY_TIMEOUT_SECONDS:.0f}s"
         )
 
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the emulator: SIGSTOP hangs it (connections
+        are accepted, never answered), SIGCONT resumes it."""
+        if self._process is None:
+            raise RuntimeError("Azurite is not running")
+        self._process.send_signal(signum)
+
     def stop(self) -> None:
         process, self._process = self._process, None
         if process is None:
             return
+        process.send_signal(signal.SIGCONT)  # a stopped process acts on SIGTERM only once resumed
         process.terminate()
         try:
             process.wait(_STOP_TIMEOUT_SECONDS)
