@@ -101,11 +101,12 @@ from obstore.store import AzureStore as ObstoreAzure
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError, UploadCorrupted
 from cachefsd.store.azure_location import AzureLocation
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo, redact_url
+from cachefsd.store.obstore_config import UPLOAD_REQUEST_SECONDS, obstore_config
 from cachefsd.store.source import FileParts, SourceFile
 
 if TYPE_CHECKING:
     from obstore import PutResult
-    from obstore.store import AzureCredential, ClientConfig
+    from obstore.store import AzureCredential
 
 
 # obstore's names for the same secrets (``AzureConfig``), so one
@@ -121,22 +122,9 @@ _TOKEN_SCOPE = "https://storage.azure.com/.default"
 _TOKEN_MARGIN_SECONDS = 1200.0
 
 _MIB = 1 << 20
-# How often ``put_file`` retries a failed request (a block), first after
-# this pause and then after twice the last, as for S3.
-_UPLOAD_RETRIES = 3
-_UPLOAD_FIRST_BACKOFF_SECONDS = 0.1
-# What one request may take in all (besides the read timeout that drops a
-# stalled connection): a block read; a Put Block List or a copy, which
-# the service may take minutes to finish for a large blob. An upload's
-# requests may go that long without a byte too: the service says nothing
-# until it has committed, and a Put Block List sent again after a read
-# timeout may find its blocks already committed and gone. A stalled block
-# is cut by the uploader's deadline for the whole file instead.
-_REQUEST_SECONDS = 30.0
-_UPLOAD_REQUEST_SECONDS = 900.0
 # A Copy Blob within an account is usually done when it answers; one the
 # service still runs ("pending") is polled this often, up to
-# _UPLOAD_REQUEST_SECONDS.
+# UPLOAD_REQUEST_SECONDS (a Put Block List, like a copy, may take minutes).
 _COPY_POLL_SECONDS = 0.5
 
 
@@ -379,12 +367,7 @@ class AzureStore:
         """obstore for reads and small writes: one attempt a request."""
         await self._take_credentials()
         if self._data is None:
-            self._data = self._obstore(
-                retries=0,
-                first_backoff=0.0,
-                request_seconds=_REQUEST_SECONDS,
-                silence_seconds=self._attempt_timeout,
-            )
+            self._data = self._obstore(upload=False)
         return self._data
 
     async def _upload_client(self) -> ObstoreAzure:
@@ -392,40 +375,21 @@ class AzureStore:
         block on its own: a multi-GiB upload is hundreds of requests."""
         await self._take_credentials()
         if self._uploads is None:
-            self._uploads = self._obstore(
-                retries=_UPLOAD_RETRIES,
-                first_backoff=_UPLOAD_FIRST_BACKOFF_SECONDS,
-                request_seconds=_UPLOAD_REQUEST_SECONDS,
-                silence_seconds=_UPLOAD_REQUEST_SECONDS,
-            )
+            self._uploads = self._obstore(upload=True)
         return self._uploads
 
-    def _obstore(
-        self, retries: int, first_backoff: float, request_seconds: float, silence_seconds: float
-    ) -> ObstoreAzure:
-        """An obstore client retrying a request ``retries`` times, each
-        allowed ``request_seconds`` in all and ``silence_seconds`` without a byte."""
-        options: ClientConfig = {
-            "connect_timeout": datetime.timedelta(seconds=self._connect_timeout),
-            "timeout": datetime.timedelta(seconds=request_seconds),
-            "read_timeout": datetime.timedelta(seconds=silence_seconds),
-            "pool_max_idle_per_host": str(self._max_connections),
-            "allow_http": urlsplit(self._location.account_url).scheme == "http",
-        }
+    def _obstore(self, upload: bool) -> ObstoreAzure:
+        """An obstore client for reads or for ``upload`` (``store.obstore_config``)."""
+        options, retry = obstore_config(
+            self._connect_timeout, self._attempt_timeout, self._max_connections, upload
+        )
+        options["allow_http"] = urlsplit(self._location.account_url).scheme == "http"
         return ObstoreAzure(
             self._location.container,
             account_name=self._location.account,
             endpoint=self._location.account_url,
             client_options=options,
-            retry_config={
-                "max_retries": retries,
-                "retry_timeout": datetime.timedelta(seconds=self._attempt_timeout * (retries + 1)),
-                "backoff": {
-                    "init_backoff": datetime.timedelta(seconds=first_backoff),
-                    "max_backoff": datetime.timedelta(seconds=first_backoff * 2**retries),
-                    "base": 2,
-                },
-            },
+            retry_config=retry,
             credential_provider=self._current_credential,
         )
 
@@ -648,7 +612,7 @@ class AzureStore:
             await copy_async(client, full_source, full_target)
         except _AZURE_ERRORS as exc:
             raise self._error(exc, target) from exc
-        deadline = time.monotonic() + _UPLOAD_REQUEST_SECONDS
+        deadline = time.monotonic() + UPLOAD_REQUEST_SECONDS
         properties = await self._properties(target)
         while properties.copy.status == "pending" and time.monotonic() < deadline:
             await asyncio.sleep(_COPY_POLL_SECONDS)

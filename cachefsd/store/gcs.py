@@ -92,11 +92,12 @@ from requests.adapters import HTTPAdapter
 
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError, UploadCorrupted
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo, redact_url
+from cachefsd.store.obstore_config import obstore_config
 from cachefsd.store.source import SourceFile
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
-    from obstore.store import ClientConfig, GCSCredential, RetryConfig
+    from obstore.store import GCSCredential
 
 _T = TypeVar("_T")
 
@@ -108,9 +109,6 @@ _READ_WRITE_SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
 # The JSON API's maximum page size; a 10,000-entry directory is ten requests.
 _LIST_PAGE_SIZE = 1000
 
-# What obstore may take for one GET in all (a block on a slow link), besides
-# the read timeout that drops a stalled connection: its default.
-_REQUEST_SECONDS = 30.0
 # An access token is taken again for obstore when it has less than this
 # left: obstore asks for a new one well before expiry, and this is longer.
 _TOKEN_MARGIN = datetime.timedelta(minutes=10)
@@ -309,16 +307,11 @@ class GcsStore:
         return self._data
 
     def _make_data_client(self) -> ObstoreGcs:
-        options: ClientConfig = {
-            "connect_timeout": datetime.timedelta(seconds=self._attempt_timeout),
-            "timeout": datetime.timedelta(seconds=_REQUEST_SECONDS),
-            # A stalled connection is dropped after this long without a byte.
-            "read_timeout": datetime.timedelta(seconds=self._attempt_timeout),
-            "pool_max_idle_per_host": str(self._threads),
-            # The bytes as stored (see the module docstring).
-            "default_headers": {"Accept-Encoding": "gzip"},
-        }
-        retry: RetryConfig = {"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=_REQUEST_SECONDS)}
+        options, retry = obstore_config(
+            self._attempt_timeout, self._attempt_timeout, self._threads, upload=False
+        )
+        # The bytes as stored (see the module docstring).
+        options["default_headers"] = {"Accept-Encoding": "gzip"}
         if self._emulator:
             options["allow_http"] = urlsplit(self._emulator).scheme == "http"
             return ObstoreGcs(

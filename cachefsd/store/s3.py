@@ -123,11 +123,12 @@ from obstore.store import S3Store as ObstoreS3
 from cachefsd.config import StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError, UploadCorrupted
 from cachefsd.store.base import Credentials, Listing, ListingPage, ObjectInfo, redact_url
+from cachefsd.store.obstore_config import obstore_config
 from cachefsd.store.source import FileParts, SourceFile, multipart_etag, part_ranges
 
 if TYPE_CHECKING:
     from obstore import PutResult
-    from obstore.store import ClientConfig, S3Credential
+    from obstore.store import S3Credential
 
 log = logging.getLogger(__name__)
 
@@ -188,22 +189,6 @@ _MIB = 1 << 20
 # one CopyObject may copy.
 _MAX_PARTS = 10_000
 _MAX_SINGLE_COPY_BYTES = 5 << 30
-# How often ``put_file`` retries a failed request (a part), first after
-# this pause and then after twice the last: 0.1, 0.2, 0.4 s, as S3 asks
-# of clients it answers 503 SlowDown.
-_UPLOAD_RETRIES = 3
-# What one request may take in all, besides the read timeout that drops a
-# stalled connection: obstore's default for a read (a block); for an
-# upload's, the completion of a multipart upload, which S3 may take
-# minutes to answer for a large object (moto: over 30 s for 1 GiB).
-# An upload's requests have that long without a byte, too: a store may say
-# nothing until it has joined the parts (S3 sends spaces meanwhile, moto
-# nothing), and a completion sent again after a read timeout finds its
-# upload gone (404). A stalled part is cut by the uploader's deadline for
-# the whole file instead.
-_REQUEST_SECONDS = 30.0
-_UPLOAD_REQUEST_SECONDS = 900.0
-_UPLOAD_FIRST_BACKOFF_SECONDS = 0.1
 # Server-side encryption whose etags are not the content's MD5 (SSE-KMS,
 # its dual-layer form; SSE-C is told by its own header).
 _OPAQUE_ETAG_ENCRYPTION = ("aws:kms", "aws:kms:dsse")
@@ -463,12 +448,7 @@ class S3Store:
         one attempt a request, since the fetcher owns retries."""
         await self._take_credentials()
         if self._data is None:
-            self._data = await self._obstore(
-                retries=0,
-                first_backoff=0.0,
-                request_seconds=_REQUEST_SECONDS,
-                silence_seconds=self._attempt_timeout,
-            )
+            self._data = await self._obstore(upload=False)
         return self._data
 
     async def _upload_client(self) -> ObstoreS3:
@@ -479,12 +459,7 @@ class S3Store:
         course; failing the whole upload would send every part again."""
         await self._take_credentials()
         if self._uploads is None:
-            self._uploads = await self._obstore(
-                retries=_UPLOAD_RETRIES,
-                first_backoff=_UPLOAD_FIRST_BACKOFF_SECONDS,
-                request_seconds=_UPLOAD_REQUEST_SECONDS,
-                silence_seconds=_UPLOAD_REQUEST_SECONDS,
-            )
+            self._uploads = await self._obstore(upload=True)
         return self._uploads
 
     async def _take_credentials(self) -> None:
@@ -495,19 +470,13 @@ class S3Store:
             self._credentials = await self._frozen_credentials()
             self._credentials_taken = now
 
-    async def _obstore(
-        self, retries: int, first_backoff: float, request_seconds: float, silence_seconds: float
-    ) -> ObstoreS3:
+    async def _obstore(self, upload: bool) -> ObstoreS3:
         """An obstore client on the listing client's endpoint, region and
-        credentials, retrying a request ``retries`` times, each allowed
-        ``request_seconds`` in all and ``silence_seconds`` without a byte."""
+        credentials, for reads or for ``upload`` (``store.obstore_config``)."""
         client = await self._get_client()
-        options: ClientConfig = {
-            "connect_timeout": datetime.timedelta(seconds=self._settings.connect_timeout),
-            "timeout": datetime.timedelta(seconds=request_seconds),
-            "read_timeout": datetime.timedelta(seconds=silence_seconds),
-            "pool_max_idle_per_host": str(self._settings.max_connections),
-        }
+        options, retry = obstore_config(
+            self._settings.connect_timeout, self._attempt_timeout, self._settings.max_connections, upload
+        )
         endpoint: dict[str, Any] = {}
         if self._settings.endpoint_url is not None:
             endpoint = {"endpoint": self._resolved_endpoint, "virtual_hosted_style_request": False}
@@ -516,15 +485,7 @@ class S3Store:
             self._bucket,
             region=self._bucket_region or client.meta.region_name,
             client_options=options,
-            retry_config={
-                "max_retries": retries,
-                "retry_timeout": datetime.timedelta(seconds=self._attempt_timeout * (retries + 1)),
-                "backoff": {
-                    "init_backoff": datetime.timedelta(seconds=first_backoff),
-                    "max_backoff": datetime.timedelta(seconds=first_backoff * 2**retries),
-                    "base": 2,
-                },
-            },
+            retry_config=retry,
             credential_provider=self._current_credentials,
             **endpoint,
         )
