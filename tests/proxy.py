@@ -5,12 +5,21 @@ refuses), injected on the wire, with the store under test unmocked."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import aiohttp
 from aiohttp import web
 
+from cachefsd.store.base import ObjectStore
+
 MIB = 1 << 20
+# What one store call through the proxy may take, retries and all.
+CALL_TIMEOUT_SECONDS = 60.0
+
+StoreT = TypeVar("StoreT", bound=ObjectStore)
+T = TypeVar("T")
 
 # What the proxy does with a request: forward this body, or answer instead.
 Decision = bytes | web.Response
@@ -65,3 +74,22 @@ class Proxy:
                 answer["Content-Length"] = reply.headers["Content-Length"]
                 return web.Response(status=reply.status, headers=answer)
             return web.Response(status=reply.status, headers=answer, body=body)
+
+
+def through_proxy(
+    upstream: str, rule: Rule, open_store: Callable[[str], StoreT], body: Callable[[StoreT], Awaitable[T]]
+) -> T:
+    """``body``'s result with the store ``open_store`` makes for the
+    endpoint of a proxy to ``upstream`` whose every request passes
+    ``rule``; both closed after."""
+
+    async def main() -> T:
+        proxy = Proxy(upstream, rule)
+        store = open_store(await proxy.start())
+        try:
+            return await asyncio.wait_for(body(store), CALL_TIMEOUT_SECONDS)
+        finally:
+            await store.close()
+            await proxy.stop()
+
+    return asyncio.run(main())

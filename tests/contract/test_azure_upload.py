@@ -8,7 +8,6 @@ previous blob as it was.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import uuid
 from collections.abc import Awaitable, Callable
@@ -23,9 +22,8 @@ from cachefsd.errors import SourceChanged, StoreError, UploadCorrupted
 from cachefsd.store.azure import AzureStore, AzureTuning
 from cachefsd.store.azure_location import AzureLocation
 from cachefsd.testing.azurite import ACCOUNT, Azurite
-from tests.proxy import Decision, Proxy, Rule
+from tests.proxy import Decision, Rule, through_proxy
 
-CALL_TIMEOUT_SECONDS = 60.0
 ATTEMPT_TIMEOUT_SECONDS = 5.0
 CONNECT_TIMEOUT_SECONDS = 2.0
 MAX_CONNECTIONS = 8
@@ -40,22 +38,12 @@ def _through_proxy(
     azurite: Azurite, container: str, rule: Rule, body: Callable[[AzureStore], Awaitable[Any]]
 ) -> Any:
     """Run ``body`` with a store of ``container`` whose requests pass the proxy."""
-    upstream = azurite.endpoint_url.removesuffix(f"/{ACCOUNT}")
 
-    async def main() -> Any:
-        proxy = Proxy(upstream, rule)
-        endpoint = await proxy.start()
+    def open_store(endpoint: str) -> AzureStore:
         location = AzureLocation(ACCOUNT, container, "p", f"{endpoint}/{ACCOUNT}")
-        store = AzureStore(
-            location, ATTEMPT_TIMEOUT_SECONDS, CONNECT_TIMEOUT_SECONDS, MAX_CONNECTIONS, TUNING
-        )
-        try:
-            return await asyncio.wait_for(body(store), CALL_TIMEOUT_SECONDS)
-        finally:
-            await store.close()
-            await proxy.stop()
+        return AzureStore(location, ATTEMPT_TIMEOUT_SECONDS, CONNECT_TIMEOUT_SECONDS, MAX_CONNECTIONS, TUNING)
 
-    return asyncio.run(main())
+    return through_proxy(azurite.endpoint_url.removesuffix(f"/{ACCOUNT}"), rule, open_store, body)
 
 
 @pytest.fixture(name="container")

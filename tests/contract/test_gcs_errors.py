@@ -29,7 +29,7 @@ from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreEr
 from cachefsd.store.gcs import EMULATOR_ENV, GcsStore
 from cachefsd.testing.gcs_emulator import GcsEmulator
 from tests.net import free_port
-from tests.proxy import Decision, Proxy, Rule
+from tests.proxy import Decision, Rule, through_proxy
 
 CALL_TIMEOUT_SECONDS = 30.0
 ATTEMPT_TIMEOUT_SECONDS = 5.0
@@ -69,17 +69,11 @@ def _through_proxy(
 ) -> Any:
     """Run ``body`` with a store of ``bucket`` whose requests pass the proxy."""
 
-    async def main() -> Any:
-        proxy = Proxy(gcs_emulator.host, rule)
-        monkeypatch.setenv(EMULATOR_ENV, await proxy.start())
-        store = _store(bucket)
-        try:
-            return await asyncio.wait_for(body(store), CALL_TIMEOUT_SECONDS)
-        finally:
-            await store.close()
-            await proxy.stop()
+    def open_store(endpoint: str) -> GcsStore:
+        monkeypatch.setenv(EMULATOR_ENV, endpoint)
+        return _store(bucket)
 
-    return asyncio.run(main())
+    return through_proxy(gcs_emulator.host, rule, open_store, body)
 
 
 def _gcs_error(status: int) -> web.Response:

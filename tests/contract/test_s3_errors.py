@@ -36,9 +36,8 @@ from cachefsd.errors import AccessDenied, StoreError
 from cachefsd.store import s3 as s3_module
 from cachefsd.store.s3 import S3Store
 from cachefsd.testing.s3_server import S3TestServer
-from tests.proxy import Decision, Proxy
+from tests.proxy import Decision, through_proxy
 
-CALL_TIMEOUT_SECONDS = 60.0
 ATTEMPT_TIMEOUT_SECONDS = 5.0
 REQUEST_ID = "INJECTED4REQUEST"
 DATA = bytes(range(256)) * 40
@@ -129,19 +128,11 @@ def _through_proxy(
         sent.record(request)
         return answer(request) or forwarded
 
-    async def main() -> Any:
-        proxy = Proxy(s3_server.endpoint_url, rule)
-        endpoint = await proxy.start()
-        store = S3Store(
-            bucket, "", StoreSettings(endpoint_url=endpoint, region="us-east-1"), ATTEMPT_TIMEOUT_SECONDS
-        )
-        try:
-            return await asyncio.wait_for(body(store), CALL_TIMEOUT_SECONDS)
-        finally:
-            await store.close()
-            await proxy.stop()
+    def open_store(endpoint: str) -> S3Store:
+        settings = StoreSettings(endpoint_url=endpoint, region="us-east-1")
+        return S3Store(bucket, "", settings, ATTEMPT_TIMEOUT_SECONDS)
 
-    return asyncio.run(main()), sent
+    return through_proxy(s3_server.endpoint_url, rule, open_store, body), sent
 
 
 async def _failure(call: Awaitable[Any]) -> StoreError:

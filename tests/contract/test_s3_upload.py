@@ -23,9 +23,8 @@ from cachefsd.errors import ObjectNotFound, SourceChanged, StoreError, UploadCor
 from cachefsd.store.s3 import S3Store, UploadTuning, part_size_for
 from cachefsd.store.source import part_ranges
 from cachefsd.testing.s3_server import S3TestServer
-from tests.proxy import Decision, Proxy, Rule
+from tests.proxy import Decision, Rule, through_proxy
 
-CALL_TIMEOUT_SECONDS = 60.0
 ATTEMPT_TIMEOUT_SECONDS = 5.0
 MIB = 1 << 20
 # S3's smallest part (but the last): the smallest sizes a test can use.
@@ -54,18 +53,11 @@ def _through_proxy(
 ) -> Any:
     """Run ``body`` with a store of ``bucket`` whose requests pass the proxy."""
 
-    async def main() -> Any:
-        proxy = Proxy(s3_server.endpoint_url, rule)
-        endpoint = await proxy.start()
+    def open_store(endpoint: str) -> S3Store:
         settings = StoreSettings(endpoint_url=endpoint, region="us-east-1")
-        store = S3Store(bucket, "p", settings, ATTEMPT_TIMEOUT_SECONDS, upload=TUNING)
-        try:
-            return await asyncio.wait_for(body(store), CALL_TIMEOUT_SECONDS)
-        finally:
-            await store.close()
-            await proxy.stop()
+        return S3Store(bucket, "p", settings, ATTEMPT_TIMEOUT_SECONDS, upload=TUNING)
 
-    return asyncio.run(main())
+    return through_proxy(s3_server.endpoint_url, rule, open_store, body)
 
 
 @pytest.fixture(name="bucket")
