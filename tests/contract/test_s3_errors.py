@@ -36,6 +36,7 @@ from cachefsd.errors import AccessDenied, StoreError
 from cachefsd.store import s3 as s3_module
 from cachefsd.store.s3 import S3Store
 from cachefsd.testing.s3_server import S3TestServer
+from tests.aws import without_aws_credentials
 from tests.proxy import Decision, through_proxy
 
 ATTEMPT_TIMEOUT_SECONDS = 5.0
@@ -200,23 +201,6 @@ def test_obstores_types_decide_the_type(s3_server: S3TestServer, bucket: str, ki
     assert sent.gets() == ["obstore"]
 
 
-def _no_credentials(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
-    for name in (
-        "AWS_ACCESS_KEY_ID",
-        "AWS_SECRET_ACCESS_KEY",
-        "AWS_SESSION_TOKEN",
-        "AWS_PROFILE",
-        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-        "AWS_WEB_IDENTITY_TOKEN_FILE",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(home / "no-credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(home / "config"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-
-
 # A profile signing in through AWS IAM Identity Center (SSO), whose login
 # endpoint is a closed local port: nothing leaves the machine.
 _SSO_PROFILE = """
@@ -251,7 +235,7 @@ def _expired_sso_token(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_credential_failures_are_access_denied(
     kind: type[Exception], s3_settings: StoreSettings, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    _no_credentials(monkeypatch, tmp_path)
+    without_aws_credentials(monkeypatch, tmp_path)
     (tmp_path / "config").write_text(_SSO_PROFILE)
     if kind is PartialCredentialsError:
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAHALF")

@@ -72,6 +72,7 @@ from cachefsd.store.s3 import S3Store, UploadTuning
 from cachefsd.testing.azurite import ACCOUNT, ACCOUNT_KEY, Azurite
 from cachefsd.testing.file_s3 import FileS3Server
 from cachefsd.testing.s3_server import S3TestServer
+from tests.aws import without_aws_credentials
 
 T = TypeVar("T")
 
@@ -794,26 +795,10 @@ def test_s3_reads_what_odd_endpoints_send(endpoint: str, monkeypatch: pytest.Mon
     assert agents == ["object_store", "aiobotocore", "aiobotocore"]
 
 
-def _no_credentials_in_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in (
-        "AWS_ACCESS_KEY_ID",
-        "AWS_SECRET_ACCESS_KEY",
-        "AWS_SESSION_TOKEN",
-        "AWS_PROFILE",
-        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-        "AWS_WEB_IDENTITY_TOKEN_FILE",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-
-
 def test_s3_without_credentials_is_access_denied(
     s3_settings: StoreSettings, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    _no_credentials_in_the_environment(monkeypatch, tmp_path)
+    without_aws_credentials(monkeypatch, tmp_path)
     store = S3Store("bkt", "", s3_settings, ATTEMPT_TIMEOUT_SECONDS)
 
     with pytest.raises(AccessDenied, match="standard chain"):
@@ -827,7 +812,7 @@ def test_s3_signs_with_credentials_of_its_own(
     environment, and the store still reads and writes."""
     bucket = f"own-{uuid.uuid4().hex[:12]}"
     s3_client.create_bucket(Bucket=bucket)
-    _no_credentials_in_the_environment(monkeypatch, tmp_path)
+    without_aws_credentials(monkeypatch, tmp_path)
     store = S3Store(bucket, "p", s3_settings, ATTEMPT_TIMEOUT_SECONDS, Credentials("AKIAOWN", "s3cr3t"))
 
     async def body() -> bytes:
