@@ -76,7 +76,7 @@ import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -102,10 +102,11 @@ from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreEr
 from cachefsd.store.azure_location import AzureLocation
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo, redact_url
 from cachefsd.store.obstore_config import UPLOAD_REQUEST_SECONDS, obstore_config
-from cachefsd.store.source import FileParts, SourceFile
+from cachefsd.store.source import SourceFile, send_file
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
-    from obstore import PutResult
     from obstore.store import AzureCredential
 
 
@@ -533,32 +534,15 @@ class AzureStore:
         full_key = self._object_key(key)
         target = self._target(key)
         source = await asyncio.to_thread(SourceFile, path)
-        expected_md5: bytes | None = None
+        block_size = self._tuning.block_size
         try:
             client = await self._upload_client()
-            block_size = self._tuning.block_size
-            if source.size <= block_size:
-                body, expected_md5 = await asyncio.to_thread(source.read_with_md5, 0, source.size)
-                await asyncio.to_thread(source.check_unchanged)
-                result = await self._put(key, put_async(client, full_key, body, use_multipart=False))
-            else:
-                parts = FileParts(source, block_size)
-                try:
-                    result = await self._put(
-                        key,
-                        put_async(
-                            client,
-                            full_key,
-                            parts,
-                            chunk_size=block_size,
-                            max_concurrency=self._tuning.blocks_in_flight,
-                        ),
-                    )
-                except BaseException:
-                    await parts.drain()
-                    raise
+            sent = send_file(client, full_key, source, block_size, self._tuning.blocks_in_flight)
+            result, md5s = await self._put(key, sent)
         finally:
             source.close()
+        # Azure keeps an MD5 of a blob sent whole, none of one sent in blocks.
+        expected_md5 = md5s[0] if source.size <= block_size else None
         written = _strip_quotes(result.get("e_tag") or "")
         try:
             properties = await self._properties(key, written)
@@ -577,7 +561,7 @@ class AzureStore:
             )
         return _info(key, properties)
 
-    async def _put(self, key: str, put: Awaitable[PutResult]) -> PutResult:
+    async def _put(self, key: str, put: Awaitable[T]) -> T:
         try:
             return await put
         except _AZURE_ERRORS as exc:

@@ -98,7 +98,7 @@ from collections.abc import Awaitable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -124,10 +124,11 @@ from cachefsd.config import StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError, UploadCorrupted
 from cachefsd.store.base import Credentials, Listing, ListingPage, ObjectInfo, redact_url
 from cachefsd.store.obstore_config import obstore_config
-from cachefsd.store.source import FileParts, SourceFile, multipart_etag, part_ranges
+from cachefsd.store.source import SourceFile, multipart_etag, part_ranges, send_file
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
-    from obstore import PutResult
     from obstore.store import S3Credential
 
 log = logging.getLogger(__name__)
@@ -664,34 +665,18 @@ class S3Store:
         full_key = self._object_key(key)
         target = self._target(key)
         source = await asyncio.to_thread(SourceFile, path)
+        part_size = part_size_for(source.size, self._upload.part_size)
         try:
-            data = await self._upload_client()
-            part_size = part_size_for(source.size, self._upload.part_size)
-            if source.size <= part_size:
-                body, md5 = await asyncio.to_thread(source.read_with_md5, 0, source.size)
-                await asyncio.to_thread(source.check_unchanged)
-                expected = md5.hex()
-                result = await self._put(target, put_async(data, full_key, body, use_multipart=False))
-            else:
-                parts = FileParts(source, part_size)
-                try:
-                    result = await self._put(
-                        target,
-                        put_async(
-                            data,
-                            full_key,
-                            parts,
-                            chunk_size=part_size,
-                            max_concurrency=self._upload.parts_in_flight,
-                        ),
-                    )
-                except BaseException:
-                    await parts.drain()
-                    await self._abort_unfinished_uploads(full_key)
-                    raise
-                expected = multipart_etag(parts.md5s)
+            client = await self._upload_client()
+            sent = send_file(client, full_key, source, part_size, self._upload.parts_in_flight)
+            result, md5s = await self._put(target, sent)
+        except BaseException:
+            if source.size > part_size:
+                await self._abort_unfinished_uploads(full_key)
+            raise
         finally:
             source.close()
+        expected = md5s[0].hex() if source.size <= part_size else multipart_etag(md5s)
         written = _strip_quotes(result.get("e_tag") or "")
         if written != expected:
             # Only a HEAD tells an encrypted object's etag (not an MD5) from
@@ -705,7 +690,7 @@ class S3Store:
                 )
         return ObjectInfo(key=key, size=source.size, etag=written, mtime=time.time())
 
-    async def _put(self, target: str, put: Awaitable[PutResult]) -> PutResult:
+    async def _put(self, target: str, put: Awaitable[T]) -> T:
         try:
             return await put
         except _S3_ERRORS as exc:
