@@ -659,7 +659,7 @@ class FileSystem:
             if found is None or not found.writing or found.flushed:
                 return
             found.flushed = True
-        self._writes().staging.closing(found.file)
+        self._writes().staging.closing()
 
     def release(self, handle: int) -> None:
         """The kernel closed open ``handle`` (its last descriptor)."""

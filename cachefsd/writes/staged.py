@@ -104,9 +104,6 @@ class StagedFile:
     size: int
     mtime: float
     writers: int = 0
-    # Writers that closed a descriptor, whose release (sent after close(2)
-    # returned) has not reached the daemon yet.
-    closing: int = 0
     version: int = 0
     durable: int = -1
     # The version in the bucket once uploaded; after the file left, reads
@@ -151,6 +148,9 @@ class Staging:
         # Directory prefix -> staged files under it: a lookup asks whether a
         # name is a directory of staged files, and must not scan them all.
         self._under: Counter[str] = Counter()
+        # Writers that closed a descriptor, whose release (sent after
+        # close(2) returned) has not reached the daemon yet.
+        self._closing = 0
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     # -- start and upload ---------------------------------------------------
@@ -345,15 +345,15 @@ class Staging:
             file.size, file.mtime = status.st_size, status.st_mtime
             file.version += 1
 
-    def closing(self, file: StagedFile) -> None:
-        """A writer of ``file`` closed a descriptor (``flushed`` at its release)."""
+    def closing(self) -> None:
+        """A writer closed a descriptor (``flushed`` at its release)."""
         with self._lock:
-            file.closing += 1
+            self._closing += 1
 
     def any_closing(self) -> bool:
         """Whether a writer's close is under way, its release still to come."""
         with self._lock:
-            return any(file.closing for file in self._files.values())
+            return self._closing > 0
 
     def release_write(self, file: StagedFile, flushed: bool) -> None:
         """A writer of ``file`` closed it; after the last, it is due for
@@ -361,7 +361,7 @@ class Staging:
         self.refresh(file)
         with self._lock:
             file.writers -= 1
-            file.closing -= flushed
+            self._closing -= flushed
             last = file.writers == 0 and not file.gone
         if last:
             self._journal.closed(file.op, file.size, file.mtime)
