@@ -32,7 +32,7 @@ from cachefsd.testing.s3_server import S3TestServer
 from tests.conftest import KEY_ENV
 from tests.integration.conftest import Mount, MountFactory, drop_page_cache, run_cli
 from tests.integration.datasets import KiB, MiB, new_bucket, put_objects
-from tests.polling import wait_until
+from tests.polling import timed, wait_until
 
 BLOCK = 64 * KiB
 BLOCK_FLAG = ("--block-size", "64K")
@@ -90,12 +90,6 @@ def _read_or_errno(path: Path) -> bytes | int:
         return path.read_bytes()
     except OSError as exc:
         return exc.errno or -1
-
-
-def _timed(call: Callable[[], Any]) -> tuple[Any, float]:
-    started = time.monotonic()
-    result = call()
-    return result, time.monotonic() - started
 
 
 @pytest.fixture(name="mount_container")
@@ -261,7 +255,7 @@ def test_an_outage_serves_cached_files_fails_the_rest_in_one_deadline_and_recove
     time.sleep(TTL_SECONDS + 0.5)
     drop_page_cache()
     for name in cached:
-        data, seconds = _timed(mount.path(name).read_bytes)
+        data, seconds = timed(mount.path(name).read_bytes)
         assert data == blobs[name], f"{name}: wrong bytes through the outage"
         assert seconds < CACHED_SECONDS, f"{name}: a cached read took {seconds:.1f}s through the outage"
     started = time.monotonic()
@@ -289,7 +283,7 @@ def test_an_outage_serves_cached_files_fails_the_rest_in_one_deadline_and_recove
     assert mount.path("train/c0/new.bin").read_bytes() == b"new"
     for name in names[1:]:
         assert mount.path(name).read_bytes() == blobs[name], f"{name}: wrong bytes after the outage"
-    _, seconds = _timed(mount.unmount)  # it returns once the daemon has exited
+    _, seconds = timed(mount.unmount)  # it returns once the daemon has exited
     assert seconds < EXIT_SECONDS, f"unmount took {seconds:.1f}s"
 
 

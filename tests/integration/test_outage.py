@@ -22,13 +22,12 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from cachefsd.config import FetchSettings
 from tests.integration.conftest import MountFactory, ServerProcess, drop_page_cache, run_cli, wait_dead
-from tests.polling import wait_until
+from tests.polling import timed, wait_until
 
 KiB = 1 << 10
 BUCKET = "outage"
@@ -69,12 +68,6 @@ def _walk(root: Path) -> set[str]:
     }
 
 
-def _timed(call: Any) -> tuple[Any, float]:
-    started = time.monotonic()
-    result = call()
-    return result, time.monotonic() - started
-
-
 def _past_the_ttl() -> None:
     """Let the listings expire: the outage must outlast the metadata TTL.
     Time passing is the behaviour under test here, not a synchronisation."""
@@ -109,10 +102,10 @@ def test_an_outage_serves_cached_files_at_once_fails_the_rest_in_one_deadline_an
     drop_page_cache()
 
     for key in cached:
-        data, seconds = _timed(mount.path(key).read_bytes)
+        data, seconds = timed(mount.path(key).read_bytes)
         assert data == objects[key], f"{key}: wrong bytes through the outage"
         assert seconds < CACHED_SECONDS, f"{key}: a cached read took {seconds:.1f}s through the outage"
-    listed, seconds = _timed(lambda: _walk(mount.mountpoint))
+    listed, seconds = timed(lambda: _walk(mount.mountpoint))
     assert listed == set(keys)
     assert seconds < CACHED_SECONDS, f"ls -R took {seconds:.1f}s through the outage"
 
@@ -143,7 +136,7 @@ def test_an_outage_serves_cached_files_at_once_fails_the_rest_in_one_deadline_an
     for key in keys[1:]:
         assert mount.path(key).read_bytes() == objects[key], f"{key}: wrong bytes after the outage"
 
-    _, seconds = _timed(mount.unmount)  # it returns once the daemon has exited
+    _, seconds = timed(mount.unmount)  # it returns once the daemon has exited
     assert seconds < EXIT_SECONDS, f"unmount took {seconds:.1f}s"
     result = run_cli("verify", "--cache-dir", str(mount.cache_dir))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -172,6 +165,6 @@ def test_unmount_during_an_outage_is_not_held_up_by_the_store(
         "the refresh to retry",
         DEADLINE_SECONDS,
     )
-    _, seconds = _timed(mount.unmount)
+    _, seconds = timed(mount.unmount)
     assert seconds < EXIT_SECONDS, f"unmount took {seconds:.1f}s"
     wait_dead(mount.pid, EXIT_SECONDS)
