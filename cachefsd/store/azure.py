@@ -101,8 +101,8 @@ from obstore.store import AzureStore as ObstoreAzure
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError, UploadCorrupted
 from cachefsd.store.azure_location import AzureLocation
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo, redact_url
-from cachefsd.store.obstore_config import UPLOAD_REQUEST_SECONDS, obstore_config
-from cachefsd.store.source import SourceFile, send_file
+from cachefsd.store.obstore_client import UPLOAD_REQUEST_SECONDS, obstore_config, send_file
+from cachefsd.store.source import SourceFile
 
 T = TypeVar("T")
 
@@ -380,7 +380,7 @@ class AzureStore:
         return self._uploads
 
     def _obstore(self, upload: bool) -> ObstoreAzure:
-        """An obstore client for reads or for ``upload`` (``store.obstore_config``)."""
+        """An obstore client for reads or for ``upload`` (``store.obstore_client``)."""
         options, retry = obstore_config(
             self._connect_timeout, self._attempt_timeout, self._max_connections, upload
         )

@@ -92,7 +92,7 @@ from requests.adapters import HTTPAdapter
 
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError, UploadCorrupted
 from cachefsd.store.base import Listing, ListingPage, ObjectInfo, redact_url
-from cachefsd.store.obstore_config import obstore_config
+from cachefsd.store.obstore_client import obstore_config
 from cachefsd.store.source import SourceFile
 
 if TYPE_CHECKING:

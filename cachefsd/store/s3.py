@@ -123,8 +123,8 @@ from obstore.store import S3Store as ObstoreS3
 from cachefsd.config import StoreSettings
 from cachefsd.errors import AccessDenied, ObjectChanged, ObjectNotFound, StoreError, UploadCorrupted
 from cachefsd.store.base import Credentials, Listing, ListingPage, ObjectInfo, redact_url
-from cachefsd.store.obstore_config import obstore_config
-from cachefsd.store.source import SourceFile, multipart_etag, part_ranges, send_file
+from cachefsd.store.obstore_client import obstore_config, send_file
+from cachefsd.store.source import SourceFile, multipart_etag, part_ranges
 
 T = TypeVar("T")
 
@@ -473,7 +473,7 @@ class S3Store:
 
     async def _obstore(self, upload: bool) -> ObstoreS3:
         """An obstore client on the listing client's endpoint, region and
-        credentials, for reads or for ``upload`` (``store.obstore_config``)."""
+        credentials, for reads or for ``upload`` (``store.obstore_client``)."""
         client = await self._get_client()
         options, retry = obstore_config(
             self._settings.connect_timeout, self._attempt_timeout, self._settings.max_connections, upload

@@ -22,15 +22,8 @@ import hashlib
 import os
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from obstore import put_async
 
 from cachefsd.errors import SourceChanged, SourceUnreadable
-
-if TYPE_CHECKING:
-    from obstore import PutResult
-    from obstore.store import ObjectStore as ObstoreStore
 
 # Parts of a file read and hashed at once, ahead of obstore asking for
 # them: one MD5 runs at about 560 MiB/s on one core, so four keep ahead of
@@ -139,25 +132,3 @@ class FileParts:
         """Wait for the reads still running (a thread cannot be stopped)."""
         await asyncio.gather(*self._reading, return_exceptions=True)
         self._reading.clear()
-
-
-async def send_file(
-    client: ObstoreStore, key: str, source: SourceFile, part_size: int, in_flight: int
-) -> tuple[PutResult, list[bytes]]:
-    """Upload ``source`` as ``key`` through obstore: one PUT up to
-    ``part_size``, else ``part_size`` parts (``FileParts``), ``in_flight``
-    at once. obstore's answer, and the MD5 of each part sent (of the one
-    PUT's body alone), for the caller's check of what the store holds; the
-    file is checked unchanged before the upload is completed. Errors are
-    obstore's, for the caller to translate."""
-    if source.size <= part_size:
-        body, md5 = await asyncio.to_thread(source.read_with_md5, 0, source.size)
-        await asyncio.to_thread(source.check_unchanged)
-        return await put_async(client, key, body, use_multipart=False), [md5]
-    parts = FileParts(source, part_size)
-    try:
-        result = await put_async(client, key, parts, chunk_size=part_size, max_concurrency=in_flight)
-    except BaseException:
-        await parts.drain()
-        raise
-    return result, parts.md5s

@@ -1,5 +1,7 @@
-"""How every store sets up its obstore clients (the data path of S3, GCS
-and Azure): the same timeouts and retries, whatever the service.
+"""How every store uses obstore (the data path of S3, GCS and Azure): the
+same timeouts and retries, whatever the service, and files sent the same
+way (``send_file``). Only the cloud stores import it: a local source loads
+no cloud client.
 
 A client for reads and small writes makes one attempt a request: the
 fetcher owns retries, backoff and the total deadline, and a client's own
@@ -19,11 +21,18 @@ cut by the uploader's deadline for the whole file instead.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 from typing import TYPE_CHECKING
 
+from obstore import put_async
+
+from cachefsd.store.source import FileParts, SourceFile
+
 if TYPE_CHECKING:
+    from obstore import PutResult
     from obstore.store import ClientConfig, RetryConfig
+    from obstore.store import ObjectStore as ObstoreStore
 
 # obstore's own default for a request: a block read.
 REQUEST_SECONDS = 30.0
@@ -57,3 +66,25 @@ def obstore_config(
         },
     }
     return options, retry
+
+
+async def send_file(
+    client: ObstoreStore, key: str, source: SourceFile, part_size: int, in_flight: int
+) -> tuple[PutResult, list[bytes]]:
+    """Upload ``source`` as ``key`` through obstore: one PUT up to
+    ``part_size``, else ``part_size`` parts (``FileParts``), ``in_flight``
+    at once. obstore's answer, and the MD5 of each part sent (of the one
+    PUT's body alone), for the caller's check of what the store holds; the
+    file is checked unchanged before the upload is completed. Errors are
+    obstore's, for the caller to translate."""
+    if source.size <= part_size:
+        body, md5 = await asyncio.to_thread(source.read_with_md5, 0, source.size)
+        await asyncio.to_thread(source.check_unchanged)
+        return await put_async(client, key, body, use_multipart=False), [md5]
+    parts = FileParts(source, part_size)
+    try:
+        result = await put_async(client, key, parts, chunk_size=part_size, max_concurrency=in_flight)
+    except BaseException:
+        await parts.drain()
+        raise
+    return result, parts.md5s
