@@ -8,12 +8,12 @@ Waits on the daemon are bounded polls, never fixed sleeps.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import multiprocessing
 import os
 import random
 import select
+import signal
 import subprocess
 import sys
 import tarfile
@@ -796,17 +796,21 @@ def test_metrics_count_cold_reads_and_cache_usage(s3_client: Any, mount_bucket: 
     assert _metric(again, demand) == _metric(after, demand)
 
 
-def _blocks_on_disk(cache_dir: Path) -> int:
+def _blocks_on_disk(mount: Mount) -> int:
     """Bytes of the cache's files now, in whole allocation units: what the
     cache may hold. Not ``st_blocks``, which also counts the blocks a
     filesystem takes to map a file in many pieces (its metadata, not the
-    cache's bytes). One evicted while they are counted is gone (whole
-    files are made in the background, evicting)."""
+    cache's bytes). The daemon is stopped while they are counted: a walk
+    that met a block before its eviction and its replacement after would
+    count both, which the cache never held at once."""
     total = 0
-    for directory, _, files in os.walk(cache_dir / "blocks"):
-        for name in files:
-            with contextlib.suppress(FileNotFoundError):
+    os.kill(mount.pid, signal.SIGSTOP)
+    try:
+        for directory, _, files in os.walk(mount.cache_dir / "blocks"):
+            for name in files:
                 total += disk_bytes((Path(directory) / name).stat().st_size)
+    finally:
+        os.kill(mount.pid, signal.SIGCONT)
     return total
 
 
@@ -822,7 +826,7 @@ def test_cache_never_exceeds_its_capacity(s3_client: Any, mount_bucket: MountBuc
     for _ in range(2):
         for key, data in objects.items():
             assert file_sha256(mount.path(key)) == sha256(data), key
-            peak = max(peak, _blocks_on_disk(mount.cache_dir))
+            peak = max(peak, _blocks_on_disk(mount))
             assert peak <= capacity, f"{peak} bytes of blocks on disk after reading {key}"
     assert peak > capacity // 2, "the cache should have filled up"
     samples = mount.metrics()
