@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a fresh Debian/Ubuntu machine needs to run cachefsd from this
 # checkout: fuse3 (fusermount3, which mounts) and a virtual environment in
-# .venv with the package installed; for the tests, also a C compiler and
+# .venv with the package installed, its native data plane (native/, Rust)
+# built into it by maturin with the machine's cargo; for the tests, also a C compiler and
 # the kernel's headers, and the Azure Storage emulator (Azurite, from npm,
 # into .node/). Sourced by demo.sh and test.sh.
 # Usage: bootstrap.sh [extra]   (extra: "test" adds the test dependencies)
@@ -33,18 +34,24 @@ if [ "${#packages[@]}" -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${packages[@]}" >/dev/null
 fi
 
+if ! command -v cargo >/dev/null 2>&1; then
+    echo "bootstrap: cargo (the Rust toolchain) is needed to build the native data plane: install it (rustup or Debian's cargo)" >&2
+    exit 1
+fi
+
 if [ ! -x "$repo/.venv/bin/python" ]; then
     echo "bootstrap: creating $repo/.venv" >&2
     python3 -m venv "$repo/.venv"
 fi
 target="$repo"
 if [ -n "$extra" ]; then target="$repo[$extra]"; fi
-# The editable install follows the code; only the package's metadata (its
-# dependencies) needs a reinstall. Skip pip while pyproject.toml is that of
-# the last install and it had the extra asked for (a test install serves
-# the demo too).
+# The editable install follows the Python code; the package's metadata (its
+# dependencies) and the native extension need a reinstall. Skip pip while
+# pyproject.toml and native/ are those of the last install and it had the
+# extra asked for (a test install serves the demo too).
 stamp="$repo/.venv/.cachefsd-installed"
-project="$(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1)"
+project="$(cd "$repo" && find pyproject.toml native -path native/target -prune -o -type f -print \
+    | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1)"
 installed="$(cat "$stamp" 2>/dev/null || true)"
 if [ "$installed" != "$project $extra" ] && { [ -n "$extra" ] || [ "${installed%% *}" != "$project" ]; }; then
     echo "bootstrap: installing cachefsd${extra:+ with [$extra]} into .venv" >&2

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Set up (fuse3, a C compiler and libfuse3-dev, .venv with test dependencies)
-# and run the whole test suite:
-# lint, unit, contract (moto S3 over HTTP, GCS emulator) and integration
-# tests on real FUSE mounts, after ruff and mypy. Extra arguments go to pytest.
+# Set up (fuse3, a C compiler and the kernel's headers, .venv with test
+# dependencies and the native extension) and run the whole test suite:
+# the native crate's lints (rustfmt, clippy) and unit tests, ruff and mypy,
+# then unit, contract (moto S3 over HTTP, GCS and Azure emulators) and
+# integration tests on real FUSE mounts. Extra arguments go to pytest.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$repo/scripts/bootstrap.sh" test
@@ -10,6 +11,7 @@ cd "$repo"
 # No cloud SDK may probe an instance-metadata address from a test run.
 export AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing AWS_EC2_METADATA_DISABLED=true
 export NO_GCE_CHECK=true GCE_METADATA_HOST=127.0.0.1:1
+(cd native && cargo fmt --check && cargo clippy --locked --all-targets -- -D warnings && cargo test --locked)
 .venv/bin/ruff check cachefsd tests benchmarks
 .venv/bin/ruff format --check cachefsd tests benchmarks
 .venv/bin/mypy
