@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from cachefsd._native import Tables
 from cachefsd.aio import LoopThread
 from cachefsd.buffers import reuse_block_buffers
 from cachefsd.cache.blocks import BlockCache
@@ -174,6 +175,7 @@ def data_path(
         access=prefetcher,
         jobs=CallerJobs(),
         read_marks=read_marks,
+        kernel=Tables(settings.namespace.metadata_ttl),
         writes=writable,
     )
     return reader, view, namespace, prefetcher, fs

@@ -21,9 +21,19 @@ kernel forgot the inode and looked it up again, and across remounts, as
 tools that key on device and inode (``du``, ``tar``, ``rsync``) expect.
 
 Each answered lookup, and each entry of a READDIRPLUS, is a reference the
-kernel holds until it FORGETs it: a file's inode is dropped when its last
-reference is, and the blocks of a version gone upstream are released then,
-as nothing can read them any more.
+kernel holds until it FORGETs it. The references are counted by the
+native plane (``cachefsd._native.Tables``), which answers the kernel's FORGETs, and
+the lookups of names it was handed, itself: every inode handed to the
+kernel is held there with the name that found it. A file's inode is
+dropped when the native plane says it is gone (no reference, and no fresh
+name keeps it: ``forgotten``), and the blocks of a version gone upstream
+are released then, as nothing can read them any more. A name found stale,
+removed or renamed is dropped there first, so it is asked of this table
+again.
+
+Reads the native plane serves from verified cache files (``set_blocks``,
+named after each lookup and read here) are told to ``served_natively``,
+which counts them as ``read`` counts its own.
 """
 
 from __future__ import annotations
@@ -38,8 +48,9 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
+from cachefsd._native import Tables
 from cachefsd.cache.blocks import WholeFile
 from cachefsd.cache.whole import ends_file
 from cachefsd.errors import (
@@ -64,6 +75,8 @@ from cachefsd.reader import BlockReader, Piece, block_range
 from cachefsd.store.base import ObjectInfo
 from cachefsd.writes.staged import StagedFile, Staging
 from cachefsd.writes.uploads import Uploads
+
+_T = TypeVar("_T")
 
 DIR_MODE = stat.S_IFDIR | 0o555
 FILE_MODE = stat.S_IFREG | 0o444
@@ -112,6 +125,17 @@ class CacheDisk(Protocol):
 
     def usage(self) -> tuple[int, int]:
         """The cache's capacity and the bytes it holds."""
+        ...
+
+    def raw_files(self, info: ObjectInfo, indices: range) -> list[tuple[int, str, int, int, int, int, str]]:
+        """The blocks of ``indices`` of ``info`` that lie in raw files this
+        process verified, for the native plane to read: (index, path,
+        offset of the block in the file, its device, inode and ctime in ns, tier)."""
+        ...
+
+    def count_read(self, info: ObjectInfo, index: int) -> None:
+        """A read of block ``index`` of ``info`` served from its raw file
+        without the cache: its tier's policy counts it."""
         ...
 
     def whole_file(self, info: ObjectInfo) -> WholeFile | None:
@@ -165,6 +189,11 @@ class Attributes:
     # kernel: it must ask again rather than cache them.
     cacheable: bool = True
 
+    @property
+    def kernel_fields(self) -> tuple[int, int, float, int, int, int, int]:
+        """What the kernel is told (``protocol.Attr``, ``Tables.hold``)."""
+        return (self.st_ino, self.size, self.mtime, self.mode, self.nlink, self.uid, self.gid)
+
 
 @dataclass(frozen=True, slots=True)
 class DirEntry:
@@ -178,7 +207,6 @@ class _File:
     info: ObjectInfo
     parent: int  # the inode of its directory
     name: str
-    lookups: int = 0  # the kernel's references
     gone: bool = False  # replaced or deleted upstream
     # What this mount wrote for it, until uploaded (then its ``info``
     # names the version in the bucket).
@@ -218,9 +246,11 @@ class FileSystem:
         access: AccessEvents,
         jobs: CallerJobs,
         read_marks: ReadMarks,
+        kernel: Tables,
         writes: Writes | None = None,
     ) -> None:
         self._namespace = namespace
+        self.kernel = kernel
         self.writes = writes
         self._file_mode = FILE_MODE if writes is None else WRITABLE_FILE_MODE
         self._dir_mode = DIR_MODE if writes is None else WRITABLE_DIR_MODE
@@ -273,16 +303,29 @@ class FileSystem:
             # overlaps the disk read with the round trip; when the pages
             # are held, it costs a few system calls on a file already in RAM.
             self._cache.warm_file(info)
-        return self._remember(parent, name, info)
+        attributes = self._remember(parent, name, info)
+        if info is not None:
+            self._name_blocks(
+                attributes.inode, info, block_range(0, info.size, info.size, self._reader.block_size)
+            )
+        return attributes
 
     def forget(self, inode: int, count: int) -> None:
-        """The kernel dropped ``count`` references to ``inode``."""
+        """The kernel dropped ``count`` references to ``inode`` (an answer
+        it never got, or a test playing the kernel)."""
+        if self.kernel.forget(inode, count):
+            self.forgotten(inode)
+
+    def _forgotten(self, inodes: list[int]) -> None:
+        for inode in inodes:
+            self.forgotten(inode)
+
+    def forgotten(self, inode: int) -> None:
+        """The native plane dropped ``inode`` (``cachefsd._native.Tables``): unless it
+        holds it again (a lookup here handed it out meanwhile), so is this table."""
         with self._lock:
             file = self._files.get(inode)
-            if file is None:  # a directory: its inode is its path's for good
-                return
-            file.lookups -= count
-            if file.lookups > 0:
+            if file is None or self.kernel.holds(inode):  # a directory's inode is its path's for good
                 return
             del self._files[inode]
             version = (file.info.key, file.info.etag)
@@ -319,25 +362,73 @@ class FileSystem:
             assert file.staged.info is not None  # it left for the bucket: read that version
             info = file.staged.info
         job = self.jobs.of(pid)
-        if offset == 0:
-            self._access.opened(info, job)
-        self._access.read(info, offset, size, job)
-        again = self._access.wanted_elsewhere(info, job)
         try:
-            with self._marked(info, offset, size, again):
-                pieces = self._reader.read(info, offset, size, job)
+            pieces = self._counted(
+                info, offset, size, job, lambda: self._reader.read(info, offset, size, job)
+            )
         except ObjectChanged:
             # Overwritten or deleted since it was listed: the listing that
             # showed it is dropped, and the kernel forgets the name, so the
             # next open looks it up again and finds what is there now.
             self._namespace.invalidate(info)
-            self.stale_entries.put((file.parent, file.name))
+            self._stale(file.parent, file.name)
             raise
+        if file.staged is None:  # what this read fetched, the next reads natively
+            self._name_blocks(inode, info, block_range(offset, size, info.size, self._reader.block_size))
+        return pieces
+
+    def served_natively(
+        self, inode: int, offset: int, size: int, pid: int, served: dict[str, int], seconds: float
+    ) -> None:
+        """The native plane answered process ``pid``'s read of ``size``
+        bytes at ``offset`` of ``inode`` from cache files (bytes ``served``
+        by tier, in ``seconds``): counted as ``read`` counts its own."""
+        with self._lock:
+            file = self._files.get(inode)
+        if file is None:
+            return
+        info = file.info
+        job = self.jobs.of(pid)
+
+        def count() -> None:
+            for index in block_range(offset, size, info.size, self._reader.block_size):
+                self._cache.count_read(info, index)
+            self._reader.served_elsewhere(served, job, seconds)
+
+        self._counted(info, offset, size, job, count)
+
+    def _counted(self, info: ObjectInfo, offset: int, size: int, job: str, serve: Callable[[], _T]) -> _T:
+        """``serve()``, a read of ``job``'s, told to the workload model and
+        the cache's policy. Unless the kernel asks before it opens a file
+        (``open_through``), a read at offset 0 is what tells the model a
+        file was opened."""
+        if offset == 0:
+            self._access.opened(info, job)
+        self._access.read(info, offset, size, job)
+        again = self._access.wanted_elsewhere(info, job)
+        with self._marked(info, offset, size, again):
+            served = serve()
         if again:
             self._access.read_by_one_of_many(info, offset, size, job)
         if self.passthrough and ends_file(offset, size, info.size):
             self._cache.read_to_end(info)
-        return pieces
+        return served
+
+    def _name_blocks(self, inode: int, info: ObjectInfo, indices: range) -> None:
+        """Name to the native plane the verified raw files of blocks
+        ``indices`` of ``info``, which it then reads itself (and those
+        without one, which it leaves to ``read``)."""
+        if indices:
+            files = self._cache.raw_files(info, indices)
+            self.kernel.set_blocks(
+                inode, info.size, self._reader.block_size, indices.start, indices.stop - 1, files
+            )
+
+    def _stale(self, parent: int, name: str) -> None:
+        """``name`` in ``parent`` no longer names what it named: the native
+        plane and then the kernel (``stale_entries``) forget it."""
+        self._forgotten(self.kernel.drop_name(parent, os.fsencode(name)))
+        self.stale_entries.put((parent, name))
 
     def open_through(self, inode: int, pid: int) -> WholeFile | None:
         """The cache file that holds exactly the bytes of the version
@@ -449,7 +540,7 @@ class FileSystem:
         if file is None:
             self._reader.release_version(info)
         else:
-            self.stale_entries.put((file.parent, file.name))
+            self._stale(file.parent, file.name)
 
     def statfs(self) -> dict[str, int]:
         """Sizes for ``df``: a bucket has none, so the cache's (its
@@ -477,7 +568,8 @@ class FileSystem:
 
     def _remember(self, parent: int, name: str, info: ObjectInfo | None) -> Attributes:
         """The inode of ``name`` in ``parent`` (a directory if ``info`` is
-        None), made if new, and one more reference to it."""
+        None), made if new, and one more reference to it. Held in the native
+        plane under this table's lock, so that ``forgotten`` sees it held."""
         with self._lock:
             if info is None:
                 path = _child(self._dirs[parent].path, name)
@@ -491,16 +583,19 @@ class FileSystem:
                 if inode is None:
                     inode = self._file_inodes[version] = next(self._next_inode)
                     self._files[inode] = _File(info, parent, name)
-                file = self._files[inode]
-                file.lookups += 1
-                file.gone = False  # listed again: re-uploaded with the same content
-        return self._attributes(inode, info)
+                self._files[inode].gone = False  # listed again: re-uploaded with the same content
+            attributes = self._attributes_locked(inode, info)
+            gone = self.kernel.hold(inode, parent, os.fsencode(name), attributes.kernel_fields, True)
+        self._forgotten(gone)
+        return attributes
 
     def _attributes(self, inode: int, info: ObjectInfo | None) -> Attributes:
+        with self._lock:
+            return self._attributes_locked(inode, info)
+
+    def _attributes_locked(self, inode: int, info: ObjectInfo | None) -> Attributes:
         if info is None:
-            with self._lock:
-                path = self._dirs[inode].path
-            number = inode_number(path)
+            number = inode_number(self._dirs[inode].path)
             return Attributes(self._dir_mode, 0, self._mounted_at, self._uid, self._gid, 2, inode, number)
         number = inode_number(f"/{info.key}\0{info.etag}")
         return Attributes(self._file_mode, info.size, info.mtime, self._uid, self._gid, 1, inode, number)
@@ -532,8 +627,10 @@ class FileSystem:
                 inode = self._staged_inodes[staged] = next(self._next_inode)
                 info = ObjectInfo(staged.key, 0, "", staged.mtime)
                 self._files[inode] = _File(info, parent, name, staged=staged)
-            self._files[inode].lookups += 1
-        return self._staged_attributes(inode, staged)
+            attributes = self._staged_attributes(inode, staged)
+            gone = self.kernel.hold(inode, parent, os.fsencode(name), attributes.kernel_fields, False)
+        self._forgotten(gone)
+        return attributes
 
     def _staged_attributes(self, inode: int, staged: StagedFile) -> Attributes:
         if staged.info is not None and staged.gone:
@@ -609,6 +706,7 @@ class FileSystem:
         with self._lock:
             file.staged = staged
             self._staged_inodes[staged] = inode
+            self.kernel.uncache(inode)  # its attributes now change under the kernel
         return self._new_handle(staged, writing)
 
     def _open_staged(self, inode: int, staged: StagedFile, flags: int) -> int:
@@ -776,7 +874,7 @@ class FileSystem:
                 self._namespace.wrote(writes.bucket.copy(key, new_key, remote.size))
                 # The kernel moves the inode, which stands for the old
                 # key's version: it is to look the new name up again.
-                self.stale_entries.put((new_parent, new_name))
+                self._stale(new_parent, new_name)
             if remote is not None:
                 writes.bucket.delete(key)
                 self._namespace.removed(key)
@@ -798,6 +896,7 @@ class FileSystem:
         """``name`` in ``parent`` no longer exists: its inode, held by the
         kernel until it forgets it, is of nothing any more."""
         path = _child(self._dir(parent).path, name)
+        self._forgotten(self.kernel.drop_name(parent, os.fsencode(name)))
         with self._lock:
             inode = self._dir_inodes.pop(path, None)
             if inode is not None:
@@ -808,6 +907,8 @@ class FileSystem:
         entry, a directory's path and every directory's below it."""
         old = _child(self._dir(parent).path, name)
         new = _child(self._dir(new_parent).path, new_name)
+        self._forgotten(self.kernel.drop_name(parent, os.fsencode(name)))
+        self._forgotten(self.kernel.drop_name(new_parent, os.fsencode(new_name)))
         with self._lock:
             for file in self._files.values():
                 if file.parent == parent and file.name == name:

@@ -131,11 +131,11 @@ class MountEvents:
             self._bytes["cold"].inc(cold_bytes)
             self._stall.inc(stall_seconds)
 
-    def request_answered(self, operation: str) -> None:
+    def request_answered(self, operation: str, count: int = 1) -> None:
         counter = self._requests.get(operation)
         if counter is None:
             counter = self._requests[operation] = self._metrics.fuse_requests.labels(self._mount, operation)
-        counter.inc()
+        counter.inc(count)
 
     def passthrough_state(self, on: bool) -> None:
         self._passthrough.set(1 if on else 0)

@@ -228,7 +228,13 @@ class BlockReader:
     def read_through(self, info: ObjectInfo, tier: str, job: str = UNKNOWN_JOB) -> None:
         """``job`` reads all of ``info`` from a ``tier`` file that the kernel
         reads itself (FUSE passthrough): counted as one read, at once."""
-        self._events.read_done({tier: info.size}, 0.0, job, 0.0)
+        self.served_elsewhere({tier: info.size}, job, 0.0)
+
+    def served_elsewhere(self, served: dict[str, int], job: str, seconds: float) -> None:
+        """A read of ``job``'s answered from cache files without the reader
+        (the kernel's passthrough, the native plane): its bytes by tier,
+        in ``seconds``, none of them waiting on a bucket."""
+        self._events.read_done(served, 0.0, job, seconds)
 
     def _piece(self, version: Version, index: int, lo: int, hi: int) -> tuple[Piece, str, float]:
         """Bytes ``[lo, hi)`` of block ``index``, where they came from

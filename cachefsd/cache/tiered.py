@@ -58,6 +58,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
 from cachefsd.cache.blocks import Block, BlockCache, FileSpan, Use, Version
@@ -354,6 +355,19 @@ class TieredCache(BlockCache):
         """Where block ``digest`` is (one look through the tiers), or None."""
         tier = self._tier_holding(digest)
         return None if tier is None else Placement(tier.name, tier.codec is Codec.RAW)
+
+    def verified_file(self, digest: str) -> tuple[str, Path, tuple[int, int, int]] | None:
+        """Where raw block ``digest`` lies as this process verified it: its
+        tier's name, its path, and the identity of the file checked
+        (``_file_identity``), which a reader that opens the path itself
+        compares before it trusts the bytes; None if it is compressed,
+        absent, or not verified yet."""
+        tier = self._tier_holding(digest)
+        if tier is None or tier.codec is not Codec.RAW:
+            return None
+        with self._checked_lock:
+            identity = self._checked_files.get(digest)
+        return None if identity is None else (tier.name, tier.path_of(digest), identity)
 
     def touch(self, digest: str) -> None:
         """A read served from RAM, not through ``read``: the policies still

@@ -107,6 +107,31 @@ class CacheView:
             version = Version(self._source, info.key, info.etag, info.size, self._block_size, False)
             self._whole_files.want(version)
 
+    def raw_files(self, info: ObjectInfo, indices: range) -> list[tuple[int, str, int, int, int, int, str]]:
+        """The blocks of ``indices`` of ``info`` that lie in raw files this
+        process verified, as (index, path, offset of the block in the file,
+        the file's device, inode and ctime in ns, tier): its whole file's
+        place for each block when it has one."""
+        whole_digest = self._whole_digest(info)
+        whole = None if whole_digest is None else self._cache.verified_file(whole_digest)
+        files = []
+        for index in indices:
+            found, offset = whole, index * self._block_size
+            if found is None:
+                digest = self._cache.lookup(block_ref(self._source, info, index))
+                found, offset = None if digest is None else self._cache.verified_file(digest), 0
+            if found is not None:
+                tier, path, (dev, ino, ctime_ns) = found
+                files.append((index, str(path), offset, dev, ino, ctime_ns, tier))
+        return files
+
+    def count_read(self, info: ObjectInfo, index: int) -> None:
+        """A read of block ``index`` of ``info`` served from its raw file
+        without the cache (the native plane): the tier's policy counts it."""
+        digest = self.digest(info, index)
+        if digest is not None:
+            self._cache.touch(digest)
+
     def whole_file(self, info: ObjectInfo) -> WholeFile | None:
         """The file of exactly ``info``'s bytes in a raw tier, if there is
         one: its one block's (not empty), or its whole file (``WHOLE``).

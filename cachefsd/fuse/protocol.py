@@ -24,10 +24,10 @@ MINIMUM_MINOR = 23
 
 
 class Op(enum.IntEnum):
-    """The operation codes cachefsd answers (others get ENOSYS)."""
+    """The operation codes answered here (others get ENOSYS). The native
+    plane answers the FORGETs and INTERRUPT itself, and never hands them on."""
 
     LOOKUP = 1
-    FORGET = 2
     GETATTR = 3
     SETATTR = 4
     SYMLINK = 6
@@ -49,15 +49,10 @@ class Op(enum.IntEnum):
     RELEASEDIR = 29
     FSYNCDIR = 30
     CREATE = 35
-    INTERRUPT = 36
     DESTROY = 38
-    BATCH_FORGET = 42
     READDIRPLUS = 44
     RENAME2 = 45
 
-
-# Requests the kernel sends without waiting for an answer.
-UNANSWERED = frozenset({Op.FORGET, Op.BATCH_FORGET, Op.INTERRUPT})
 
 # INIT flags (``flags`` holds bits 0-31, ``flags2`` bits 32-63).
 ASYNC_READ = 1 << 0
@@ -115,9 +110,6 @@ RENAME2_IN = struct.Struct("<QII")  # newdir, flags, padding
 SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")
 WRITE_IN = struct.Struct("<QQIIQII")  # fh, offset, size, write_flags, lock_owner, flags, padding
 WRITE_OUT = struct.Struct("<II")  # size, padding
-FORGET_IN = struct.Struct("<Q")  # nlookup
-BATCH_FORGET_IN = struct.Struct("<II")  # count, dummy
-FORGET_ONE = struct.Struct("<QQ")  # nodeid, nlookup
 KSTATFS = struct.Struct("<QQQQQIIII24x")
 DIRENT = struct.Struct("<QQII")  # ino, off, namelen, type
 NOTIFY_INVAL_ENTRY_OUT = struct.Struct("<QII")  # parent, namelen, flags

@@ -1,19 +1,23 @@
-"""The FUSE edge: one mount's connection to the kernel, spoken on /dev/fuse
-directly (``protocol.py``), each request answered by ``fs.FileSystem`` in
-one line.
+"""The FUSE edge: one mount's connection to the kernel. The native plane
+(``cachefsd._native.Session``) reads every request on threads of its own
+and answers those the kernel's tables hold the answer to (``fs.kernel``:
+lookups of names it was handed, attributes of versions, reads of blocks
+in verified cache files, the FORGETs); the rest it hands here, each
+answered by ``fs.FileSystem`` in one line, in this module's protocol
+(``protocol.py``), through the descriptor it came from.
 
 Our errors become their errno through ``errors.errno_for`` here and only
 here; anything else is a bug, logged with its traceback and answered EIO.
 Every request that wants an answer gets exactly one: a request left
 unanswered hangs its caller for good.
 
-Workers: a pool of threads, each reading requests from the device and
+Workers: a pool of threads, each taking the requests handed here and
 answering them; a read that waits on the network holds its thread until
 the block arrives, so their number bounds the reads in flight (``serve``).
 Only ``SERVING_WORKERS`` of them serve at a time: a worker about to wait
-on the network gives its turn to a parked one (``turns``). A serving
-worker waits in its own epoll for the device (exclusively: one request
-wakes one worker) or for the session's end (every worker).
+on the network gives its turn to a parked one (``turns``). One more thread
+drains what the native plane reports (its reads, the inodes gone, the
+requests it answered) into the filesystem and the metrics (``_report``).
 
 What the kernel is told is what lets it serve warm reads without asking:
 an inode's attributes and pages are those of one object version, so
@@ -36,7 +40,6 @@ import ctypes
 import errno
 import logging
 import os
-import select
 import tempfile
 import threading
 import time
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Protocol
 
 from cachefsd import turns
+from cachefsd._native import Session as NativeSession
 from cachefsd.cache.blocks import FileSpan
 from cachefsd.errors import Busy, CachefsdError, NotPermitted, ObjectChanged, errno_for
 from cachefsd.fs import Attributes, FileSystem
@@ -58,6 +62,13 @@ log = logging.getLogger(__name__)
 
 # Workers beyond those that may all be waiting on GETs (``serve``).
 SPARE_WORKERS = 8
+# The native plane's threads: each blocks in the disk read of the cache
+# file it answers from, so several keep the disk busy while the kernel has
+# reads queued (up to BACKGROUND_REQUESTS of read-ahead, plus readers').
+NATIVE_WORKERS = 8
+# How long the report thread waits for the native plane's next report
+# before it looks whether the session ended.
+REPORT_WAIT_SECONDS = 0.5
 # Workers serving at once: one runs Python while the other is in a system
 # call; a third only takes turns at the GIL. On 2 cores, a warm epoch of
 # small files read with pages dropped went from 1,100 files/s at 950 us of
@@ -77,7 +88,7 @@ _OVERLAYFS_MAGIC = 0x794C7630
 class SessionEvents(Protocol):
     """What the FUSE edge tells the metrics."""
 
-    def request_answered(self, operation: str) -> None: ...
+    def request_answered(self, operation: str, count: int = 1) -> None: ...
     def passthrough_state(self, on: bool) -> None: ...
 
 
@@ -206,25 +217,23 @@ class Session:
         self.passthrough = Passthrough(False, "the kernel has not started the mount yet")
         self.mounted = False  # set once the kernel has initialised the mount
         self._no_open = False  # the kernel may open files without asking
-        # The connection and the opens of its files, while serving.
+        # The connection, its native workers and the opens of its files, while serving.
         self._connection: device.Connection | None = None
+        self._native: NativeSession | None = None
         self._opens: Opens | None = None
+        # The descriptor the request a worker answers came from: its answer goes back through it.
+        self._answering = threading.local()
         # Opens of staged files counted in ``_opens``: handle -> whether
         # passed through; guarded by _staged_lock.
         self._staged_lock = threading.Lock()
         self._staged_opens: dict[int, bool] = {}
         self._open_sizes = OpenSizes(protocol.MAX_READ)
-        # Wakes every worker at the end, while serving (else -1); guarded by _wake_lock.
-        self._wake_lock = threading.Lock()
-        self._wake = -1
         self._stopping = False
         self._turns = threading.Semaphore(SERVING_WORKERS)  # turns at serving (``turns``)
         self._notifier = _Notifier(fs, self._send)
         self._handlers: dict[int, Callable[[Request, memoryview], None]] = {
             Op.INIT: self._init,
             Op.LOOKUP: self._lookup,
-            Op.FORGET: self._forget,
-            Op.BATCH_FORGET: self._batch_forget,
             Op.GETATTR: self._getattr,
             Op.OPEN: self._open,
             Op.READ: self._read,
@@ -233,7 +242,6 @@ class Session:
             Op.READDIRPLUS: self._readdirplus,
             Op.RELEASEDIR: self._releasedir,
             Op.STATFS: self._statfs,
-            Op.INTERRUPT: lambda request, body: None,  # answered by answering the request itself
             Op.DESTROY: self._destroy,
         }
         if fs.writes is not None:
@@ -271,13 +279,22 @@ class Session:
         options = _mount_options(fsname, allow_other, writable=self._fs.writes is not None)
         connection = self._connection = device.mount(self._mountpoint, options)
         self._opens = Opens(connection)
-        with self._wake_lock:
-            self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:
+            native = self._native = NativeSession(
+                connection.fd, self._fs.kernel, NATIVE_WORKERS, protocol.REQUEST_BUFFER
+            )
+        except OSError:
+            os.close(connection.fd)
+            device.unmount(self._mountpoint)
+            raise
+        if self._stopping:  # stopped while mounting
+            native.stop()
         self._notifier.start()
         workers = [
             threading.Thread(target=self._work, name=f"cachefsd-fuse-{number}", daemon=True)
             for number in range(min(cold_reads, protocol.BACKGROUND_REQUESTS) + SPARE_WORKERS)
         ]
+        workers.append(threading.Thread(target=self._report, name="cachefsd-reports", daemon=True))
         try:
             for worker in workers:
                 worker.start()
@@ -288,14 +305,15 @@ class Session:
             for worker in workers:
                 if worker.is_alive():
                     worker.join()
+            native.join()
             self._notifier.stop()
-            # Closing the last descriptor ends the connection: files still
-            # open under the mount fail from now on, and the unmount cannot hang.
+            # Closing the last descriptor ends the connection (the native
+            # workers' closed as they ended): files still open under the
+            # mount fail from now on, and the unmount cannot hang.
             os.close(connection.fd)
-            with self._wake_lock:
-                os.close(self._wake)
-                self._wake = -1
             device.unmount(self._mountpoint)
+        if native.failure is not None:
+            log.error("the FUSE session of %s failed: %s", self._mountpoint, native.failure)
         if not self.mounted:
             raise CachefsdError(f"the FUSE session of {self._mountpoint} ended before the mount was ready")
         log.info("FUSE session of %s ended", self._mountpoint)
@@ -303,40 +321,44 @@ class Session:
     def stop(self) -> None:
         """End the session: every worker returns once its request is answered."""
         self._stopping = True
-        with self._wake_lock:
-            if self._wake >= 0:
-                os.eventfd_write(self._wake, 1)
+        if self._native is not None:
+            self._native.stop()
         # Parked workers take a turn, see the end, and hand the turn on.
         self._turns.release()
 
     def _work(self) -> None:
-        assert self._connection is not None
-        fd = self._connection.fd
-        buffer = bytearray(protocol.REQUEST_BUFFER)
-        view = memoryview(buffer)
-        with select.epoll() as waiting:
-            waiting.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
-            waiting.register(self._wake, select.EPOLLIN)
-            while not self._stopping:
-                self._turns.acquire()
-                turns.take(self._turns.release)
-                try:
-                    while turns.holds() and not self._stopping:
-                        try:
-                            size = os.readv(fd, [buffer])
-                        except BlockingIOError:
-                            waiting.poll()
-                            continue
-                        except OSError as exc:
-                            if exc.errno == errno.ENOENT:  # interrupted before we read it
-                                continue
-                            if exc.errno != errno.ENODEV:
-                                log.error("reading /dev/fuse failed: %s", exc)
-                            self.stop()  # ENODEV: unmounted
-                            return
-                        self._dispatch(view[:size])
-                finally:
-                    turns.give_up()
+        assert self._native is not None
+        native = self._native
+        while not self._stopping:
+            self._turns.acquire()
+            turns.take(self._turns.release)
+            try:
+                while turns.holds() and not self._stopping:
+                    handed = native.next_request()
+                    if handed is None:  # unmounted, or stopped
+                        self.stop()
+                        return
+                    fd, message = handed
+                    self._answering.fd = fd
+                    self._dispatch(memoryview(message))
+            finally:
+                turns.give_up()
+
+    def _report(self) -> None:
+        """Tell the filesystem and the metrics what the native plane did,
+        in the order it did it, until the session ends."""
+        kernel = self._fs.kernel
+        while not self._stopping:
+            reads, forgotten, answered = kernel.drain(REPORT_WAIT_SECONDS)
+            try:
+                for inode, offset, size, pid, served, seconds in reads:
+                    self._fs.served_natively(inode, offset, size, pid, dict(served), seconds)
+                for inode in forgotten:
+                    self._fs.forgotten(inode)
+                for operation, count in answered:
+                    self._events.request_answered(operation, count)
+            except Exception:
+                log.exception("counting what the native plane served failed")
 
     def _dispatch(self, message: memoryview) -> None:
         request = protocol.parse_header(message)
@@ -350,18 +372,18 @@ class Session:
         except Exception as exc:
             if not isinstance(exc, CachefsdError):
                 log.exception("unexpected error in %s", self._names[request.opcode])
-            if request.opcode not in protocol.UNANSWERED:
-                answer = errno_for(exc) if isinstance(exc, CachefsdError) else errno.EIO
-                self._send([protocol.error(request.unique, answer)])
+            answer = errno_for(exc) if isinstance(exc, CachefsdError) else errno.EIO
+            self._send([protocol.error(request.unique, answer)])
         else:
             self._events.request_answered(self._names[request.opcode])
 
     def _send(self, parts: list[bytes | memoryview]) -> bool:
-        """Write one answer (or notification); False if its request is gone
-        (interrupted, ENOENT) or the connection ended."""
+        """Write one answer (through the descriptor its request came from)
+        or notification; False if its request is gone (interrupted, ENOENT)
+        or the connection ended."""
         assert self._connection is not None
         try:
-            os.writev(self._connection.fd, parts)
+            os.writev(getattr(self._answering, "fd", self._connection.fd), parts)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -432,17 +454,6 @@ class Session:
         entry = protocol.pack_entry(attributes.inode, _attr(attributes), self._ttl_of(attributes))
         if not self._send(protocol.reply(request.unique, entry)):
             self._fs.forget(attributes.inode, 1)  # interrupted: the kernel holds no reference
-
-    def _forget(self, request: Request, body: memoryview) -> None:
-        (count,) = protocol.FORGET_IN.unpack_from(body)
-        self._fs.forget(request.nodeid, count)
-
-    def _batch_forget(self, request: Request, body: memoryview) -> None:
-        count, _ = protocol.BATCH_FORGET_IN.unpack_from(body)
-        for index in range(count):
-            offset = protocol.BATCH_FORGET_IN.size + index * protocol.FORGET_ONE.size
-            inode, references = protocol.FORGET_ONE.unpack_from(body, offset)
-            self._fs.forget(inode, references)
 
     def _getattr(self, request: Request, body: memoryview) -> None:
         attributes = self._fs.getattr(request.nodeid)

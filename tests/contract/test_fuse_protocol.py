@@ -118,9 +118,6 @@ LAYOUTS: dict[str, tuple[struct.Struct, tuple[str, ...]]] = {
         ("fh", "offset", "size", "write_flags", "lock_owner", "flags", "padding"),
     ),
     "fuse_write_out": (protocol.WRITE_OUT, ("size", "padding")),
-    "fuse_forget_in": (protocol.FORGET_IN, ("nlookup",)),
-    "fuse_batch_forget_in": (protocol.BATCH_FORGET_IN, ("count", "dummy")),
-    "fuse_forget_one": (protocol.FORGET_ONE, ("nodeid", "nlookup")),
     "fuse_kstatfs": (
         protocol.KSTATFS,
         ("blocks", "bfree", "bavail", "files", "ffree", "bsize", "namelen", "frsize", "padding", "spare"),

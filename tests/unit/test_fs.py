@@ -122,7 +122,9 @@ def test_a_version_nobody_holds_is_released_when_it_is_gone(make_rig: RigFactory
     rig.clock.now += 10
     rig.fs.opendir(ROOT_INODE, os.getpid())  # the refresh that finds it gone
     assert rig.index.blocks() == []
-    assert stale_entries(rig.fs) == []  # the kernel held no name of it
+    # Its inode was kept by its fresh name in the native plane, which drops
+    # it now; the kernel is told to forget the name too, whether it holds it or not.
+    assert stale_entries(rig.fs) == [(ROOT_INODE, "f")]
 
 
 def test_a_version_gone_and_listed_again_keeps_its_blocks(make_rig: RigFactory) -> None:
@@ -182,7 +184,16 @@ def test_reading_a_deleted_object_fails_as_changed_and_drops_the_listing(make_ri
     assert looked_up(rig.fs, "/g").size == 1
 
 
-def test_an_inode_lives_while_the_kernel_references_it(make_rig: RigFactory) -> None:
+def name_expired(fs: FileSystem, parent: int, name: str) -> None:
+    """What the native plane reports once ``name``'s TTL passed: the inodes it kept alone are gone."""
+    for inode in fs.kernel.drop_name(parent, os.fsencode(name)):
+        fs.forgotten(inode)
+
+
+def test_an_inode_lives_while_the_kernel_references_it_or_its_name_is_fresh(make_rig: RigFactory) -> None:
+    """Dropped by the kernel early (memory pressure, drop_caches) while the
+    name that found it is fresh, an inode stays, and a lookup of the name
+    gets it again; once neither keeps it, it is gone."""
     rig = make_rig({"f": b"x"})
     first = looked_up(rig.fs, "/f")
     ino = first.inode
@@ -190,12 +201,33 @@ def test_an_inode_lives_while_the_kernel_references_it(make_rig: RigFactory) -> 
     rig.fs.forget(ino, 1)
     assert joined(rig.fs.read(ino, 1, 0, os.getpid())) == b"x"
     rig.fs.forget(ino, 1)
+    assert rig.fs.getattr(ino) == first  # kept by its name
+    assert looked_up(rig.fs, "/f").inode == ino
+    rig.fs.forget(ino, 1)
+    name_expired(rig.fs, ROOT_INODE, "f")
     with pytest.raises(UnknownInode):
         rig.fs.getattr(ino)
     rig.fs.forget(ino, 1)  # a late forget of a dropped inode changes nothing
     again = looked_up(rig.fs, "/f")
     assert again.inode != ino  # the kernel's numbers are never reused
     assert again.st_ino == first.st_ino  # what stat shows stays (du, tar and rsync key on it)
+
+
+def test_an_inode_referenced_but_renamed_away_stays_until_forgotten(make_rig: RigFactory) -> None:
+    """A name that now leads to another version frees an unreferenced inode
+    at once, and a referenced one at its last forget."""
+    rig = make_rig({"f": b"x", "g": b"g"}, ttl=5)
+    held = looked_up(rig.fs, "/f").inode
+    assert joined(rig.fs.read(held, 1, 0, os.getpid())) == b"x"
+    rig.store.put("f", b"y")
+    rig.clock.now += 10
+    newer = looked_up(rig.fs, "/f")
+    assert newer.inode != held
+    assert joined(rig.fs.read(held, 1, 0, os.getpid())) == b"x"  # an open file reads its version
+    rig.fs.forget(held, 1)
+    with pytest.raises(UnknownInode):
+        rig.fs.getattr(held)
+    assert rig.fs.getattr(newer.inode).size == 1
 
 
 def test_a_listing_is_read_whole_from_one_handle(make_rig: RigFactory) -> None:
@@ -228,6 +260,7 @@ def test_an_entry_sent_with_its_attributes_is_a_reference(make_rig: RigFactory) 
     rig.fs.forget(file.inode, 1)
     assert rig.fs.getattr(file.inode) == file
     rig.fs.forget(file.inode, 1)
+    name_expired(rig.fs, ROOT_INODE, "a")
     with pytest.raises(UnknownInode):
         rig.fs.getattr(file.inode)
     rig.fs.remember(handle, entries["."])
