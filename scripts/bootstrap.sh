@@ -24,6 +24,11 @@ fi
 if [ "$extra" = test ] && ! { command -v cc && [ -f /usr/include/linux/fuse.h ]; } >/dev/null 2>&1; then
     packages+=(gcc libc6-dev linux-libc-dev)
 fi
+# The tests run the native plane's request decoding under cargo fuzz.
+if [ "$extra" = test ] && ! cargo fuzz --version >/dev/null 2>&1; then
+    echo "bootstrap: installing cargo-fuzz from crates.io" >&2
+    cargo install --quiet --locked cargo-fuzz
+fi
 # The tests run Azurite on node (cachefsd/testing/azurite.py).
 if [ "$extra" = test ] && ! command -v npm >/dev/null 2>&1; then
     packages+=(nodejs npm)
@@ -50,7 +55,7 @@ if [ -n "$extra" ]; then target="$repo[$extra]"; fi
 # pyproject.toml and native/ are those of the last install and it had the
 # extra asked for (a test install serves the demo too).
 stamp="$repo/.venv/.cachefsd-installed"
-project="$(cd "$repo" && find pyproject.toml native -path native/target -prune -o -type f -print \
+project="$(cd "$repo" && find pyproject.toml native/Cargo.* native/src -type f -print \
     | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1)"
 installed="$(cat "$stamp" 2>/dev/null || true)"
 if [ "$installed" != "$project $extra" ] && { [ -n "$extra" ] || [ "${installed%% *}" != "$project" ]; }; then
