@@ -350,15 +350,20 @@ class Session:
         kernel = self._fs.kernel
         while not self._stopping:
             reads, forgotten, answered = kernel.drain(REPORT_WAIT_SECONDS)
-            try:
-                for inode, offset, size, pid, served, seconds in reads:
-                    self._fs.served_natively(inode, offset, size, pid, dict(served), seconds)
-                for inode in forgotten:
-                    self._fs.forgotten(inode)
-                for operation, count in answered:
-                    self._events.request_answered(operation, count)
-            except Exception:
-                log.exception("counting what the native plane served failed")
+            for inode, offset, size, pid, served, seconds in reads:
+                self._told(self._fs.served_natively, inode, offset, size, pid, dict(served), seconds)
+            for inode in forgotten:  # after the reads: those need their inodes
+                self._told(self._fs.forgotten, inode)
+            for operation, count in answered:
+                self._events.request_answered(operation, count)
+
+    @staticmethod
+    def _told(tell: Callable[..., None], *report: object) -> None:
+        """One report told: a bug in counting it is logged, and the reports after it are still told."""
+        try:
+            tell(*report)
+        except Exception:
+            log.exception("telling what the native plane did failed: %r", report)
 
     def _dispatch(self, message: memoryview) -> None:
         request = protocol.parse_header(message)

@@ -19,9 +19,18 @@ fn check(result: libc::c_int) -> io::Result<libc::c_int> {
 
 /// A new descriptor of the connection `session_fd` belongs to, non-blocking:
 /// the kernel queues requests to all of a connection's descriptors alike,
-/// and a request's answer goes back through the descriptor it was read from.
+/// and a request's answer goes back through the descriptor it was read
+/// from. Where /dev/fuse cannot be opened again (a user without access to
+/// it, who mounted through fusermount3), a duplicate of `session_fd`
+/// serves: the workers then share one queue of answers.
 pub fn clone_connection(session_fd: RawFd) -> io::Result<File> {
-    let device = File::options().read(true).write(true).open("/dev/fuse")?;
+    let device = match File::options().read(true).write(true).open("/dev/fuse") {
+        Ok(device) => device,
+        Err(error) if error.kind() == io::ErrorKind::PermissionDenied => {
+            return duplicate(session_fd)
+        }
+        Err(error) => return Err(error),
+    };
     let session =
         u32::try_from(session_fd).map_err(|_| io::Error::from_raw_os_error(libc::EBADF))?;
     // SAFETY: the ioctl reads one u32 through the pointer, which points at a
@@ -38,6 +47,15 @@ pub fn clone_connection(session_fd: RawFd) -> io::Result<File> {
     // SAFETY: as above.
     check(unsafe { libc::fcntl(device.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) })?;
     Ok(device)
+}
+
+/// A second descriptor of `session_fd`'s open file (non-blocking, as the
+/// mount made it), closed on exec.
+fn duplicate(session_fd: RawFd) -> io::Result<File> {
+    // SAFETY: fcntl with integer arguments; it returns a new descriptor or -1.
+    let fd = check(unsafe { libc::fcntl(session_fd, libc::F_DUPFD_CLOEXEC, 0) })?;
+    // SAFETY: `fd` was just made by fcntl and nothing else owns it.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
 /// An eventfd that, once signalled, stays readable: it wakes every worker.
