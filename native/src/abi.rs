@@ -14,6 +14,7 @@ const FORGET: u32 = 2;
 const GETATTR: u32 = 3;
 const READ: u32 = 15;
 const INTERRUPT: u32 = 36;
+const IOCTL: u32 = 39;
 const BATCH_FORGET: u32 = 42;
 
 const IN_HEADER_SIZE: usize = 40;
@@ -71,12 +72,25 @@ fn parse(message: &[u8]) -> Result<(Header, &[u8]), Malformed> {
 /// every other one is `Other`, for Python.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Request<'a> {
-    Lookup { name: &'a [u8] },
+    Lookup {
+        name: &'a [u8],
+    },
     Getattr,
-    Read { offset: u64, size: u32 },
-    Forget { count: u64 },
-    BatchForget { pairs: Vec<(u64, u64)> },
+    Read {
+        offset: u64,
+        size: u32,
+    },
+    Forget {
+        count: u64,
+    },
+    BatchForget {
+        pairs: Vec<(u64, u64)>,
+    },
     Interrupt,
+    /// Sent at every open by a program that asks whether the file is a
+    /// terminal (Python's `open` does); the kernel does not remember that
+    /// none is implemented.
+    Ioctl,
     Other,
 }
 
@@ -98,6 +112,7 @@ pub fn decode(message: &[u8]) -> Result<(Header, Request<'_>), Malformed> {
             pairs: batch_forget(body)?,
         },
         INTERRUPT => Request::Interrupt,
+        IOCTL => Request::Ioctl,
         _ => Request::Other,
     };
     Ok((header, request))
@@ -212,6 +227,15 @@ pub fn attr_reply(unique: u64, attr: &Attr, timeout: f64) -> Vec<u8> {
     out
 }
 
+/// A failed answer: `errno`, as the kernel takes it (negated).
+pub fn error_reply(unique: u64, errno: i32) -> Vec<u8> {
+    let mut out = Vec::with_capacity(OUT_HEADER_SIZE);
+    out.extend_from_slice(&(OUT_HEADER_SIZE as u32).to_le_bytes());
+    out.extend_from_slice(&(-errno).to_le_bytes());
+    out.extend_from_slice(&unique.to_le_bytes());
+    out
+}
+
 /// The header of a READ's answer of `length` bytes, which follow it in the same `writev`.
 pub fn data_reply_header(unique: u64, length: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(OUT_HEADER_SIZE);
@@ -307,5 +331,10 @@ mod tests {
         assert_eq!(reply.len(), OUT_HEADER_SIZE + ATTR_OUT_SIZE);
         assert_eq!(u64_at(&reply, 16).unwrap(), 2);
         assert_eq!(data_reply_header(9, 100)[..4], 116u32.to_le_bytes());
+        let error = error_reply(9, 38);
+        assert_eq!(
+            (error.len(), &error[4..8]),
+            (OUT_HEADER_SIZE, &(-38i32).to_le_bytes()[..])
+        );
     }
 }

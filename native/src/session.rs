@@ -261,6 +261,11 @@ impl Worker {
                 true
             }
             Request::Read { offset, size } => self.read(header, offset, size),
+            // No file here has ioctls: answered as Python answers what it does not implement.
+            Request::Ioctl => {
+                let _ = self.send(&[&abi::error_reply(header.unique, libc::ENOSYS)]);
+                true
+            }
             Request::Other => false,
         }
     }
