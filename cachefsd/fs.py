@@ -21,7 +21,10 @@ kernel forgot the inode and looked it up again, and across remounts, as
 tools that key on device and inode (``du``, ``tar``, ``rsync``) expect.
 
 Each answered lookup, and each entry of a READDIRPLUS, is a reference the
-kernel holds until it FORGETs it. The references are counted by the
+kernel holds until it FORGETs it. A directory's listing is taken whole at
+its OPENDIR, every entry's inode made then, and handed to the native
+plane, which answers its READDIRPLUS requests (each entry sent held there)
+and its RELEASEDIR; the listing's inodes stay while it is open. The references are counted by the
 native plane (``cachefsd._native.Tables``), which answers the kernel's FORGETs, and
 the lookups of names it was handed, itself: every inode handed to the
 kernel is held there with the name that found it. A file's inode is
@@ -45,7 +48,7 @@ import queue
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -138,6 +141,16 @@ class CacheDisk(Protocol):
         without the cache: its tier's policy counts it."""
         ...
 
+    def whole_place(self, info: ObjectInfo) -> tuple[str, int, int, int, str] | None:
+        """Where the file ``whole_file`` would hand over lies, as verified,
+        for the native plane: (path, device, inode, ctime in ns, tier)."""
+        ...
+
+    def count_whole_read(self, info: ObjectInfo) -> None:
+        """``info``'s whole file was handed over without the cache: its
+        tier's policy counts the read."""
+        ...
+
     def whole_file(self, info: ObjectInfo) -> WholeFile | None:
         """A read-only descriptor (the caller closes it) of a verified file
         holding exactly ``info``'s bytes from offset 0, for the kernel to
@@ -200,6 +213,15 @@ class DirEntry:
     name: str
     info: ObjectInfo | None  # None: a directory (or a staged file)
     staged: StagedFile | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """A directory's listing as its OPENDIR took it: the handle the native
+    plane serves it by, and its entries, ``.`` and ``..`` first."""
+
+    handle: int
+    entries: list[tuple[str, Attributes]]
 
 
 @dataclass(slots=True)
@@ -277,7 +299,6 @@ class FileSystem:
         self._dir_inodes: dict[str, int] = {"/": ROOT_INODE}
         self._files: dict[int, _File] = {}
         self._file_inodes: dict[tuple[str, str], int] = {}  # (key, etag) -> inode
-        self._listings: dict[int, tuple[int, Sequence[DirEntry]]] = {}  # handle -> (inode, entries)
         self._next_handle = itertools.count(1)
         self._staged_inodes: dict[StagedFile, int] = {}
         # Opens of staged files, by handle; 0 and 1 are the kernel's other
@@ -417,11 +438,13 @@ class FileSystem:
     def _name_blocks(self, inode: int, info: ObjectInfo, indices: range) -> None:
         """Name to the native plane the verified raw files of blocks
         ``indices`` of ``info``, which it then reads itself (and those
-        without one, which it leaves to ``read``)."""
+        without one, which it leaves to ``read``), and the file of all its
+        bytes, which it hands over at an open in passthrough."""
         if indices:
             files = self._cache.raw_files(info, indices)
+            whole = self._cache.whole_place(info)
             self.kernel.set_blocks(
-                inode, info.size, self._reader.block_size, indices.start, indices.stop - 1, files
+                inode, info.size, self._reader.block_size, indices.start, indices.stop - 1, files, whole
             )
 
     def _stale(self, parent: int, name: str) -> None:
@@ -435,7 +458,8 @@ class FileSystem:
         ``inode`` stands for, for the kernel to read itself (FUSE
         passthrough); None if there is none. The kernel then asks nothing
         more, so this counts as process ``pid``'s read of the whole file,
-        for everyone ``read`` tells."""
+        for everyone ``read`` tells; the native plane is named the file,
+        for the next opens."""
         info = self._file(inode).info
         job = self.jobs.of(pid)
         again = self._access.wanted_elsewhere(info, job)
@@ -443,12 +467,34 @@ class FileSystem:
             found = self._cache.whole_file(info)
         if found is None:
             return None
+        self._read_through(info, job, found.tier, again)
+        self._name_blocks(inode, info, block_range(0, info.size, info.size, self._reader.block_size))
+        return found
+
+    def opened_natively(self, inode: int, pid: int, tier: str) -> None:
+        """The native plane opened ``inode`` in passthrough for process
+        ``pid``, on its whole file in ``tier``: counted as ``open_through``
+        counts its own."""
+        with self._lock:
+            file = self._files.get(inode)
+        if file is None:
+            return
+        info = file.info
+        job = self.jobs.of(pid)
+        again = self._access.wanted_elsewhere(info, job)
+        with self._marked(info, 0, info.size, again):
+            self._cache.count_whole_read(info)
+        self._read_through(info, job, tier, again)
+
+    def _read_through(self, info: ObjectInfo, job: str, tier: str, again: bool) -> None:
+        """An open of ``info``'s whole file in ``tier`` for the kernel to
+        read, told as ``job``'s read of all of it to the workload model and
+        the reader's counts (``again``: another job still reads it)."""
         self._access.opened(info, job)
         self._access.read(info, 0, info.size, job)
         if again:
             self._access.read_by_one_of_many(info, 0, info.size, job)
-        self._reader.read_through(info, found.tier, job)
-        return found
+        self._reader.read_through(info, tier, job)
 
     def _file(self, inode: int) -> _File:
         with self._lock:
@@ -479,53 +525,48 @@ class FileSystem:
             file = self._files.get(inode)
         return None if file is None else (file.parent, file.name)
 
-    def opendir(self, inode: int, pid: int) -> int:
-        """A handle on the listing of directory ``inode`` as it is now, for
-        process ``pid``: the kernel reads it in pieces, by offset, and each
-        piece must come from the same listing."""
+    def opendir(self, inode: int, pid: int) -> Listing:
+        """The listing of directory ``inode`` as it is now, for process
+        ``pid``: the kernel reads it in pieces, by offset, and each piece
+        must come from the same listing. Every entry's inode is made now,
+        and the listing handed to the native plane, which serves it until
+        it is released."""
         directory = self._dir(inode)
         listing = self._listing(directory.path)
         self._access.listed(listing, directory.path.strip("/"), self.jobs.of(pid))
-        entries = [DirEntry(".", None), DirEntry("..", None)]
-        entries.extend(DirEntry(name, info) for name, info in listing.items())
+        entries = [DirEntry(name, info) for name, info in listing.items()]
         if self.writes is not None:
             staged = self.writes.staging.entries(directory.path[1:] + "/" if directory.path != "/" else "")
             entries = [entry for entry in entries if entry.name not in staged]
             entries.extend(DirEntry(name, None, file) for name, file in staged.items())
         with self._lock:
             handle = next(self._next_handle)
-            self._listings[handle] = (inode, entries)
-        return handle
+            listed = [
+                (".", self._attributes_locked(inode, None)),
+                ("..", self._attributes_locked(directory.parent, None)),
+            ]
+            listed.extend((entry.name, self._entry_attributes_locked(inode, entry)) for entry in entries)
+            self.kernel.set_listing(
+                handle,
+                inode,
+                [
+                    (os.fsencode(name), attributes.inode, attributes.kernel_fields, attributes.cacheable)
+                    for name, attributes in listed
+                ],
+            )
+        return Listing(handle, listed)
 
-    def readdir(self, handle: int) -> Sequence[DirEntry]:
-        """The entries of ``handle``, ``.`` and ``..`` first; the kernel's
-        offset is an index into them."""
-        with self._lock:
-            listing = self._listings.get(handle)
-        if listing is None:
-            raise BadFileHandle(str(handle))
-        return listing[1]
-
-    def remember(self, handle: int, entry: DirEntry) -> Attributes:
-        """The attributes of ``entry`` of listing ``handle``, which the
-        kernel now holds as if it had looked it up (READDIRPLUS): one more
-        reference, except for ``.`` and ``..``, which it never counts."""
-        with self._lock:
-            listing = self._listings.get(handle)
-        if listing is None:
-            raise BadFileHandle(str(handle))
-        inode = listing[0]
-        if entry.name == ".":
-            return self._attributes(inode, None)
-        if entry.name == "..":
-            return self._attributes(self._dirs[inode].parent, None)
+    def _entry_attributes_locked(self, parent: int, entry: DirEntry) -> Attributes:
+        """The attributes of ``entry`` of directory ``parent``, its inode made if new."""
         if entry.staged is not None:
-            return self._remember_staged(inode, entry.name, entry.staged)
-        return self._remember(inode, entry.name, entry.info)
+            return self._staged_attributes(
+                self._staged_inode_locked(parent, entry.name, entry.staged), entry.staged
+            )
+        return self._attributes_locked(self._inode_locked(parent, entry.name, entry.info), entry.info)
 
     def releasedir(self, handle: int) -> None:
-        with self._lock:
-            self._listings.pop(handle, None)
+        """Listing ``handle`` is released without the kernel (its OPENDIR was interrupted)."""
+        self._forgotten(self.kernel.release_listing(handle))
 
     def version_gone(self, info: ObjectInfo) -> None:
         """A refreshed listing, now visible, shows ``info`` replaced or
@@ -571,23 +612,28 @@ class FileSystem:
         None), made if new, and one more reference to it. Held in the native
         plane under this table's lock, so that ``forgotten`` sees it held."""
         with self._lock:
-            if info is None:
-                path = _child(self._dirs[parent].path, name)
-                inode = self._dir_inodes.get(path)
-                if inode is None:
-                    inode = self._dir_inodes[path] = next(self._next_inode)
-                    self._dirs[inode] = _Dir(path, parent)
-            else:
-                version = (info.key, info.etag)
-                inode = self._file_inodes.get(version)
-                if inode is None:
-                    inode = self._file_inodes[version] = next(self._next_inode)
-                    self._files[inode] = _File(info, parent, name)
-                self._files[inode].gone = False  # listed again: re-uploaded with the same content
+            inode = self._inode_locked(parent, name, info)
             attributes = self._attributes_locked(inode, info)
             gone = self.kernel.hold(inode, parent, os.fsencode(name), attributes.kernel_fields, True)
         self._forgotten(gone)
         return attributes
+
+    def _inode_locked(self, parent: int, name: str, info: ObjectInfo | None) -> int:
+        """The inode of ``name`` in ``parent`` (a directory if ``info`` is None), made if new."""
+        if info is None:
+            path = _child(self._dirs[parent].path, name)
+            inode = self._dir_inodes.get(path)
+            if inode is None:
+                inode = self._dir_inodes[path] = next(self._next_inode)
+                self._dirs[inode] = _Dir(path, parent)
+            return inode
+        version = (info.key, info.etag)
+        inode = self._file_inodes.get(version)
+        if inode is None:
+            inode = self._file_inodes[version] = next(self._next_inode)
+            self._files[inode] = _File(info, parent, name)
+        self._files[inode].gone = False  # listed again: re-uploaded with the same content
+        return inode
 
     def _attributes(self, inode: int, info: ObjectInfo | None) -> Attributes:
         with self._lock:
@@ -622,15 +668,19 @@ class FileSystem:
 
     def _remember_staged(self, parent: int, name: str, staged: StagedFile) -> Attributes:
         with self._lock:
-            inode = self._staged_inodes.get(staged)
-            if inode is None:
-                inode = self._staged_inodes[staged] = next(self._next_inode)
-                info = ObjectInfo(staged.key, 0, "", staged.mtime)
-                self._files[inode] = _File(info, parent, name, staged=staged)
+            inode = self._staged_inode_locked(parent, name, staged)
             attributes = self._staged_attributes(inode, staged)
             gone = self.kernel.hold(inode, parent, os.fsencode(name), attributes.kernel_fields, False)
         self._forgotten(gone)
         return attributes
+
+    def _staged_inode_locked(self, parent: int, name: str, staged: StagedFile) -> int:
+        inode = self._staged_inodes.get(staged)
+        if inode is None:
+            inode = self._staged_inodes[staged] = next(self._next_inode)
+            info = ObjectInfo(staged.key, 0, "", staged.mtime)
+            self._files[inode] = _File(info, parent, name, staged=staged)
+        return inode
 
     def _staged_attributes(self, inode: int, staged: StagedFile) -> Attributes:
         if staged.info is not None and staged.gone:

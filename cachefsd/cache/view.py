@@ -139,17 +139,40 @@ class CacheView:
         first handover by this process and whenever the file changes,
         counted as a read by the tier's policy, dropped if corrupt (then
         None)."""
-        if info.size == 0:
-            return None
-        if worth_whole_file(info.size, self._block_size):
-            digest = self._whole_digest(info)
-        else:  # never block 0 of a larger object: the kernel would end the file there
-            digest = self._cache.lookup(block_ref(self._source, info, 0))
+        digest = self._whole_file_digest(info)
         hit = None if digest is None else self._cache.raw_hit(digest)
         if hit is None:
             return None
         tier, fd = hit
         return WholeFile(fd, tier, info.size)
+
+    def whole_place(self, info: ObjectInfo) -> tuple[str, int, int, int, str] | None:
+        """Where the file ``whole_file`` hands over lies, as this process
+        verified it, for the native plane to hand over itself: (path, its
+        device, inode and ctime in ns, tier); None if there is none yet."""
+        digest = self._whole_file_digest(info)
+        found = None if digest is None else self._cache.verified_file(digest)
+        if found is None:
+            return None
+        tier, path, (dev, ino, ctime_ns) = found
+        return str(path), dev, ino, ctime_ns, tier
+
+    def count_whole_read(self, info: ObjectInfo) -> None:
+        """The native plane handed ``info``'s whole file over (as
+        ``whole_file`` would): the tier's policy counts the read."""
+        digest = self._whole_file_digest(info)
+        if digest is not None:
+            self._cache.touch(digest)
+
+    def _whole_file_digest(self, info: ObjectInfo) -> str | None:
+        """The content hash of the file of exactly ``info``'s bytes: its
+        one block's, or its whole file's; None if not cached so."""
+        if info.size == 0:
+            return None
+        if worth_whole_file(info.size, self._block_size):
+            return self._whole_digest(info)
+        # Never block 0 of a larger object: the kernel would end the file there.
+        return self._cache.lookup(block_ref(self._source, info, 0))
 
     def admit_file(self, info: ObjectInfo, path: Path) -> None:
         """Cache the file at ``path``, which holds exactly version ``info``'s

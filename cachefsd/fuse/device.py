@@ -1,5 +1,5 @@
-"""The FUSE device: mounting through ``fusermount3``, unmounting, and the
-backing files of passthrough (``ioctl`` on /dev/fuse).
+"""The FUSE device: mounting through ``fusermount3``, and unmounting (the
+native plane registers passthrough's backing files, ``native/src/device.rs``).
 
 ``fusermount3`` mounts for root and for users alike: it opens /dev/fuse,
 mounts it with the options it is given (and adds the descriptor, root mode
@@ -9,16 +9,13 @@ and owner), and passes the descriptor back over a socket named by
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import shutil
 import socket
-import struct
 import subprocess
 
 from cachefsd.errors import CachefsdError
-from cachefsd.fuse import protocol
 
 log = logging.getLogger(__name__)
 
@@ -87,18 +84,7 @@ def unmount(mountpoint: str) -> None:
 
 
 class Connection:
-    """One mount's connection: its /dev/fuse descriptor, and the backing
-    files registered with it (FUSE passthrough, which needs CAP_SYS_ADMIN)."""
+    """One mount's connection: its /dev/fuse descriptor."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-
-    def register(self, fd: int) -> int:
-        """Register open file ``fd`` as a backing file: the id an OPEN answer names it by."""
-        request = bytearray(protocol.BACKING_MAP.pack(fd, 0, 0))
-        backing_id: int = fcntl.ioctl(self.fd, protocol.BACKING_OPEN, request, True)
-        return backing_id
-
-    def unregister(self, backing_id: int) -> None:
-        """Drop ``backing_id``; opens already answered with it keep their file."""
-        fcntl.ioctl(self.fd, protocol.BACKING_CLOSE, struct.pack("<I", backing_id))

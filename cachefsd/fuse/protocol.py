@@ -25,7 +25,8 @@ MINIMUM_MINOR = 23
 
 class Op(enum.IntEnum):
     """The operation codes answered here (others get ENOSYS). The native
-    plane answers the FORGETs and INTERRUPT itself, and never hands them on."""
+    plane answers the FORGETs, INTERRUPT, READDIRPLUS and RELEASEDIR
+    itself (a listing is handed to it at OPENDIR), and never hands them on."""
 
     LOOKUP = 1
     GETATTR = 3
@@ -46,11 +47,9 @@ class Op(enum.IntEnum):
     FLUSH = 25
     INIT = 26
     OPENDIR = 27
-    RELEASEDIR = 29
     FSYNCDIR = 30
     CREATE = 35
     DESTROY = 38
-    READDIRPLUS = 44
     RENAME2 = 45
 
 
@@ -84,11 +83,6 @@ RENAME_NOREPLACE = 1 << 0
 # Notification codes (the ``error`` field of an unsolicited message).
 NOTIFY_INVAL_ENTRY = 3
 
-# ioctls on /dev/fuse: _IOW(229, 1, struct fuse_backing_map) and _IOW(229, 2, uint32_t).
-BACKING_OPEN = 0x4010E501
-BACKING_CLOSE = 0x4004E502
-BACKING_MAP = struct.Struct("<iIQ")  # fd, flags, padding
-
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len, opcode, unique, nodeid, uid, gid, pid, total_extlen, padding
 OUT_HEADER = struct.Struct("<IiQ")  # len, error, unique
 INIT_IN = struct.Struct("<IIIII")  # major, minor, max_readahead, flags, flags2 (then unused)
@@ -111,7 +105,6 @@ SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")
 WRITE_IN = struct.Struct("<QQIIQII")  # fh, offset, size, write_flags, lock_owner, flags, padding
 WRITE_OUT = struct.Struct("<II")  # size, padding
 KSTATFS = struct.Struct("<QQQQQIIII24x")
-DIRENT = struct.Struct("<QQII")  # ino, off, namelen, type
 NOTIFY_INVAL_ENTRY_OUT = struct.Struct("<QII")  # parent, namelen, flags
 
 # The largest read the kernel asks for: MAX_PAGES pages (1 MiB).
@@ -193,20 +186,6 @@ def pack_entry(nodeid: int, attr: Attr, timeout: float) -> bytes:
 def pack_attr_out(attr: Attr, timeout: float) -> bytes:
     seconds, nanoseconds = _seconds(timeout)
     return ATTR_OUT.pack(seconds, nanoseconds, 0) + pack_attr(attr)
-
-
-def direntplus_size(name: bytes) -> int:
-    """Bytes one READDIRPLUS entry takes, padded to 8."""
-    return -(-(ENTRY_OUT.size + ATTR.size + DIRENT.size + len(name)) // 8) * 8
-
-
-def pack_direntplus(nodeid: int, attr: Attr, timeout: float, name: bytes, offset: int) -> bytes:
-    """One READDIRPLUS entry; ``offset`` is where the next one starts. A
-    nodeid of 0 tells the kernel to make no dentry (``.`` and ``..``)."""
-    entry = pack_entry(nodeid, attr, timeout)
-    kind = (attr.mode & 0o170000) >> 12
-    packed = entry + DIRENT.pack(attr.ino, offset, len(name), kind) + name
-    return packed + b"\0" * (direntplus_size(name) - len(packed))
 
 
 def pack_statfs(blocks: int, bfree: int, bavail: int, bsize: int, frsize: int, namelen: int) -> bytes:

@@ -1,8 +1,9 @@
 """The FUSE edge: one mount's connection to the kernel. The native plane
 (``cachefsd._native.Session``) reads every request on threads of its own
 and answers those the kernel's tables hold the answer to (``fs.kernel``:
-lookups of names it was handed, attributes of versions, reads of blocks
-in verified cache files, the FORGETs); the rest it hands here, each
+lookups of names it was handed, attributes of versions, opens of cached
+versions, reads of blocks in verified cache files, the listings taken at
+OPENDIR, the FORGETs); the rest it hands here, each
 answered by ``fs.FileSystem`` in one line, in this module's protocol
 (``protocol.py``), through the descriptor it came from.
 
@@ -16,7 +17,7 @@ answering them; a read that waits on the network holds its thread until
 the block arrives, so their number bounds the reads in flight (``serve``).
 Only ``SERVING_WORKERS`` of them serve at a time: a worker about to wait
 on the network gives its turn to a parked one (``turns``). One more thread
-drains what the native plane reports (its reads, the inodes gone, the
+drains what the native plane reports (its reads and opens, the inodes gone, the
 requests it answered) into the filesystem and the metrics (``_report``).
 
 What the kernel is told is what lets it serve warm reads without asking:
@@ -26,8 +27,10 @@ entries come with their attributes (READDIRPLUS), and an open keeps the
 inode's pages. Where the kernel and our privileges allow it, a file whose
 content lies whole in one hot-tier file (its one block, or the whole file
 made of its blocks, ``cache.whole``) is opened in passthrough: the
-kernel reads that file itself, and the daemon sees no READ for it
-(``passthrough.py``; it is counted as read at its open). Without
+kernel reads that file itself, and the daemon sees no READ for it (the
+native plane's opens keep the kernel's rules; a file is counted as read
+at its open). Whether a mount's files are worth an OPEN each is judged
+by its first opens (``passthrough.OpenSizes``), here. Without
 passthrough, the kernel opens files without asking at all (no-open
 support). A name whose version changed upstream is invalidated by a
 thread of its own (``_Notifier``).
@@ -50,11 +53,11 @@ from typing import Protocol
 
 from cachefsd import turns
 from cachefsd._native import Session as NativeSession
-from cachefsd.cache.blocks import FileSpan
+from cachefsd.cache.blocks import FileSpan, WholeFile
 from cachefsd.errors import Busy, CachefsdError, NotPermitted, ObjectChanged, errno_for
 from cachefsd.fs import Attributes, FileSystem
 from cachefsd.fuse import device, protocol
-from cachefsd.fuse.passthrough import JUDGED_OPENS, Opens, OpenSizes
+from cachefsd.fuse.passthrough import JUDGED_OPENS, OpenSizes
 from cachefsd.fuse.protocol import Op, Request
 from cachefsd.reader import Piece, close_pieces
 
@@ -217,14 +220,13 @@ class Session:
         self.passthrough = Passthrough(False, "the kernel has not started the mount yet")
         self.mounted = False  # set once the kernel has initialised the mount
         self._no_open = False  # the kernel may open files without asking
-        # The connection, its native workers and the opens of its files, while serving.
+        # The connection and its native workers (which keep the opens of its files), while serving.
         self._connection: device.Connection | None = None
         self._native: NativeSession | None = None
-        self._opens: Opens | None = None
         # The descriptor the request a worker answers came from: its answer goes back through it.
         self._answering = threading.local()
-        # Opens of staged files counted in ``_opens``: handle -> whether
-        # passed through; guarded by _staged_lock.
+        # Opens of staged files counted in the native plane's opens: handle
+        # -> whether passed through; guarded by _staged_lock.
         self._staged_lock = threading.Lock()
         self._staged_opens: dict[int, bool] = {}
         self._open_sizes = OpenSizes(protocol.MAX_READ)
@@ -239,8 +241,6 @@ class Session:
             Op.READ: self._read,
             Op.RELEASE: self._release,
             Op.OPENDIR: self._opendir,
-            Op.READDIRPLUS: self._readdirplus,
-            Op.RELEASEDIR: self._releasedir,
             Op.STATFS: self._statfs,
             Op.DESTROY: self._destroy,
         }
@@ -278,10 +278,13 @@ class Session:
         at a time (prefetch fetches ahead on threads of its own)."""
         options = _mount_options(fsname, allow_other, writable=self._fs.writes is not None)
         connection = self._connection = device.mount(self._mountpoint, options)
-        self._opens = Opens(connection)
         try:
             native = self._native = NativeSession(
-                connection.fd, self._fs.kernel, NATIVE_WORKERS, protocol.REQUEST_BUFFER
+                connection.fd,
+                self._fs.kernel,
+                self._fs.writes is not None,
+                NATIVE_WORKERS,
+                protocol.REQUEST_BUFFER,
             )
         except OSError:
             os.close(connection.fd)
@@ -349,10 +352,12 @@ class Session:
         in the order it did it, until the session ends."""
         kernel = self._fs.kernel
         while not self._stopping:
-            reads, forgotten, answered = kernel.drain(REPORT_WAIT_SECONDS)
+            reads, opens, forgotten, answered = kernel.drain(REPORT_WAIT_SECONDS)
             for inode, offset, size, pid, served, seconds in reads:
                 self._told(self._fs.served_natively, inode, offset, size, pid, dict(served), seconds)
-            for inode in forgotten:  # after the reads: those need their inodes
+            for inode, pid, tier in opens:
+                self._told(self._fs.opened_natively, inode, pid, tier)
+            for inode in forgotten:  # after the reads and opens: those need their inodes
                 self._told(self._fs.forgotten, inode)
             for operation, count in answered:
                 self._events.request_answered(operation, count)
@@ -446,10 +451,10 @@ class Session:
         and drop it: whether the kernel accepts the cache's files, known at
         mount rather than at the first open."""
         assert self._backing_directory is not None
-        assert self._connection is not None
+        assert self._native is not None
         try:
             with tempfile.TemporaryFile(dir=self._backing_directory) as probe:
-                self._connection.unregister(self._connection.register(probe.fileno()))
+                self._native.check_backing(probe.fileno())
         except OSError as exc:
             return f"the kernel refused a cache file as a backing file: {exc.strerror or exc}"
         return ""
@@ -472,20 +477,20 @@ class Session:
         return protocol.pack_attr_out(_attr(attributes), self._ttl_of(attributes))
 
     def _open(self, request: Request, body: memoryview) -> None:
-        """With passthrough, by the rules of ``passthrough.Opens``; a cached
+        """What the native workers leave (``native/src/session.rs``): a
+        write, a staged file, every open while the mount's files are judged,
+        a first passthrough open whose whole file they were not named. With
+        passthrough, by the rules of the native plane's opens; a cached
         open keeps the inode's pages (they are of one version). Without it,
         ENOSYS tells a kernel with no-open support never to send OPEN (nor
         RELEASE) again, and to keep the pages of an inode across opens."""
+        assert self._native is not None
+        native = self._native
         inode, pid = request.nodeid, request.pid
         if self._fs.writes is not None:
             flags, _ = protocol.OPEN_IN.unpack_from(body)
             writing = flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC
-            if (
-                writing
-                and not self._fs.is_staged(inode)
-                and self._opens is not None
-                and self._opens.backed(inode)
-            ):
+            if writing and not self._fs.is_staged(inode) and native.backed(inode):
                 raise Busy(
                     "the object is open for reading through the kernel: it is replaced once they close"
                 )
@@ -501,26 +506,48 @@ class Session:
         # is answered by the rules until they are all released, handing
         # over no new file. An ENOSYS now would have the kernel open such a
         # file's inode in cached mode without asking, which fails (EIO).
-        opens = self._opens
-        if opens is None or not (self.passthrough.on or opens.passing_through()):
+        if not (self.passthrough.on or native.passing_through()):
             if self._no_open:
                 self._send([protocol.error(request.unique, errno.ENOSYS)])
             else:
                 self._send(protocol.reply(request.unique, protocol.pack_open(0, protocol.FOPEN_KEEP_CACHE)))
             return
         on = self.passthrough.on
-        through = opens.open(inode, lambda: self._fs.open_through(inode, pid) if on else None)
-        if through is None:
+        backing_id = self._open_by_rules(inode, lambda: self._fs.open_through(inode, pid) if on else None)
+        if backing_id is None:
             answer = protocol.pack_open(0, protocol.FOPEN_KEEP_CACHE)
         else:
-            answer = protocol.pack_open(_THROUGH, protocol.FOPEN_PASSTHROUGH, through.backing_id)
+            answer = protocol.pack_open(_THROUGH, protocol.FOPEN_PASSTHROUGH, backing_id)
         if not self._send(protocol.reply(request.unique, answer)):
-            opens.release(inode, through is not None)  # interrupted: nothing was opened
+            native.release(inode, backing_id is not None)  # interrupted: nothing was opened
+
+    def _open_by_rules(self, inode: int, find: Callable[[], WholeFile | None]) -> int | None:
+        """Open ``inode`` by the native plane's passthrough rules: the
+        backing id to answer with, or None for a cached open. ``find`` is
+        asked for the file only if the rules need one; its descriptor is
+        closed here."""
+        assert self._native is not None
+        found: list[WholeFile] = []
+
+        def look() -> tuple[int, str] | None:
+            whole = find()
+            if whole is None:
+                return None
+            found.append(whole)
+            return whole.fd, whole.tier
+
+        try:
+            return self._native.open(inode, look)
+        finally:
+            for whole in found:
+                os.close(whole.fd)
 
     def _judge(self, size: int) -> None:
         """Give up OPEN requests for good where the mount's files are too
-        small for passthrough to pay (``passthrough.OpenSizes``)."""
-        if self._open_sizes.opened(size) is False:
+        small for passthrough to pay (``passthrough.OpenSizes``); once
+        judged worth them, the native workers answer them."""
+        verdict = self._open_sizes.opened(size)
+        if verdict is False:
             read = protocol.MAX_READ >> 20
             self._set_passthrough(
                 Passthrough(
@@ -529,14 +556,28 @@ class Session:
                     "the kernel opens them without asking, which costs fewer requests",
                 )
             )
+        elif verdict:
+            self._set_open_mode()
 
     def _set_passthrough(self, passthrough: Passthrough) -> None:
-        """Passthrough is now ``passthrough``: the metrics, the log and the
-        filesystem (which makes whole files only for it) are told."""
+        """Passthrough is now ``passthrough``: the metrics, the log, the
+        native workers and the filesystem (which makes whole files only
+        for it) are told."""
         self.passthrough = passthrough
         self._fs.passthrough = passthrough.on
         self._events.passthrough_state(passthrough.on)
+        self._set_open_mode()
         log.info("%s: passthrough %s", self._mountpoint, passthrough)
+
+    def _set_open_mode(self) -> None:
+        """How the native workers answer OPEN, as ``_open`` would."""
+        assert self._native is not None
+        if self.passthrough.on and self._no_open and self._open_sizes.judging:
+            self._native.set_open_mode("python")
+        elif self.passthrough.on:
+            self._native.set_open_mode("through")
+        else:
+            self._native.set_open_mode("no-open" if self._no_open else "cached")
 
     def _open_staged(self, inode: int, handle: int, flags: int) -> bytes:
         """The answer to an open of a staged file: the kernel reads and
@@ -544,30 +585,31 @@ class Session:
         it (``fs.staged_backing``), else the daemon serves it, a writer's
         writes by direct I/O (not first into pages of the mounted file
         that the staged file's own pages would hold again)."""
-        through = None
-        if self.passthrough.on and self._opens is not None:
-            through = self._opens.open(inode, lambda: self._fs.staged_backing(handle))
+        backing_id = None
+        if self.passthrough.on:
+            backing_id = self._open_by_rules(inode, lambda: self._fs.staged_backing(handle))
             with self._staged_lock:
-                self._staged_opens[handle] = through is not None
-        if through is not None:
-            return protocol.pack_open(handle, protocol.FOPEN_PASSTHROUGH, through.backing_id)
+                self._staged_opens[handle] = backing_id is not None
+        if backing_id is not None:
+            return protocol.pack_open(handle, protocol.FOPEN_PASSTHROUGH, backing_id)
         direct = protocol.FOPEN_DIRECT_IO if flags & os.O_ACCMODE != os.O_RDONLY else 0
         return protocol.pack_open(handle, direct)
 
     def _release_staged(self, inode: int, handle: int) -> None:
         with self._staged_lock:
             through = self._staged_opens.pop(handle, None)
-        if through is not None and self._opens is not None:
-            self._opens.release(inode, through)
+        if through is not None and self._native is not None:
+            self._native.release(inode, through)
         self._fs.release(handle)
 
     def _release(self, request: Request, body: memoryview) -> None:
-        assert self._opens is not None
+        """A staged file's (the native workers release the others)."""
+        assert self._native is not None
         fh, _, _, _ = protocol.RELEASE_IN.unpack_from(body)
         if fh > _THROUGH:
             self._release_staged(request.nodeid, fh)
         else:
-            self._opens.release(request.nodeid, fh == _THROUGH)
+            self._native.release(request.nodeid, fh == _THROUGH)
         self._send(protocol.reply(request.unique))
 
     def _read(self, request: Request, body: memoryview) -> None:
@@ -612,39 +654,9 @@ class Session:
         close_pieces(pieces)
 
     def _opendir(self, request: Request, body: memoryview) -> None:
-        handle = self._fs.opendir(request.nodeid, request.pid)
+        handle = self._fs.opendir(request.nodeid, request.pid).handle
         if not self._send(protocol.reply(request.unique, protocol.pack_open(handle, 0))):
             self._fs.releasedir(handle)
-
-    def _readdirplus(self, request: Request, body: memoryview) -> None:
-        """As many entries from ``offset`` as fit in ``size`` bytes, each
-        with its attributes; each entry sent is a reference the kernel holds."""
-        handle, offset, size, _, _, _, _ = protocol.READ_IN.unpack_from(body)
-        entries = self._fs.readdir(handle)
-        parts: list[bytes] = []
-        used = 0
-        sent: list[int] = []
-        for index in range(offset, len(entries)):
-            entry = entries[index]
-            name = os.fsencode(entry.name)
-            if used + protocol.direntplus_size(name) > size:
-                break
-            attributes = self._fs.remember(handle, entry)
-            if entry.name not in (".", ".."):
-                sent.append(attributes.inode)
-            packed = protocol.pack_direntplus(
-                attributes.inode, _attr(attributes), self._ttl_of(attributes), name, index + 1
-            )
-            parts.append(packed)
-            used += len(packed)
-        if not self._send(protocol.reply(request.unique, b"".join(parts))):
-            for inode in sent:  # interrupted: the kernel holds none of them
-                self._fs.forget(inode, 1)
-
-    def _releasedir(self, request: Request, body: memoryview) -> None:
-        fh, _, _, _ = protocol.RELEASE_IN.unpack_from(body)
-        self._fs.releasedir(fh)
-        self._send(protocol.reply(request.unique))
 
     def _statfs(self, request: Request, body: memoryview) -> None:
         sizes = self._fs.statfs()

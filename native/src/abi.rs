@@ -1,7 +1,8 @@
 //! The part of the kernel's FUSE protocol (`include/uapi/linux/fuse.h`) the
 //! native plane answers itself: the request header, the bodies of LOOKUP,
-//! GETATTR, READ and the FORGETs, and the replies that carry an entry, an
-//! attribute or data. Pure functions over bytes: every other request is
+//! GETATTR, OPEN, READ, RELEASE, FLUSH, READDIRPLUS, RELEASEDIR and the
+//! FORGETs, and the replies that carry an entry, an attribute, an open
+//! file, directory entries or data. Pure functions over bytes: every other request is
 //! handed to Python whole, and Python's `fuse/protocol.py` speaks it.
 //!
 //! Every structure is little-endian with 64-bit alignment, as the header
@@ -12,10 +13,15 @@
 const LOOKUP: u32 = 1;
 const FORGET: u32 = 2;
 const GETATTR: u32 = 3;
+const OPEN: u32 = 14;
 const READ: u32 = 15;
+const RELEASE: u32 = 18;
+const FLUSH: u32 = 25;
+const RELEASEDIR: u32 = 29;
 const INTERRUPT: u32 = 36;
 const IOCTL: u32 = 39;
 const BATCH_FORGET: u32 = 42;
+const READDIRPLUS: u32 = 44;
 
 const IN_HEADER_SIZE: usize = 40;
 const OUT_HEADER_SIZE: usize = 16;
@@ -23,8 +29,18 @@ const ATTR_SIZE: usize = 88;
 const ENTRY_OUT_SIZE: usize = 40 + ATTR_SIZE;
 const ATTR_OUT_SIZE: usize = 16 + ATTR_SIZE;
 const READ_IN_SIZE: usize = 40;
+const OPEN_IN_SIZE: usize = 8;
+const OPEN_OUT_SIZE: usize = 16;
+/// `struct fuse_dirent` before its name: ino, off, namelen, type.
+const DIRENT_SIZE: usize = 24;
+/// RELEASE's and FLUSH's bodies: the handle first, then fields not read here.
+const HANDLE_IN_SIZE: usize = 24;
 const FORGET_ONE_SIZE: usize = 16;
 const BATCH_FORGET_IN_SIZE: usize = 8;
+/// An open's answer flags (`FOPEN_*`): keep the inode's pages (they are
+/// of one version), or read and write the backing file given.
+pub const FOPEN_KEEP_CACHE: u32 = 1 << 1;
+pub const FOPEN_PASSTHROUGH: u32 = 1 << 7;
 /// `st_blksize` the kernel is told: the page size.
 const BLOCK_SIZE_HINT: u32 = 4096;
 
@@ -76,6 +92,25 @@ pub enum Request<'a> {
         name: &'a [u8],
     },
     Getattr,
+    Open {
+        flags: u32,
+    },
+    /// `fh` is the handle the open was answered with.
+    Release {
+        fh: u64,
+    },
+    Flush {
+        fh: u64,
+    },
+    /// `fh` is the listing's handle; `offset` the index of its next entry.
+    Readdirplus {
+        fh: u64,
+        offset: u64,
+        size: u32,
+    },
+    Releasedir {
+        fh: u64,
+    },
     Read {
         offset: u64,
         size: u32,
@@ -101,6 +136,20 @@ pub fn decode(message: &[u8]) -> Result<(Header, Request<'_>), Malformed> {
     let request = match header.opcode {
         LOOKUP => Request::Lookup { name: name(body)? },
         GETATTR => Request::Getattr,
+        OPEN => Request::Open {
+            flags: open_flags(body)?,
+        },
+        RELEASE => Request::Release { fh: handle(body)? },
+        FLUSH => Request::Flush { fh: handle(body)? },
+        READDIRPLUS => {
+            let (offset, size) = read_range(body)?;
+            Request::Readdirplus {
+                fh: handle(body)?,
+                offset,
+                size,
+            }
+        }
+        RELEASEDIR => Request::Releasedir { fh: handle(body)? },
         READ => {
             let (offset, size) = read_range(body)?;
             Request::Read { offset, size }
@@ -122,6 +171,22 @@ pub fn decode(message: &[u8]) -> Result<(Header, Request<'_>), Malformed> {
 fn name(body: &[u8]) -> Result<&[u8], Malformed> {
     let end = body.iter().position(|&byte| byte == 0).ok_or(Malformed)?;
     Ok(&body[..end])
+}
+
+/// An OPEN's flags (`struct fuse_open_in`: the open(2) flags first).
+fn open_flags(body: &[u8]) -> Result<u32, Malformed> {
+    if body.len() < OPEN_IN_SIZE {
+        return Err(Malformed);
+    }
+    u32_at(body, 0)
+}
+
+/// The handle a RELEASE or FLUSH names (`struct fuse_release_in`, `fuse_flush_in`).
+fn handle(body: &[u8]) -> Result<u64, Malformed> {
+    if body.len() < HANDLE_IN_SIZE {
+        return Err(Malformed);
+    }
+    u64_at(body, 0)
 }
 
 /// A READ's range (`struct fuse_read_in`): its offset and size.
@@ -201,17 +266,55 @@ fn out_header(out: &mut Vec<u8>, unique: u64, body_length: usize) {
     out.extend_from_slice(&unique.to_le_bytes());
 }
 
-/// The answer to a LOOKUP: `nodeid` with `attr`, both valid for `timeout` seconds.
-pub fn entry_reply(unique: u64, nodeid: u64, attr: &Attr, timeout: f64) -> Vec<u8> {
-    let mut out = Vec::with_capacity(OUT_HEADER_SIZE + ENTRY_OUT_SIZE);
-    out_header(&mut out, unique, ENTRY_OUT_SIZE);
+/// `struct fuse_entry_out`: `nodeid` with `attr`, both valid for `timeout` seconds.
+fn pack_entry(out: &mut Vec<u8>, nodeid: u64, attr: &Attr, timeout: f64) {
     let (whole, nanos) = seconds(timeout);
     for field in [nodeid, 0, whole, whole] {
         out.extend_from_slice(&field.to_le_bytes());
     }
     out.extend_from_slice(&nanos.to_le_bytes());
     out.extend_from_slice(&nanos.to_le_bytes());
-    pack_attr(&mut out, attr);
+    pack_attr(out, attr);
+}
+
+/// The answer to a LOOKUP: `nodeid` with `attr`, both valid for `timeout` seconds.
+pub fn entry_reply(unique: u64, nodeid: u64, attr: &Attr, timeout: f64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(OUT_HEADER_SIZE + ENTRY_OUT_SIZE);
+    out_header(&mut out, unique, ENTRY_OUT_SIZE);
+    pack_entry(&mut out, nodeid, attr, timeout);
+    out
+}
+
+/// Bytes one READDIRPLUS entry of a `name_length`-byte name takes, padded to 8.
+pub fn direntplus_size(name_length: usize) -> usize {
+    (ENTRY_OUT_SIZE + DIRENT_SIZE + name_length).div_ceil(8) * 8
+}
+
+/// One READDIRPLUS entry (`struct fuse_direntplus`) onto `out`;
+/// `next_offset` is where the one after it starts. The kernel makes no
+/// dentry for `.` and `..`.
+pub fn pack_direntplus(
+    out: &mut Vec<u8>,
+    nodeid: u64,
+    attr: &Attr,
+    timeout: f64,
+    name: &[u8],
+    next_offset: u64,
+) {
+    let start = out.len();
+    pack_entry(out, nodeid, attr, timeout);
+    out.extend_from_slice(&attr.ino.to_le_bytes());
+    out.extend_from_slice(&next_offset.to_le_bytes());
+    out.extend_from_slice(&(name.len() as u32).to_le_bytes());
+    out.extend_from_slice(&((attr.mode & 0o170000) >> 12).to_le_bytes());
+    out.extend_from_slice(name);
+    out.resize(start + direntplus_size(name.len()), 0);
+}
+
+/// The header of an answer whose `length` bytes of body follow it.
+pub fn reply_header(unique: u64, length: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(OUT_HEADER_SIZE + length);
+    out_header(&mut out, unique, length);
     out
 }
 
@@ -227,19 +330,30 @@ pub fn attr_reply(unique: u64, attr: &Attr, timeout: f64) -> Vec<u8> {
     out
 }
 
+/// The answer to an OPEN (`struct fuse_open_out`): the handle, its flags,
+/// and the backing file's id where passthrough serves it (else 0).
+pub fn open_reply(unique: u64, fh: u64, open_flags: u32, backing_id: u32) -> Vec<u8> {
+    let mut out = Vec::with_capacity(OUT_HEADER_SIZE + OPEN_OUT_SIZE);
+    out_header(&mut out, unique, OPEN_OUT_SIZE);
+    out.extend_from_slice(&fh.to_le_bytes());
+    out.extend_from_slice(&open_flags.to_le_bytes());
+    out.extend_from_slice(&backing_id.to_le_bytes());
+    out
+}
+
+/// A successful answer with no body (RELEASE, FLUSH).
+pub fn empty_reply(unique: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(OUT_HEADER_SIZE);
+    out_header(&mut out, unique, 0);
+    out
+}
+
 /// A failed answer: `errno`, as the kernel takes it (negated).
 pub fn error_reply(unique: u64, errno: i32) -> Vec<u8> {
     let mut out = Vec::with_capacity(OUT_HEADER_SIZE);
     out.extend_from_slice(&(OUT_HEADER_SIZE as u32).to_le_bytes());
     out.extend_from_slice(&(-errno).to_le_bytes());
     out.extend_from_slice(&unique.to_le_bytes());
-    out
-}
-
-/// The header of a READ's answer of `length` bytes, which follow it in the same `writev`.
-pub fn data_reply_header(unique: u64, length: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(OUT_HEADER_SIZE);
-    out_header(&mut out, unique, length);
     out
 }
 
@@ -295,6 +409,65 @@ mod tests {
         assert_eq!(decode(&request(LOOKUP, 5, b"no end")), Err(Malformed));
         assert_eq!(decode(&request(READ, 5, &[0; 39])), Err(Malformed));
         assert_eq!(decode(&request(99, 5, b"")).unwrap().1, Request::Other);
+        assert_eq!(decode(&request(OPEN, 5, &[0; 7])), Err(Malformed));
+        assert_eq!(decode(&request(RELEASE, 5, &[0; 23])), Err(Malformed));
+    }
+
+    #[test]
+    fn an_open_says_its_flags_and_a_release_or_flush_its_handle() {
+        let mut open = 0o2001u32.to_le_bytes().to_vec(); // O_WRONLY | O_APPEND
+        open.extend_from_slice(&[0; 4]);
+        assert_eq!(
+            decode(&request(OPEN, 5, &open)).unwrap().1,
+            Request::Open { flags: 0o2001 }
+        );
+        let mut release = 7u64.to_le_bytes().to_vec();
+        release.extend_from_slice(&[0; 16]);
+        assert_eq!(
+            decode(&request(RELEASE, 5, &release)).unwrap().1,
+            Request::Release { fh: 7 }
+        );
+        assert_eq!(
+            decode(&request(FLUSH, 5, &release)).unwrap().1,
+            Request::Flush { fh: 7 }
+        );
+        let reply = open_reply(9, 1, FOPEN_PASSTHROUGH, 3);
+        assert_eq!(reply.len(), OUT_HEADER_SIZE + OPEN_OUT_SIZE);
+        assert_eq!(u64_at(&reply, 16).unwrap(), 1);
+        assert_eq!(u32_at(&reply, 24).unwrap(), FOPEN_PASSTHROUGH);
+        assert_eq!(u32_at(&reply, 28).unwrap(), 3);
+        assert_eq!(empty_reply(9).len(), OUT_HEADER_SIZE);
+    }
+
+    #[test]
+    fn a_readdirplus_names_its_listing_and_a_direntplus_is_padded_to_eight_bytes() {
+        let mut body = 3u64.to_le_bytes().to_vec(); // fh
+        body.extend_from_slice(&2u64.to_le_bytes()); // offset
+        body.extend_from_slice(&4096u32.to_le_bytes()); // size
+        body.extend_from_slice(&[0; 20]);
+        assert_eq!(
+            decode(&request(READDIRPLUS, 5, &body)).unwrap().1,
+            Request::Readdirplus {
+                fh: 3,
+                offset: 2,
+                size: 4096
+            }
+        );
+        assert_eq!(
+            decode(&request(RELEASEDIR, 5, &body[..24])).unwrap().1,
+            Request::Releasedir { fh: 3 }
+        );
+        let mut out = Vec::new();
+        pack_direntplus(&mut out, 5, &ATTR, 1.0, b"abc", 7);
+        assert_eq!(out.len(), direntplus_size(3));
+        assert_eq!(out.len() % 8, 0);
+        assert_eq!(direntplus_size(8), ENTRY_OUT_SIZE + DIRENT_SIZE + 8);
+        let dirent = &out[ENTRY_OUT_SIZE..];
+        assert_eq!(u64_at(dirent, 0).unwrap(), 77); // ino
+        assert_eq!(u64_at(dirent, 8).unwrap(), 7); // the next entry's offset
+        assert_eq!(u32_at(dirent, 16).unwrap(), 3); // namelen
+        assert_eq!(u32_at(dirent, 20).unwrap(), 0o10); // DT_REG
+        assert_eq!(&dirent[24..27], b"abc");
     }
 
     #[test]
@@ -330,7 +503,7 @@ mod tests {
         let reply = attr_reply(9, &ATTR, 2.0);
         assert_eq!(reply.len(), OUT_HEADER_SIZE + ATTR_OUT_SIZE);
         assert_eq!(u64_at(&reply, 16).unwrap(), 2);
-        assert_eq!(data_reply_header(9, 100)[..4], 116u32.to_le_bytes());
+        assert_eq!(reply_header(9, 100)[..4], 116u32.to_le_bytes());
         let error = error_reply(9, 38);
         assert_eq!(
             (error.len(), &error[4..8]),

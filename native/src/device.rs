@@ -1,13 +1,27 @@
-//! The kernel edge: descriptors of one FUSE connection, the eventfd that
-//! ends its workers, and the page-cache advice on cache files. The only
+//! The kernel edge: descriptors of one FUSE connection, its backing files,
+//! the eventfd that ends its workers, and the page-cache advice on cache files. The only
 //! `unsafe` code of the crate is here, each block with what makes it sound.
 
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
+use crate::opens::BackingFiles;
+
 /// `FUSE_DEV_IOC_CLONE`: `_IOR(229, 0, uint32_t)`.
 const FUSE_DEV_IOC_CLONE: libc::c_ulong = 0x8004_E500;
+/// `FUSE_DEV_IOC_BACKING_OPEN`: `_IOW(229, 1, struct fuse_backing_map)`.
+const FUSE_DEV_IOC_BACKING_OPEN: libc::c_ulong = 0x4010_E501;
+/// `FUSE_DEV_IOC_BACKING_CLOSE`: `_IOW(229, 2, uint32_t)`.
+const FUSE_DEV_IOC_BACKING_CLOSE: libc::c_ulong = 0x4004_E502;
+
+/// `struct fuse_backing_map`: the file to back an inode with.
+#[repr(C)]
+struct BackingMap {
+    fd: i32,
+    flags: u32,
+    padding: u64,
+}
 
 fn check(result: libc::c_int) -> io::Result<libc::c_int> {
     if result < 0 {
@@ -56,6 +70,54 @@ fn duplicate(session_fd: RawFd) -> io::Result<File> {
     let fd = check(unsafe { libc::fcntl(session_fd, libc::F_DUPFD_CLOEXEC, 0) })?;
     // SAFETY: `fd` was just made by fcntl and nothing else owns it.
     Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// The connection's backing files (FUSE passthrough), registered through
+/// a descriptor of its own.
+pub struct Backing {
+    device: File,
+}
+
+impl Backing {
+    pub fn new(session_fd: RawFd) -> io::Result<Self> {
+        Ok(Backing {
+            device: duplicate(session_fd)?,
+        })
+    }
+}
+
+impl BackingFiles for Backing {
+    /// Register `fd` as a backing file: the id an OPEN answer names it by.
+    fn register(&self, fd: RawFd) -> io::Result<u32> {
+        let map = BackingMap {
+            fd,
+            flags: 0,
+            padding: 0,
+        };
+        // SAFETY: the ioctl reads one `fuse_backing_map` (the kernel's
+        // layout, `repr(C)`) through the pointer, which points at a live
+        // local; the kernel takes its own reference to `fd`'s file.
+        let id = check(unsafe {
+            libc::ioctl(
+                self.device.as_raw_fd(),
+                FUSE_DEV_IOC_BACKING_OPEN,
+                &map as *const BackingMap,
+            )
+        })?;
+        Ok(id as u32)
+    }
+
+    fn unregister(&self, backing_id: u32) -> io::Result<()> {
+        // SAFETY: the ioctl reads one u32 through the pointer, which points at a live local.
+        check(unsafe {
+            libc::ioctl(
+                self.device.as_raw_fd(),
+                FUSE_DEV_IOC_BACKING_CLOSE,
+                &backing_id as *const u32,
+            )
+        })?;
+        Ok(())
+    }
 }
 
 /// An eventfd that, once signalled, stays readable: it wakes every worker.
@@ -114,4 +176,24 @@ pub fn drop_pages(file: &File, offset: u64, length: usize) {
     // SAFETY: advice on a descriptor we own, with integer arguments; its
     // failure only leaves the pages cached.
     unsafe { libc::posix_fadvise(file.as_raw_fd(), offset, length, libc::POSIX_FADV_DONTNEED) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `_IOC(direction, 229, number, size)`, as `<asm-generic/ioctl.h>` lays it out.
+    fn fuse_ioctl(direction: libc::c_ulong, number: libc::c_ulong, size: usize) -> libc::c_ulong {
+        (direction << 30) | ((size as libc::c_ulong) << 16) | (229 << 8) | number
+    }
+
+    #[test]
+    fn the_ioctl_numbers_are_the_kernels() {
+        const WRITE: libc::c_ulong = 1;
+        const READ: libc::c_ulong = 2;
+        assert_eq!(std::mem::size_of::<BackingMap>(), 16);
+        assert_eq!(FUSE_DEV_IOC_CLONE, fuse_ioctl(READ, 0, 4));
+        assert_eq!(FUSE_DEV_IOC_BACKING_OPEN, fuse_ioctl(WRITE, 1, 16));
+        assert_eq!(FUSE_DEV_IOC_BACKING_CLOSE, fuse_ioctl(WRITE, 2, 4));
+    }
 }

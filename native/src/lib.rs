@@ -9,13 +9,17 @@
 //!   its blocks; it drains, in batches, the reads served here, the inodes
 //!   gone and the requests answered (`reports.rs`);
 //! - `Session`, the native workers of one mount (`session.rs`): Python
-//!   takes from it the requests only Python answers, one a call.
+//!   takes from it the requests only Python answers, one a call, sets how
+//!   OPEN is answered, and opens and releases through it the files the
+//!   native workers did not (the passthrough rules of `opens.rs` are one
+//!   table for both).
 //!
 //! Every call that may wait releases the GIL. `abi`, the decoding of the
 //! kernel's requests, is public for the fuzz target (`fuzz/`).
 
 pub mod abi;
 mod device;
+mod opens;
 mod reports;
 mod session;
 mod tables;
@@ -29,18 +33,33 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::abi::Attr;
+use crate::opens::{Begin, Opened};
 use crate::reports::Reports;
-use crate::tables::{BlockFile, FileIdentity};
+use crate::session::OpenMode;
+use crate::tables::{BlockFile, FileIdentity, Listed};
 
 /// `protocol.Attr`'s fields, in order: ino, size, mtime, mode, nlink, uid, gid.
 type AttrFields = (u64, u64, f64, u32, u32, u32, u32);
 /// A block's verified raw file: index, path, offset of the block in it,
 /// the file's device, inode and ctime (ns), and its tier's name.
 type BlockFileFields = (u64, PathBuf, u64, u64, u64, i64, String);
+/// A listing's entry: name, inode, attributes, cacheable.
+type ListedFields = (Vec<u8>, u64, AttrFields, bool);
+/// A version's whole verified raw file: path, the file's device, inode and
+/// ctime (ns), and its tier's name.
+type WholeFields = (PathBuf, u64, u64, i64, String);
 /// A read served natively: inode, offset, size, pid, bytes by tier, seconds.
 type ReadFields = (u64, u64, u64, u32, Vec<(String, u64)>, f64);
-/// What `Tables.drain` returns: reads, inodes gone, requests answered by operation.
-type Drained = (Vec<ReadFields>, Vec<u64>, Vec<(&'static str, u64)>);
+/// An open served natively in passthrough: inode, pid, tier.
+type OpenFields = (u64, u32, String);
+/// What `Tables.drain` returns: reads, passthrough opens, inodes gone,
+/// requests answered by operation.
+type Drained = (
+    Vec<ReadFields>,
+    Vec<OpenFields>,
+    Vec<u64>,
+    Vec<(&'static str, u64)>,
+);
 
 fn attr((ino, size, mtime, mode, nlink, uid, gid): AttrFields) -> Attr {
     Attr {
@@ -115,7 +134,8 @@ impl PyTables {
         gone
     }
 
-    /// The files of blocks `first..=last` of `inode` (those not named: none).
+    /// The files of blocks `first..=last` of `inode` (those not named:
+    /// none), and the file of all its bytes, if there is one.
     #[allow(clippy::too_many_arguments)] // the blocks' span and their files, field by field
     fn set_blocks(
         &self,
@@ -125,6 +145,7 @@ impl PyTables {
         first: u64,
         last: u64,
         files: Vec<BlockFileFields>,
+        whole: Option<WholeFields>,
     ) -> PyResult<()> {
         if block_size == 0 {
             return Err(PyValueError::new_err("block_size must be positive"));
@@ -145,14 +166,46 @@ impl PyTables {
                 )
             })
             .collect();
+        let whole = whole.map(|(path, dev, ino, ctime_ns, tier)| BlockFile {
+            path,
+            offset: 0,
+            identity: FileIdentity { dev, ino, ctime_ns },
+            tier: Arc::from(tier),
+        });
         self.tables.set_blocks(
             inode,
             size,
             block_size,
             first..last.saturating_add(1),
             files,
+            whole,
         );
         Ok(())
+    }
+
+    /// Listing `handle` of `directory` as OPENDIR found it (`.` and `..`
+    /// first), which the native workers read; its entries' inodes stay
+    /// until it is released.
+    fn set_listing(&self, handle: u64, directory: u64, entries: Vec<ListedFields>) {
+        let entries = entries
+            .into_iter()
+            .map(|(name, inode, attributes, cacheable)| Listed {
+                name,
+                inode,
+                attr: attr(attributes),
+                cacheable,
+            })
+            .collect();
+        self.tables.set_listing(handle, directory, entries);
+    }
+
+    /// Listing `handle` was released without the kernel (an OPENDIR
+    /// interrupted); the inodes gone with it.
+    fn release_listing(&self, handle: u64) -> Vec<u64> {
+        let mut gone = Vec::new();
+        self.tables
+            .release_listing(handle, Instant::now(), &mut gone);
+        gone
     }
 
     /// What was reported since the last drain, once there is something or
@@ -185,13 +238,18 @@ impl PyTables {
                 )
             })
             .collect();
+        let opens = pending
+            .opens
+            .into_iter()
+            .map(|open| (open.inode, open.pid, open.tier.to_string()))
+            .collect();
         let answered = reports::ANSWERED
             .iter()
             .zip(pending.answered)
             .filter(|(_, count)| *count > 0)
             .map(|(name, count)| (*name, count))
             .collect();
-        (reads, pending.forgotten, answered)
+        (reads, opens, pending.forgotten, answered)
     }
 }
 
@@ -203,11 +261,18 @@ struct PySession {
 #[pymethods]
 impl PySession {
     #[new]
-    fn new(fd: i32, tables: &PyTables, workers: usize, request_buffer: usize) -> PyResult<Self> {
+    fn new(
+        fd: i32,
+        tables: &PyTables,
+        writable: bool,
+        workers: usize,
+        request_buffer: usize,
+    ) -> PyResult<Self> {
         let session = session::Session::start(
             fd,
             Arc::clone(&tables.tables),
             Arc::clone(&tables.reports),
+            writable,
             workers,
             request_buffer,
         )?;
@@ -226,6 +291,74 @@ impl PySession {
 
     fn stop(&self) {
         self.session.stop();
+    }
+
+    /// How the native workers answer OPEN: "python" (they hand it on),
+    /// "through", "cached" or "no-open" (`session::OpenMode`).
+    fn set_open_mode(&self, mode: &str) -> PyResult<()> {
+        let mode = match mode {
+            "python" => OpenMode::Python,
+            "through" => OpenMode::Through,
+            "cached" => OpenMode::Cached,
+            "no-open" => OpenMode::NoOpen,
+            _ => return Err(PyValueError::new_err(format!("no open mode {mode:?}"))),
+        };
+        self.session.set_open_mode(mode);
+        Ok(())
+    }
+
+    /// Open `inode` by the passthrough rules: the backing id to answer
+    /// with, or None for a cached open. `find()` is asked for the file of
+    /// its bytes, as (descriptor, tier) or None, when the rules need it;
+    /// the caller closes that descriptor.
+    fn open(&self, py: Python<'_>, inode: u64, find: Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        let opens = self.session.opens();
+        let waiting = Arc::clone(&opens);
+        let opened = match py.detach(move || waiting.begin(inode, true)) {
+            Begin::Decided(opened) => opened,
+            Begin::Busy => unreachable!("a waiting open is never busy"),
+            Begin::Find => {
+                let found = find
+                    .call0()
+                    .and_then(|found| found.extract::<Option<(i32, String)>>());
+                let found = match found {
+                    Ok(found) => found,
+                    Err(error) => {
+                        opens.abandon(inode);
+                        return Err(error);
+                    }
+                };
+                let found = found.map(|(fd, tier)| (fd, Arc::from(tier)));
+                let finishing = Arc::clone(&opens);
+                py.detach(move || finishing.finish(inode, found))
+            }
+        };
+        Ok(match opened {
+            Opened::Cached => None,
+            Opened::Through(backing) => Some(backing.id),
+        })
+    }
+
+    /// An open of `inode` Python answered was released (`through`: a passthrough one).
+    fn release(&self, py: Python<'_>, inode: u64, through: bool) {
+        let opens = self.session.opens();
+        py.detach(move || opens.release(inode, through));
+    }
+
+    /// Whether `inode` has passthrough opens.
+    fn backed(&self, inode: u64) -> bool {
+        self.session.opens().backed(inode)
+    }
+
+    /// Whether any inode has a passthrough open.
+    fn passing_through(&self) -> bool {
+        self.session.opens().passing_through()
+    }
+
+    /// Register `fd` as a backing file and close it again: whether the
+    /// kernel takes the cache's files, known at mount.
+    fn check_backing(&self, fd: i32) -> PyResult<()> {
+        Ok(self.session.opens().check_backing(fd)?)
     }
 
     fn join(&self, py: Python<'_>) {

@@ -1,18 +1,34 @@
 //! What the native plane tells Python, in batches Python drains off the
-//! hot path: the reads it served (for the workload model, the cache's
-//! policy and the metrics), the inodes that are gone (for `fs.py`'s
+//! hot path: the reads it served and the files it opened in passthrough
+//! (for the workload model, the cache's policy and the metrics), the inodes that are gone (for `fs.py`'s
 //! table), and how many requests of each kind it answered.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// The operations answered natively, by the names Python's metrics use.
-pub const ANSWERED: [&str; 5] = ["lookup", "getattr", "read", "forget", "batch_forget"];
+pub const ANSWERED: [&str; 10] = [
+    "lookup",
+    "getattr",
+    "read",
+    "forget",
+    "batch_forget",
+    "open",
+    "release",
+    "flush",
+    "readdirplus",
+    "releasedir",
+];
 pub const LOOKUP: usize = 0;
 pub const GETATTR: usize = 1;
 pub const READ: usize = 2;
 pub const FORGET: usize = 3;
 pub const BATCH_FORGET: usize = 4;
+pub const OPEN: usize = 5;
+pub const RELEASE: usize = 6;
+pub const FLUSH: usize = 7;
+pub const READDIRPLUS: usize = 8;
+pub const RELEASEDIR: usize = 9;
 
 /// One READ answered from cache files.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,9 +42,19 @@ pub struct ReadReport {
     pub seconds: f64,
 }
 
+/// One open answered in passthrough: the kernel reads the whole file of
+/// the tier named, unseen.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpenReport {
+    pub inode: u64,
+    pub pid: u32,
+    pub tier: Arc<str>,
+}
+
 #[derive(Debug, Default)]
 pub struct Pending {
     pub reads: Vec<ReadReport>,
+    pub opens: Vec<OpenReport>,
     pub forgotten: Vec<u64>,
     pub answered: [u64; ANSWERED.len()],
 }
@@ -36,6 +62,7 @@ pub struct Pending {
 impl Pending {
     fn is_empty(&self) -> bool {
         self.reads.is_empty()
+            && self.opens.is_empty()
             && self.forgotten.is_empty()
             && self.answered.iter().all(|&count| count == 0)
     }
@@ -68,6 +95,13 @@ impl Reports {
         self.add(|pending| {
             pending.reads.push(report);
             pending.answered[READ] += 1;
+        });
+    }
+
+    pub fn opened(&self, report: OpenReport) {
+        self.add(|pending| {
+            pending.opens.push(report);
+            pending.answered[OPEN] += 1;
         });
     }
 

@@ -3,11 +3,13 @@
 //! Each worker reads the kernel's requests from a descriptor of its own (a
 //! clone of the connection) and answers what `Tables` knows: LOOKUP of a
 //! fresh name, GETATTR of a version, READ of blocks in verified cache
-//! files, the FORGETs (counted here) and INTERRUPT (a request is
-//! interrupted by answering it). Every other request is handed to Python
-//! whole (`next_request`), with the descriptor its answer goes back
-//! through, one request a call: a directory not listed yet, an open, a
-//! write, a block no file holds.
+//! files, OPEN of a version for reading (in passthrough on its whole file,
+//! by the rules of `opens.rs`, as the open mode Python set says), RELEASE
+//! and FLUSH of such opens, the FORGETs (counted here) and INTERRUPT (a
+//! request is interrupted by answering it). Every other request is handed
+//! to Python whole (`next_request`), with the descriptor its answer goes
+//! back through, one request a call: a directory, a write, a staged file,
+//! a block no file holds, an open while the mount's files are judged.
 //!
 //! A request is answered once: natively, or by Python. A native answer
 //! that fails half way (a cache file gone or changed, a short read) has
@@ -16,17 +18,50 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, IoSlice, Read, Write};
-use std::os::fd::{OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{FileExt, MetadataExt};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crate::abi::{self, Request};
-use crate::device;
-use crate::reports::{self, ReadReport, Reports};
-use crate::tables::{FileIdentity, Piece, Tables};
+use crate::device::{self, Backing};
+use crate::opens::{Begin, Opened, Opens};
+use crate::reports::{self, OpenReport, ReadReport, Reports};
+use crate::tables::{BlockFile, FileIdentity, Piece, Tables};
+
+/// The handle of a cached open and of a passthrough one (Python's
+/// `session._THROUGH`); a larger one is a staged file's, Python's.
+const CACHED_HANDLE: u64 = 0;
+const THROUGH_HANDLE: u64 = 1;
+
+/// How OPEN is answered, as Python decides (`Session.set_open_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum OpenMode {
+    /// Python answers every OPEN (before INIT, and while it judges the
+    /// mount's files).
+    Python = 0,
+    /// Passthrough on: a version's whole file is handed over.
+    Through = 1,
+    /// Passthrough off: cached opens that keep the inode's pages.
+    Cached = 2,
+    /// Passthrough off on a kernel that opens files without asking: ENOSYS
+    /// tells it so.
+    NoOpen = 3,
+}
+
+impl OpenMode {
+    fn from_u8(value: u8) -> Self {
+        match value {
+            1 => OpenMode::Through,
+            2 => OpenMode::Cached,
+            3 => OpenMode::NoOpen,
+            _ => OpenMode::Python,
+        }
+    }
+}
 
 /// A request for Python: the descriptor it was read from, and its bytes.
 pub struct Handed {
@@ -37,6 +72,11 @@ pub struct Handed {
 struct Shared {
     tables: Arc<Tables>,
     reports: Arc<Reports>,
+    opens: Arc<Opens<Backing>>,
+    open_mode: AtomicU8,
+    /// A writable mount's FLUSH of a staged file is Python's; a read-only
+    /// mount implements none.
+    writable: bool,
     handed: Mutex<VecDeque<Handed>>,
     handed_ready: Condvar,
     ended: AtomicBool,
@@ -80,6 +120,7 @@ impl Session {
         session_fd: RawFd,
         tables: Arc<Tables>,
         reports: Arc<Reports>,
+        writable: bool,
         workers: usize,
         request_buffer: usize,
     ) -> io::Result<Self> {
@@ -89,6 +130,9 @@ impl Session {
         let shared = Arc::new(Shared {
             tables,
             reports,
+            opens: Arc::new(Opens::new(Backing::new(session_fd)?)),
+            open_mode: AtomicU8::new(OpenMode::Python as u8),
+            writable,
             handed: Mutex::new(VecDeque::new()),
             handed_ready: Condvar::new(),
             ended: AtomicBool::new(false),
@@ -127,6 +171,15 @@ impl Session {
                 .wait(handed)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
         }
+    }
+
+    /// The open files of the connection's inodes, and their backing ids.
+    pub fn opens(&self) -> Arc<Opens<Backing>> {
+        Arc::clone(&self.shared.opens)
+    }
+
+    pub fn set_open_mode(&self, mode: OpenMode) {
+        self.shared.open_mode.store(mode as u8, Ordering::SeqCst);
     }
 
     /// End the session: the workers return, `next_request` answers None.
@@ -175,7 +228,6 @@ impl Worker {
     }
 
     fn run(mut self) {
-        use std::os::fd::AsRawFd;
         while !self.shared.ended.load(Ordering::SeqCst) {
             let size = match (&self.device).read(&mut self.buffer) {
                 Ok(size) => size,
@@ -260,6 +312,41 @@ impl Worker {
                 reports.answered(reports::GETATTR);
                 true
             }
+            Request::Open { flags } => self.open(header, flags),
+            Request::Release { fh } => {
+                if fh > THROUGH_HANDLE {
+                    return false; // a staged file's
+                }
+                self.shared
+                    .opens
+                    .release(header.nodeid, fh == THROUGH_HANDLE);
+                let _ = self.send(&[&abi::empty_reply(header.unique)]);
+                reports.answered(reports::RELEASE);
+                true
+            }
+            Request::Flush { fh } => {
+                if !self.shared.writable {
+                    let _ = self.send(&[&abi::error_reply(header.unique, libc::ENOSYS)]);
+                    return true;
+                }
+                if fh > THROUGH_HANDLE {
+                    return false; // a staged file's: its bytes may wait for the flush
+                }
+                let _ = self.send(&[&abi::empty_reply(header.unique)]);
+                reports.answered(reports::FLUSH);
+                true
+            }
+            Request::Readdirplus { fh, offset, size } => self.readdirplus(header, fh, offset, size),
+            Request::Releasedir { fh } => {
+                let mut gone = Vec::new();
+                if !tables.release_listing(fh, Instant::now(), &mut gone) {
+                    return false;
+                }
+                reports.forgotten(gone);
+                let _ = self.send(&[&abi::empty_reply(header.unique)]);
+                reports.answered(reports::RELEASEDIR);
+                true
+            }
             Request::Read { offset, size } => self.read(header, offset, size),
             // No file here has ioctls: answered as Python answers what it does not implement.
             Request::Ioctl => {
@@ -268,6 +355,133 @@ impl Worker {
             }
             Request::Other => false,
         }
+    }
+
+    /// An OPEN for reading of a version `Tables` holds, by the open mode;
+    /// false if it is Python's (a write, a staged file, the mode, or a
+    /// first passthrough open whose whole file is not named here).
+    fn open(&mut self, header: abi::Header, flags: u32) -> bool {
+        let flags = flags as libc::c_int;
+        let writing = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
+        let (tables, opens) = (&self.shared.tables, &self.shared.opens);
+        if writing || !tables.cacheable(header.nodeid) {
+            return false;
+        }
+        let mode = OpenMode::from_u8(self.shared.open_mode.load(Ordering::SeqCst));
+        let through = match mode {
+            OpenMode::Python => return false,
+            OpenMode::Through => true,
+            // Passthrough given up while files are open in it: OPEN is
+            // answered by the rules until they are all released, handing
+            // over no new file. Without such files, the kernel is told
+            // (ENOSYS) to open files without asking, or answered a cached open.
+            OpenMode::Cached | OpenMode::NoOpen if !opens.passing_through() => {
+                let reply = if mode == OpenMode::NoOpen {
+                    abi::error_reply(header.unique, libc::ENOSYS)
+                } else {
+                    abi::open_reply(header.unique, CACHED_HANDLE, abi::FOPEN_KEEP_CACHE, 0)
+                };
+                let _ = self.send(&[&reply]);
+                self.shared.reports.answered(reports::OPEN);
+                return true;
+            }
+            OpenMode::Cached | OpenMode::NoOpen => false,
+        };
+        let opened = match opens.begin(header.nodeid, false) {
+            Begin::Busy => return false,
+            Begin::Decided(opened) => opened,
+            Begin::Find => {
+                let whole = through.then(|| tables.whole(header.nodeid)).flatten();
+                match whole.map(|whole| (open_verified(&whole), whole)) {
+                    Some((Ok(file), whole)) => opens.finish(
+                        header.nodeid,
+                        Some((file.as_raw_fd(), Arc::clone(&whole.tier))),
+                    ),
+                    // Python looks in the cache (a whole file made since).
+                    _ if through => {
+                        opens.abandon(header.nodeid);
+                        return false;
+                    }
+                    _ => opens.finish(header.nodeid, None),
+                }
+            }
+        };
+        let reply = match &opened {
+            Opened::Cached => {
+                abi::open_reply(header.unique, CACHED_HANDLE, abi::FOPEN_KEEP_CACHE, 0)
+            }
+            Opened::Through(backing) => abi::open_reply(
+                header.unique,
+                THROUGH_HANDLE,
+                abi::FOPEN_PASSTHROUGH,
+                backing.id,
+            ),
+        };
+        if self.send(&[&reply]).is_err() {
+            // Interrupted: nothing was opened.
+            opens.release(header.nodeid, matches!(opened, Opened::Through(_)));
+            return true;
+        }
+        match opened {
+            Opened::Through(backing) => self.shared.reports.opened(OpenReport {
+                inode: header.nodeid,
+                pid: header.pid,
+                tier: backing.tier,
+            }),
+            Opened::Cached => self.shared.reports.answered(reports::OPEN),
+        }
+        true
+    }
+
+    /// As many entries of listing `fh` from index `offset` as fit in
+    /// `size` bytes, each with its attributes; each entry sent (but `.` and
+    /// `..`) is a reference the kernel holds. False if Python has the listing.
+    fn readdirplus(&mut self, header: abi::Header, fh: u64, offset: u64, size: u32) -> bool {
+        let (tables, reports) = (&self.shared.tables, &self.shared.reports);
+        let Some(listing) = tables.listing(fh) else {
+            return false;
+        };
+        let now = Instant::now();
+        let (mut body, mut sent, mut gone) = (Vec::new(), Vec::new(), Vec::new());
+        let first = usize::try_from(offset).unwrap_or(usize::MAX);
+        for (index, entry) in listing.entries.iter().enumerate().skip(first) {
+            if body.len() + abi::direntplus_size(entry.name.len()) > size as usize {
+                break;
+            }
+            if !entry.is_dot() {
+                let (inode, attr) = (entry.inode, entry.attr);
+                tables.hold(
+                    inode,
+                    listing.directory,
+                    &entry.name,
+                    attr,
+                    entry.cacheable,
+                    now,
+                    &mut gone,
+                );
+                sent.push(inode);
+            }
+            let timeout = tables.timeout(entry.cacheable);
+            abi::pack_direntplus(
+                &mut body,
+                entry.inode,
+                &entry.attr,
+                timeout,
+                &entry.name,
+                index as u64 + 1,
+            );
+        }
+        let reply = abi::reply_header(header.unique, body.len());
+        if self.send(&[&reply, &body]).is_err() {
+            // Interrupted: the kernel holds none of them.
+            gone.extend(
+                sent.into_iter()
+                    .filter(|&inode| tables.forget(inode, 1, now)),
+            );
+        }
+        reports.forgotten(gone);
+        reports.answered(reports::READDIRPLUS);
+        true
     }
 
     /// A READ from the cache files `Tables` names; false (nothing sent) if
@@ -288,7 +502,7 @@ impl Worker {
             }
             at += piece.length;
         }
-        let reply_header = abi::data_reply_header(header.unique, total);
+        let reply_header = abi::reply_header(header.unique, total);
         let _ = self.send(&[&reply_header, &self.data[..total]]);
         let mut served: Vec<(Arc<str>, u64)> = Vec::new();
         for (piece, file) in pieces.iter().zip(&opened) {
@@ -318,20 +532,26 @@ impl Worker {
     }
 }
 
-/// Read `piece` into `into` from its file, if that file is still the one verified.
-fn read_piece(piece: &Piece, into: &mut [u8]) -> io::Result<File> {
-    let file = File::open(&piece.file.path)?;
+/// `block_file`'s file, if it is still the one verified.
+fn open_verified(block_file: &BlockFile) -> io::Result<File> {
+    let file = File::open(&block_file.path)?;
     let status = file.metadata()?;
     let identity = FileIdentity {
         dev: status.dev(),
         ino: status.ino(),
         ctime_ns: status.ctime() * 1_000_000_000 + status.ctime_nsec(),
     };
-    if identity != piece.file.identity {
+    if identity != block_file.identity {
         return Err(io::Error::other(
             "the cache file changed since it was verified",
         ));
     }
+    Ok(file)
+}
+
+/// Read `piece` into `into` from its file, if that file is still the one verified.
+fn read_piece(piece: &Piece, into: &mut [u8]) -> io::Result<File> {
+    let file = open_verified(&piece.file)?;
     file.read_exact_at(into, piece.offset)?;
     Ok(file)
 }

@@ -73,6 +73,31 @@ struct Blocks {
 
 type Name = (u64, Vec<u8>);
 
+/// An entry of a listing: its name, inode and attributes, and whether they
+/// are cacheable (else the kernel is told they are valid for no time).
+#[derive(Debug, Clone)]
+pub struct Listed {
+    pub name: Vec<u8>,
+    pub inode: u64,
+    pub attr: Attr,
+    pub cacheable: bool,
+}
+
+impl Listed {
+    /// `.` and `..`: the kernel holds no reference to either.
+    pub fn is_dot(&self) -> bool {
+        self.name == b"." || self.name == b".."
+    }
+}
+
+/// A directory's entries as its OPENDIR found them, `.` and `..` first:
+/// the kernel's READDIRPLUS offset indexes them.
+#[derive(Debug)]
+pub struct Listing {
+    pub directory: u64,
+    pub entries: Vec<Listed>,
+}
+
 #[derive(Debug)]
 struct Record {
     attr: Attr,
@@ -80,8 +105,12 @@ struct Record {
     /// one): Python answers all of it.
     cacheable: bool,
     references: u64,
+    /// Open listings that hold it (`set_listing`).
+    pins: u64,
     name: Option<Name>,
     blocks: Option<Blocks>,
+    /// The verified file of exactly the version's bytes, from offset 0.
+    whole: Option<Arc<BlockFile>>,
 }
 
 #[derive(Debug)]
@@ -94,6 +123,7 @@ struct Entry {
 struct State {
     records: HashMap<u64, Record>,
     names: HashMap<Name, Entry>,
+    listings: HashMap<u64, Arc<Listing>>,
     swept: Instant,
 }
 
@@ -117,6 +147,7 @@ impl Tables {
             state: Mutex::new(State {
                 records: HashMap::new(),
                 names: HashMap::new(),
+                listings: HashMap::new(),
                 swept: now,
             }),
         }
@@ -152,14 +183,17 @@ impl Tables {
                 attr,
                 cacheable,
                 references: 0,
+                pins: 0,
                 name: None,
                 blocks: None,
+                whole: None,
             });
             record.references += 1;
             record.attr = attr;
             record.cacheable = cacheable;
             if !cacheable {
                 record.blocks = None;
+                record.whole = None;
             }
             let before = std::mem::replace(&mut record.name, cacheable.then(|| key.clone()));
             if let Some(before) = before.filter(|before| *before != key) {
@@ -189,7 +223,7 @@ impl Tables {
             return false;
         };
         record.references = record.references.saturating_sub(count);
-        if record.references == 0 && !state.fresh_name(inode, now) {
+        if record.references == 0 && record.pins == 0 && !state.fresh_name(inode, now) {
             let mut gone = Vec::new();
             state.remove(inode, &mut gone);
             return true;
@@ -211,6 +245,7 @@ impl Tables {
         };
         record.cacheable = false;
         record.blocks = None;
+        record.whole = None;
         if let Some(name) = record.name.take() {
             state.names.remove(&name);
         }
@@ -227,7 +262,8 @@ impl Tables {
 
     /// The verified raw files of `inode`'s blocks `blocks` (index -> file),
     /// replacing what was known of those: a block of them not named is
-    /// Python's to read. `inode` is `size` bytes cut in blocks of `block_size`.
+    /// Python's to read. `inode` is `size` bytes cut in blocks of
+    /// `block_size`; `whole` is the file of all of them, if there is one.
     pub fn set_blocks(
         &self,
         inode: u64,
@@ -235,6 +271,7 @@ impl Tables {
         block_size: u64,
         blocks: Range<u64>,
         files: Vec<(u64, BlockFile)>,
+        whole: Option<BlockFile>,
     ) {
         let mut state = self.state();
         let Some(record) = state
@@ -244,6 +281,7 @@ impl Tables {
         else {
             return;
         };
+        record.whole = whole.map(Arc::new);
         let known = record.blocks.get_or_insert_with(|| Blocks {
             size,
             block_size,
@@ -285,6 +323,59 @@ impl Tables {
         })
     }
 
+    /// How long the kernel may keep an entry or attributes: the TTL, or no
+    /// time for ones that change under it.
+    pub fn timeout(&self, cacheable: bool) -> f64 {
+        if cacheable {
+            self.ttl.as_secs_f64()
+        } else {
+            0.0
+        }
+    }
+
+    /// Python opened listing `handle` of `directory`: its entries' inodes
+    /// (made by Python, held or not) stay until it is released.
+    pub fn set_listing(&self, handle: u64, directory: u64, entries: Vec<Listed>) {
+        let mut state = self.state();
+        for entry in entries.iter().filter(|entry| !entry.is_dot()) {
+            let record = state.records.entry(entry.inode).or_insert(Record {
+                attr: entry.attr,
+                cacheable: entry.cacheable,
+                references: 0,
+                pins: 0,
+                name: None,
+                blocks: None,
+                whole: None,
+            });
+            record.pins += 1;
+        }
+        let listing = Arc::new(Listing { directory, entries });
+        state.listings.insert(handle, listing);
+    }
+
+    pub fn listing(&self, handle: u64) -> Option<Arc<Listing>> {
+        self.state().listings.get(&handle).cloned()
+    }
+
+    /// Listing `handle` was released; false if there is none. The inodes
+    /// only it kept are gone.
+    pub fn release_listing(&self, handle: u64, now: Instant, gone: &mut Vec<u64>) -> bool {
+        let mut state = self.state();
+        let Some(listing) = state.listings.remove(&handle) else {
+            return false;
+        };
+        for entry in listing.entries.iter().filter(|entry| !entry.is_dot()) {
+            let Some(record) = state.records.get_mut(&entry.inode) else {
+                continue;
+            };
+            record.pins = record.pins.saturating_sub(1);
+            if record.references == 0 && record.pins == 0 && !state.fresh_name(entry.inode, now) {
+                state.remove(entry.inode, gone);
+            }
+        }
+        true
+    }
+
     /// A GETATTR answered here: a version's attributes never change.
     pub fn getattr(&self, inode: u64) -> Option<(Attr, f64)> {
         let state = self.state();
@@ -292,7 +383,25 @@ impl Tables {
             .records
             .get(&inode)
             .filter(|record| record.cacheable)?;
-        Some((record.attr, self.ttl.as_secs_f64()))
+        Some((record.attr, self.timeout(true)))
+    }
+
+    /// The file of all of `inode`'s bytes, for a passthrough open, if named.
+    pub fn whole(&self, inode: u64) -> Option<Arc<BlockFile>> {
+        let state = self.state();
+        let record = state
+            .records
+            .get(&inode)
+            .filter(|record| record.cacheable)?;
+        record.whole.clone()
+    }
+
+    /// Whether `inode` is a version the kernel may open here (not staged).
+    pub fn cacheable(&self, inode: u64) -> bool {
+        self.state()
+            .records
+            .get(&inode)
+            .is_some_and(|record| record.cacheable)
     }
 
     /// Where the bytes `[offset, offset + size)` of `inode` lie, clipped to
@@ -346,7 +455,7 @@ impl State {
     fn unname(&mut self, inode: u64, gone: &mut Vec<u64>) {
         if let Some(record) = self.records.get_mut(&inode) {
             record.name = None;
-            if record.references == 0 {
+            if record.references == 0 && record.pins == 0 {
                 self.remove(inode, gone);
             }
         }
@@ -485,12 +594,21 @@ mod tests {
         let start = Instant::now();
         let tables = Tables::new(TTL, start);
         held(&tables, 5, b"f", true, start);
-        tables.set_blocks(5, 10, 4, 0..3, vec![file(0), file(1), file(2)]);
+        tables.set_blocks(
+            5,
+            10,
+            4,
+            0..3,
+            vec![file(0), file(1), file(2)],
+            Some(file(9).1),
+        );
         assert!(tables.read_plan(5, 0, 10).is_some());
+        assert!(tables.whole(5).is_some());
         tables.uncache(5); // opened to be replaced
         assert!(tables.lookup(1, b"f", start, &mut vec![]).is_none());
         assert!(tables.getattr(5).is_none());
         assert!(tables.read_plan(5, 0, 10).is_none());
+        assert!(tables.whole(5).is_none() && !tables.cacheable(5));
         held(&tables, 5, b"f", false, start); // looked up again, still staged
         assert!(tables.lookup(1, b"f", start, &mut vec![]).is_none());
         assert!(!tables.forget(5, 1, start));
@@ -502,8 +620,8 @@ mod tests {
         let start = Instant::now();
         let tables = Tables::new(TTL, start);
         held(&tables, 5, b"f", true, start);
-        tables.set_blocks(5, 10, 4, 0..3, vec![file(0), file(1), file(2)]);
-        tables.set_blocks(5, 10, 4, 1..2, vec![]); // block 1's file went
+        tables.set_blocks(5, 10, 4, 0..3, vec![file(0), file(1), file(2)], None);
+        tables.set_blocks(5, 10, 4, 1..2, vec![], None); // block 1's file went
         let pieces = tables.read_plan(5, 1, 2).unwrap();
         assert_eq!((pieces[0].offset, pieces[0].length), (1, 2));
         assert!(tables.read_plan(5, 2, 4).is_none()); // touches block 1
@@ -511,5 +629,38 @@ mod tests {
         assert_eq!((tail.len(), tail[0].length), (1, 2));
         assert!(tables.read_plan(5, 10, 4).unwrap().is_empty()); // at the end: no bytes
         assert!(tables.read_plan(6, 0, 4).is_none());
+    }
+
+    fn listed(inode: u64, name: &[u8]) -> Listed {
+        Listed {
+            name: name.to_vec(),
+            inode,
+            attr: attr(inode * 10),
+            cacheable: true,
+        }
+    }
+
+    #[test]
+    fn a_listings_inodes_stay_while_it_is_open_and_go_after_unless_held() {
+        let start = Instant::now();
+        let tables = Tables::new(TTL, start);
+        let entries = vec![
+            listed(1, b"."),
+            listed(1, b".."),
+            listed(5, b"a"),
+            listed(6, b"b"),
+        ];
+        tables.set_listing(9, 1, entries);
+        assert!(tables.holds(5) && tables.holds(6) && !tables.holds(1)); // dots are not pinned
+        assert_eq!(tables.listing(9).unwrap().entries.len(), 4);
+        held(&tables, 5, b"a", true, start); // sent by READDIRPLUS
+        assert!(!tables.forget(5, 1, start + TTL)); // still pinned by the open listing
+        held(&tables, 5, b"a", true, start + TTL);
+        let mut gone = Vec::new();
+        assert!(tables.release_listing(9, start + TTL, &mut gone));
+        assert_eq!(gone, vec![6]); // never sent: only the listing kept it
+        assert!(tables.holds(5)); // referenced
+        assert!(tables.listing(9).is_none());
+        assert!(!tables.release_listing(9, start, &mut gone));
     }
 }

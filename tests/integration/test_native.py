@@ -5,9 +5,11 @@ workers (so a request handed to Python now waits behind them, for as long
 as the store hangs), a cached file still looks up, stats and reads, its
 bytes exact.
 
-The mount serves every read itself (``-o nopassthrough``): the kernel then
-opens files without asking. Where passthrough is on, an OPEN is still
-answered in Python (the passthrough rules of ``fuse/passthrough.py``).
+Twice: a mount that serves every read itself (``-o nopassthrough``: the
+kernel then opens files without asking), and one in passthrough, whose
+files (larger than a read, of one block) are judged worth an OPEN each
+by the first ``JUDGED_OPENS`` opens: the native workers then open a
+cached file on its cache file themselves, and the kernel reads it.
 
 The kernel's own count of the requests a connection has in flight
 (fusectl's ``waiting``) says when the waiting reads have all reached the
@@ -27,7 +29,8 @@ from pathlib import Path
 import pytest
 
 from cachefsd.fuse import session
-from cachefsd.fuse.protocol import BACKGROUND_REQUESTS
+from cachefsd.fuse.passthrough import JUDGED_OPENS
+from cachefsd.fuse.protocol import BACKGROUND_REQUESTS, MAX_READ
 from tests.integration.conftest import MountFactory, ServerProcess, drop_page_cache
 from tests.polling import wait_until
 
@@ -61,11 +64,21 @@ def _waiting(mountpoint: Path) -> int:
     return int((FUSECTL / str(os.minor(os.stat(mountpoint).st_dev)) / "waiting").read_text())
 
 
+# Per mode: its flags, and the cached files' sizes (images; or larger than
+# a read, enough to be judged worth passthrough's OPEN requests).
+MODES = {
+    "daemon reads": (("-o", "nopassthrough"), [(96 + i) * KiB for i in range(8)]),
+    "passthrough": ((), [MAX_READ + (i + 1) * KiB for i in range(JUDGED_OPENS)]),
+}
+
+
 @pytest.mark.fuse
+@pytest.mark.parametrize("mode", list(MODES))
 def test_cached_files_are_served_while_every_python_worker_waits_on_a_hung_store(
-    server: ServerProcess, mounter: MountFactory
+    server: ServerProcess, mounter: MountFactory, mode: str
 ) -> None:
-    cached = {f"cached/{i}.bin": os.urandom((96 + i) * KiB) for i in range(8)}
+    flags, sizes = MODES[mode]
+    cached = {f"cached/{i}.bin": os.urandom(size) for i, size in enumerate(sizes)}
     cold = {f"cold/{i}.bin": os.urandom(64 * KiB) for i in range(WAITERS)}
     client = server.client()
     client.create_bucket(Bucket=BUCKET)
@@ -80,14 +93,15 @@ def test_cached_files_are_served_while_every_python_worker_waits_on_a_hung_store
         "--fetch-deadline",
         "600s",
         "--no-prefetch",
-        "-o",
-        "nopassthrough",
+        *flags,
     )
-    for key, body in cached.items():
-        assert mount.path(key).read_bytes() == body
-        # The kernel asks once whether STATX and FLUSH are answered (they are
-        # not: it uses GETATTR, and a read-only file needs no flush).
-        assert mount.path(key).stat().st_size == len(body)
+    for _ in range(2):  # the second epoch opens each file on its cache file, judged
+        for key, body in cached.items():
+            assert mount.path(key).read_bytes() == body
+            # The kernel asks once whether STATX and FLUSH are answered (they
+            # are not: it uses GETATTR, and a read-only file needs no flush).
+            assert mount.path(key).stat().st_size == len(body)
+    assert mount.metrics()[f"cachefsd_passthrough{{mount={mount.mountpoint}}}"] == (mode == "passthrough")
     assert sorted(os.listdir(mount.path("cold"))) == sorted(Path(key).name for key in cold)
     drop_page_cache()
 

@@ -13,7 +13,6 @@ import pytest
 from cachefsd.cache.policy import EpochAwarePolicy, ReadMarks
 from cachefsd.cache.tier import disk_bytes
 from cachefsd.errors import (
-    BadFileHandle,
     IsADirectory,
     NotADirectory,
     ObjectChanged,
@@ -230,42 +229,39 @@ def test_an_inode_referenced_but_renamed_away_stays_until_forgotten(make_rig: Ri
     assert rig.fs.getattr(newer.inode).size == 1
 
 
-def test_a_listing_is_read_whole_from_one_handle(make_rig: RigFactory) -> None:
+def test_a_listing_is_taken_whole_at_its_opendir(make_rig: RigFactory) -> None:
     """The kernel reads a directory in pieces, by offset: each piece comes
-    from the listing its opendir took, whatever the bucket does meanwhile."""
+    from the listing its opendir took (handed whole to the native plane),
+    whatever the bucket does meanwhile."""
     rig = make_rig({"d/a": b"a", "d/e/x": b"x"}, ttl=5)
     directory = looked_up(rig.fs, "/d").inode
-    handle = rig.fs.opendir(directory, os.getpid())
+    listing = rig.fs.opendir(directory, os.getpid())
     rig.store.put("d/b", b"b")
     rig.clock.now += 10
-    entries = rig.fs.readdir(handle)
-    assert [entry.name for entry in entries[:2]] == [".", ".."]
-    assert sorted((entry.name, entry.info is None) for entry in entries[2:]) == [("a", False), ("e", True)]
-    assert rig.fs.remember(handle, entries[0]).inode == directory
-    assert rig.fs.remember(handle, entries[1]).inode == ROOT_INODE
-    rig.fs.releasedir(handle)
-    with pytest.raises(BadFileHandle):
-        rig.fs.readdir(handle)
+    names = [name for name, _ in listing.entries]
+    assert names[:2] == [".", ".."]
+    assert sorted(names[2:]) == ["a", "e"]
+    attributes = dict(listing.entries)
+    assert (attributes["."].inode, attributes[".."].inode) == (directory, ROOT_INODE)
+    assert attributes["a"].size == 1
     again = rig.fs.opendir(directory, os.getpid())
-    assert sorted(entry.name for entry in rig.fs.readdir(again)) == [".", "..", "a", "b", "e"]
+    assert sorted(name for name, _ in again.entries) == [".", "..", "a", "b", "e"]
 
 
-def test_an_entry_sent_with_its_attributes_is_a_reference(make_rig: RigFactory) -> None:
-    """READDIRPLUS: the kernel holds each entry (but . and ..) as if looked up."""
-    rig = make_rig({"a": b"a"})
-    handle = rig.fs.opendir(ROOT_INODE, os.getpid())
-    entries = {entry.name: entry for entry in rig.fs.readdir(handle)}
-    file = rig.fs.remember(handle, entries["a"])
-    assert file == looked_up(rig.fs, "/a")
-    rig.fs.forget(file.inode, 1)
-    assert rig.fs.getattr(file.inode) == file
-    rig.fs.forget(file.inode, 1)
-    name_expired(rig.fs, ROOT_INODE, "a")
+def test_a_listings_inodes_stay_while_it_is_open_then_only_those_held(make_rig: RigFactory) -> None:
+    """Every entry's inode is made at OPENDIR; the kernel may read any of
+    them until RELEASEDIR, then those it was not sent (nor looked up) go."""
+    rig = make_rig({"a": b"a", "b": b"b"})
+    listing = rig.fs.opendir(ROOT_INODE, os.getpid())
+    entries = dict(listing.entries)
+    held = looked_up(rig.fs, "/b")
+    assert held == entries["b"]
+    assert rig.fs.getattr(entries["a"].inode) == entries["a"]
+    rig.fs.releasedir(listing.handle)
     with pytest.raises(UnknownInode):
-        rig.fs.getattr(file.inode)
-    rig.fs.remember(handle, entries["."])
-    rig.fs.forget(ROOT_INODE, 1)  # a directory's inode is its path's for good
-    assert rig.fs.getattr(ROOT_INODE).inode == ROOT_INODE
+        rig.fs.getattr(entries["a"].inode)
+    assert rig.fs.getattr(held.inode) == held
+    assert rig.fs.getattr(ROOT_INODE).inode == ROOT_INODE  # a directory's inode is its path's for good
 
 
 def test_looking_up_a_cached_sample_starts_loading_its_block(
@@ -375,9 +371,9 @@ def test_a_block_another_job_is_still_to_read_outlives_one_nobody_needs(
         (proc / str(pid)).mkdir(parents=True)
         (proc / str(pid) / "stat").write_text(f"{pid} (python) S 1 {pid} 1 0 -1 4194560 0 0 0 0")
     rig.fs.jobs = CallerJobs(proc)
-    handle = rig.fs.opendir(looked_up(rig.fs, "/d").inode, 100)
+    listing = rig.fs.opendir(looked_up(rig.fs, "/d").inode, 100)
     rig.fs.opendir(looked_up(rig.fs, "/d").inode, 200)
-    rig.fs.releasedir(handle)
+    rig.fs.releasedir(listing.handle)
 
     def read(path: str, pid: int) -> None:
         inode = looked_up(rig.fs, path).inode
