@@ -138,30 +138,64 @@ pub fn signal(event: &OwnedFd) -> io::Result<()> {
     Ok(())
 }
 
-/// Wait until `device` has a request or `event` was signalled; true for a request.
-pub fn wait(device: &File, event: &OwnedFd) -> io::Result<bool> {
-    let mut fds = [
-        libc::pollfd {
-            fd: device.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: event.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
-    loop {
-        // SAFETY: poll reads and writes the two entries of a live local array
-        // whose length it is given.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
-        if ready >= 0 {
-            return Ok(fds[1].revents == 0);
-        }
-        let error = io::Error::last_os_error();
-        if error.kind() != io::ErrorKind::Interrupted {
-            return Err(error);
+/// What a worker waits on: its descriptor of the connection, for a
+/// request, and the session's end. Every descriptor of a connection waits
+/// on the connection's one queue: each waits exclusively, so a request
+/// wakes one worker, not all of them.
+pub struct Waiter {
+    epoll: OwnedFd,
+}
+
+/// The epoll key of the session's end (the device's is 0).
+const END: u64 = 1;
+
+impl Waiter {
+    pub fn new(device: &File, end: &OwnedFd) -> io::Result<Self> {
+        // SAFETY: epoll_create1 takes a flag and returns a new descriptor or -1.
+        let fd = check(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
+        // SAFETY: `fd` was just made by epoll_create1 and nothing else owns it.
+        let epoll = unsafe { OwnedFd::from_raw_fd(fd) };
+        let waiter = Waiter { epoll };
+        waiter.add(device.as_raw_fd(), libc::EPOLLIN | libc::EPOLLEXCLUSIVE, 0)?;
+        waiter.add(end.as_raw_fd(), libc::EPOLLIN, END)?;
+        Ok(waiter)
+    }
+
+    fn add(&self, fd: RawFd, events: libc::c_int, key: u64) -> io::Result<()> {
+        let mut event = libc::epoll_event {
+            events: events as u32,
+            u64: key,
+        };
+        // SAFETY: epoll_ctl reads one epoll_event through the pointer, which
+        // points at a live local; both descriptors are open.
+        check(unsafe {
+            libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut event)
+        })?;
+        Ok(())
+    }
+
+    /// Wait until the device has a request or the session ended; true for a request.
+    pub fn wait(&self) -> io::Result<bool> {
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 2];
+        loop {
+            // SAFETY: epoll_wait writes at most `events.len()` entries into
+            // the live local array it is given.
+            let ready = unsafe {
+                libc::epoll_wait(
+                    self.epoll.as_raw_fd(),
+                    events.as_mut_ptr(),
+                    events.len() as libc::c_int,
+                    -1,
+                )
+            };
+            if ready >= 0 {
+                let ready = &events[..ready as usize];
+                return Ok(!ready.iter().any(|event| event.u64 == END));
+            }
+            let error = io::Error::last_os_error();
+            if error.kind() != io::ErrorKind::Interrupted {
+                return Err(error);
+            }
         }
     }
 }

@@ -3,13 +3,15 @@
 //! Each worker reads the kernel's requests from a descriptor of its own (a
 //! clone of the connection) and answers what `Tables` knows: LOOKUP of a
 //! fresh name, GETATTR of a version, READ of blocks in verified cache
-//! files, OPEN of a version for reading (in passthrough on its whole file,
-//! by the rules of `opens.rs`, as the open mode Python set says), RELEASE
-//! and FLUSH of such opens, the FORGETs (counted here) and INTERRUPT (a
-//! request is interrupted by answering it). Every other request is handed
-//! to Python whole (`next_request`), with the descriptor its answer goes
-//! back through, one request a call: a directory, a write, a staged file,
-//! a block no file holds, an open while the mount's files are judged.
+//! files (past the page cache), OPEN of a version for reading (in
+//! passthrough on its whole file, by the rules of `opens.rs`, as the open
+//! mode Python set says), RELEASE and FLUSH of such opens, READDIRPLUS
+//! and RELEASEDIR of a listing Python took, the FORGETs (counted here) and
+//! INTERRUPT (a request is interrupted by answering it). Every other
+//! request is handed to Python whole (`next_request`), with the descriptor
+//! its answer goes back through, one request a call: an OPENDIR, a write,
+//! a staged file, a block no file holds, an open while the mount's files
+//! are judged. A request wakes one waiting worker (`device::Waiter`).
 //!
 //! A request is answered once: natively, or by Python. A native answer
 //! that fails half way (a cache file gone or changed, a short read) has
@@ -19,7 +21,7 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, IoSlice, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -30,6 +32,13 @@ use crate::device::{self, Backing};
 use crate::opens::{Begin, Opened, Opens};
 use crate::reports::{self, OpenReport, ReadReport, Reports};
 use crate::tables::{BlockFile, FileIdentity, Piece, Tables};
+
+/// Cache files are read past the page cache (O_DIRECT) where the
+/// filesystem takes it: the kernel keeps the bytes in the mounted file's
+/// own pages, and the cache file's would be a second copy, made and then
+/// dropped. O_DIRECT wants the file offset, the length and the buffer
+/// aligned to the disk's logical block, which a page is for every disk.
+const DIRECT_ALIGNMENT: usize = 4096;
 
 /// The handle of a cached open and of a passthrough one (Python's
 /// `session._THROUGH`); a larger one is a staged file's, Python's.
@@ -139,14 +148,17 @@ impl Session {
             end: device::event()?,
             failure: Mutex::new(None),
         });
-        let threads = devices
+        let workers = devices
+            .into_iter()
+            .map(|device| Worker::new(Arc::clone(&shared), device, request_buffer))
+            .collect::<io::Result<Vec<Worker>>>()?;
+        let threads = workers
             .into_iter()
             .enumerate()
-            .map(|(number, device)| {
-                let shared = Arc::clone(&shared);
+            .map(|(number, worker)| {
                 std::thread::Builder::new()
                     .name(format!("cachefsd-native-{number}"))
-                    .spawn(move || Worker::new(shared, device, request_buffer).run())
+                    .spawn(move || worker.run())
             })
             .collect::<io::Result<Vec<_>>>()?;
         Ok(Session {
@@ -213,18 +225,21 @@ impl Session {
 struct Worker {
     shared: Arc<Shared>,
     device: File,
+    waiter: device::Waiter,
     buffer: Vec<u8>,
     data: Vec<u8>,
 }
 
 impl Worker {
-    fn new(shared: Arc<Shared>, device: File, request_buffer: usize) -> Self {
-        Worker {
+    fn new(shared: Arc<Shared>, device: File, request_buffer: usize) -> io::Result<Self> {
+        let waiter = device::Waiter::new(&device, &shared.end)?;
+        Ok(Worker {
             shared,
             device,
+            waiter,
             buffer: vec![0; request_buffer],
             data: Vec::new(),
-        }
+        })
     }
 
     fn run(mut self) {
@@ -232,7 +247,7 @@ impl Worker {
             let size = match (&self.device).read(&mut self.buffer) {
                 Ok(size) => size,
                 Err(error) => match error.raw_os_error() {
-                    Some(libc::EAGAIN) => match device::wait(&self.device, &self.shared.end) {
+                    Some(libc::EAGAIN) => match self.waiter.wait() {
                         Ok(true) => continue,
                         Ok(false) => return,
                         Err(error) => {
@@ -392,7 +407,7 @@ impl Worker {
             Begin::Decided(opened) => opened,
             Begin::Find => {
                 let whole = through.then(|| tables.whole(header.nodeid)).flatten();
-                match whole.map(|whole| (open_verified(&whole), whole)) {
+                match whole.map(|whole| (open_verified(&whole, 0), whole)) {
                     Some((Ok(file), whole)) => opens.finish(
                         header.nodeid,
                         Some((file.as_raw_fd(), Arc::clone(&whole.tier))),
@@ -492,21 +507,36 @@ impl Worker {
             return false;
         };
         let total: usize = pieces.iter().map(|piece| piece.length).sum();
-        self.data.resize(total, 0);
-        let mut opened = Vec::with_capacity(pieces.len());
-        let mut at = 0;
+        // Room to align the start, and to read the last piece to a whole block.
+        let room = total + 2 * DIRECT_ALIGNMENT;
+        if self.data.len() < room {
+            self.data.resize(room, 0);
+        }
+        let start = self
+            .data
+            .as_ptr()
+            .align_offset(DIRECT_ALIGNMENT)
+            .min(DIRECT_ALIGNMENT);
+        let mut buffered = Vec::new();
+        let mut at = start;
         for piece in &pieces {
-            match read_piece(piece, &mut self.data[at..at + piece.length]) {
-                Ok(file) => opened.push(file),
+            let address = self.data.as_ptr() as usize + at;
+            let aligned =
+                piece.offset % DIRECT_ALIGNMENT as u64 == 0 && address % DIRECT_ALIGNMENT == 0;
+            match read_piece(piece, &mut self.data[at..], aligned) {
+                Ok(Some(file)) => buffered.push((piece, file)),
+                Ok(None) => {}
                 Err(_) => return false,
             }
             at += piece.length;
         }
         let reply_header = abi::reply_header(header.unique, total);
-        let _ = self.send(&[&reply_header, &self.data[..total]]);
+        let _ = self.send(&[&reply_header, &self.data[start..start + total]]);
+        for (piece, file) in buffered {
+            device::drop_pages(&file, piece.offset, piece.length);
+        }
         let mut served: Vec<(Arc<str>, u64)> = Vec::new();
-        for (piece, file) in pieces.iter().zip(&opened) {
-            device::drop_pages(file, piece.offset, piece.length);
+        for piece in &pieces {
             match served.iter_mut().find(|(tier, _)| *tier == piece.file.tier) {
                 Some((_, bytes)) => *bytes += piece.length as u64,
                 None => served.push((Arc::clone(&piece.file.tier), piece.length as u64)),
@@ -532,9 +562,12 @@ impl Worker {
     }
 }
 
-/// `block_file`'s file, if it is still the one verified.
-fn open_verified(block_file: &BlockFile) -> io::Result<File> {
-    let file = File::open(&block_file.path)?;
+/// `block_file`'s file, opened with `flags`, if it is still the one verified.
+fn open_verified(block_file: &BlockFile, flags: libc::c_int) -> io::Result<File> {
+    let file = File::options()
+        .read(true)
+        .custom_flags(flags)
+        .open(&block_file.path)?;
     let status = file.metadata()?;
     let identity = FileIdentity {
         dev: status.dev(),
@@ -549,9 +582,28 @@ fn open_verified(block_file: &BlockFile) -> io::Result<File> {
     Ok(file)
 }
 
-/// Read `piece` into `into` from its file, if that file is still the one verified.
-fn read_piece(piece: &Piece, into: &mut [u8]) -> io::Result<File> {
-    let file = open_verified(&piece.file)?;
-    file.read_exact_at(into, piece.offset)?;
-    Ok(file)
+/// Read `piece` to the start of `into` from its file, if that file is
+/// still the one verified: past the page cache where the piece and `into`
+/// are `aligned` and the filesystem takes O_DIRECT (then None: no pages
+/// to drop), else through it (then the file, whose pages to drop). `into`
+/// has room to read the piece to a whole `DIRECT_ALIGNMENT`.
+fn read_piece(piece: &Piece, into: &mut [u8], aligned: bool) -> io::Result<Option<File>> {
+    if aligned {
+        match open_verified(&piece.file, libc::O_DIRECT) {
+            Ok(file) => {
+                let padded = piece.length.next_multiple_of(DIRECT_ALIGNMENT);
+                let read = file.read_at(&mut into[..padded], piece.offset)?;
+                if read < piece.length {
+                    return Err(io::ErrorKind::UnexpectedEof.into());
+                }
+                return Ok(None);
+            }
+            // A filesystem without O_DIRECT (tmpfs): through the page cache.
+            Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {}
+            Err(error) => return Err(error),
+        }
+    }
+    let file = open_verified(&piece.file, 0)?;
+    file.read_exact_at(&mut into[..piece.length], piece.offset)?;
+    Ok(Some(file))
 }
