@@ -388,6 +388,10 @@ class Metrics:
             registry=registry,
         )
         self._declare_mount_series(registry)
+        # The series reads count into, looked up once: ``labels()`` costs
+        # more than the count, and a read is counted up to ten times. A
+        # job's leave with its series (``_drop_job``).
+        self._read_series: dict[tuple[int, tuple[str, ...]], Counter] = {}
         self.job_labels = JobLabels(self._drop_job, clock)
         self.job_epochs: Callable[[], dict[str, int]] = dict  # set by ``watch_epoch``
         self.fetch_latency = Histogram(
@@ -631,6 +635,9 @@ class Metrics:
             self.fuse_requests.remove(mount, operation)
 
     def _drop_job(self, job: str) -> None:
+        for key in list(self._read_series):  # a copy made at once: reads add series meanwhile
+            if job in key[1]:
+                self._read_series.pop(key, None)
         for counter, labels in (
             (self.job_reads, (job, "cache")),
             (self.job_reads, (job, "cold")),
@@ -673,18 +680,27 @@ class Metrics:
         nbytes = sum(served.values())
         label = self.job_labels.label(job)
         source = "cold" if cold_bytes else "cache"
-        self.reads.labels(source).inc()
-        self.job_reads.labels(label, source).inc()
-        self.job_read_seconds.labels(label).inc(seconds)
-        self.read_bytes.labels("cache").inc(nbytes - cold_bytes)
-        self.job_read_bytes.labels(label, "cache").inc(nbytes - cold_bytes)
+        series = self._series
+        series(self.reads, source).inc()
+        series(self.job_reads, label, source).inc()
+        series(self.job_read_seconds, label).inc(seconds)
+        series(self.read_bytes, "cache").inc(nbytes - cold_bytes)
+        series(self.job_read_bytes, label, "cache").inc(nbytes - cold_bytes)
         if cold_bytes:
-            self.read_bytes.labels("cold").inc(cold_bytes)
-            self.job_read_bytes.labels(label, "cold").inc(cold_bytes)
+            series(self.read_bytes, "cold").inc(cold_bytes)
+            series(self.job_read_bytes, label, "cold").inc(cold_bytes)
             self.read_stall.inc(stall_seconds)
-            self.job_read_stall.labels(label).inc(stall_seconds)
+            series(self.job_read_stall, label).inc(stall_seconds)
         for source, count in served.items():
-            self.served_bytes.labels(source).inc(count)
+            series(self.served_bytes, source).inc(count)
+
+    def _series(self, counter: Counter, *labels: str) -> Counter:
+        """``counter.labels(*labels)``, looked up once (the labels are bounded)."""
+        key = (id(counter), labels)
+        found = self._read_series.get(key)
+        if found is None:
+            found = self._read_series[key] = counter.labels(*labels)
+        return found
 
     # FetchEvents
     def fetch_done(self, kind: FetchKind, seconds: float, nbytes: int) -> None:
