@@ -190,6 +190,10 @@ impl Tables {
             });
             record.references += 1;
             record.attr = attr;
+            // Once its attributes change under the kernel (staged), an
+            // inode stays Python's: a hold from an older listing or lookup
+            // does not make it cacheable again.
+            let cacheable = record.cacheable && cacheable;
             record.cacheable = cacheable;
             if !cacheable {
                 record.blocks = None;
@@ -210,8 +214,12 @@ impl Tables {
                 if let Some(other) = replaced.filter(|entry| entry.inode != inode) {
                     state.unname(other.inode, gone);
                 }
-            } else {
-                state.names.remove(&key);
+            } else if let Some(other) = state
+                .names
+                .remove(&key)
+                .filter(|entry| entry.inode != inode)
+            {
+                state.unname(other.inode, gone);
             }
         }
     }
@@ -662,5 +670,19 @@ mod tests {
         assert!(tables.holds(5)); // referenced
         assert!(tables.listing(9).is_none());
         assert!(!tables.release_listing(9, start, &mut gone));
+    }
+
+    #[test]
+    fn a_staged_inode_stays_uncached_and_a_name_it_takes_lets_the_old_inode_go() {
+        let start = Instant::now();
+        let tables = Tables::new(TTL, start);
+        held(&tables, 5, b"f", true, start);
+        tables.uncache(5); // opened to be replaced
+        held(&tables, 5, b"f", true, start); // a listing taken before says it is a version
+        assert!(!tables.cacheable(5) && tables.getattr(5).is_none());
+        held(&tables, 6, b"g", true, start);
+        tables.forget(6, 1, start); // kept by its fresh name only
+        assert_eq!(held(&tables, 7, b"g", false, start), vec![6]); // a staged file now under that name
+        assert!(!tables.holds(6));
     }
 }
