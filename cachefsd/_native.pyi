@@ -100,17 +100,22 @@ class Session:
         the last two, by the passthrough rules while any inode has a
         passthrough open."""
 
-    def open(self, inode: int, find: Callable[[], tuple[int, str] | None]) -> int | None:
-        """Open ``inode`` by the passthrough rules: the backing id to
-        answer with, or None for a cached open. ``find()`` is asked for the
-        file of its bytes (descriptor, tier) only when the rules need one;
-        the caller closes that descriptor."""
+    def open(self, inode: int, find: Callable[[], tuple[int, str] | None], staged: bool) -> int | None:
+        """Open ``inode`` (a ``staged`` file's, else a version's) by the
+        passthrough rules: the backing id to answer with, or None for a
+        cached open; OSError EBUSY if the inode is open on the other kind
+        of file. ``find()`` is asked for the file of its bytes (descriptor,
+        tier) only when the rules need one; the caller closes that
+        descriptor."""
 
+    def begin_writer(self, inode: int) -> bool:
+        """An open of ``inode`` is to stage its version to write it: False
+        if the version is open on its cache file; else new opens of the
+        version are cached ones until ``end_writer``."""
+
+    def end_writer(self, inode: int) -> None: ...
     def release(self, inode: int, through: bool) -> None:
         """An open Python answered was released (``through``: a passthrough one)."""
-
-    def backed(self, inode: int) -> bool:
-        """Whether ``inode`` has passthrough opens."""
 
     def passing_through(self) -> bool:
         """Whether any inode has a passthrough open: until none has, a mount

@@ -490,11 +490,10 @@ class Session:
         if self._fs.writes is not None:
             flags, _ = protocol.OPEN_IN.unpack_from(body)
             writing = flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC
-            if writing and not self._fs.is_staged(inode) and native.backed(inode):
-                raise Busy(
-                    "the object is open for reading through the kernel: it is replaced once they close"
-                )
-            handle = self._fs.open(inode, flags)
+            if writing and not self._fs.is_staged(inode):
+                handle = self._open_to_stage(inode, flags)
+            else:
+                handle = self._fs.open(inode, flags)
             if handle is not None:
                 answer = self._open_staged(inode, handle, flags)
                 if not self._send(protocol.reply(request.unique, answer)):
@@ -521,11 +520,25 @@ class Session:
         if not self._send(protocol.reply(request.unique, answer)):
             native.release(inode, backing_id is not None)  # interrupted: nothing was opened
 
-    def _open_by_rules(self, inode: int, find: Callable[[], WholeFile | None]) -> int | None:
-        """Open ``inode`` by the native plane's passthrough rules: the
-        backing id to answer with, or None for a cached open. ``find`` is
-        asked for the file only if the rules need one; its descriptor is
-        closed here."""
+    def _open_to_stage(self, inode: int, flags: int) -> int | None:
+        """``fs.open`` of a version to write it (staged), unless it is open
+        for reading through the kernel, on its cache file, which a writer
+        must never be handed."""
+        assert self._native is not None
+        if not self._native.begin_writer(inode):
+            raise Busy("the object is open for reading through the kernel: it is replaced once they close")
+        try:
+            return self._fs.open(inode, flags)
+        finally:
+            self._native.end_writer(inode)
+
+    def _open_by_rules(
+        self, inode: int, find: Callable[[], WholeFile | None], staged: bool = False
+    ) -> int | None:
+        """Open ``inode`` (a ``staged`` file's, else a version's) by the
+        native plane's passthrough rules: the backing id to answer with, or
+        None for a cached open. ``find`` is asked for the file only if the
+        rules need one; its descriptor is closed here."""
         assert self._native is not None
         found: list[WholeFile] = []
 
@@ -537,7 +550,11 @@ class Session:
             return whole.fd, whole.tier
 
         try:
-            return self._native.open(inode, look)
+            return self._native.open(inode, look, staged)
+        except OSError as exc:
+            if exc.errno == errno.EBUSY:
+                raise Busy("the file is open through the kernel on another of its files") from exc
+            raise
         finally:
             for whole in found:
                 os.close(whole.fd)
@@ -587,7 +604,7 @@ class Session:
         that the staged file's own pages would hold again)."""
         backing_id = None
         if self.passthrough.on:
-            backing_id = self._open_by_rules(inode, lambda: self._fs.staged_backing(handle))
+            backing_id = self._open_by_rules(inode, lambda: self._fs.staged_backing(handle), staged=True)
             with self._staged_lock:
                 self._staged_opens[handle] = backing_id is not None
         if backing_id is not None:

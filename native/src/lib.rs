@@ -28,7 +28,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -307,16 +307,29 @@ impl PySession {
         Ok(())
     }
 
-    /// Open `inode` by the passthrough rules: the backing id to answer
-    /// with, or None for a cached open. `find()` is asked for the file of
-    /// its bytes, as (descriptor, tier) or None, when the rules need it;
-    /// the caller closes that descriptor.
-    fn open(&self, py: Python<'_>, inode: u64, find: Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+    /// Open `inode` (a `staged` file's, else a version's) by the
+    /// passthrough rules: the backing id to answer with, or None for a
+    /// cached open; OSError EBUSY if the inode is open on the other kind
+    /// of file. `find()` is asked for the file of its bytes, as
+    /// (descriptor, tier) or None, when the rules need it; the caller
+    /// closes that descriptor.
+    fn open(
+        &self,
+        py: Python<'_>,
+        inode: u64,
+        find: Bound<'_, PyAny>,
+        staged: bool,
+    ) -> PyResult<Option<u32>> {
         let opens = self.session.opens();
         let waiting = Arc::clone(&opens);
-        let opened = match py.detach(move || waiting.begin(inode, true)) {
+        let opened = match py.detach(move || waiting.begin(inode, true, staged)) {
             Begin::Decided(opened) => opened,
-            Begin::Busy => unreachable!("a waiting open is never busy"),
+            Begin::Busy => {
+                return Err(PyOSError::new_err((
+                    libc::EBUSY,
+                    "the file is open on another of its files",
+                )))
+            }
             Begin::Find => {
                 let found = find
                     .call0()
@@ -330,7 +343,7 @@ impl PySession {
                 };
                 let found = found.map(|(fd, tier)| (fd, Arc::from(tier)));
                 let finishing = Arc::clone(&opens);
-                py.detach(move || finishing.finish(inode, found))
+                py.detach(move || finishing.finish(inode, found, staged))
             }
         };
         Ok(match opened {
@@ -339,15 +352,22 @@ impl PySession {
         })
     }
 
+    /// An open of `inode` is to stage its version to write it: false if the
+    /// version is open on its cache file; else new opens of the version are
+    /// cached ones until `end_writer`.
+    fn begin_writer(&self, py: Python<'_>, inode: u64) -> bool {
+        let opens = self.session.opens();
+        py.detach(move || opens.begin_writer(inode))
+    }
+
+    fn end_writer(&self, inode: u64) {
+        self.session.opens().end_writer(inode);
+    }
+
     /// An open of `inode` Python answered was released (`through`: a passthrough one).
     fn release(&self, py: Python<'_>, inode: u64, through: bool) {
         let opens = self.session.opens();
         py.detach(move || opens.release(inode, through));
-    }
-
-    /// Whether `inode` has passthrough opens.
-    fn backed(&self, inode: u64) -> bool {
-        self.session.opens().backed(inode)
     }
 
     /// Whether any inode has a passthrough open.

@@ -21,6 +21,12 @@
 //! looks in `Tables`, Python in the cache. Meanwhile the inode is being
 //! found: another native open of it goes to Python, which waits.
 //!
+//! A backing file is a version's (its cache file) or a staged file's. An
+//! open that stages a version to write it (`begin_writer`) is refused while
+//! the version is open on its cache file, and until it is staged
+//! (`end_writer`) new opens of the version are cached ones: a writer must
+//! never be handed the cache file, nor a reader the staged one.
+//!
 //! Concurrency: one mutex guards every inode's counts, and a condvar wakes
 //! Python's opens that wait for a find.
 
@@ -35,11 +41,13 @@ pub trait BackingFiles {
     fn unregister(&self, backing_id: u32) -> io::Result<()>;
 }
 
-/// A passthrough open's backing file: its id, and the tier its file lies in.
+/// A passthrough open's backing file: its id, the tier its file lies in,
+/// and whether it is a staged file (else a version's cache file).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Backing {
     pub id: u32,
     pub tier: Arc<str>,
+    pub staged: bool,
 }
 
 /// How an open is answered: cached (the daemon serves its reads), or
@@ -66,11 +74,13 @@ struct InodeOpens {
     through: u64,
     backing: Option<Backing>,
     finding: bool,
+    /// An open is staging the version to write it.
+    writer: bool,
 }
 
 impl InodeOpens {
     fn idle(&self) -> bool {
-        self.cached == 0 && self.through == 0 && !self.finding
+        self.cached == 0 && self.through == 0 && !self.finding && !self.writer
     }
 }
 
@@ -96,26 +106,42 @@ impl<B: BackingFiles> Opens<B> {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Open `inode` by the rules, if they decide without its file; else it
-    /// is now being found. `wait`: wait for another open's find first,
-    /// rather than answer `Busy`.
-    pub fn begin(&self, inode: u64, wait: bool) -> Begin {
-        let mut inodes = self.inodes();
+    /// Wait while another open of `inode` finds its file; the lock again.
+    fn settled<'a>(
+        &'a self,
+        mut inodes: MutexGuard<'a, HashMap<u64, InodeOpens>>,
+        inode: u64,
+    ) -> MutexGuard<'a, HashMap<u64, InodeOpens>> {
         while inodes.get(&inode).is_some_and(|opens| opens.finding) {
-            if !wait {
-                return Begin::Busy;
-            }
             inodes = self
                 .found
                 .wait(inodes)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
         }
+        inodes
+    }
+
+    /// Open `inode` (a `staged` file's, else a version's) by the rules, if
+    /// they decide without its file; else it is now being found. `wait`:
+    /// wait for another open's find first, rather than answer `Busy`. A
+    /// staged file's open is `Busy` while the version is on its cache file.
+    pub fn begin(&self, inode: u64, wait: bool, staged: bool) -> Begin {
+        let mut inodes = self.inodes();
+        if inodes.get(&inode).is_some_and(|opens| opens.finding) {
+            if !wait {
+                return Begin::Busy;
+            }
+            inodes = self.settled(inodes, inode);
+        }
         let opens = inodes.entry(inode).or_default();
-        if opens.cached > 0 {
+        if opens.cached > 0 || (opens.writer && !staged) {
             opens.cached += 1;
             return Begin::Decided(Opened::Cached);
         }
         if let Some(backing) = &opens.backing {
+            if backing.staged != staged {
+                return Begin::Busy;
+            }
             opens.through += 1;
             return Begin::Decided(Opened::Through(backing.clone()));
         }
@@ -123,17 +149,48 @@ impl<B: BackingFiles> Opens<B> {
         Begin::Find
     }
 
+    /// An open of `inode` is to stage the version to write it: false if the
+    /// version is open on its cache file (waiting for a find to end first);
+    /// else, until `end_writer`, new opens of the version are cached ones.
+    pub fn begin_writer(&self, inode: u64) -> bool {
+        let mut inodes = self.settled(self.inodes(), inode);
+        let opens = inodes.entry(inode).or_default();
+        if opens
+            .backing
+            .as_ref()
+            .is_some_and(|backing| !backing.staged)
+        {
+            if opens.idle() {
+                inodes.remove(&inode);
+            }
+            return false;
+        }
+        opens.writer = true;
+        true
+    }
+
+    /// The writer `begin_writer` let in has staged the version, or failed.
+    pub fn end_writer(&self, inode: u64) {
+        let mut inodes = self.inodes();
+        if let Some(opens) = inodes.get_mut(&inode) {
+            opens.writer = false;
+            if opens.idle() {
+                inodes.remove(&inode);
+            }
+        }
+    }
+
     /// The open `begin` left to find its file ends with `found` (a
     /// descriptor of the file and its tier; the caller keeps and closes
     /// it): through it, or cached if there is none or the kernel refuses it.
-    pub fn finish(&self, inode: u64, found: Option<(RawFd, Arc<str>)>) -> Opened {
+    pub fn finish(&self, inode: u64, found: Option<(RawFd, Arc<str>)>, staged: bool) -> Opened {
         let mut inodes = self.inodes();
         let opens = inodes.entry(inode).or_default();
         opens.finding = false;
         self.found.notify_all();
         if let Some((fd, tier)) = found {
             match self.backing.register(fd) {
-                Ok(id) => opens.backing = Some(Backing { id, tier }),
+                Ok(id) => opens.backing = Some(Backing { id, tier, staged }),
                 Err(error) => eprintln!(
                     "cachefsd: cannot hand a cache file to the kernel: {error}; the daemon serves it"
                 ),
@@ -194,13 +251,6 @@ impl<B: BackingFiles> Opens<B> {
         self.backing.unregister(id)
     }
 
-    /// Whether `inode` has passthrough opens (on its backing file).
-    pub fn backed(&self, inode: u64) -> bool {
-        self.inodes()
-            .get(&inode)
-            .is_some_and(|opens| opens.backing.is_some())
-    }
-
     /// Whether any inode has a passthrough open: until none has, a mount
     /// that gave passthrough up still answers OPEN by these rules, as a
     /// new open of such an inode must be a passthrough one too.
@@ -245,31 +295,31 @@ mod tests {
     fn every_open_of_a_backed_inode_shares_its_backing_id_until_the_last_release() {
         let fake = FakeBacking::default();
         let opens = Opens::new(&fake);
-        assert_eq!(opens.begin(5, false), Begin::Find);
-        let first = opens.finish(5, hot());
+        assert_eq!(opens.begin(5, false, false), Begin::Find);
+        let first = opens.finish(5, hot(), false);
         let Opened::Through(backing) = first.clone() else {
             panic!("{first:?}")
         };
-        assert_eq!(opens.begin(5, false), Begin::Decided(first));
-        assert!(opens.backed(5) && opens.passing_through());
+        assert_eq!(opens.begin(5, false, false), Begin::Decided(first));
+        assert!(opens.passing_through());
         opens.release(5, true);
         assert_eq!(*fake.open.lock().unwrap(), vec![backing.id]);
         opens.release(5, true);
         assert!(fake.open.lock().unwrap().is_empty());
-        assert!(!opens.backed(5) && !opens.passing_through());
+        assert!(!opens.passing_through());
     }
 
     #[test]
     fn an_inode_open_cached_stays_cached_until_all_its_opens_are_released() {
         let fake = FakeBacking::default();
         let opens = Opens::new(&fake);
-        assert_eq!(opens.begin(5, false), Begin::Find);
-        assert_eq!(opens.finish(5, None), Opened::Cached); // a cold read
-        assert_eq!(opens.begin(5, false), Begin::Decided(Opened::Cached)); // its file came meanwhile
+        assert_eq!(opens.begin(5, false, false), Begin::Find);
+        assert_eq!(opens.finish(5, None, false), Opened::Cached); // a cold read
+        assert_eq!(opens.begin(5, false, false), Begin::Decided(Opened::Cached)); // its file came meanwhile
         opens.release(5, false);
         opens.release(5, false);
-        assert_eq!(opens.begin(5, false), Begin::Find);
-        assert!(matches!(opens.finish(5, hot()), Opened::Through(_)));
+        assert_eq!(opens.begin(5, false, false), Begin::Find);
+        assert!(matches!(opens.finish(5, hot(), false), Opened::Through(_)));
     }
 
     #[test]
@@ -279,23 +329,23 @@ mod tests {
             ..FakeBacking::default()
         };
         let opens = Opens::new(&fake);
-        assert_eq!(opens.begin(5, false), Begin::Find);
-        assert_eq!(opens.begin(5, false), Begin::Busy); // being found
-        assert_eq!(opens.finish(5, hot()), Opened::Cached);
+        assert_eq!(opens.begin(5, false, false), Begin::Find);
+        assert_eq!(opens.begin(5, false, false), Begin::Busy); // being found
+        assert_eq!(opens.finish(5, hot(), false), Opened::Cached);
         opens.release(5, false);
-        assert_eq!(opens.begin(6, false), Begin::Find);
+        assert_eq!(opens.begin(6, false, false), Begin::Find);
         opens.abandon(6);
-        assert_eq!(opens.begin(6, false), Begin::Find); // nothing was left counted
+        assert_eq!(opens.begin(6, false, false), Begin::Find); // nothing was left counted
     }
 
     #[test]
     fn a_waiting_open_is_decided_once_the_find_ends() {
         let fake = FakeBacking::default();
         let opens = Opens::new(&fake);
-        assert_eq!(opens.begin(5, false), Begin::Find);
+        assert_eq!(opens.begin(5, false, false), Begin::Find);
         std::thread::scope(|scope| {
-            let waiter = scope.spawn(|| opens.begin(5, true));
-            opens.finish(5, None);
+            let waiter = scope.spawn(|| opens.begin(5, true, false));
+            opens.finish(5, None, false);
             assert_eq!(waiter.join().unwrap(), Begin::Decided(Opened::Cached));
         });
     }
@@ -308,9 +358,9 @@ mod tests {
             for _ in 0..4 {
                 scope.spawn(|| {
                     for _ in 0..200 {
-                        let opened = match opens.begin(7, true) {
+                        let opened = match opens.begin(7, true, false) {
                             Begin::Decided(opened) => opened,
-                            Begin::Find => opens.finish(7, hot()),
+                            Begin::Find => opens.finish(7, hot(), false),
                             Begin::Busy => unreachable!(),
                         };
                         assert!(matches!(opened, Opened::Through(_)));
@@ -321,5 +371,26 @@ mod tests {
         });
         assert!(fake.open.lock().unwrap().is_empty());
         assert!(!opens.passing_through());
+    }
+
+    #[test]
+    fn a_writer_never_gets_the_versions_cache_file_nor_a_reader_the_staged_one() {
+        let fake = FakeBacking::default();
+        let opens = Opens::new(&fake);
+        assert_eq!(opens.begin(5, false, false), Begin::Find);
+        assert!(matches!(opens.finish(5, hot(), false), Opened::Through(_)));
+        assert!(!opens.begin_writer(5)); // read through the kernel now: refused
+        assert_eq!(opens.begin(5, true, true), Begin::Busy);
+        opens.release(5, true);
+        assert!(opens.begin_writer(5));
+        assert_eq!(opens.begin(5, false, false), Begin::Decided(Opened::Cached)); // staging
+        opens.end_writer(5);
+        opens.release(5, false);
+        assert_eq!(opens.begin(5, false, true), Begin::Find); // the staged file's first open
+        assert!(matches!(
+            opens.finish(5, hot(), true),
+            Opened::Through(Backing { staged: true, .. })
+        ));
+        assert_eq!(opens.begin(5, false, false), Begin::Busy);
     }
 }

@@ -119,6 +119,11 @@ impl Shared {
 pub struct Session {
     shared: Arc<Shared>,
     workers: Mutex<Vec<JoinHandle<()>>>,
+    /// The workers' descriptors, open until `join`: Python answers a
+    /// request it was handed through the descriptor it came from, which a
+    /// worker that ended must not have closed (its number would be another
+    /// file's by then).
+    devices: Mutex<Vec<Arc<File>>>,
 }
 
 impl Session {
@@ -148,9 +153,10 @@ impl Session {
             end: device::event()?,
             failure: Mutex::new(None),
         });
+        let devices: Vec<Arc<File>> = devices.into_iter().map(Arc::new).collect();
         let workers = devices
-            .into_iter()
-            .map(|device| Worker::new(Arc::clone(&shared), device, request_buffer))
+            .iter()
+            .map(|device| Worker::new(Arc::clone(&shared), Arc::clone(device), request_buffer))
             .collect::<io::Result<Vec<Worker>>>()?;
         let threads = workers
             .into_iter()
@@ -164,6 +170,7 @@ impl Session {
         Ok(Session {
             shared,
             workers: Mutex::new(threads),
+            devices: Mutex::new(devices),
         })
     }
 
@@ -199,7 +206,7 @@ impl Session {
         self.shared.finish(None);
     }
 
-    /// Wait for the workers; their descriptors close with them.
+    /// Wait for the workers, then close their descriptors.
     pub fn join(&self) {
         let threads = std::mem::take(
             &mut *self
@@ -210,6 +217,11 @@ impl Session {
         for thread in threads {
             let _ = thread.join();
         }
+        // Python's workers ended before this is called: nobody answers through these now.
+        self.devices
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clear();
     }
 
     /// Why the session ended, if not by an unmount or `stop`.
@@ -224,14 +236,14 @@ impl Session {
 
 struct Worker {
     shared: Arc<Shared>,
-    device: File,
+    device: Arc<File>,
     waiter: device::Waiter,
     buffer: Vec<u8>,
     data: Vec<u8>,
 }
 
 impl Worker {
-    fn new(shared: Arc<Shared>, device: File, request_buffer: usize) -> io::Result<Self> {
+    fn new(shared: Arc<Shared>, device: Arc<File>, request_buffer: usize) -> io::Result<Self> {
         let waiter = device::Waiter::new(&device, &shared.end)?;
         Ok(Worker {
             shared,
@@ -244,7 +256,7 @@ impl Worker {
 
     fn run(mut self) {
         while !self.shared.ended.load(Ordering::SeqCst) {
-            let size = match (&self.device).read(&mut self.buffer) {
+            let size = match self.device.as_ref().read(&mut self.buffer) {
                 Ok(size) => size,
                 Err(error) => match error.raw_os_error() {
                     Some(libc::EAGAIN) => match self.waiter.wait() {
@@ -402,7 +414,7 @@ impl Worker {
             }
             OpenMode::Cached | OpenMode::NoOpen => false,
         };
-        let opened = match opens.begin(header.nodeid, false) {
+        let opened = match opens.begin(header.nodeid, false, false) {
             Begin::Busy => return false,
             Begin::Decided(opened) => opened,
             Begin::Find => {
@@ -411,13 +423,14 @@ impl Worker {
                     Some((Ok(file), whole)) => opens.finish(
                         header.nodeid,
                         Some((file.as_raw_fd(), Arc::clone(&whole.tier))),
+                        false,
                     ),
                     // Python looks in the cache (a whole file made since).
                     _ if through => {
                         opens.abandon(header.nodeid);
                         return false;
                     }
-                    _ => opens.finish(header.nodeid, None),
+                    _ => opens.finish(header.nodeid, None, false),
                 }
             }
         };
@@ -558,7 +571,7 @@ impl Worker {
     /// nothing more is owed to it.
     fn send(&self, parts: &[&[u8]]) -> io::Result<()> {
         let slices: Vec<IoSlice<'_>> = parts.iter().map(|part| IoSlice::new(part)).collect();
-        (&self.device).write_vectored(&slices).map(|_| ())
+        self.device.as_ref().write_vectored(&slices).map(|_| ())
     }
 }
 
