@@ -251,7 +251,7 @@ class Session:
                 Op.WRITE: self._write,
                 Op.FLUSH: self._flush,
                 Op.FSYNC: self._fsync,
-                Op.FSYNCDIR: self._flush,
+                Op.FSYNCDIR: self._fsyncdir,
                 Op.SETATTR: self._setattr,
                 Op.MKDIR: self._mkdir,
                 Op.UNLINK: self._unlink,
@@ -718,6 +718,12 @@ class Session:
     def _fsync(self, request: Request, body: memoryview) -> None:
         """Answered once the file is in the bucket."""
         self._fs.fsync(request.nodeid)
+        self._send(protocol.reply(request.unique))
+
+    def _fsyncdir(self, request: Request, body: memoryview) -> None:
+        """A bucket has no directory to make durable: a directory's names
+        are its files' keys, each in the bucket by its own file's fsync
+        (and journaled on this node at once)."""
         self._send(protocol.reply(request.unique))
 
     def _setattr(self, request: Request, body: memoryview) -> None:

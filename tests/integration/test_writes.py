@@ -292,6 +292,11 @@ def test_rename_and_unlink_of_staged_and_uploaded_files(writable: Any, s3_client
     # The pattern of frameworks: write a temporary name, then replace.
     mount.path("latest.tmp").write_bytes(b"new checkpoint")
     os.replace(mount.path("latest.tmp"), mount.path("latest"))
+    directory = os.open(mount.mountpoint, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)  # the rename made durable, as a careful writer does
+    finally:
+        os.close(directory)
     mount.path("gone.bin").write_bytes(b"never uploaded")
     mount.path("gone.bin").unlink()
     os.rename(mount.path("old.bin"), mount.path("moved.bin"))  # in the bucket: a copy and a delete
