@@ -112,6 +112,10 @@ class AccessEvents(Protocol):
 class CacheDisk(Protocol):
     """What the filesystem asks of the block cache (``cache.view.CacheView``)."""
 
+    # Whether cache files' pages are warmed for every read (the kernel reads
+    # them through the page cache), or only for reads not served natively.
+    page_warming: bool
+
     def digest(self, info: ObjectInfo, index: int) -> str | None:
         """The content hash cached for block ``index`` of ``info``; None if it is not cached."""
         ...
@@ -282,9 +286,10 @@ class FileSystem:
         self._reader = reader
         self._cache = cache
         # Whether opens may be handed a cache file (FUSE passthrough is
-        # on), set by the FUSE edge: only then is a whole file made for a
-        # file read to its end, as only such an open reads it.
-        self.passthrough = False
+        # on), set by the FUSE edge (``passthrough``): only then is a whole
+        # file made for a file read to its end, as only such an open reads
+        # it, and cache files' pages warmed ahead of the kernel's reads.
+        self._passthrough = False
         self._uid = uid
         self._gid = gid
         self._mounted_at = time.time()
@@ -305,6 +310,15 @@ class FileSystem:
         # opens (of a cached version, and handed to the kernel).
         self._handles: dict[int, _Handle] = {}
         self._next_file_handle = itertools.count(2)
+
+    @property
+    def passthrough(self) -> bool:
+        return self._passthrough
+
+    @passthrough.setter
+    def passthrough(self, on: bool) -> None:
+        self._passthrough = on
+        self._cache.page_warming = on
 
     def lookup(self, parent: int, name: str) -> Attributes:
         """The entry ``name`` in directory ``parent``: one more reference."""

@@ -43,6 +43,11 @@ class CacheView:
         self._cache = cache
         self._block_size = block_size
         self._whole_files = whole_files
+        # Whether the kernel reads cache files through the page cache
+        # (passthrough is on; the FUSE edge says, through ``fs``). Else
+        # the native plane reads a verified raw file past the page cache
+        # (O_DIRECT): its pages warmed would be read from disk twice.
+        self.page_warming = True
 
     def digest(self, info: ObjectInfo, index: int) -> str | None:
         """The content hash cached for block ``index`` of ``info``, or None:
@@ -78,13 +83,20 @@ class CacheView:
         whole = self._whole_digest(info)
         if whole is not None:
             offset = index * self._block_size
-            self._cache.warm(whole, hold, offset, min(self._block_size, info.size - offset))
+            if self._worth_warming(whole):
+                self._cache.warm(whole, hold, offset, min(self._block_size, info.size - offset))
             return True
         digest = self.digest(info, index)
         if digest is None:
             return False
-        self._cache.warm(digest, hold)
+        if self._worth_warming(digest):
+            self._cache.warm(digest, hold)
         return True
+
+    def _worth_warming(self, digest: str) -> bool:
+        """Whether block ``digest``'s pages are read through the page cache
+        (``page_warming``): not a verified raw file the native plane reads."""
+        return self.page_warming or self._cache.verified_file(digest) is None
 
     def warm_file(self, info: ObjectInfo) -> None:
         """Start loading the file ``whole_file`` would hand over for
@@ -96,7 +108,7 @@ class CacheView:
             self.warm(info, 0, hold=True)
             return
         whole = self._whole_digest(info)
-        if whole is not None:
+        if whole is not None and self._worth_warming(whole):
             self._cache.warm(whole, hold=True)
 
     def read_to_end(self, info: ObjectInfo) -> None:

@@ -166,3 +166,28 @@ def test_a_hot_file_longer_than_its_block_is_not_handed_over(make_rig: RigFactor
     assert rig.view.whole_file(info) is None
     assert not path.exists()
     assert sample(rig.metrics.registry, "cachefsd_cache_corrupt_blocks_total", tier="hot") == 1
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_pages_are_warmed_only_where_the_kernel_reads_cache_files_through_the_page_cache(
+    make_rig: RigFactory,
+) -> None:
+    """Without passthrough the native plane reads a verified hot file past
+    the page cache: warming it would read it from disk twice, so it is
+    not warmed (nor its descriptor held for the open to come)."""
+    rig = make_rig({"f": os.urandom(BLOCK_SIZE // 2)})
+    info = rig.namespace.lookup("/f").info
+    assert info is not None
+    assert rig.reader.fetch_run_ahead(info, range(1)) == {0}
+    assert rig.cache.verified_file(rig.view.digest(info, 0) or "") is not None  # written here: verified
+    rig.fs.passthrough = False
+    before = _open_descriptors()
+    assert rig.view.warm(info, 0, hold=True)  # cached, all the same
+    rig.view.warm_file(info)
+    assert _open_descriptors() == before
+    rig.fs.passthrough = True
+    rig.view.warm_file(info)
+    assert _open_descriptors() == before + 1  # warmed, its descriptor held for the open
