@@ -100,13 +100,20 @@ class Session:
         the last two, by the passthrough rules while any inode has a
         passthrough open."""
 
-    def open(self, inode: int, find: Callable[[], tuple[int, str] | None], staged: bool) -> int | None:
+    def open(
+        self,
+        inode: int,
+        find: Callable[[], tuple[int, str] | None],
+        staged: bool,
+        waiting: Callable[[], None],
+    ) -> int | None:
         """Open ``inode`` (a ``staged`` file's, else a version's) by the
         passthrough rules: the backing id to answer with, or None for a
         cached open; OSError EBUSY if the inode is open on the other kind
         of file. ``find()`` is asked for the file of its bytes (descriptor,
         tier) only when the rules need one; the caller closes that
-        descriptor."""
+        descriptor. ``waiting()`` is called before this waits for another
+        open's find (which may verify a large file)."""
 
     def begin_writer(self, inode: int) -> bool:
         """An open of ``inode`` is to stage its version to write it: False

@@ -550,7 +550,9 @@ class Session:
             return whole.fd, whole.tier
 
         try:
-            return self._native.open(inode, look, staged)
+            # Waiting for another open's find gives the turn up, as a wait
+            # on another's GET does (``turns``).
+            return self._native.open(inode, look, staged, turns.give_up)
         except OSError as exc:
             if exc.errno == errno.EBUSY:
                 raise Busy("the file is open through the kernel on another of its files") from exc

@@ -312,18 +312,26 @@ impl PySession {
     /// cached open; OSError EBUSY if the inode is open on the other kind
     /// of file. `find()` is asked for the file of its bytes, as
     /// (descriptor, tier) or None, when the rules need it; the caller
-    /// closes that descriptor.
+    /// closes that descriptor. `waiting()` is called before this waits
+    /// for another open's find.
     fn open(
         &self,
         py: Python<'_>,
         inode: u64,
         find: Bound<'_, PyAny>,
         staged: bool,
+        waiting: Bound<'_, PyAny>,
     ) -> PyResult<Option<u32>> {
         let opens = self.session.opens();
-        let waiting = Arc::clone(&opens);
-        let opened = match py.detach(move || waiting.begin(inode, true, staged)) {
+        let mut begun = opens.begin(inode, false, staged);
+        if begun == Begin::BeingFound {
+            waiting.call0()?;
+            let waiter = Arc::clone(&opens);
+            begun = py.detach(move || waiter.begin(inode, true, staged));
+        }
+        let opened = match begun {
             Begin::Decided(opened) => opened,
+            Begin::BeingFound => unreachable!("a waiting open is never told to wait"),
             Begin::Busy => {
                 return Err(PyOSError::new_err((
                     libc::EBUSY,

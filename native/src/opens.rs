@@ -65,6 +65,9 @@ pub enum Begin {
     /// The inode's file is to be found, then `finish`ed (or `abandon`ed).
     Find,
     /// Another open is finding the inode's file (only when not waiting).
+    BeingFound,
+    /// The inode is open on the other kind of file (a version's cache
+    /// file, or a staged file).
     Busy,
 }
 
@@ -123,13 +126,14 @@ impl<B: BackingFiles> Opens<B> {
 
     /// Open `inode` (a `staged` file's, else a version's) by the rules, if
     /// they decide without its file; else it is now being found. `wait`:
-    /// wait for another open's find first, rather than answer `Busy`. A
-    /// staged file's open is `Busy` while the version is on its cache file.
+    /// wait for another open's find first, rather than answer
+    /// `BeingFound`. A staged file's open is `Busy` while the version is on
+    /// its cache file, and the other way round.
     pub fn begin(&self, inode: u64, wait: bool, staged: bool) -> Begin {
         let mut inodes = self.inodes();
         if inodes.get(&inode).is_some_and(|opens| opens.finding) {
             if !wait {
-                return Begin::Busy;
+                return Begin::BeingFound;
             }
             inodes = self.settled(inodes, inode);
         }
@@ -330,7 +334,7 @@ mod tests {
         };
         let opens = Opens::new(&fake);
         assert_eq!(opens.begin(5, false, false), Begin::Find);
-        assert_eq!(opens.begin(5, false, false), Begin::Busy); // being found
+        assert_eq!(opens.begin(5, false, false), Begin::BeingFound);
         assert_eq!(opens.finish(5, hot(), false), Opened::Cached);
         opens.release(5, false);
         assert_eq!(opens.begin(6, false, false), Begin::Find);
@@ -361,7 +365,7 @@ mod tests {
                         let opened = match opens.begin(7, true, false) {
                             Begin::Decided(opened) => opened,
                             Begin::Find => opens.finish(7, hot(), false),
-                            Begin::Busy => unreachable!(),
+                            Begin::BeingFound | Begin::Busy => unreachable!(),
                         };
                         assert!(matches!(opened, Opened::Through(_)));
                         opens.release(7, true);

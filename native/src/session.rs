@@ -22,6 +22,7 @@ use std::fs::File;
 use std::io::{self, IoSlice, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -279,7 +280,12 @@ impl Worker {
                     }
                 },
             };
-            if !self.answer(size) {
+            // A bug in answering (a panic, its message on stderr) must not
+            // lose the request, whose caller would wait for good, nor the
+            // worker: the request goes to Python, which answers it (again,
+            // if a reply went out: the kernel then refuses the second).
+            let answered = panic::catch_unwind(AssertUnwindSafe(|| self.answer(size)));
+            if !answered.unwrap_or(false) {
                 let request = Handed {
                     fd: self.device.as_raw_fd(),
                     message: self.buffer[..size].to_vec(),
@@ -415,7 +421,7 @@ impl Worker {
             OpenMode::Cached | OpenMode::NoOpen => false,
         };
         let opened = match opens.begin(header.nodeid, false, false) {
-            Begin::Busy => return false,
+            Begin::BeingFound | Begin::Busy => return false,
             Begin::Decided(opened) => opened,
             Begin::Find => {
                 let whole = through.then(|| tables.whole(header.nodeid)).flatten();
