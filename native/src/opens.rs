@@ -255,11 +255,14 @@ impl<B: BackingFiles> Opens<B> {
         self.backing.unregister(id)
     }
 
-    /// Whether any inode has a passthrough open: until none has, a mount
-    /// that gave passthrough up still answers OPEN by these rules, as a
-    /// new open of such an inode must be a passthrough one too.
+    /// Whether any inode has a passthrough open, or may get one (its file
+    /// being found): until none has, a mount that gave passthrough up still
+    /// answers OPEN by these rules, as a new open of such an inode must be
+    /// a passthrough one too.
     pub fn passing_through(&self) -> bool {
-        self.inodes().values().any(|opens| opens.backing.is_some())
+        self.inodes()
+            .values()
+            .any(|opens| opens.backing.is_some() || opens.finding)
     }
 }
 
@@ -335,6 +338,7 @@ mod tests {
         let opens = Opens::new(&fake);
         assert_eq!(opens.begin(5, false, false), Begin::Find);
         assert_eq!(opens.begin(5, false, false), Begin::BeingFound);
+        assert!(opens.passing_through()); // it may be, once found
         assert_eq!(opens.finish(5, hot(), false), Opened::Cached);
         opens.release(5, false);
         assert_eq!(opens.begin(6, false, false), Begin::Find);
