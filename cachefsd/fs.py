@@ -418,12 +418,10 @@ class FileSystem:
         """The native plane answered process ``pid``'s read of ``size``
         bytes at ``offset`` of ``inode`` from cache files (bytes ``served``
         by tier, in ``seconds``): counted as ``read`` counts its own."""
-        with self._lock:
-            file = self._files.get(inode)
-        if file is None:
+        reported = self._reported(inode, pid)
+        if reported is None:
             return
-        info = file.info
-        job = self.jobs.of(pid)
+        info, job = reported
 
         def count() -> None:
             for index in block_range(offset, size, info.size, self._reader.block_size):
@@ -489,16 +487,21 @@ class FileSystem:
         """The native plane opened ``inode`` in passthrough for process
         ``pid``, on its whole file in ``tier``: counted as ``open_through``
         counts its own."""
-        with self._lock:
-            file = self._files.get(inode)
-        if file is None:
+        reported = self._reported(inode, pid)
+        if reported is None:
             return
-        info = file.info
-        job = self.jobs.of(pid)
+        info, job = reported
         again = self._access.wanted_elsewhere(info, job)
         with self._marked(info, 0, info.size, again):
             self._cache.count_whole_read(info)
         self._read_through(info, job, tier, again)
+
+    def _reported(self, inode: int, pid: int) -> tuple[ObjectInfo, str] | None:
+        """The version and job a native report of ``inode`` for process
+        ``pid`` counts for; None if the inode went meanwhile."""
+        with self._lock:
+            file = self._files.get(inode)
+        return None if file is None else (file.info, self.jobs.of(pid))
 
     def _read_through(self, info: ObjectInfo, job: str, tier: str, again: bool) -> None:
         """An open of ``info``'s whole file in ``tier`` for the kernel to

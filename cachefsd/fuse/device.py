@@ -33,9 +33,9 @@ def _fusermount() -> str:
     return path
 
 
-def mount(mountpoint: str, options: str) -> Connection:
-    """Mount FUSE on ``mountpoint`` with ``options``: the new connection,
-    its descriptor non-blocking and close-on-exec."""
+def mount(mountpoint: str, options: str) -> int:
+    """Mount FUSE on ``mountpoint`` with ``options``: the new connection's
+    descriptor, non-blocking and close-on-exec."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with ours, theirs:
         try:
@@ -62,7 +62,7 @@ def mount(mountpoint: str, options: str) -> Connection:
     fd = fds[0]
     os.set_inheritable(fd, False)
     os.set_blocking(fd, False)
-    return Connection(fd)
+    return fd
 
 
 def unmount(mountpoint: str) -> None:
@@ -81,10 +81,3 @@ def unmount(mountpoint: str) -> None:
         return
     if result.returncode != 0:  # most often: unmounted already, by the user
         log.info("%s -u %s: %s", FUSERMOUNT, mountpoint, result.stderr.strip())
-
-
-class Connection:
-    """One mount's connection: its /dev/fuse descriptor."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd

@@ -220,8 +220,9 @@ class Session:
         self.passthrough = Passthrough(False, "the kernel has not started the mount yet")
         self.mounted = False  # set once the kernel has initialised the mount
         self._no_open = False  # the kernel may open files without asking
-        # The connection and its native workers (which keep the opens of its files), while serving.
-        self._connection: device.Connection | None = None
+        # The connection's descriptor and its native workers (which keep
+        # the opens of its files), while serving.
+        self._connection: int | None = None
         self._native: NativeSession | None = None
         # The descriptor the request a worker answers came from: its answer goes back through it.
         self._answering = threading.local()
@@ -280,14 +281,14 @@ class Session:
         connection = self._connection = device.mount(self._mountpoint, options)
         try:
             native = self._native = NativeSession(
-                connection.fd,
+                connection,
                 self._fs.kernel,
                 self._fs.writes is not None,
                 NATIVE_WORKERS,
                 protocol.REQUEST_BUFFER,
             )
         except OSError:
-            os.close(connection.fd)
+            os.close(connection)
             device.unmount(self._mountpoint)
             raise
         if self._stopping:  # stopped while mounting
@@ -313,7 +314,7 @@ class Session:
             # Closing the last descriptor ends the connection (the native
             # workers' closed as they ended): files still open under the
             # mount fail from now on, and the unmount cannot hang.
-            os.close(connection.fd)
+            os.close(connection)
             device.unmount(self._mountpoint)
         if native.failure is not None:
             log.error("the FUSE session of %s failed: %s", self._mountpoint, native.failure)
@@ -393,7 +394,7 @@ class Session:
         or the connection ended."""
         assert self._connection is not None
         try:
-            os.writev(getattr(self._answering, "fd", self._connection.fd), parts)
+            os.writev(getattr(self._answering, "fd", self._connection), parts)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -622,13 +623,9 @@ class Session:
         self._fs.release(handle)
 
     def _release(self, request: Request, body: memoryview) -> None:
-        """A staged file's (the native workers release the others)."""
-        assert self._native is not None
+        """A staged file's: the native workers release every other open."""
         fh, _, _, _ = protocol.RELEASE_IN.unpack_from(body)
-        if fh > _THROUGH:
-            self._release_staged(request.nodeid, fh)
-        else:
-            self._native.release(request.nodeid, fh == _THROUGH)
+        self._release_staged(request.nodeid, fh)
         self._send(protocol.reply(request.unique))
 
     def _read(self, request: Request, body: memoryview) -> None:
@@ -710,11 +707,11 @@ class Session:
         self._send(protocol.reply(request.unique, protocol.WRITE_OUT.pack(written, 0)))
 
     def _flush(self, request: Request, body: memoryview) -> None:
-        """A close: the bytes are in the staged file already (close =
-        durable on this node, as on a local disk)."""
+        """A staged file's close (the native workers answer every other):
+        the bytes are in the staged file already (close = durable on this
+        node, as on a local disk)."""
         fh, _, _, _ = protocol.FLUSH_IN.unpack_from(body)
-        if fh > _THROUGH:
-            self._fs.flush(fh)
+        self._fs.flush(fh)
         self._send(protocol.reply(request.unique))
 
     def _fsync(self, request: Request, body: memoryview) -> None:

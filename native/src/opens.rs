@@ -130,13 +130,11 @@ impl<B: BackingFiles> Opens<B> {
     /// `BeingFound`. A staged file's open is `Busy` while the version is on
     /// its cache file, and the other way round.
     pub fn begin(&self, inode: u64, wait: bool, staged: bool) -> Begin {
-        let mut inodes = self.inodes();
-        if inodes.get(&inode).is_some_and(|opens| opens.finding) {
-            if !wait {
-                return Begin::BeingFound;
-            }
-            inodes = self.settled(inodes, inode);
+        let inodes = self.inodes();
+        if !wait && inodes.get(&inode).is_some_and(|opens| opens.finding) {
+            return Begin::BeingFound;
         }
+        let mut inodes = self.settled(inodes, inode);
         let opens = inodes.entry(inode).or_default();
         if opens.cached > 0 || (opens.writer && !staged) {
             opens.cached += 1;
