@@ -103,11 +103,13 @@ def test_a_cached_file_is_read_by_the_kernel_by_read_mmap_and_sendfile(
         assert by_read(mount.path(name)) == data  # cold: the daemon reads it, and caches it whole
     hot_before = mount.metrics()["cachefsd_served_bytes_total{tier=hot}"]
     drop_page_cache()
+    counted(mount)
     reads = answered(mount)
     for name, data in objects.items():
         assert by_read(mount.path(name)) == data, name
         assert by_mmap(mount.path(name)) == data, name
         assert by_sendfile(mount.path(name), tmp_path / "sent") == data, name
+    counted(mount)
     assert answered(mount) == reads
     # Each open counted as a read of the whole file from the hot tier.
     hot_after = mount.metrics()["cachefsd_served_bytes_total{tier=hot}"]
@@ -127,10 +129,12 @@ def test_a_file_open_from_its_cold_read_keeps_new_opens_off_passthrough_until_it
         assert by_read(mount.path(name)) == data  # cached by now, but opened in cached mode
         assert by_mmap(mount.path(name)) == data
     drop_page_cache()
+    counted(mount)
     reads = answered(mount)
     with mount.path(name).open("rb") as first, mount.path(name).open("rb") as second:
         assert first.read() == data
         assert second.read() == data  # the second passthrough open shares the first's backing file
+    counted(mount)
     assert answered(mount) == reads
 
 
@@ -145,16 +149,20 @@ def test_a_file_of_several_blocks_read_to_its_end_is_then_read_by_the_kernel_fro
     put_objects(s3_client, bucket, {"shard.tar": data})
     mount = mount_samples(mounter, s3_server, bucket, "--block-size", str(SMALL_BLOCK))
     path = mount.path("shard.tar")
+    counted(mount)
     reads = answered(mount)
     assert by_read(path) == data
+    counted(mount)
     assert answered(mount) > reads  # cold: the daemon served it
     wait_until(
         lambda: metric(mount, "cachefsd_whole_files_total") == 1, "the whole file is made", POLL_SECONDS
     )
     drop_page_cache()
+    counted(mount)
     reads = answered(mount)
     assert by_read(path) == data
     assert by_mmap(path) == data
+    counted(mount)
     assert answered(mount) == reads
 
 
@@ -168,9 +176,11 @@ def test_passthrough_turned_off_serves_the_same_bytes_through_the_daemon(
     for name, data in objects.items():
         assert by_read(mount.path(name)) == data
     drop_page_cache()
+    counted(mount)
     reads = answered(mount)
     for name, data in objects.items():
         assert by_mmap(mount.path(name)) == data
+    counted(mount)
     assert answered(mount) > reads  # the daemon served them (a page the drop left needs no READ)
 
 
@@ -233,9 +243,11 @@ def test_a_mount_of_small_files_gives_up_open_requests_after_judging_its_first_o
         assert by_read(mount.path(name)) == objects[name]
     assert passthrough_state(mount).startswith(f"off: most of the first {JUDGED_OPENS} files opened")
     assert metric(mount, "cachefsd_passthrough") == 0
+    counted(mount)
     opens = answered(mount, "open")
     for name in names:
         assert by_read(mount.path(name)) == objects[name]
+    counted(mount)
     assert answered(mount, "open") == opens
 
 
